@@ -1,0 +1,1 @@
+"""lib: the parallel Llama library every stage is built on."""

@@ -1,0 +1,105 @@
+"""TokenBatch: a padded ``[batch, seqlen]`` input turned into the flat token stream lib/ computes on.
+
+With remove-padding on, only the valid tokens are kept, packed back to back (varlen attention);
+otherwise all ``batch × seqlen`` positions are kept with a key mask. Either way the model sees
+``input_ids [N]`` and ``positions [N]``, N rounded up to a multiple of TP under sequence
+parallelism. ``to_padded`` puts per-token results back into ``[batch, seqlen, ...]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import Packed, Padded
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    input_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long
+    layout: Padded | Packed
+    mask: torch.Tensor  # [B, S] bool, True at real tokens
+    valid_index: torch.Tensor | None  # packed: flat index into B*S of each packed token
+    num_real: int  # tokens before sequence-parallel padding
+
+    @classmethod
+    def from_padded(
+        cls,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        remove_padding: bool = True,
+        pad_to_multiple: int = 1,
+    ) -> TokenBatch:
+        """``position_ids`` default to each row's count of real tokens before it (so left padding
+        keeps the positions a prompt would have alone)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seqlen], got shape {tuple(input_ids.shape)}")
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        if position_ids is None:
+            position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        if remove_padding:
+            valid_index = mask.flatten().nonzero().squeeze(1)
+            ids = input_ids.flatten()[valid_index]
+            pos = position_ids.flatten()[valid_index]
+            lens = mask.sum(1, dtype=torch.int32)
+            cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=ids.device)
+            cu[1:] = lens.cumsum(0)
+            n = int(cu[-1])
+            pad = -n % pad_to_multiple
+            max_len = int(lens.max()) if len(lens) else 0
+            if pad:
+                # SP padding becomes one extra sequence of its own: it attends only to itself and
+                # stays finite whatever the backend does with tokens outside cu_seqlens.
+                cu = torch.cat([cu, cu.new_tensor([n + pad])])
+                max_len = max(max_len, pad)
+            layout = Packed(cu, max_len)
+        else:
+            valid_index = None
+            ids, pos = input_ids.flatten(), position_ids.flatten()
+            n = ids.numel()
+            pad = -n % pad_to_multiple
+            layout = Padded(mask)
+        if pad:
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            pos = torch.cat([pos, pos.new_zeros(pad)])
+        return cls(ids, pos, layout, mask, valid_index, n)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.mask.shape)
+
+    def flat(self, per_position: torch.Tensor) -> torch.Tensor:
+        """A ``[B, S, ...]`` tensor (labels, masks) in this batch's token order, length N."""
+        x = per_position.reshape(-1, *per_position.shape[2:])
+        x = x[self.valid_index] if self.valid_index is not None else x
+        pad = self.num_tokens - x.shape[0]
+        return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+
+    def to_padded(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Per-token results ``[N, ...]`` back to ``[B, S, ...]``; padding positions get ``fill``."""
+        b, s = self.shape
+        x = x[: self.num_real]
+        if self.valid_index is None:
+            return x.reshape(b, s, *x.shape[1:])
+        out = x.new_full((b * s, *x.shape[1:]), fill)
+        out = out.index_copy(0, self.valid_index, x)
+        return out.view(b, s, *x.shape[1:])
+
+    def last_token_index(self) -> torch.Tensor:
+        """For each row, the index into the N tokens of its last real token."""
+        b, s = self.shape
+        cols = torch.arange(s, device=self.mask.device)
+        last_col = torch.where(self.mask, cols, -1).amax(1)
+        if (last_col < 0).any():
+            raise ValueError("a row of attention_mask has no real token; every sequence needs at least one")
+        if self.valid_index is None:
+            return torch.arange(b, device=last_col.device) * s + last_col
+        return self.layout.cu_seqlens[1 : b + 1].long() - 1

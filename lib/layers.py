@@ -1,0 +1,156 @@
+"""Building blocks: tensor-parallel linears, vocab-parallel embedding, RMSNorm, rotary embedding.
+
+Activations are ``[tokens, features]``. Under sequence parallelism (SP) the tokens between blocks
+are split over TP ranks; a column-parallel linear gathers them first, a row-parallel linear
+scatters them after.
+
+Why not megatron-core's ColumnParallelLinear/RowParallelLinear: they hard-wire their
+communication (the row layer always all-reduces or, under SP, reduce-scatters into a CUDA
+buffer), so SP would not run on gloo. Ours hold the same shards and call the mappings in
+``mappings.py`` explicitly: one code path for CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import mappings, parallel
+from .config import LlamaConfig
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x Wᵀ`` with W split by output rows over TP; the output stays split (per-rank features).
+
+    Input: replicated tokens (``copy_to_tp``: gradient summed over TP) or, under SP, this rank's
+    slice of the tokens (gathered first)."""
+
+    def __init__(self, in_features: int, out_per_rank: int, *, bias: bool, sequence_parallel: bool,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_per_rank, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_per_rank, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(column_input(x, self.sequence_parallel), self.weight, self.bias)
+
+
+def column_input(x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """The input of column-parallel work: all tokens gathered under SP (gradient
+    reduce-scattered), else the replicated tokens (gradient summed over TP)."""
+    return mappings.gather_from_sp(x) if sequence_parallel else mappings.copy_to_tp(x)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x Wᵀ`` with W split by input columns over TP; partial outputs are summed over TP
+    (or, under SP, reduce-scattered to this rank's tokens). The bias, replicated, is added once
+    after the sum."""
+
+    def __init__(self, in_per_rank: int, out_features: int, *, bias: bool, sequence_parallel: bool,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_rank, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = mappings.reduce_scatter_to_sp(y) if self.sequence_parallel else mappings.reduce_from_tp(y)
+        if self.bias is not None:
+            bias = mappings.copy_to_tp(self.bias) if self.sequence_parallel else self.bias
+            y = y + bias
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the (padded) vocabulary split into equal contiguous slices over TP."""
+
+    def __init__(self, padded_vocab: int, hidden: int, *, sequence_parallel: bool,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        topo = parallel.topology()
+        self.per_rank = padded_vocab // topo.tp
+        self.start = topo.tp_rank * self.per_rank
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return mappings.reduce_scatter_to_sp(out) if self.sequence_parallel else mappings.reduce_from_tp(out)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, as HF Llama does. Under SP each TP rank sees a slice of the
+    tokens, so the weight's gradient is summed over TP."""
+
+    def __init__(self, hidden: int, eps: float, *, sequence_parallel: bool, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = mappings.copy_to_tp(self.weight) if self.sequence_parallel else self.weight
+        return weight * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` in fp32, cast back to x's dtype. On GPU torch's fused kernel does it in one
+    pass; on CPU the eager formula. Both compute in fp32 and round once, so they agree."""
+    xf = x.float()
+    if x.is_cuda:
+        y = F.rms_norm(xf, (x.shape[-1],), eps=eps)
+    else:
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return y.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE ``cos``/``sin`` for given positions, with ``rope_theta`` and Llama-3 / linear scaling.
+
+    Positions come from the data (not restarted per packed sequence), so left padding and packed
+    sequences get the positions the checkpoint was trained with."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [tokens, heads, head_dim]`` (HF's half-split convention)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin

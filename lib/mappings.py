@@ -1,0 +1,150 @@
+"""Tensor- and sequence-parallel communication as autograd functions, on plain torch.distributed.
+
+Each function names what its forward does; its backward is the dual. Activations are 2-D
+``[tokens, features]`` throughout lib/, so sequence parallelism splits dim 0.
+megatron-core ships the same mappings, but its gather/scatter paths allocate on CUDA; these run
+on gloo and NCCL alike. With TP = 1 every function is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import parallel
+
+
+def _tp():
+    return parallel.topology().tp
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=parallel.tp_group())
+    return x
+
+
+def _all_gather(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * _tp(), *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=parallel.tp_group())
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // _tp(), *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=parallel.tp_group())
+    return out
+
+
+def _split(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[0] // _tp()
+    r = parallel.topology().tp_rank
+    return x[r * n : (r + 1) * n].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g)
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _split(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g)
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grad_is_partial):
+        ctx.grad_is_partial = grad_is_partial
+        return _all_gather(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_reduce_scatter(g) if ctx.grad_is_partial else _split(g)), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _reduce_scatter(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g)
+
+
+def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
+    """Identity; the gradient is summed over TP. Used where a replicated tensor feeds TP-sharded
+    work (the input of a column-parallel linear), and on a replicated *weight* whose every TP
+    rank sees only part of the tokens (norms under sequence parallelism)."""
+    return _CopyToTP.apply(x) if _tp() > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
+    """Sum over TP (the output of a row-parallel linear); the gradient passes unchanged."""
+    return _ReduceFromTP.apply(x) if _tp() > 1 else x
+
+
+def scatter_to_sp(x: torch.Tensor) -> torch.Tensor:
+    """Keep this rank's slice of the tokens; the gradient is gathered."""
+    return _ScatterToSP.apply(x) if _tp() > 1 else x
+
+
+def gather_from_sp(x: torch.Tensor, grad_is_partial: bool = True) -> torch.Tensor:
+    """All-gather the tokens. The gradient is reduce-scattered when each rank's gradient of the
+    full tensor is partial (it feeds TP-sharded work), or simply split when it is replicated."""
+    return _GatherFromSP.apply(x, grad_is_partial) if _tp() > 1 else x
+
+
+def reduce_scatter_to_sp(x: torch.Tensor) -> torch.Tensor:
+    """Sum over TP and keep this rank's slice of the tokens (row-parallel output under SP)."""
+    return _ReduceScatterToSP.apply(x) if _tp() > 1 else x
+
+
+class _SumReplicatedKV(torch.autograd.Function):
+    """Identity on a fused QKV weight whose k/v rows are replicated on several TP ranks (TP > kv
+    heads). Backward sums the k/v gradient over the ranks that hold the same kv head, so the
+    replicas receive identical, complete gradients and stay equal through training.
+
+    Done with one all-reduce over TP into a buffer with a slot per kv head, which needs no extra
+    process group (replica groups would have to be created collectively at start-up)."""
+
+    @staticmethod
+    def forward(ctx, w, q_rows, kv_head, num_kv_heads):
+        ctx.meta = (q_rows, kv_head, num_kv_heads)
+        return w
+
+    @staticmethod
+    def backward(ctx, g):
+        q_rows, kv_head, num_kv_heads = ctx.meta
+        kv = g[q_rows:]
+        buf = kv.new_zeros((num_kv_heads, *kv.shape))
+        buf[kv_head] = kv
+        dist.all_reduce(buf, group=parallel.tp_group())
+        return torch.cat([g[:q_rows], buf[kv_head]]), None, None, None
+
+
+def sum_replicated_kv_grad(w: torch.Tensor, q_rows: int, kv_head: int, num_kv_heads: int) -> torch.Tensor:
+    return _SumReplicatedKV.apply(w, q_rows, kv_head, num_kv_heads)

@@ -1,0 +1,245 @@
+"""The parallel Llama: one backbone, three heads.
+
+* ``ParallelLlamaForCausalLM`` — actor and reference: vocab-parallel logits ``[N, vocab / tp]``.
+* ``ParallelLlamaForValue`` — critic: a scalar per token.
+* ``ParallelLlamaForScore`` — reward model: the scalar at each sequence's last real token.
+
+A model object is one pipeline stage: the first holds the embedding, the last the final norm
+and head, each a contiguous range of decoder layers. ``forward(batch, hidden)`` runs the stage;
+``lib.pipeline`` chains stages. With PP = 1, ``model.run(input_ids, attention_mask)`` does it all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import hf_layout, mappings, parallel
+from .attention import attention
+from .batch import TokenBatch
+from .config import LlamaConfig, ParallelLayout, pad_vocab, split_layers
+from .layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+    column_input,
+)
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, sp: bool, dtype: torch.dtype):
+        super().__init__()
+        topo = parallel.topology()
+        self.head_dim = cfg.head_dim
+        self.heads = cfg.num_heads // topo.tp
+        self.kv_heads = max(cfg.num_kv_heads // topo.tp, 1)
+        # TP > kv heads: each kv head lives on tp / num_kv_heads ranks, which must sum its grads.
+        self.kv_replicas = max(topo.tp // cfg.num_kv_heads, 1)
+        self.kv_head = topo.tp_rank // self.kv_replicas
+        self.num_kv_heads = cfg.num_kv_heads
+        self.q_rows, self.kv_rows = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
+        bias = cfg.attention_bias
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_rows + 2 * self.kv_rows, bias=bias,
+                                             sequence_parallel=sp, dtype=dtype)
+        self.o_proj = RowParallelLinear(self.q_rows, cfg.hidden_size, bias=bias, sequence_parallel=sp, dtype=dtype)
+
+    def forward(self, x, cos, sin, layout):
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        if self.kv_replicas > 1:
+            w = mappings.sum_replicated_kv_grad(w, self.q_rows, self.kv_head, self.num_kv_heads)
+            if b is not None:
+                b = mappings.sum_replicated_kv_grad(b, self.q_rows, self.kv_head, self.num_kv_heads)
+        qkv = F.linear(column_input(x, self.qkv_proj.sequence_parallel), w, b)
+        q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
+        q = apply_rotary(q.reshape(-1, self.heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(-1, self.kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(-1, self.kv_heads, self.head_dim)
+        out = attention(q, k, v, layout)
+        return self.o_proj(out.reshape(-1, self.q_rows))
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, sp: bool, dtype: torch.dtype):
+        super().__init__()
+        rows = cfg.intermediate_size // parallel.topology().tp
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * rows, bias=cfg.mlp_bias, sequence_parallel=sp, dtype=dtype)
+        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias, sequence_parallel=sp, dtype=dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, sp: bool, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype)
+        self.self_attn = ParallelAttention(cfg, sp, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype)
+        self.mlp = ParallelMLP(cfg, sp, dtype)
+
+    def forward(self, x, cos, sin, layout):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ParallelLlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage: embedding on the first, final norm on the last."""
+
+    def __init__(self, cfg: LlamaConfig, layout: ParallelLayout, dtype: torch.dtype, layer_split: list[int] | None):
+        super().__init__()
+        topo = parallel.topology()
+        sp = layout.sequence_parallel
+        self.layer_range = split_layers(cfg.num_layers, topo.pp, layer_split)[topo.pp_rank]
+        self.embed_tokens = (
+            VocabParallelEmbedding(pad_vocab(cfg.vocab_size, topo.tp), cfg.hidden_size, sequence_parallel=sp, dtype=dtype)
+            if topo.is_first_stage else None
+        )
+        # Keyed by global layer index, so parameter names do not depend on the pipeline split.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, sp, dtype) for i in self.layer_range})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype) if topo.is_last_stage else None
+        self.rotary = RotaryEmbedding(cfg)
+
+    def forward(self, batch: TokenBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(batch.input_ids)
+        # Attention sees all N tokens (SP gathers them inside qkv_proj), so RoPE covers all N.
+        cos, sin = self.rotary(batch.positions, hidden.dtype)
+        for layer in self.layers.values():
+            hidden = layer(hidden, cos, sin, batch.layout)
+        return self.norm(hidden) if self.norm is not None else hidden
+
+
+class ParallelLlama(nn.Module):
+    """Base of the three models: backbone plus (on the last stage) a head."""
+
+    hf_head = "lm"  # which HF checkpoint layout the head comes from: lm | score
+
+    def __init__(self, cfg: LlamaConfig, layout: ParallelLayout = ParallelLayout(), *,
+                 dtype: torch.dtype = torch.float32, layer_split: list[int] | None = None):
+        super().__init__()
+        topo = parallel.topology()
+        if (topo.tp, topo.pp) != (layout.tp, layout.pp):
+            raise ValueError(f"layout tp={layout.tp}, pp={layout.pp} does not match the initialised "
+                             f"process groups tp={topo.tp}, pp={topo.pp}; call lib.parallel.init first")
+        layout.check(cfg)
+        self.cfg, self.layout, self.dtype = cfg, layout, dtype
+        self.model = ParallelLlamaModel(cfg, layout, dtype, layer_split)
+        if topo.is_last_stage:
+            self._build_head()
+
+    def _build_head(self) -> None:
+        raise NotImplementedError
+
+    def _head(self, hidden: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- running ---------------------------------------------------------------------------
+
+    def make_batch(self, input_ids, attention_mask=None, position_ids=None) -> TokenBatch:
+        multiple = self.layout.tp if self.layout.sequence_parallel else 1
+        return TokenBatch.from_padded(input_ids, attention_mask, position_ids,
+                                      remove_padding=self.layout.remove_padding, pad_to_multiple=multiple)
+
+    def forward(self, batch: TokenBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage: hidden states out of an inner stage (this rank's tokens under SP), the
+        head's per-token output out of the last."""
+        hidden = self.model(batch, hidden)
+        return self._head(hidden, batch) if parallel.topology().is_last_stage else hidden
+
+    def run(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """Whole-model forward for PP = 1 from padded inputs; outputs padded like the inputs."""
+        if self.layout.pp > 1:
+            raise RuntimeError("with pp > 1 run the stages through lib.pipeline (forward / forward_backward)")
+        batch = self.make_batch(input_ids, attention_mask, position_ids)
+        return self.to_padded(self(batch), batch)
+
+    def to_padded(self, out: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+        return batch.to_padded(out)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def load_hf(self, read: hf_layout.SliceReader) -> None:
+        """Fill every parameter of this rank from HF tensors (``read`` returns slices of them)."""
+        topo = parallel.topology()
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(hf_layout.build_local(self.cfg, topo.tp, topo.tp_rank, name, read, self.hf_head))
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.load_hf(hf_layout.state_dict_reader(sd))
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights that do not depend on the layout (see ``hf_layout.random_reader``)."""
+        self.load_hf(hf_layout.random_reader(self.cfg, seed, std))
+
+    def tied_head(self) -> bool:
+        """Whether the head weight is the embedding's (tied embeddings); with PP > 1 the last stage
+        then holds a copy whose gradient ``sync_tied_grads`` keeps equal to the first stage's."""
+        return self.hf_head == "lm" and self.cfg.tie_word_embeddings
+
+    def sync_tied_grads(self) -> None:
+        """Sum the tied embedding's gradients over the first and last pipeline stage (PP > 1)."""
+        topo = parallel.topology()
+        if not self.tied_head() or topo.pp == 1:
+            return
+        p = self.model.embed_tokens.weight if topo.is_first_stage else (self.lm_head.weight if topo.is_last_stage else None)
+        if p is not None and p.grad is not None:
+            torch.distributed.all_reduce(p.grad, group=parallel.embedding_group())
+
+
+class ParallelLlamaForCausalLM(ParallelLlama):
+    """Output: vocab-parallel logits ``[N, padded_vocab / tp]``; padded vocab entries are -inf-like
+    (the dtype's minimum), so they never get probability mass."""
+
+    def _build_head(self):
+        topo = parallel.topology()
+        padded = pad_vocab(self.cfg.vocab_size, topo.tp)
+        self.vocab_start = topo.tp_rank * (padded // topo.tp)
+        self.lm_head = None
+        if not (self.tied_head() and topo.pp == 1):
+            self.lm_head = ColumnParallelLinear(self.cfg.hidden_size, padded // topo.tp, bias=False,
+                                                sequence_parallel=self.layout.sequence_parallel, dtype=self.dtype)
+
+    def _head(self, hidden, batch):
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        logits = F.linear(column_input(hidden, self.layout.sequence_parallel), weight)
+        valid = self.cfg.vocab_size - self.vocab_start
+        if valid < logits.shape[-1]:
+            cols = torch.arange(logits.shape[-1], device=logits.device)
+            logits = logits.masked_fill(cols >= valid, torch.finfo(logits.dtype).min)
+        return logits
+
+
+class ParallelLlamaForValue(ParallelLlama):
+    """Output: one fp32 value per token ``[N]`` (the critic)."""
+
+    hf_head = "score"
+
+    def _build_head(self):
+        self.score = nn.Linear(self.cfg.hidden_size, 1, bias=False, dtype=self.dtype)
+
+    def _values(self, hidden):
+        sp = self.layout.sequence_parallel
+        weight = mappings.copy_to_tp(self.score.weight) if sp else self.score.weight
+        values = F.linear(hidden, weight).squeeze(-1)
+        # Under SP each rank scored its own tokens; every rank then uses all of them identically.
+        return (mappings.gather_from_sp(values, grad_is_partial=False) if sp else values).float()
+
+    def _head(self, hidden, batch):
+        return self._values(hidden)
+
+
+class ParallelLlamaForScore(ParallelLlamaForValue):
+    """Output: one fp32 score per sequence ``[B]``, the head at its last real token (left or right
+    padding alike) — HF's ``LlamaForSequenceClassification`` with one label."""
+
+    def _head(self, hidden, batch):
+        return self._values(hidden)[batch.last_token_index()]
+
+    def to_padded(self, out, batch):
+        return out

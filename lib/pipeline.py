@@ -1,0 +1,143 @@
+"""Pipeline parallelism: run micro-batches through the stages with a 1F1B schedule.
+
+Hidden states go point to point between neighbouring stages (``batch_isend_irecv``, so a send
+and a receive in opposite directions never deadlock, on gloo or NCCL). Every stage gets the
+same micro-batches (token ids, positions, masks — small), so a receiver knows each activation's
+shape without a handshake: ``[tokens on this rank, hidden]``.
+
+1F1B: stage s first runs ``pp - s - 1`` forwards (warm-up), then alternates one forward with
+one backward, then drains the remaining backwards. At most ``pp - s`` micro-batches are alive
+on a stage at once, instead of all of them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import parallel
+from .batch import TokenBatch
+
+LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+def _shape(model, batch: TokenBatch) -> tuple[int, int]:
+    tp = model.layout.tp if model.layout.sequence_parallel else 1
+    return batch.num_tokens // tp, model.cfg.hidden_size
+
+
+def _p2p(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
+    """One batch of point-to-point ops; ``recv_*`` are (shape, dtype, device). Returns the
+    received tensors (from the previous stage, from the next stage)."""
+    ops, got_prev, got_next = [], None, None
+    if send_next is not None:
+        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), parallel.pp_next_rank()))
+    if send_prev is not None:
+        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), parallel.pp_prev_rank()))
+    if recv_prev is not None:
+        got_prev = torch.empty(recv_prev[0], dtype=recv_prev[1], device=recv_prev[2])
+        ops.append(dist.P2POp(dist.irecv, got_prev, parallel.pp_prev_rank()))
+    if recv_next is not None:
+        got_next = torch.empty(recv_next[0], dtype=recv_next[1], device=recv_next[2])
+        ops.append(dist.P2POp(dist.irecv, got_next, parallel.pp_next_rank()))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return got_prev, got_next
+
+
+def forward_backward(
+    model,
+    batches: Sequence[TokenBatch],
+    loss_fn: LossFn | None = None,
+    extras: Sequence[Any] | None = None,
+    *,
+    forward_only: bool = False,
+) -> list[Any]:
+    """Run ``batches`` (micro-batches) through this rank's stage.
+
+    On the last stage ``loss_fn(output, extra)`` turns each micro-batch's head output into a
+    scalar loss, which is back-propagated (scale it by 1 / len(batches) yourself for a mean).
+    Returns, on the last stage, the losses (or, with ``forward_only``, the head outputs);
+    elsewhere an empty list. Gradients accumulate in ``.grad`` as usual."""
+    topo = parallel.topology()
+    first, last = topo.is_first_stage, topo.is_last_stage
+    extras = list(extras) if extras is not None else [None] * len(batches)
+    dtype = model.dtype
+    dev = next(model.parameters()).device
+    results: list[Any] = []
+    n = len(batches)
+
+    def recv_spec(i):
+        return (_shape(model, batches[i]), dtype, dev)
+
+    def run_forward(i, received):
+        x = None
+        if not first:
+            x = received.requires_grad_(not forward_only)
+        with torch.set_grad_enabled(not forward_only):
+            out = model(batches[i], x)
+        if last:
+            if forward_only:
+                results.append(out if loss_fn is None else loss_fn(out, extras[i]).detach())
+                return x, None
+            loss = loss_fn(out, extras[i])
+            results.append(loss.detach())
+            return x, loss
+        return x, out
+
+    def run_backward(x, out, grad_out):
+        if last:
+            out.backward()
+        else:
+            torch.autograd.backward(out, grad_out)
+        return x.grad if x is not None else None
+
+    if forward_only or topo.pp == 1:
+        for i in range(n):
+            recv, _ = _p2p(recv_prev=None if first else recv_spec(i))
+            x, out = run_forward(i, recv)
+            if not last:
+                _p2p(send_next=out.detach() if not forward_only else out)
+            elif not forward_only:
+                run_backward(x, out, None)
+        return results
+
+    warmup = min(topo.pp - topo.pp_rank - 1, n)
+    alive: deque = deque()
+    for i in range(warmup):
+        recv, _ = _p2p(recv_prev=None if first else recv_spec(i))
+        x, out = run_forward(i, recv)
+        _p2p(send_next=None if last else out.detach())
+        alive.append((x, out, i))
+
+    recv = None
+    if warmup < n and not first:
+        recv, _ = _p2p(recv_prev=recv_spec(warmup))
+    for i in range(warmup, n):
+        x, out = run_forward(i, recv)
+        alive.append((x, out, i))
+        # Send this forward's output and receive the gradient for the oldest alive micro-batch.
+        _, grad_out = _p2p(send_next=None if last else out.detach(),
+                           recv_next=None if last else recv_spec(alive[0][2]))
+        x0, out0, _ = alive.popleft()
+        grad_in = run_backward(x0, out0, grad_out)
+        more = i + 1 < n
+        recv, _ = _p2p(send_prev=None if first else grad_in,
+                       recv_prev=recv_spec(i + 1) if (more and not first) else None)
+
+    while alive:
+        x0, out0, j = alive.popleft()
+        _, grad_out = _p2p(recv_next=None if last else recv_spec(j))
+        grad_in = run_backward(x0, out0, grad_out)
+        _p2p(send_prev=None if first else grad_in)
+    return results
+
+
+def forward(model, batches: Sequence[TokenBatch]) -> list[torch.Tensor]:
+    """Inference through all stages; the head outputs on the last stage, [] elsewhere."""
+    with torch.no_grad():
+        return forward_backward(model, batches, forward_only=True)
