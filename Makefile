@@ -22,7 +22,7 @@ test: venv
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 demo: venv
-	$(PY) -m llamarl.demo
+	$(PY) -m llamarl.pipeline.demo
 
 clean:
 	rm -rf $(VENV) demo-run

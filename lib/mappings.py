@@ -14,6 +14,11 @@ import torch.distributed as dist
 from . import parallel
 
 
+# torch 2.13 renamed these two (the old names warn); torch 2.11 on the GPU image has only the old.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def _tp():
     return parallel.topology().tp
 
@@ -27,14 +32,14 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
 def _all_gather(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * _tp(), *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=parallel.tp_group())
+    _all_gather_single(out, x, group=parallel.tp_group())
     return out
 
 
 def _reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // _tp(), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=parallel.tp_group())
+    _reduce_scatter_single(out, x, group=parallel.tp_group())
     return out
 
 

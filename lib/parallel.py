@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,10 @@ _TOPOLOGY: Topology | None = None
 
 def _ps():
     # Imported lazily: `import megatron.core` costs seconds, and CLI start-up must not pay it.
-    from megatron.core import parallel_state
+    # Its import warns that Transformer Engine / Apex are missing; lib/ uses neither.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+        from megatron.core import parallel_state
 
     return parallel_state
 

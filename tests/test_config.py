@@ -1,0 +1,88 @@
+"""Config reading and layout checks: bad input is a one-line error naming the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny
+from llamarl.lib.config import ConfigError, LlamaConfig, ParallelLayout, pad_vocab, split_layers
+from llamarl.lib.layers import rope_inv_freq
+
+
+def _cfg(**overrides):
+    return LlamaConfig.from_hf(tiny.hf_config(**overrides).to_dict())
+
+
+def _one_line_error(fn, *needles):
+    with pytest.raises(ConfigError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    for n in needles:
+        assert n in msg, msg
+    return msg
+
+
+def test_reads_hf_config_both_rope_spellings():
+    cfg = _cfg()
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (4, 2, 16, 251)
+    assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 8.0
+    old_style = {**tiny.hf_config().to_dict()}
+    old_style.pop("rope_parameters", None)
+    old_style |= {"rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    cfg2 = LlamaConfig.from_hf(old_style)
+    assert cfg2.rope_theta == 500000.0 and cfg2.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_head_dim_read_from_config_when_not_hidden_over_heads():
+    assert _cfg(head_dim=32).head_dim == 32
+
+
+def test_rope_inv_freq_matches_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for overrides in ({}, {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, {"rope_scaling": None}):
+        hf = tiny.hf_config(**overrides)
+        rope_type = hf.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            dim = hf.head_dim
+            ref = 1.0 / (hf.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim))
+        else:
+            ref, _ = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+        ours = rope_inv_freq(LlamaConfig.from_hf(hf.to_dict()))
+        assert torch.allclose(ours, ref, rtol=1e-6), overrides
+
+
+def test_non_llama_config_rejected():
+    _one_line_error(lambda: LlamaConfig.from_hf({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "ckpt/config.json"),
+                    "ckpt/config.json", "gpt2", "Llama")
+
+
+def test_unsupported_rope_rejected():
+    d = tiny.hf_config().to_dict()
+    d.pop("rope_parameters", None)
+    d["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    _one_line_error(lambda: LlamaConfig.from_hf(d), "yarn", "llama3")
+
+
+def test_tp_not_dividing_heads_rejected():
+    _one_line_error(lambda: ParallelLayout(tp=3).check(_cfg()), "tp=3", "num_attention_heads=4", "[1, 2, 4]")
+
+
+def test_pp_larger_than_layers_rejected():
+    _one_line_error(lambda: ParallelLayout(pp=5).check(_cfg()), "pp=5", "num_hidden_layers=3", "pp <= 3")
+
+
+def test_tp_and_kv_heads_incompatible_rejected():
+    # 6 heads, 3 kv heads, tp=2: 2 does not divide 3 and 3 does not divide 2.
+    _one_line_error(lambda: ParallelLayout(tp=2).check(_cfg(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=8)),
+                    "tp=2", "num_key_value_heads=3")
+
+
+def test_vocab_padding_and_layer_split():
+    assert pad_vocab(251, 2) == 252 and pad_vocab(128256, 8) == 128256 and pad_vocab(7, 4) == 8
+    assert split_layers(3, 2) == [range(0, 2), range(2, 3)]
+    assert split_layers(5, 2, [1, 4]) == [range(0, 1), range(1, 5)]
+    _one_line_error(lambda: split_layers(5, 2, [1, 3]), "[1, 3]", "5")
