@@ -12,8 +12,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A model config or parallel layout that lib/ cannot run; the message says what to change."""
 
 

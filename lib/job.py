@@ -1,0 +1,82 @@
+"""The entry point of a stage process (one per rank under torchrun): config in, errors out.
+
+``python -m llamarl.stages.NAME --config CONFIG.json`` (or ``--config-json '{...}'``) parses the
+stage's typed config and runs it. A ``UserError`` on any rank becomes one line on stderr (from the
+lowest failing rank) and exit status 2; anything else is a bug and keeps its traceback. Ranks
+agree on failure before they exit, so nobody is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from .errors import UserError
+
+C = TypeVar("C")
+
+EXIT_USER_ERROR = 2
+
+
+def parse_config(cls: type[C], data: dict[str, Any], source: str) -> C:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise UserError(f"{source}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(fields))}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise UserError(f"{source}: {e}") from None
+
+
+def _load(cls, argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", help="a JSON or YAML file with the stage's options")
+    parser.add_argument("--config-json", help="the stage's options as a JSON object")
+    args = parser.parse_args(argv)
+    if args.config_json:
+        return parse_config(cls, json.loads(args.config_json), "--config-json")
+    if args.config:
+        import fsspec
+        import yaml
+
+        with fsspec.open(args.config, "r") as f:
+            return parse_config(cls, yaml.safe_load(f) or {}, args.config)
+    parser.error("give --config or --config-json")
+
+
+def agree(error: str | None) -> str | None:
+    """Collective: the first error any rank hit (by rank), or None if none did."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return error
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> None:
+    try:
+        cfg = _load(cls, argv)
+        run(cfg)
+    except UserError as e:
+        # Errors reach every rank alike (config checks run everywhere; later ones go through
+        # `check`), so rank 0 alone reports.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check(error: str | None) -> None:
+    """Raise the first error of any rank on every rank (a collective)."""
+    first = agree(error)
+    if first is not None:
+        raise UserError(first)

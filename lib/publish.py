@@ -1,0 +1,131 @@
+"""Publishing a stage's output directory: a marker first, the manifest last.
+
+An output directory at any fsspec URL is *published* once ``llamarl.json`` (the manifest: what was
+made, from what, and the size and sha256 of every file) exists. Writers put ``.llamarl-incomplete``
+in it first, so a directory left by a killed run is recognisably ours and can be cleared; a
+directory holding anything else is never touched. Readers insist on the manifest and check file
+sizes (cheap) and, where asked, checksums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any, Callable
+
+import fsspec
+
+from .errors import UserError
+
+MANIFEST = "llamarl.json"
+INCOMPLETE = ".llamarl-incomplete"
+FORMAT_VERSION = 1
+
+
+class PublishError(UserError, RuntimeError):
+    """An output that cannot be published or read; the message names the path and the fix."""
+
+
+def _fs(url: str):
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path.rstrip("/")
+
+
+def sha256(url: str, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with fsspec.open(url, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entry(url: str) -> dict[str, Any]:
+    fs, path = _fs(url)
+    return {"bytes": fs.size(path), "sha256": sha256(url)}
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Write a whole file at any fsspec URL, creating its folder (local filesystems need it)."""
+    fs, path = _fs(url)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, data)
+
+
+def read_manifest(root: str) -> dict | None:
+    """The manifest of a published directory, or None if it is not (yet) published."""
+    fs, path = _fs(root)
+    target = f"{path}/{MANIFEST}"
+    if not fs.exists(target):
+        return None
+    try:
+        with fs.open(target, "r") as f:
+            return json.load(f)
+    except json.JSONDecodeError:
+        raise PublishError(f"{root}/{MANIFEST} is not valid JSON; the output is damaged: delete {root} and rerun") from None
+
+
+def require_published(root: str, kind: str | None = None) -> dict:
+    """The manifest of ``root``, or a clear error if ``root`` is not a finished llamarl output."""
+    manifest = read_manifest(root)
+    if manifest is None:
+        fs, path = _fs(root)
+        if not fs.exists(path):
+            raise PublishError(f"{root} does not exist; check the path")
+        if fs.exists(f"{path}/{INCOMPLETE}"):
+            raise PublishError(f"{root} is an unfinished output (its run was interrupted); rerun the stage that writes it")
+        raise PublishError(f"{root} is not a llamarl output (no {MANIFEST}); point at a published directory")
+    if kind is not None and manifest.get("kind") != kind:
+        raise PublishError(f"{root} holds a {manifest.get('kind')!r}, not a {kind!r}; point at a {kind} directory")
+    return manifest
+
+
+def prepare(root: str, is_current: Callable[[dict], bool]) -> bool:
+    """Get ``root`` ready for writing. Returns False when it already holds a published output
+    that ``is_current`` accepts (nothing to do). Clears our own unfinished output; refuses to
+    touch a different published output or a directory that is not ours."""
+    fs, path = _fs(root)
+    manifest = read_manifest(root)
+    if manifest is not None:
+        if is_current(manifest):
+            return False
+        raise PublishError(
+            f"{root} already holds a different published output ({manifest.get('kind')}, made "
+            f"{manifest.get('created')}); choose another destination or delete it"
+        )
+    if fs.exists(path) and fs.ls(path, detail=False):
+        if not fs.exists(f"{path}/{INCOMPLETE}"):
+            raise PublishError(f"{root} exists and is not a llamarl output; refusing to overwrite it — choose an empty destination")
+        for entry in fs.ls(path, detail=False):
+            if entry.rstrip("/").rsplit("/", 1)[-1] != INCOMPLETE:
+                fs.rm(entry, recursive=True)
+    fs.makedirs(path, exist_ok=True)
+    fs.pipe_file(f"{path}/{INCOMPLETE}", b"")
+    return True
+
+
+def publish(root: str, manifest: dict) -> None:
+    """Write the manifest (the output becomes visible), then drop the marker."""
+    fs, path = _fs(root)
+    body = {"format_version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **manifest}
+    tmp = f"{path}/.{MANIFEST}.tmp"
+    fs.pipe_file(tmp, json.dumps(body, indent=1, sort_keys=True).encode())
+    fs.mv(tmp, f"{path}/{MANIFEST}")
+    if fs.exists(f"{path}/{INCOMPLETE}"):
+        fs.rm(f"{path}/{INCOMPLETE}")
+
+
+def verify(root: str, files: dict[str, dict], names: list[str] | None = None, checksums: bool = True) -> None:
+    """Check files of a published directory against its manifest entries."""
+    fs, path = _fs(root)
+    for name in names if names is not None else sorted(files):
+        entry = files[name]
+        target = f"{path}/{name}"
+        if not fs.exists(target):
+            raise PublishError(f"{root}/{name} is missing; the output is damaged: delete {root} and rerun the stage that wrote it")
+        if fs.size(target) != entry["bytes"]:
+            raise PublishError(f"{root}/{name} has {fs.size(target)} bytes, the manifest says {entry['bytes']}; "
+                               f"the output is damaged: delete {root} and rerun the stage that wrote it")
+        if checksums and sha256(f"{root}/{name}") != entry["sha256"]:
+            raise PublishError(f"{root}/{name} does not match its sha256 in the manifest; the output is "
+                               f"corrupt: delete {root} and rerun the stage that wrote it")

@@ -1,0 +1,210 @@
+"""Stage export: a llamarl sharded checkpoint → an HF directory that ``transformers`` loads.
+
+Run with any number of processes (``llamarl stage export SRC DST``). Output files are planned
+up front (safetensors split by size, HF's names and index); each rank loads only the tensors of
+the files it writes, one file at a time, so no rank gathers the whole model. Actors export as
+``LlamaForCausalLM``, critics and reward models as ``LlamaForSequenceClassification`` (one label).
+
+Before publishing, what was written is checked against the checkpoint: every tensor name, shape
+and dtype, and the byte total. A smaller or renamed model fails loudly instead of loading.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import fsspec
+import torch
+import torch.distributed as dist
+
+from llamarl.lib import checkpoint, hf_layout, job, parallel, publish
+from llamarl.lib.config import LlamaConfig
+from llamarl.lib.errors import UserError
+from llamarl.lib.safetensors_io import NAMES, SafetensorsFile, write_file
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    src: str
+    """A published llamarl checkpoint directory (any fsspec URL)."""
+    dst: str
+    """Output HF directory (any fsspec URL)."""
+    dtype: str | None = None
+    """Output dtype: bf16 | fp16 | fp32; default: the checkpoint's."""
+    max_shard_gb: float = 2.0
+    """Largest safetensors file; bigger models are split with an index, as HF does."""
+    verify: bool = True
+    """Check the checkpoint's files against their sha256 before reading."""
+
+
+def plan_files(shapes: dict[str, tuple], itemsize: int, max_bytes: int) -> list[list[str]]:
+    """Tensors in checkpoint order, grouped into files of at most ``max_bytes`` (a bigger single
+    tensor gets a file of its own)."""
+    files, current, size = [], [], 0
+    for name, shape in shapes.items():
+        n = itemsize * int(torch.Size(shape).numel())
+        if current and size + n > max_bytes:
+            files.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += n
+    if current:
+        files.append(current)
+    return files
+
+
+def file_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def hf_config_for(manifest: dict, head: str, dtype: torch.dtype) -> dict:
+    cfg = LlamaConfig.from_dict(manifest["model_config"])
+    out = {**manifest.get("hf_config", {})}
+    out.update(cfg.to_hf("LlamaForCausalLM" if head == "lm" else "LlamaForSequenceClassification"))
+    out.pop("rope_parameters", None)  # rope_theta / rope_scaling above are the source of truth
+    out["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if head == "score":
+        out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    return out
+
+
+def run(cfg: ExportConfig) -> None:
+    t0 = time.perf_counter()
+    src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
+    manifest = publish.require_published(src, kind="checkpoint")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise UserError(f"dtype={cfg.dtype!r}: use one of bf16, fp16, fp32")
+    model_cfg = LlamaConfig.from_dict(manifest["model_config"])
+    head = manifest["head"]
+    shapes = hf_layout.hf_shapes(model_cfg, head)
+    stored = checkpoint.read_metadata(f"{src}/model").state_dict_metadata
+    missing = [n for n in shapes if n not in stored]
+    if missing:
+        raise UserError(f"{src}: the checkpoint lacks {len(missing)} tensors of its model (first: {missing[0]}); "
+                        "it is damaged: reshard it")
+    for n, shape in shapes.items():
+        if tuple(stored[n].size) != tuple(shape):
+            raise UserError(f"{src}: {n} is stored with shape {list(stored[n].size)}, its config implies {list(shape)}")
+    src_dtype = stored[next(iter(shapes))].properties.dtype
+    out_dtype = DTYPES[cfg.dtype] if cfg.dtype else src_dtype
+
+    parallel.init(1, 1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    error = None
+    if cfg.verify:
+        names = sorted(manifest["files"])
+        try:
+            publish.verify(src, manifest["files"], names[rank::world])
+        except UserError as e:
+            error = str(e)
+    job.check(error)
+
+    expect = {"kind": "hf_export", "head": head, "dtype": str(out_dtype).removeprefix("torch."),
+              "source": {"url": src, "created": manifest["created"], "files": manifest["files"]}}
+    todo, error = None, None
+    if rank == 0:
+        try:
+            todo = publish.prepare(dst, lambda m: all(m.get(k) == v for k, v in expect.items()))
+        except UserError as e:
+            error = str(e)
+    job.check(error)
+    flag = [todo]
+    dist.broadcast_object_list(flag, src=0)
+    if not flag[0]:
+        if rank == 0:
+            print(f"{dst}: already exported from this checkpoint, nothing to do", flush=True)
+        return
+
+    itemsize = torch.empty((), dtype=out_dtype).element_size()
+    groups = plan_files(shapes, itemsize, int(cfg.max_shard_gb * 2**30))
+    names = file_names(len(groups))
+    written: dict[str, dict] = {}
+    # Round r: rank k writes file r*world + k. Loading is collective, so every rank takes part in
+    # every round, with an empty request when it has no file left.
+    for r in range(-(-len(groups) // world)):
+        i = r * world + rank
+        tensors = {n: torch.empty(shapes[n], dtype=stored[n].properties.dtype) for n in groups[i]} if i < len(groups) else {}
+        checkpoint.load(tensors, f"{src}/model")
+        if tensors:
+            out = {n: t.to(out_dtype) for n, t in tensors.items()}
+            url = f"{dst}/{names[i]}"
+            write_file(url, out, metadata={"format": "pt"})
+            written[names[i]] = publish.file_entry(url)
+            del out
+        del tensors
+    parts: list = [None] * world
+    dist.all_gather_object(parts, written)
+    files = {k: v for p in parts for k, v in p.items()}
+
+    error = None
+    if rank == 0:
+        try:
+            _write_side_files(src, dst, manifest, head, out_dtype, groups, names, files)
+            _check_written(dst, shapes, out_dtype, groups, names)
+        except UserError as e:
+            error = str(e)
+    job.check(error)
+    if rank == 0:
+        publish.publish(dst, {**expect, "files": files})
+        dt = time.perf_counter() - t0
+        total = sum(v["bytes"] for k, v in files.items() if k.endswith(".safetensors"))
+        print(f"{dst}: exported {total / 1e9:.2f} GB ({len(names)} file(s)) in {dt:.1f}s ({total / 1e9 / dt:.2f} GB/s)", flush=True)
+    dist.barrier()
+
+
+def _write_side_files(src, dst, manifest, head, dtype, groups, names, files) -> None:
+    src_fs, src_path = fsspec.core.url_to_fs(src)
+
+    def put(name: str, data: bytes) -> None:
+        publish.write_bytes(f"{dst}/{name}", data)
+        files[name] = publish.file_entry(f"{dst}/{name}")
+
+    put("config.json", json.dumps(hf_config_for(manifest, head, dtype), indent=2).encode())
+    for rel in manifest["files"]:
+        name = rel.removeprefix("hf/")
+        if rel.startswith("hf/") and name != "config.json":
+            put(name, src_fs.cat_file(f"{src_path}/{rel}"))
+    if "generation_config.json" not in files:
+        cfg = manifest["model_config"]
+        gen = {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+        put("generation_config.json", json.dumps(gen, indent=2).encode())
+    if len(names) > 1:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        total = sum(itemsize * int(torch.Size(s).numel()) for s in hf_layout.hf_shapes(LlamaConfig.from_dict(manifest["model_config"]), head).values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: fname for group, fname in zip(groups, names) for n in group}}
+        put("model.safetensors.index.json", json.dumps(index, indent=2).encode())
+
+
+def _check_written(dst, shapes, dtype, groups, names) -> None:
+    """Re-read every written header: the exact set of names, shapes, dtype and bytes expected."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    seen: dict[str, str] = {}
+    total = 0
+    for group, fname in zip(groups, names):
+        f = SafetensorsFile(f"{dst}/{fname}")
+        if set(f.tensors) != set(group):
+            raise UserError(f"{dst}/{fname}: holds {sorted(set(f.tensors) ^ set(group))[:3]}… against the plan; export failed, nothing published")
+        for n, info in f.tensors.items():
+            if n in seen:
+                raise UserError(f"{dst}: {n} written twice ({seen[n]} and {fname}); export failed, nothing published")
+            seen[n] = fname
+            if tuple(info.shape) != tuple(shapes[n]) or info.dtype != dtype:
+                raise UserError(f"{dst}/{fname}: {n} is {NAMES[info.dtype]} {list(info.shape)}, expected "
+                                f"{NAMES[dtype]} {list(shapes[n])}; export failed, nothing published")
+            total += info.end - info.begin
+    if set(seen) != set(shapes):
+        raise UserError(f"{dst}: {len(set(shapes) - set(seen))} tensors were not written; export failed, nothing published")
+    expected = sum(itemsize * int(torch.Size(s).numel()) for s in shapes.values())
+    if total != expected:
+        raise UserError(f"{dst}: wrote {total} bytes of weights, expected {expected}; export failed, nothing published")
+
+
+if __name__ == "__main__":
+    job.main(ExportConfig, run)

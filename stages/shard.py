@@ -1,0 +1,192 @@
+"""Stage shard: an HF Llama checkpoint → a llamarl sharded checkpoint, streamed.
+
+Run with tp × pp processes (``llamarl stage shard SRC DST --tp T --pp P``). Each rank reads only
+the slices of the HF tensors that its part of the layout owns (range reads over fsspec) and writes
+them as DCP chunks; no rank ever holds the whole model. The result loads into any layout.
+
+Output directory (see docs/formats.md):
+    llamarl.json   manifest, written last: model config, head, dtype, layout written, the source's
+                   files with sha256, every output file with size and sha256
+    model/         DCP checkpoint of HF-named tensors
+    hf/            config.json, generation_config.json and tokenizer files, copied from the source
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import fsspec
+import torch
+import torch.distributed as dist
+
+from llamarl.lib import checkpoint, hf_layout, job, parallel, publish
+from llamarl.lib.config import LlamaConfig, ParallelLayout
+from llamarl.lib.errors import UserError
+from llamarl.lib.safetensors_io import SafetensorsCheckpoint
+
+# Files copied from an HF checkpoint next to the weights: what later stages and export need.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+              "chat_template.jinja", "chat_template.json")
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass(kw_only=True)
+class ShardConfig:
+    src: str
+    """HF checkpoint directory (any fsspec URL): config.json, *.safetensors, tokenizer files."""
+    dst: str
+    """Output directory (any fsspec URL); created, or resumed if an earlier run was interrupted."""
+    tp: int = 1
+    """Tensor-parallel size of the job (the checkpoint itself loads at any layout)."""
+    pp: int = 1
+    """Pipeline-parallel size of the job."""
+    dtype: str | None = None
+    """Stored dtype: bf16 | fp16 | fp32; default: the source's."""
+
+
+def head_of(hf_config: dict) -> str:
+    archs = hf_config.get("architectures") or ["LlamaForCausalLM"]
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        if hf_config.get("num_labels", len(hf_config.get("id2label") or {0: 0})) != 1:
+            raise UserError("config.json: a sequence classifier must have num_labels=1 to be a reward model")
+        return "score"
+    return "lm"
+
+
+def _model_class(head: str):
+    from llamarl.lib.model import ParallelLlamaForCausalLM, ParallelLlamaForScore
+
+    return ParallelLlamaForCausalLM if head == "lm" else ParallelLlamaForScore
+
+
+def _check_weights(src: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, root: str) -> torch.dtype:
+    """Every tensor the config implies exists with the implied shape; returns the source dtype."""
+    expected = hf_layout.hf_shapes(cfg, head)
+    missing = [n for n in expected if n not in src.where]
+    if missing:
+        raise UserError(f"{root}: {len(missing)} tensors that config.json implies are missing (first: {missing[0]}); "
+                        "the weights do not match the config")
+    dtypes = set()
+    for name, shape in expected.items():
+        info = src.info(name)
+        if tuple(info.shape) != tuple(shape):
+            raise UserError(f"{root}/{src.where[name]}: {name} has shape {list(info.shape)} but config.json implies "
+                            f"{list(shape)}; the config and the weights disagree")
+        dtypes.add(info.dtype)
+    if len(dtypes) != 1:
+        raise UserError(f"{root}: mixed weight dtypes {sorted(map(str, dtypes))}; pass --dtype to choose one")
+    return dtypes.pop()
+
+
+def _local_param_names(cfg: LlamaConfig, head: str, layout: ParallelLayout) -> list[str]:
+    with torch.device("meta"):
+        model = _model_class(head)(cfg, layout)
+    return [n for n, _ in model.named_parameters()]
+
+
+def _hash_share(root: str, names: list[str]) -> dict:
+    """sha256 of this rank's share of ``names`` (every world-th file), gathered on all ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {n: publish.file_entry(f"{root}/{n}") for n in names[rank::world]}
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def run(cfg: ShardConfig) -> None:
+    t0 = time.perf_counter()
+    src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise UserError(f"dtype={cfg.dtype!r}: use one of bf16, fp16, fp32")
+    fs, src_path = fsspec.core.url_to_fs(src)
+    if not fs.exists(f"{src_path}/config.json"):
+        raise UserError(f"{src}/config.json not found; point SRC at an HF checkpoint directory")
+    with fs.open(f"{src_path}/config.json", "r") as f:
+        hf_config = json.load(f)
+    model_cfg = LlamaConfig.from_hf(hf_config, source=f"{src}/config.json")
+    head = head_of(hf_config)
+    layout = ParallelLayout(tp=cfg.tp, pp=cfg.pp)
+    layout.check(model_cfg)
+    weights = SafetensorsCheckpoint(src)
+    src_dtype = _check_weights(weights, model_cfg, head, src)
+    out_dtype = DTYPES[cfg.dtype] if cfg.dtype else src_dtype
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world != cfg.tp * cfg.pp:
+        raise UserError(f"shard runs with tp*pp = {cfg.tp * cfg.pp} processes, not {world}; launch it through `llamarl stage shard`")
+    topo = parallel.init(cfg.tp, cfg.pp)
+    rank = dist.get_rank()
+
+    source_files = sorted(set(weights.where.values()) | {n for n in SIDE_FILES if fs.exists(f"{src_path}/{n}")}
+                          | ({"model.safetensors.index.json"} if fs.exists(f"{src_path}/model.safetensors.index.json") else set()))
+    source = {"url": src, "files": _hash_share(src, source_files)}
+    expect = {"kind": "checkpoint", "head": head, "dtype": str(out_dtype).removeprefix("torch."), "source": source}
+
+    def is_current(m: dict) -> bool:
+        return all(m.get(k) == v for k, v in expect.items())
+
+    todo, error = None, None
+    if rank == 0:
+        try:
+            todo = publish.prepare(dst, is_current)
+        except UserError as e:
+            error = str(e)
+    job.check(error)
+    flag = [todo]
+    dist.broadcast_object_list(flag, src=0)
+    if not flag[0]:
+        if rank == 0:
+            print(f"{dst}: already sharded from this source, nothing to do", flush=True)
+        return
+
+    # This rank's slices, read straight from the source files.
+    state: dict[str, checkpoint.Chunks] = {}
+    shapes = hf_layout.hf_shapes(model_cfg, head)
+    nbytes = 0
+    for name in _local_param_names(model_cfg, head, layout):
+        for s in hf_layout.param_slices(model_cfg, topo.tp, topo.tp_rank, name):
+            stop = min(s.stop, shapes[s.hf_name][s.dim])
+            if stop <= s.start:
+                continue
+            piece = weights.read(s.hf_name, s.dim, s.start, stop).to(out_dtype)
+            off = [0] * len(shapes[s.hf_name])
+            off[s.dim] = s.start
+            chunks = state.setdefault(s.hf_name, checkpoint.Chunks(shapes[s.hf_name], {}))
+            chunks.pieces[tuple(off)] = piece
+            nbytes += piece.numel() * piece.element_size()
+    checkpoint.save(state, f"{dst}/model")
+    del state
+
+    fs_dst, dst_path = fsspec.core.url_to_fs(dst)
+    written = sorted(p.rsplit("/", 1)[-1] for p in fs_dst.ls(f"{dst_path}/model", detail=False))
+    files = {f"model/{k}": v for k, v in _hash_share(f"{dst}/model", written).items()}
+    if rank == 0:
+        for name in SIDE_FILES:
+            if fs.exists(f"{src_path}/{name}"):
+                publish.write_bytes(f"{dst}/hf/{name}", fs.cat_file(f"{src_path}/{name}"))
+                files[f"hf/{name}"] = publish.file_entry(f"{dst}/hf/{name}")
+        publish.publish(dst, {
+            **expect,
+            "model_config": model_cfg.to_dict(),
+            "hf_config": hf_config,
+            "written_layout": {"tp": cfg.tp, "pp": cfg.pp},
+            "tensors": {n: list(s) for n, s in shapes.items()},
+            "files": files,
+        })
+    dist.barrier()
+    total = torch.tensor([nbytes], dtype=torch.float64)
+    dist.all_reduce(total)
+    if rank == 0:
+        dt = time.perf_counter() - t0
+        print(f"{dst}: sharded {total.item() / 1e9:.2f} GB for tp={cfg.tp} pp={cfg.pp} in {dt:.1f}s "
+              f"({total.item() / 1e9 / dt:.2f} GB/s)", flush=True)
+
+
+if __name__ == "__main__":
+    job.main(ShardConfig, run)
