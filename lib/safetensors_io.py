@@ -70,8 +70,15 @@ class SafetensorsFile:
             self.tensors[name] = TensorInfo(DTYPES[info["dtype"]], tuple(info["shape"]), begin, end)
 
     def _read(self, begin: int, end: int, dtype: torch.dtype, shape) -> torch.Tensor:
-        data = bytearray(self.fs.cat_file(self.path, begin, end)) if end > begin else bytearray()
-        return torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype)
+        if end > begin:
+            # Straight into the tensor's memory: no intermediate bytes object.
+            buf = memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
+            with self.fs.open(self.path, "rb") as f:
+                f.seek(begin)
+                if f.readinto(buf) != end - begin:
+                    raise SafetensorsError(f"{self.url}: short read; the file changed while being read")
+        return out
 
     def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) ``start:stop`` of tensor ``name``."""

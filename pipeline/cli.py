@@ -52,3 +52,7 @@ def export(
 
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())
+
+
+if __name__ == "__main__":
+    main()

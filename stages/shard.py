@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from dataclasses import dataclass
 
@@ -99,8 +100,16 @@ def _hash_share(root: str, names: list[str]) -> dict:
     return {k: v for p in parts for k, v in p.items()}
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def run(cfg: ShardConfig) -> None:
-    t0 = time.perf_counter()
     src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise UserError(f"dtype={cfg.dtype!r}: use one of bf16, fp16, fp32")
@@ -120,8 +129,10 @@ def run(cfg: ShardConfig) -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world != cfg.tp * cfg.pp:
         raise UserError(f"shard runs with tp*pp = {cfg.tp * cfg.pp} processes, not {world}; launch it through `llamarl stage shard`")
-    topo = parallel.init(cfg.tp, cfg.pp)
+    # Pure I/O on CPU tensors: gloo even where GPUs are present.
+    topo = parallel.init(cfg.tp, cfg.pp, backend="gloo")
     rank = dist.get_rank()
+    t0 = time.perf_counter()  # after start-up (imports, process groups): the work itself
 
     source_files = sorted(set(weights.where.values()) | {n for n in SIDE_FILES if fs.exists(f"{src_path}/{n}")}
                           | ({"model.safetensors.index.json"} if fs.exists(f"{src_path}/model.safetensors.index.json") else set()))
@@ -146,6 +157,7 @@ def run(cfg: ShardConfig) -> None:
         return
 
     # This rank's slices, read straight from the source files.
+    rss_before = _rss_bytes()
     state: dict[str, checkpoint.Chunks] = {}
     shapes = hf_layout.hf_shapes(model_cfg, head)
     nbytes = 0
@@ -162,6 +174,9 @@ def run(cfg: ShardConfig) -> None:
             nbytes += piece.numel() * piece.element_size()
     checkpoint.save(state, f"{dst}/model")
     del state
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,
+                                   "peak_rss_bytes": _peak_rss_bytes()})
 
     fs_dst, dst_path = fsspec.core.url_to_fs(dst)
     written = sorted(p.rsplit("/", 1)[-1] for p in fs_dst.ls(f"{dst_path}/model", detail=False))
@@ -178,6 +193,7 @@ def run(cfg: ShardConfig) -> None:
             "written_layout": {"tp": cfg.tp, "pp": cfg.pp},
             "tensors": {n: list(s) for n, s in shapes.items()},
             "files": files,
+            "ranks": ranks,
         })
     dist.barrier()
     total = torch.tensor([nbytes], dtype=torch.float64)

@@ -1,0 +1,123 @@
+"""Shard and export throughput against HF save_pretrained / from_pretrained, in the same run.
+
+    python bench/shard_export.py [--procs 4] [--workdir /tmp/bench]
+
+Llama-3.2-1B shape, bf16, random weights. Measures, on one machine:
+  * HF ``save_pretrained`` (GPU model → safetensors) and ``from_pretrained`` (→ GPU model);
+  * ``llamarl stage shard`` (HF dir → sharded checkpoint, --tp PROCS) and ``llamarl stage export``
+    (→ HF dir, PROCS processes): whole-command wall time (process start and imports included) and
+    the stage's own time;
+  * loading the sharded checkpoint into lib/'s model on the GPU (``checkpoint.load_model``).
+Checks the export is bit-identical to the HF source. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def timed_cli(*args) -> tuple[float, float | None, str]:
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", *args], capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode:
+        raise SystemExit(f"{args} failed:\n{proc.stdout}\n{proc.stderr}")
+    m = re.search(r"in ([\d.]+)s \(", proc.stdout)
+    return wall, float(m.group(1)) if m else None, proc.stdout.strip()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--workdir", default="/tmp/llamarl-bench")
+    args = ap.parse_args()
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    os.makedirs(args.workdir)
+    hf_dir, ckpt, out = (os.path.join(args.workdir, n) for n in ("hf", "ckpt", "out"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+           "cpus": os.cpu_count(), "torch": torch.__version__, "procs": args.procs}
+    import transformers
+
+    res["transformers"] = transformers.__version__
+    cfg = HFConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False,
+                   rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    model.save_pretrained(hf_dir)
+    res["save_pretrained_s"] = time.perf_counter() - t
+    size = dir_bytes(hf_dir)
+    res["GB"] = size / 1e9
+    res["save_pretrained_GB_s"] = size / res["save_pretrained_s"] / 1e9
+    del model
+    t = time.perf_counter()
+    m2 = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, **({"device_map": dev} if dev == "cuda" else {}))
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    res["from_pretrained_GB_s"] = size / (time.perf_counter() - t) / 1e9
+    del m2
+
+    wall, work, line = timed_cli("stage", "shard", hf_dir, ckpt, "--tp", str(args.procs))
+    res.update(shard_wall_s=wall, shard_work_s=work, shard_GB_s_wall=size / wall / 1e9,
+               shard_GB_s_work=size / work / 1e9 if work else None)
+    wall, work, line = timed_cli("stage", "export", ckpt, out, "--procs", str(args.procs))
+    res.update(export_wall_s=wall, export_work_s=work, export_GB_s_wall=size / wall / 1e9,
+               export_GB_s_work=size / work / 1e9 if work else None)
+
+    # lib/ loading the sharded checkpoint onto the GPU (what rollout/score/ppo do), TP=1.
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    from llamarl.lib import checkpoint, parallel, publish
+    from llamarl.lib.config import LlamaConfig, ParallelLayout
+    from llamarl.lib.model import ParallelLlamaForCausalLM
+
+    parallel.init(1, 1)
+    ours_cfg = LlamaConfig.from_dict(publish.require_published(ckpt)["model_config"])
+    with torch.device(dev):
+        ours = ParallelLlamaForCausalLM(ours_cfg, ParallelLayout(), dtype=torch.bfloat16)
+    t = time.perf_counter()
+    checkpoint.load_model(ours, f"{ckpt}/model")
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    res["lib_load_GB_s"] = size / (time.perf_counter() - t) / 1e9
+    parallel.shutdown()
+
+    a = {}
+    for f in os.listdir(hf_dir):
+        if f.endswith(".safetensors"):
+            a.update(load_file(os.path.join(hf_dir, f)))
+    b = {}
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            b.update(load_file(os.path.join(out, f)))
+    res["export_bit_identical"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    res["shard_vs_save_pretrained"] = res["shard_GB_s_wall"] / res["save_pretrained_GB_s"]
+    res["export_vs_save_pretrained"] = res["export_GB_s_wall"] / res["save_pretrained_GB_s"]
+    res["lib_load_vs_from_pretrained"] = res["lib_load_GB_s"] / res["from_pretrained_GB_s"]
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

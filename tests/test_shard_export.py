@@ -1,0 +1,282 @@
+"""Stages shard and export: HF → sharded (any layout) → HF, bit for bit; loading; failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tiny
+from llamarl.lib import checkpoint, parallel, publish
+from llamarl.lib.config import LlamaConfig, ParallelLayout
+from llamarl.lib.errors import UserError
+from llamarl.lib.model import ParallelLlamaForCausalLM, ParallelLlamaForScore
+from llamarl.stages import export, shard
+
+HERE = os.path.dirname(__file__)
+
+
+def _hf_dir(path, kind="lm", dtype=torch.float32, max_shard_size=None, **overrides):
+    model = tiny.hf_model(kind, **overrides).to(dtype)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kw)
+    return model
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def _assert_identical(a_dir, b_dir):
+    a, b = _tensors(a_dir), _tensors(b_dir)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+# ---- runs inside the 2-process pool ----------------------------------------------------------
+
+
+def shard_then_export(src, mid, dst, tp, pp, dtype=None, max_shard_gb=2.0):
+    shard.run(shard.ShardConfig(src=src, dst=mid, tp=tp, pp=pp, dtype=dtype))
+    export.run(export.ExportConfig(src=mid, dst=dst, max_shard_gb=max_shard_gb))
+
+
+def load_and_compare(ckpt, src, tp, pp, kind):
+    parallel.init(tp, pp)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    manifest = publish.require_published(ckpt, "checkpoint")
+    cfg = LlamaConfig.from_dict(manifest["model_config"])
+    cls = ParallelLlamaForCausalLM if kind == "lm" else ParallelLlamaForScore
+    model = cls(cfg, ParallelLayout(tp=tp, pp=pp))
+    checkpoint.load_model(model, f"{ckpt}/model")
+    hf = (AutoModelForCausalLM if kind == "lm" else AutoModelForSequenceClassification).from_pretrained(src).eval()
+    ids, mask, pos = tiny.batch("left")
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    if pp > 1:
+        from llamarl.lib import pipeline
+
+        batch = model.make_batch(ids, mask, pos)
+        outs = pipeline.forward(model, [batch])
+        if not parallel.topology().is_last_stage:
+            return None
+        out = batch.to_padded(outs[0])
+    else:
+        with torch.no_grad():
+            out = model.run(ids, mask, pos)
+    if kind == "lm":
+        out = tiny.gather_tp(out)[..., : cfg.vocab_size]
+        return (out - ref)[mask.bool()].abs().max().item()
+    return (out - ref[:, 0]).abs().max().item()
+
+
+# ---- round trips ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2pp1", "tp1pp2"])
+def test_roundtrip_bit_identical(pool2, tmp_path, tp, pp, tied):
+    src = str(tmp_path / "hf")
+    _hf_dir(src, tie_word_embeddings=tied)
+    pool2.run(shard_then_export, src, str(tmp_path / "ckpt"), str(tmp_path / "out"), tp, pp)
+    _assert_identical(src, tmp_path / "out")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.config.tie_word_embeddings == tied
+
+
+def test_checkpoint_written_at_tp2_loads_at_tp1pp2_and_tp2(pool2, tmp_path):
+    src, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    _hf_dir(src)
+    pool2.run(shard.run, shard.ShardConfig(src=src, dst=ckpt, tp=2, pp=1))
+    for tp, pp in ((1, 2), (2, 1)):
+        errs = [e for e in pool2.run(load_and_compare, ckpt, src, tp, pp, "lm") if e is not None]
+        assert errs and max(errs) < 1e-4, (tp, pp, errs)
+
+
+def test_reward_model_roundtrip_and_scores(pool2, tmp_path):
+    src = str(tmp_path / "rm")
+    _hf_dir(src, kind="score")
+    pool2.run(shard_then_export, src, str(tmp_path / "ckpt"), str(tmp_path / "out"), 2, 1)
+    _assert_identical(src, tmp_path / "out")
+    cfg = json.load(open(tmp_path / "out" / "config.json"))
+    assert cfg["architectures"] == ["LlamaForSequenceClassification"] and cfg["num_labels"] == 1
+    errs = pool2.run(load_and_compare, str(tmp_path / "ckpt"), src, 2, 1, "score")
+    assert max(errs) < 1e-4, errs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_sources_and_split_files(pool2, tmp_path, dtype):
+    src = str(tmp_path / "hf")
+    _hf_dir(src, dtype=dtype, max_shard_size="60KB")  # several source files with an index
+    assert os.path.exists(os.path.join(src, "model.safetensors.index.json"))
+    pool2.run(shard_then_export, src, str(tmp_path / "ckpt"), str(tmp_path / "out"), 1, 2, None, 0.0001)
+    out = tmp_path / "out"
+    assert os.path.exists(out / "model.safetensors.index.json") and len(list(out.glob("*.safetensors"))) > 2
+    _assert_identical(src, out)
+    index = json.load(open(out / "model.safetensors.index.json"))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in _tensors(out).values())
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == dtype
+
+
+def test_export_dtype_conversion(pool2, tmp_path):
+    src = str(tmp_path / "hf")
+    ref = _hf_dir(src)
+    pool2.run(shard.run, shard.ShardConfig(src=src, dst=str(tmp_path / "ckpt"), tp=2, pp=1))
+    pool2.run(export.run, export.ExportConfig(src=str(tmp_path / "ckpt"), dst=str(tmp_path / "out"), dtype="bf16"))
+    out = _tensors(tmp_path / "out")
+    for k, v in ref.state_dict().items():
+        if k in out:
+            assert out[k].dtype == torch.bfloat16 and torch.equal(out[k], v.to(torch.bfloat16)), k
+
+
+def test_rerun_of_published_output_is_skipped(pool2, tmp_path):
+    src, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    _hf_dir(src)
+    pool2.run(shard.run, shard.ShardConfig(src=src, dst=ckpt, tp=2, pp=1))
+    before = {p: os.stat(p).st_mtime_ns for p in map(str, (tmp_path / "ckpt").rglob("*"))}
+    pool2.run(shard.run, shard.ShardConfig(src=src, dst=ckpt, tp=2, pp=1))
+    assert {p: os.stat(p).st_mtime_ns for p in map(str, (tmp_path / "ckpt").rglob("*"))} == before
+
+
+# ---- failures: clear errors, nothing deleted ---------------------------------------------------
+
+
+def _user_error(pool, fn, *args) -> str:
+    with pytest.raises(RuntimeError) as e:
+        pool.run(fn, *args)
+    text = str(e.value)
+    assert "UserError" in text or "Error: " in text, text
+    return text.strip().splitlines()[-1]
+
+
+def test_layout_the_model_cannot_take(pool2, tmp_path):
+    src = str(tmp_path / "hf")
+    _hf_dir(src, num_attention_heads=4, num_key_value_heads=2)
+    msg = _user_error(pool2, shard.run, shard.ShardConfig(src=src, dst=str(tmp_path / "c"), tp=2, pp=1, dtype="int4"))
+    assert "dtype='int4'" in msg
+    with pytest.raises(Exception, match="pp=5 is larger than num_hidden_layers=3"):
+        shard.run(shard.ShardConfig(src=src, dst=str(tmp_path / "c"), tp=1, pp=5))
+    assert not (tmp_path / "c").exists()
+
+
+def test_config_that_does_not_match_weights(tmp_path):
+    src = tmp_path / "hf"
+    _hf_dir(str(src))
+    cfg = json.load(open(src / "config.json"))
+    cfg["intermediate_size"] = 96
+    json.dump(cfg, open(src / "config.json", "w"))
+    with pytest.raises(UserError, match=r"mlp.*has shape \[128, 64\] but config.json implies \[96, 64\]"):
+        shard.run(shard.ShardConfig(src=str(src), dst=str(tmp_path / "c")))
+
+
+def test_destination_that_is_not_ours_is_never_touched(pool2, tmp_path):
+    src = str(tmp_path / "hf")
+    _hf_dir(src)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    msg = _user_error(pool2, shard.run, shard.ShardConfig(src=src, dst=str(precious), tp=2, pp=1))
+    assert "not a llamarl output; refusing to overwrite" in msg
+    assert (precious / "notes.txt").read_text() == "keep me" and len(list(precious.iterdir())) == 1
+
+
+def test_missing_or_corrupt_shard_file(pool2, tmp_path):
+    src, ckpt = str(tmp_path / "hf"), tmp_path / "ckpt"
+    _hf_dir(src)
+    pool2.run(shard.run, shard.ShardConfig(src=src, dst=str(ckpt), tp=2, pp=1))
+    part = ckpt / "model" / "__1_0.distcp"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    msg = _user_error(pool2, export.run, export.ExportConfig(src=str(ckpt), dst=str(tmp_path / "out")))
+    assert "model/__1_0.distcp does not match its sha256" in msg and "delete" in msg
+    part.unlink()
+    msg = _user_error(pool2, export.run, export.ExportConfig(src=str(ckpt), dst=str(tmp_path / "out")))
+    assert "model/__1_0.distcp is missing" in msg
+    assert not (tmp_path / "out").exists() and (ckpt / "model" / "__0_0.distcp").exists()
+
+
+def test_unpublished_checkpoint_is_refused(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / publish.INCOMPLETE).write_text("")
+    with pytest.raises(UserError, match="unfinished output"):
+        export.run(export.ExportConfig(src=str(tmp_path / "half"), dst=str(tmp_path / "out")))
+
+
+# ---- processes: the CLI, memory, kills ---------------------------------------------------------
+
+
+def _cli(*args, **popen):
+    return subprocess.Popen([sys.executable, "-m", "llamarl.pipeline.cli", *args], **popen)
+
+
+def test_cli_prints_one_line_error_and_status_2(tmp_path):
+    src = str(tmp_path / "hf")
+    _hf_dir(src)
+    proc = _cli("stage", "shard", src, str(tmp_path / "c"), "--tp", "3", stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2, err
+    assert lines == ["error: tp=3 does not divide num_attention_heads=4; use a tp in [1, 2, 4]"], err
+
+
+@pytest.mark.slow
+def test_peak_memory_per_rank_stays_near_its_share(tmp_path):
+    # ~190 MB of fp32 weights split over 4 ranks (TP2 x PP2): each rank owns about a quarter.
+    src = str(tmp_path / "hf")
+    _hf_dir(src, vocab_size=16000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    total = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src) if f.endswith(".safetensors"))
+    proc = _cli("stage", "shard", src, str(tmp_path / "c"), "--tp", "2", "--pp", "2")
+    assert proc.wait(timeout=300) == 0
+    ranks = publish.read_manifest(str(tmp_path / "c"))["ranks"]
+    margin = 48 << 20  # one source tensor in flight plus the writer's buffers
+    for r in ranks:
+        growth = r["peak_rss_bytes"] - r["rss_before_bytes"]
+        assert r["owned_bytes"] < total / 2.5  # a real share, not the whole model
+        assert growth < r["owned_bytes"] + margin, (r, total)
+
+
+@pytest.mark.slow
+def test_killed_at_random_points_then_rerun_gives_identical_result(tmp_path):
+    src = str(tmp_path / "hf")
+    _hf_dir(src, vocab_size=4000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    rng = random.Random(0)
+    for delay in sorted(rng.uniform(0.5, 6.0) for _ in range(3)):
+        proc = _cli("stage", "shard", src, ckpt, "--tp", "2", start_new_session=True,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        manifest = publish.read_manifest(ckpt)
+        # Either it finished before the kill, or it never looks finished.
+        assert manifest is None or manifest["kind"] == "checkpoint"
+    assert _cli("stage", "shard", src, ckpt, "--tp", "2").wait(timeout=300) == 0
+    assert _cli("stage", "export", ckpt, out).wait(timeout=300) == 0
+    _assert_identical(src, out)
+
+
+def test_memory_filesystem_roundtrip(tmp_path):
+    # fsspec's memory:// lives inside one process: the round trip runs in one process (world 1).
+    script = os.path.join(HERE, "memfs_roundtrip.py")
+    proc = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "IDENTICAL" in proc.stdout, proc.stdout + proc.stderr
