@@ -4,6 +4,8 @@
 * ``Packed``: the valid tokens of all sequences back to back, delimited by ``cu_seqlens``
   (remove-padding). Backends, fastest first: flash-attn's ``flash_attn_varlen_func`` when it
   imports; ``torch.nn.attention.varlen.varlen_attn`` on CUDA; SDPA per sequence on CPU.
+* ``Prefill`` / ``Decode``: generation over a preallocated ``KVCache`` — packed prompts that
+  also fill the cache, then one token per sequence attending over its cache.
 
 All paths take ``q [tokens, heads, head_dim]`` and ``k, v [tokens, kv_heads, head_dim]`` and
 return ``[tokens, heads, head_dim]``; they compute the same function (tested).
@@ -43,13 +45,77 @@ class Packed:
         return int(self.cu_seqlens[-1])
 
 
-Layout = Padded | Packed
+@dataclass
+class KVCache:
+    """Preallocated keys and values, per decoder layer ``[slots, max_len, kv_heads, head_dim]``
+    (this rank's kv heads). A slot holds one sequence being generated."""
+
+    k: dict[int, torch.Tensor]
+    v: dict[int, torch.Tensor]
+
+    @classmethod
+    def allocate(cls, layers, slots: int, max_len: int, kv_heads: int, head_dim: int, dtype, device) -> KVCache:
+        shape = (slots, max_len, kv_heads, head_dim)
+        return cls({i: torch.zeros(shape, dtype=dtype, device=device) for i in layers},
+                   {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers})
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
+@dataclass(frozen=True)
+class Prefill:
+    """Packed prompts (as ``Packed``) whose keys and values are also stored in ``cache`` at
+    ``(slot[t], pos[t])`` for each token t."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    cache: KVCache
+    slot: torch.Tensor  # [N]
+    pos: torch.Tensor  # [N]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One new token for each sequence in ``slots``, which already has ``lengths`` tokens cached."""
+
+    cache: KVCache
+    slots: torch.Tensor  # [B]
+    lengths: torch.Tensor  # [B]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.slots)
+
+
+Layout = Padded | Packed | Prefill | Decode
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, layer: int | None = None) -> torch.Tensor:
+    """``layer`` (the global decoder-layer index) selects the cache of cached layouts."""
     if isinstance(layout, Padded):
         return _padded_sdpa(q, k, v, layout)
+    if isinstance(layout, Prefill):
+        layout.cache.k[layer][layout.slot, layout.pos] = k
+        layout.cache.v[layer][layout.slot, layout.pos] = v
+    if isinstance(layout, Decode):
+        return _decode_sdpa(q, k, v, layout, layer)
     return varlen_attention(q, k, v, layout.cu_seqlens, layout.max_seqlen)
+
+
+def _decode_sdpa(q, k, v, layout: Decode, layer: int) -> torch.Tensor:
+    """Store the new keys/values, then attend each query over its own sequence's cache."""
+    kc, vc = layout.cache.k[layer], layout.cache.v[layer]
+    kc[layout.slots, layout.lengths] = k
+    vc[layout.slots, layout.lengths] = v
+    span = int(layout.lengths.max()) + 1
+    keys = kc[layout.slots, :span].transpose(1, 2)  # [B, kv_heads, span, d]
+    values = vc[layout.slots, :span].transpose(1, 2)
+    allowed = torch.arange(span, device=q.device)[None, :] <= layout.lengths[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed[:, None, None, :],
+                                         enable_gqa=True)
+    return out[:, :, 0, :]
 
 
 def _padded_sdpa(q, k, v, layout: Padded) -> torch.Tensor:

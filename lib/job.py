@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+import typing
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
@@ -25,12 +26,22 @@ EXIT_USER_ERROR = 2
 
 
 def parse_config(cls: type[C], data: dict[str, Any], source: str) -> C:
+    """Build a (possibly nested) config dataclass from a dict, naming unknown or missing options."""
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: expected a mapping of options, got {type(data).__name__}")
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - fields)
     if unknown:
         raise UserError(f"{source}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in data.items():
+        kind = hints.get(name)
+        if dataclasses.is_dataclass(kind) and isinstance(value, dict):
+            value = parse_config(kind, value, f"{source}: {name}")
+        values[name] = value
     try:
-        return cls(**data)
+        return cls(**values)
     except TypeError as e:
         raise UserError(f"{source}: {e}") from None
 

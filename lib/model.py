@@ -47,7 +47,7 @@ class ParallelAttention(nn.Module):
                                              sequence_parallel=sp, dtype=dtype)
         self.o_proj = RowParallelLinear(self.q_rows, cfg.hidden_size, bias=bias, sequence_parallel=sp, dtype=dtype)
 
-    def forward(self, x, cos, sin, layout):
+    def forward(self, x, cos, sin, layout, layer: int):
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
         if self.kv_replicas > 1:
             w = mappings.sum_replicated_kv_grad(w, self.q_rows, self.kv_head, self.num_kv_heads)
@@ -58,7 +58,7 @@ class ParallelAttention(nn.Module):
         q = apply_rotary(q.reshape(-1, self.heads, self.head_dim), cos, sin)
         k = apply_rotary(k.reshape(-1, self.kv_heads, self.head_dim), cos, sin)
         v = v.reshape(-1, self.kv_heads, self.head_dim)
-        out = attention(q, k, v, layout)
+        out = attention(q, k, v, layout, layer)
         return self.o_proj(out.reshape(-1, self.q_rows))
 
 
@@ -75,15 +75,16 @@ class ParallelMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, sp: bool, dtype: torch.dtype):
+    def __init__(self, cfg: LlamaConfig, index: int, sp: bool, dtype: torch.dtype):
         super().__init__()
+        self.index = index  # global layer index: names this layer's KV cache
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype)
         self.self_attn = ParallelAttention(cfg, sp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype)
         self.mlp = ParallelMLP(cfg, sp, dtype)
 
     def forward(self, x, cos, sin, layout):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, self.index)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -100,7 +101,7 @@ class ParallelLlamaModel(nn.Module):
             if topo.is_first_stage else None
         )
         # Keyed by global layer index, so parameter names do not depend on the pipeline split.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, sp, dtype) for i in self.layer_range})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, sp, dtype) for i in self.layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype) if topo.is_last_stage else None
         self.rotary = RotaryEmbedding(cfg)
 
@@ -147,7 +148,8 @@ class ParallelLlama(nn.Module):
 
     def forward(self, batch: TokenBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage: hidden states out of an inner stage (this rank's tokens under SP), the
-        head's per-token output out of the last."""
+        head's per-token output out of the last. ``batch`` is a ``TokenBatch`` or any object with
+        ``input_ids``, ``positions`` and an attention ``layout`` (generation steps)."""
         hidden = self.model(batch, hidden)
         return self._head(hidden, batch) if parallel.topology().is_last_stage else hidden
 

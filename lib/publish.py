@@ -80,28 +80,44 @@ def require_published(root: str, kind: str | None = None) -> dict:
     return manifest
 
 
-def prepare(root: str, is_current: Callable[[dict], bool]) -> bool:
-    """Get ``root`` ready for writing. Returns False when it already holds a published output
-    that ``is_current`` accepts (nothing to do). Clears our own unfinished output; refuses to
-    touch a different published output or a directory that is not ours."""
+def prepare(root: str, is_current: Callable[[dict], bool], request: dict | None = None) -> str:
+    """Get ``root`` ready for writing; returns what to do:
+
+    * ``"skip"``: it already holds a published output that ``is_current`` accepts;
+    * ``"resume"``: it holds our unfinished output of the same ``request`` (recorded in the
+      marker): keep the parts already published inside it;
+    * ``"fresh"``: start from an empty directory (our unfinished output of another request is
+      cleared).
+
+    Refuses to touch a different published output or a directory that is not ours."""
     fs, path = _fs(root)
     manifest = read_manifest(root)
     if manifest is not None:
         if is_current(manifest):
-            return False
+            return "skip"
         raise PublishError(
             f"{root} already holds a different published output ({manifest.get('kind')}, made "
             f"{manifest.get('created')}); choose another destination or delete it"
         )
+    marker = f"{path}/{INCOMPLETE}"
+    wanted = json.dumps(request, sort_keys=True) if request is not None else None
     if fs.exists(path) and fs.ls(path, detail=False):
-        if not fs.exists(f"{path}/{INCOMPLETE}"):
+        if not fs.exists(marker):
             raise PublishError(f"{root} exists and is not a llamarl output; refusing to overwrite it — choose an empty destination")
+        if wanted is not None and fs.cat_file(marker).decode() == wanted:
+            return "resume"
         for entry in fs.ls(path, detail=False):
             if entry.rstrip("/").rsplit("/", 1)[-1] != INCOMPLETE:
                 fs.rm(entry, recursive=True)
     fs.makedirs(path, exist_ok=True)
-    fs.pipe_file(f"{path}/{INCOMPLETE}", b"")
-    return True
+    fs.pipe_file(marker, (wanted or "").encode())
+    return "fresh"
+
+
+def output_id(root: str) -> str:
+    """A short id of a published output: the hash of its manifest (which hashes every file)."""
+    fs, path = _fs(root)
+    return hashlib.sha256(fs.cat_file(f"{path}/{MANIFEST}")).hexdigest()[:16]
 
 
 def publish(root: str, manifest: dict) -> None:

@@ -50,6 +50,34 @@ def export(
     typer.echo(dst)
 
 
+def _options(config: str | None) -> dict:
+    if not config:
+        return {}
+    import yaml
+
+    with open(config) as f:
+        return yaml.safe_load(f) or {}
+
+
+@stage_app.command("rollout")
+def rollout(
+    actor: str = typer.Argument(..., help="Published actor checkpoint."),
+    prompts: str = typer.Argument(..., help="Parquet or JSONL prompts (file or folder, any fsspec URL)."),
+    out: str = typer.Argument(..., help="Output folder for the Parquet parts."),
+    tp: int = typer.Option(1, help="Tensor-parallel size."),
+    dp: int = typer.Option(1, help="Data-parallel groups (processes = tp × dp)."),
+    config: str = typer.Option(None, help="YAML with further options (sampling, columns, chunk_size…)."),
+):
+    """Actor + prompts → responses with log-probs (Parquet parts, resumable)."""
+    from llamarl.lib.job import parse_config
+    from llamarl.stages.rollout import RolloutConfig
+
+    cfg = parse_config(RolloutConfig, {**_options(config), "actor": actor, "prompts": prompts, "out": out, "tp": tp, "dp": dp},
+                       config or "options")
+    _run_local("rollout", cfg, tp * dp)
+    typer.echo(out)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())
 

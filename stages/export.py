@@ -110,7 +110,7 @@ def run(cfg: ExportConfig) -> None:
     todo, error = None, None
     if rank == 0:
         try:
-            todo = publish.prepare(dst, lambda m: all(m.get(k) == v for k, v in expect.items()))
+            todo = publish.prepare(dst, lambda m: all(m.get(k) == v for k, v in expect.items())) != "skip"
         except UserError as e:
             error = str(e)
     job.check(error)

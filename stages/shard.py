@@ -145,7 +145,7 @@ def run(cfg: ShardConfig) -> None:
     todo, error = None, None
     if rank == 0:
         try:
-            todo = publish.prepare(dst, is_current)
+            todo = publish.prepare(dst, is_current) != "skip"
         except UserError as e:
             error = str(e)
     job.check(error)

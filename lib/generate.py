@@ -1,0 +1,148 @@
+"""Generation on lib/'s CausalLM: bucketed batches, packed prefill, KV-cache decode, sampling.
+
+Prompts are sorted by length and cut into batches of at most ``max_batch`` sequences. Each batch
+allocates a KV cache for its longest prompt plus ``max_new_tokens``, prefills all prompts in one
+packed (remove-padding) forward, then decodes one token per unfinished sequence per step;
+sequences leave the step as they stop. Under TP every rank runs the same steps and draws the same
+tokens (identical gathered logits, identically seeded generator).
+
+Sampling needs the whole distribution of the rows being sampled, so the *last* position of each
+active sequence is gathered over TP (``[batch, vocab]``, never ``[tokens, vocab]``).
+The log-prob returned for each sampled token is under ``softmax(logits / temperature)`` —
+temperature 1 for greedy — without top-k / top-p truncation: the distribution PPO trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import parallel
+from .attention import Decode, KVCache, Prefill
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()  # EOS and any other stop tokens
+
+    def check(self) -> None:
+        from .errors import UserError
+
+        if self.temperature < 0:
+            raise UserError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise UserError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+
+@dataclass
+class Completion:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" (a stop token, included) or "length"
+
+
+@dataclass(frozen=True)
+class _Step:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    layout: Prefill | Decode
+
+
+def gather_vocab(local_logits: torch.Tensor) -> torch.Tensor:
+    """``[rows, vocab / tp]`` → ``[rows, padded vocab]`` (sampling rows only)."""
+    topo = parallel.topology()
+    if topo.tp == 1:
+        return local_logits
+    parts = [torch.empty_like(local_logits) for _ in range(topo.tp)]
+    dist.all_gather(parts, local_logits.contiguous(), group=parallel.tp_group())
+    return torch.cat(parts, dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of full-vocabulary ``logits``; returns (tokens, fp32 log-probs)."""
+    x = logits.float()
+    greedy = params.temperature == 0
+    if not greedy:
+        x = x / params.temperature
+    logp = torch.log_softmax(x, dim=-1)
+    if greedy:
+        tokens = x.argmax(-1)
+    else:
+        filtered = x
+        if params.top_k:
+            kth = torch.topk(filtered, min(params.top_k, x.shape[-1]), dim=-1).values[:, -1:]
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_x, order = torch.sort(filtered, dim=-1, descending=True)
+            probs = torch.softmax(sorted_x, dim=-1)
+            # Drop a token when the mass before it already reaches top_p (the first always stays).
+            drop = probs.cumsum(-1) - probs >= params.top_p
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+            filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_x)
+        probs = torch.softmax(filtered, dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None,
+             *, max_batch: int = 64, on_tokens=None) -> list[Completion]:
+    """Complete every prompt (a list of token ids). ``on_tokens(n)`` reports progress."""
+    params.check()
+    out: list[Completion | None] = [None] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    for b in range(0, len(order), max_batch):
+        idx = order[b : b + max_batch]
+        for i, c in zip(idx, _generate_batch(model, [prompts[i] for i in idx], params, generator, on_tokens)):
+            out[i] = c
+    return out
+
+
+def _generate_batch(model, prompts, params, generator, on_tokens) -> list[Completion]:
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("a prompt has no tokens")
+    dev = next(model.parameters()).device
+    attn = model.model.layers[str(model.model.layer_range[0])].self_attn
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    cache = KVCache.allocate(model.model.layer_range, len(prompts), int(lens.max()) + params.max_new_tokens,
+                             attn.kv_heads, attn.head_dim, model.dtype, dev)
+    stop = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], device=dev)
+
+    ids = torch.tensor([t for p in prompts for t in p], device=dev)
+    slot = torch.repeat_interleave(torch.arange(len(prompts), device=dev), lens)
+    cu = torch.zeros(len(prompts) + 1, dtype=torch.int32, device=dev)
+    cu[1:] = lens.cumsum(0)
+    pos = torch.arange(len(ids), device=dev) - cu[:-1].long().repeat_interleave(lens)
+    logits = model(_Step(ids, pos, Prefill(cu, int(lens.max()), cache, slot, pos)))
+    logits = logits[cu[1:].long() - 1]
+
+    done = [Completion() for _ in prompts]
+    active = torch.arange(len(prompts), device=dev)
+    lengths = lens.clone()
+    while True:
+        tokens, logps = sample(gather_vocab(logits), params, generator)
+        if on_tokens is not None:
+            on_tokens(len(active))
+        stopped = torch.isin(tokens, stop)
+        for j, s in enumerate(active.tolist()):
+            c = done[s]
+            c.tokens.append(int(tokens[j]))
+            c.logprobs.append(float(logps[j]))
+            if bool(stopped[j]):
+                c.finish_reason = "stop"
+        keep = ~stopped & torch.tensor([len(done[s].tokens) < params.max_new_tokens for s in active.tolist()], device=dev)
+        if not keep.any():
+            return done
+        active, tokens = active[keep], tokens[keep]
+        logits = model(_Step(tokens, lengths[active], Decode(cache, active, lengths[active])))
+        lengths[active] += 1

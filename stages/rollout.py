@@ -1,0 +1,323 @@
+"""Stage rollout: sample responses from the actor for a prompts dataset; write Parquet parts.
+
+Run with tp × dp processes (``llamarl stage rollout ACTOR PROMPTS OUT --tp T --dp D``). The
+prompts (Parquet or JSONL, a file or a folder, any fsspec URL) are read as a stream and cut into
+chunks of ``chunk_size`` rows; chunk c goes to data-parallel group c mod dp. Each chunk becomes
+one part file, published atomically (written under a temporary name, then renamed), so a rerun
+skips the chunks already published and nobody ever reads a partial part. The manifest comes last.
+
+Sampling is seeded per chunk (``seed`` and the chunk's index), so a chunk's samples do not depend
+on the number of DP groups or on which chunks ran before it. Formats: docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import time
+from dataclasses import dataclass, field
+
+import fsspec
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+
+from llamarl.lib import checkpoint, job, parallel, publish
+from llamarl.lib import tokenizer as toklib
+from llamarl.lib.config import LlamaConfig, ParallelLayout
+from llamarl.lib.errors import UserError
+from llamarl.lib.generate import SamplingParams, generate
+
+SCHEMA = pa.schema([
+    ("prompt_id", pa.string()),
+    ("sample_index", pa.int32()),
+    ("prompt", pa.string()),
+    ("prompt_token_ids", pa.list_(pa.int32())),
+    ("response", pa.string()),
+    ("response_token_ids", pa.list_(pa.int32())),
+    ("response_logprobs", pa.list_(pa.float32())),
+    ("finish_reason", pa.string()),
+])
+
+
+@dataclass(kw_only=True)
+class Sampling:
+    samples_per_prompt: int = 1
+    """Responses drawn for each prompt (GRPO-style groups need several)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 = off."""
+    max_new_tokens: int = 256
+    """Longest response."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Stop tokens besides the checkpoint's EOS."""
+    seed: int = 0
+    """Sampling seed (mixed with each chunk's index)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    actor: str
+    """Published actor checkpoint (from shard or ppo)."""
+    prompts: str
+    """Parquet or JSONL prompts: a file or a folder of them, any fsspec URL."""
+    out: str
+    """Output folder for the Parquet parts."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt: text, or chat messages [{role, content}, ...]."""
+    id_column: str | None = None
+    """Column holding a prompt id; default: the row number."""
+    keep_columns: list[str] = field(default_factory=list)
+    """Prompt columns copied into every output row (e.g. a reference answer for rewards)."""
+    chat_template: str = "auto"
+    """auto: apply the tokenizer's chat template if it has one; never; always."""
+    max_prompt_tokens: int | None = None
+    """Longer prompts keep their last tokens (counted as truncated in the manifest)."""
+    sampling: Sampling = field(default_factory=Sampling)
+    tp: int = 1
+    """Tensor-parallel size; processes = tp × dp."""
+    dp: int = 1
+    """Data-parallel groups, each taking every dp-th chunk."""
+    chunk_size: int = 64
+    """Prompts per part file (the unit of resumption)."""
+    max_batch: int = 64
+    """Sequences decoded together."""
+    dtype: str = "auto"
+    """Compute dtype: bf16 | fp32 | auto (bf16 on GPU, fp32 on CPU)."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if name not in table:
+        raise UserError(f"dtype={name!r}: use bf16, fp16, fp32 or auto")
+    return table[name]
+
+
+def open_prompts(url: str) -> pads.Dataset:
+    """The prompts as a pyarrow dataset (streamed, never loaded whole)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not fs.exists(path):
+        raise UserError(f"{url}: no such file or folder; check the prompts path")
+    files = [path] if fs.isfile(path) else sorted(fs.find(path))
+    parquet = [f for f in files if f.endswith(".parquet")]
+    jsonl = [f for f in files if f.endswith((".jsonl", ".json"))]
+    if parquet and jsonl:
+        raise UserError(f"{url}: mixes Parquet and JSONL files; keep one format per dataset")
+    if not parquet and not jsonl:
+        raise UserError(f"{url}: no .parquet, .jsonl or .json files; give prompts as Parquet or JSON lines")
+    try:
+        return pads.dataset(parquet or jsonl, format="parquet" if parquet else "json", filesystem=fs)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise UserError(f"{url}: cannot be read as {'Parquet' if parquet else 'JSON lines'} ({e})") from None
+
+
+def iter_chunks(ds: pads.Dataset, chunk_size: int, columns: list[str], mine):
+    """(chunk index, rows as a list of dicts, first row number) for the chunks ``mine(c)`` accepts,
+    reading the dataset once in order with bounded memory."""
+    pending, start, c = [], 0, 0
+    for batch in ds.to_batches(columns=columns):
+        for row in batch.to_pylist():
+            pending.append(row)
+            if len(pending) == chunk_size:
+                if mine(c):
+                    yield c, pending, start
+                c, start, pending = c + 1, start + chunk_size, []
+    if pending and mine(c):
+        yield c, pending, start
+
+
+def part_name(c: int) -> str:
+    return f"part-{c:06d}.parquet"
+
+
+def run(cfg: RolloutConfig) -> None:
+    actor = cfg.actor.rstrip("/")
+    out = cfg.out.rstrip("/")
+    manifest = publish.require_published(actor, "checkpoint")
+    if manifest["head"] != "lm":
+        raise UserError(f"{actor} is a {manifest['head']} model; rollout needs a causal LM actor")
+    model_cfg = LlamaConfig.from_dict(manifest["model_config"])
+    layout = ParallelLayout(tp=cfg.tp, pp=1, remove_padding=True)
+    layout.check(model_cfg)
+    s = cfg.sampling
+    if s.samples_per_prompt < 1 or cfg.chunk_size < 1 or cfg.max_batch < 1:
+        raise UserError("samples_per_prompt, chunk_size and max_batch must be >= 1")
+    dtype = _dtype(cfg.dtype)
+    tok = toklib.load(actor)
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                            stop_token_ids=tuple(sorted(set(toklib.stop_token_ids(actor, tok)) | set(s.stop_token_ids))))
+    params.check()
+    ds = open_prompts(cfg.prompts)
+    columns = [cfg.prompt_column] + ([cfg.id_column] if cfg.id_column else []) + list(cfg.keep_columns)
+    missing = [c for c in columns if c not in ds.schema.names]
+    if missing:
+        raise UserError(f"{cfg.prompts}: no column(s) {', '.join(missing)}; it has {', '.join(ds.schema.names)}")
+
+    topo = parallel.init(cfg.tp, 1)
+    if topo.dp != cfg.dp:
+        raise UserError(f"rollout runs with tp*dp = {cfg.tp * cfg.dp} processes, not {dist.get_world_size()}")
+    rank = dist.get_rank()
+    actor_id = publish.output_id(actor)
+    request = {"kind": "rollout", "actor": actor, "actor_id": actor_id, "prompts": cfg.prompts,
+               "config": dataclasses.asdict(cfg) | {"out": None, "tp": None, "dp": None}}
+
+    decision, error = None, None
+    if rank == 0:
+        try:
+            decision = publish.prepare(out, lambda m: m.get("request") == request, request)
+        except UserError as e:
+            error = str(e)
+    job.check(error)
+    flag = [decision]
+    dist.broadcast_object_list(flag, src=0)
+    if flag[0] == "skip":
+        if rank == 0:
+            print(f"{out}: already rolled out with this actor and config, nothing to do", flush=True)
+        return
+
+    fs, out_path = fsspec.core.url_to_fs(out)
+    done = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{out_path}/parts", detail=False)} if fs.exists(f"{out_path}/parts") else set()
+
+    model = _build_actor(model_cfg, layout, dtype, parallel.device())
+    checkpoint.load_model(model, f"{actor}/model")
+    model.eval()
+
+    meta = {"actor": actor, "actor_id": actor_id, "sampling": json.dumps(dataclasses.asdict(s)), "seed": str(s.seed),
+            "tp": str(cfg.tp), "dtype": str(dtype).removeprefix("torch.")}
+    progress = _Progress(enabled=rank == 0)
+    stats = {"chunks": 0, "rows": 0, "truncated_prompts": 0, "new_tokens": 0, "skipped_chunks": 0}
+    writer = topo.tp_rank == 0
+    t0 = time.perf_counter()
+    for c, rows, first in iter_chunks(ds, cfg.chunk_size, columns, lambda c: c % topo.dp == topo.dp_rank):
+        if part_name(c) in done:
+            stats["skipped_chunks"] += 1
+            continue
+        table, chunk_stats = _rollout_chunk(model, tok, cfg, params, c, rows, first, progress)
+        for k, v in chunk_stats.items():
+            stats[k] += v
+        if writer:
+            _publish_part(fs, out_path, c, table, meta)
+        stats["chunks"] += 1
+    elapsed = time.perf_counter() - t0
+    progress.close()
+
+    all_stats: list = [None] * dist.get_world_size()
+    dist.all_gather_object(all_stats, stats if writer else None)
+    dist.barrier()
+    if rank == 0:
+        parts = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{out_path}/parts", detail=False) if p.endswith(".parquet"))
+        totals = {k: sum(s_[k] for s_ in all_stats if s_) for k in stats}
+        expected = -(-ds.count_rows() // cfg.chunk_size)
+        if len(parts) != expected:
+            raise RuntimeError(f"{out}: {len(parts)} parts published, {expected} expected")
+        files = {f"parts/{p}": publish.file_entry(f"{out}/parts/{p}") for p in parts}
+        rows = sum(pq.ParquetFile(fs.open(f"{out_path}/parts/{p}")).metadata.num_rows for p in parts)
+        publish.publish(out, {"kind": "rollout", "request": request, "files": files, "rows": rows,
+                              "schema": SCHEMA.names + list(cfg.keep_columns), "stats": totals,
+                              "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None})
+        print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "
+              f"{totals['truncated_prompts']} prompts truncated)", flush=True)
+    dist.barrier()
+
+
+def _build_actor(model_cfg, layout, dtype, device):
+    from llamarl.lib.model import ParallelLlamaForCausalLM
+
+    with torch.device(device):
+        return ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
+
+
+def _chunk_generator(seed: int, chunk: int, device) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{chunk}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def _rollout_chunk(model, tok, cfg: RolloutConfig, params, c, rows, first, progress):
+    s = cfg.sampling
+    prompts, truncated = [], 0
+    for row in rows:
+        ids = toklib.encode_prompt(tok, row[cfg.prompt_column], cfg.chat_template)
+        if cfg.max_prompt_tokens and len(ids) > cfg.max_prompt_tokens:
+            ids, truncated = ids[-cfg.max_prompt_tokens:], truncated + 1
+        if not ids:
+            raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has an empty prompt; remove it")
+        prompts.append(ids)
+    expanded = [p for p in prompts for _ in range(s.samples_per_prompt)]
+    gen = _chunk_generator(s.seed, c, parallel.device())
+    completions = generate(model, expanded, params, gen, max_batch=cfg.max_batch, on_tokens=progress.tokens)
+    progress.chunk_done()
+    cols: dict[str, list] = {n: [] for n in SCHEMA.names}
+    extra: dict[str, list] = {k: [] for k in cfg.keep_columns}
+    for i, comp in enumerate(completions):
+        row, k = rows[i // s.samples_per_prompt], i % s.samples_per_prompt
+        cols["prompt_id"].append(str(row[cfg.id_column]) if cfg.id_column else str(first + i // s.samples_per_prompt))
+        cols["sample_index"].append(k)
+        cols["prompt"].append(toklib.render_prompt(row[cfg.prompt_column]))
+        cols["prompt_token_ids"].append(expanded[i])
+        cols["response"].append(tok.decode(comp.tokens, skip_special_tokens=True))
+        cols["response_token_ids"].append(comp.tokens)
+        cols["response_logprobs"].append(comp.logprobs)
+        cols["finish_reason"].append(comp.finish_reason)
+        for key in cfg.keep_columns:
+            extra[key].append(row[key])
+    table = pa.Table.from_pydict(cols, schema=SCHEMA)
+    for key, values in extra.items():
+        table = table.append_column(key, pa.array(values))
+    return table, {"rows": len(completions), "truncated_prompts": truncated,
+                   "new_tokens": sum(len(x.tokens) for x in completions)}
+
+
+def _publish_part(fs, out_path, c, table, meta) -> None:
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **{k.encode(): v.encode() for k, v in meta.items()}})
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    final = f"{out_path}/parts/{part_name(c)}"
+    tmp = f"{out_path}/parts/.{part_name(c)}.tmp"
+    fs.makedirs(f"{out_path}/parts", exist_ok=True)
+    fs.pipe_file(tmp, buf.getvalue())
+    fs.mv(tmp, final)  # the part appears whole or not at all
+
+
+class _Progress:
+    """A progress line on rank 0: chunks done and new tokens per second."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.count, self.chunks, self.t0 = 0, 0, time.perf_counter()
+        self._bar = None
+        if enabled:
+            from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("rollout"), TextColumn("{task.fields[chunks]} chunks"),
+                                 TextColumn("{task.completed} new tokens"), TextColumn("{task.fields[rate]} tok/s"),
+                                 TimeElapsedColumn(), transient=False)
+            self._task = self._bar.add_task("rollout", total=None, chunks=0, rate="-")
+            self._bar.start()
+
+    def tokens(self, n: int) -> None:
+        self.count += n
+        if self._bar:
+            rate = self.count / max(time.perf_counter() - self.t0, 1e-9)
+            self._bar.update(self._task, completed=self.count, rate=f"{rate:,.0f}")
+
+    def chunk_done(self) -> None:
+        self.chunks += 1
+        if self._bar:
+            self._bar.update(self._task, chunks=self.chunks)
+
+    def close(self) -> None:
+        if self._bar:
+            self._bar.stop()
+
+
+if __name__ == "__main__":
+    job.main(RolloutConfig, run)
