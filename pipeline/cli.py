@@ -78,6 +78,27 @@ def rollout(
     typer.echo(out)
 
 
+@stage_app.command("score")
+def score(
+    rollout: str = typer.Argument(..., help="Published rollout folder."),
+    out: str = typer.Argument(..., help="Output folder for the scores."),
+    rm: str = typer.Option(None, "--rm", help="Published reward-model checkpoint (for the 'rm' term)."),
+    tp: int = typer.Option(1, help="Tensor-parallel size."),
+    pp: int = typer.Option(1, help="Pipeline-parallel size."),
+    dp: int = typer.Option(1, help="Data-parallel groups (processes = tp × pp × dp)."),
+    config: str = typer.Option(None, help="YAML with further options (rewards, references, max_length…)."),
+):
+    """Rollout → scores from a reward model and/or rule-based rewards (Parquet, resumable)."""
+    from llamarl.lib.job import parse_config
+    from llamarl.stages.score import ScoreConfig
+
+    opts = {**_options(config), "rollout": rollout, "out": out, "tp": tp, "pp": pp, "dp": dp}
+    if rm:
+        opts["reward_model"] = rm
+    _run_local("score", parse_config(ScoreConfig, opts, config or "options"), tp * pp * dp)
+    typer.echo(out)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())
 

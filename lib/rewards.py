@@ -1,0 +1,58 @@
+"""Rule-based rewards: functions of a response (and its row) chosen by name in the score config.
+
+A rule is ``fn(response: str, row: dict, **args) -> float``. Built in: ``exact_match``,
+``contains``, ``regex``, ``length``. Any importable function works too, named as
+``package.module:function``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Callable
+
+from .errors import UserError
+
+Rule = Callable[..., float]
+
+
+def _normalize(text: str) -> str:
+    return " ".join(str(text).lower().split()).strip(" .!?")
+
+
+def exact_match(response: str, row: dict, column: str = "answer", normalize: bool = True) -> float:
+    """1 if the response equals the row's reference (case, spacing and final punctuation ignored)."""
+    ref = row[column]
+    return float(_normalize(response) == _normalize(ref) if normalize else response == ref)
+
+
+def contains(response: str, row: dict, column: str = "answer") -> float:
+    """1 if the row's reference appears in the response (case-insensitive)."""
+    return float(_normalize(row[column]) in _normalize(response))
+
+
+def regex(response: str, row: dict, pattern: str, full: bool = False) -> float:
+    """1 if the response matches ``pattern`` (anywhere, or whole with ``full``)."""
+    return float(bool((re.fullmatch if full else re.search)(pattern, response, flags=re.DOTALL)))
+
+
+def length(response: str, row: dict, target: int = 64, scale: float = 64.0, unit: str = "tokens") -> float:
+    """``-|length - target| / scale``; length in response tokens (``unit: tokens``) or characters."""
+    n = len(row["response_token_ids"]) if unit == "tokens" else len(response)
+    return -abs(n - target) / scale
+
+
+BUILTIN: dict[str, Rule] = {"exact_match": exact_match, "contains": contains, "regex": regex, "length": length}
+
+
+def resolve(name: str) -> Rule:
+    """A rule by built-in name or ``module:function`` path."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" in name:
+        module, func = name.split(":", 1)
+        try:
+            return getattr(importlib.import_module(module), func)
+        except (ImportError, AttributeError) as e:
+            raise UserError(f"reward rule {name!r} cannot be imported ({e}); check the module path") from None
+    raise UserError(f"unknown reward rule {name!r}; use 'rm', one of {', '.join(BUILTIN)}, or 'module:function'")

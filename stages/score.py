@@ -1,0 +1,321 @@
+"""Stage score: reward-model scores and rule-based rewards for each rollout row.
+
+Run with tp × pp × dp processes (``llamarl stage score ROLLOUT OUT --rm RM``). Every rollout
+part becomes one scores part (the unit of resumption), data-parallel groups taking every dp-th.
+
+The reward model (``ParallelLlamaForScore``: a Llama with a one-label score head, sharded from an
+HF ``LlamaForSequenceClassification``) reads prompt + response. When its tokenizer differs from
+the actor's (by content: ``lib.tokenizer.fingerprint``), the response is decoded from the actor's
+tokens and the conversation is encoded again with the RM's tokenizer and chat template; the
+prompt is cut from the left to ``max_length``. With the same tokenizer the token ids are reused.
+Between parts the RM's parameters wait in host memory (``offload``).
+
+The total score is ``Σ weight × term`` over ``rewards`` (``rm`` or a rule of ``lib.rewards``).
+Inputs are checked before anything is written; a NaN or infinite score stops the stage before
+its part is written. Formats: docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+from dataclasses import dataclass, field
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+
+from llamarl.lib import checkpoint, job, parallel, pipeline, publish, rewards
+from llamarl.lib import tokenizer as toklib
+from llamarl.lib.config import LlamaConfig, ParallelLayout
+from llamarl.lib.errors import UserError
+from llamarl.lib.offload import ParamOffload
+
+REQUIRED = ("prompt_id", "sample_index", "prompt", "prompt_token_ids", "response_token_ids")
+
+
+@dataclass(kw_only=True)
+class RewardTerm:
+    name: str
+    """``rm`` (the reward model), a built-in rule (exact_match, contains, regex, length) or module:function."""
+    weight: float = 1.0
+    """Weight of this term in the total score."""
+    args: dict = field(default_factory=dict)
+    """Options of the rule, e.g. {column: answer} or {pattern: '^yes'}."""
+
+
+@dataclass(kw_only=True)
+class ScoreConfig:
+    rollout: str
+    """Published rollout folder."""
+    out: str
+    """Output folder for the scores parts."""
+    reward_model: str | None = None
+    """Published reward-model checkpoint (head 'score'); needed when a term is 'rm'."""
+    rewards: list[RewardTerm] = field(default_factory=lambda: [RewardTerm(name="rm")])
+    """Terms of the total score."""
+    references: str | None = None
+    """Optional Parquet/JSONL with prompt_id and reference columns for rules, joined on prompt_id."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 16
+    """Sequences per RM forward."""
+    max_length: int | None = None
+    """Longest RM input; default: the RM's max_position_embeddings."""
+    chat_template: str = "auto"
+    """auto: use the RM tokenizer's chat template when re-tokenizing, if it has one; never."""
+    offload: bool = True
+    """Keep the RM's parameters in host memory between parts."""
+    dtype: str = "auto"
+    """bf16 | fp32 | auto (bf16 on GPU, fp32 on CPU)."""
+
+
+# ---- re-tokenization ---------------------------------------------------------------------------
+
+
+def rm_inputs(rows: list[dict], actor_tok, rm_tok, max_length: int, chat_template: str = "auto") -> tuple[list[list[int]], int]:
+    """RM token ids for each rollout row, and how many rows had their prompt cut."""
+    same = toklib.fingerprint(actor_tok) == toklib.fingerprint(rm_tok)
+    use_template = bool(getattr(rm_tok, "chat_template", None)) and chat_template != "never"
+    out, truncated = [], 0
+    for row in rows:
+        if same:
+            prompt, response = list(row["prompt_token_ids"]), list(row["response_token_ids"])
+        else:
+            text = actor_tok.decode(row["response_token_ids"], skip_special_tokens=True)
+            prompt, response = _encode_conversation(rm_tok, row["prompt"], text, use_template)
+        if len(prompt) + len(response) > max_length:
+            truncated += 1
+            keep = max(max_length - len(response), 0)
+            prompt = prompt[len(prompt) - keep:] if keep else []
+            response = response[-max_length:]
+        out.append(prompt + response)
+    return out, truncated
+
+
+def _encode_conversation(tok, prompt: str, response: str, use_template: bool) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) as the RM's tokenizer makes them of the decoded conversation."""
+    messages = _messages(prompt)
+    if use_template:
+        full = tok.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
+        head = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tok(full, add_special_tokens=False)["input_ids"]
+        n = len(tok(head, add_special_tokens=False)["input_ids"]) if full.startswith(head) else 0
+        return ids[:n], ids[n:]
+    text = "\n".join(m["content"] for m in messages)
+    p = tok(text, add_special_tokens=True)["input_ids"]
+    return p, tok(response, add_special_tokens=False)["input_ids"]
+
+
+def _messages(prompt: str) -> list[dict]:
+    if prompt.startswith("["):
+        try:
+            value = json.loads(prompt)
+            if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+                return value
+        except json.JSONDecodeError:
+            pass
+    return [{"role": "user", "content": prompt}]
+
+
+# ---- the reward model --------------------------------------------------------------------------
+
+
+def score_sequences(model, seqs: list[list[int]], micro_batch: int, padding_side: str = "right") -> list[float] | None:
+    """The RM's score for each sequence; None on ranks that are not the last pipeline stage."""
+    dev = next(model.parameters()).device
+    batches = []
+    for i in range(0, len(seqs), micro_batch):
+        group = seqs[i : i + micro_batch]
+        width = max(len(s) for s in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for j, s in enumerate(group):
+            sl = slice(width - len(s), width) if padding_side == "left" else slice(0, len(s))
+            ids[j, sl], mask[j, sl] = torch.tensor(s), 1
+        batches.append(model.make_batch(ids.to(dev), mask.to(dev)))
+    outs = pipeline.forward(model, batches)
+    if not parallel.topology().is_last_stage:
+        return None
+    return [float(x) for o in outs for x in o.float().cpu()]
+
+
+# ---- the stage ---------------------------------------------------------------------------------
+
+
+def _read_part(fs, path) -> pa.Table:
+    with fs.open(path, "rb") as f:
+        return pq.read_table(f)
+
+
+def _load_references(url: str) -> dict[str, dict]:
+    import pyarrow.dataset as pads
+
+    fs, path = fsspec.core.url_to_fs(url)
+    if not fs.exists(path):
+        raise UserError(f"{url}: no such file; check the references path")
+    fmt = "parquet" if path.endswith(".parquet") else "json"
+    table = pads.dataset(path, format=fmt, filesystem=fs).to_table()
+    if "prompt_id" not in table.column_names:
+        raise UserError(f"{url}: needs a prompt_id column to be joined with the rollout")
+    rows = table.to_pylist()
+    return {str(r["prompt_id"]): r for r in rows}
+
+
+def _check_inputs(cfg: ScoreConfig, rollout: str, fs, parts: list[str], refs) -> None:
+    """Columns, keys and references of every part, before any work (metadata and keys only)."""
+    seen: set = set()
+    for p in parts:
+        schema = pq.read_schema(fs.open(f"{p}"))
+        missing = [c for c in REQUIRED if c not in schema.names]
+        if missing:
+            raise UserError(f"{rollout}/parts/{p.rsplit('/', 1)[-1]}: missing column(s) {', '.join(missing)}; "
+                            "score reads rollout outputs")
+        keys = pq.read_table(fs.open(p), columns=["prompt_id", "sample_index"]).to_pylist()
+        for k in keys:
+            key = (k["prompt_id"], k["sample_index"])
+            if key in seen:
+                raise UserError(f"{rollout}: key {key} appears twice; the rollout is inconsistent, rerun it")
+            seen.add(key)
+            if refs is not None and k["prompt_id"] not in refs:
+                raise UserError(f"{cfg.references}: no row for prompt_id {k['prompt_id']!r} of the rollout; "
+                                "every rollout prompt needs a reference")
+
+
+def run(cfg: ScoreConfig) -> None:
+    rollout, out = cfg.rollout.rstrip("/"), cfg.out.rstrip("/")
+    manifest = publish.require_published(rollout, "rollout")
+    fs, rollout_path = fsspec.core.url_to_fs(rollout)
+    parts = sorted(f"{rollout_path}/{k}" for k in manifest["files"] if k.startswith("parts/"))
+    terms = [t if isinstance(t, RewardTerm) else RewardTerm(**t) for t in cfg.rewards]
+    if not terms:
+        raise UserError("rewards is empty; give at least one term (rm or a rule)")
+    rules = {t.name: rewards.resolve(t.name) for t in terms if t.name != "rm"}
+    use_rm = any(t.name == "rm" for t in terms)
+    if use_rm and not cfg.reward_model:
+        raise UserError("a reward term is 'rm' but no reward_model is given; pass --rm or drop the term")
+    refs = _load_references(cfg.references) if cfg.references else None
+    _check_inputs(cfg, rollout, fs, parts, refs)
+
+    rm_cfg = rm_manifest = None
+    if use_rm:
+        rm_manifest = publish.require_published(cfg.reward_model, "checkpoint")
+        if rm_manifest["head"] != "score":
+            raise UserError(f"{cfg.reward_model} is a {rm_manifest['head']} model; a reward model has a score head "
+                            "(shard an HF LlamaForSequenceClassification with num_labels=1)")
+        rm_cfg = LlamaConfig.from_dict(rm_manifest["model_config"])
+        ParallelLayout(tp=cfg.tp, pp=cfg.pp).check(rm_cfg)
+
+    topo = parallel.init(cfg.tp, cfg.pp)
+    if topo.dp != cfg.dp:
+        raise UserError(f"score runs with tp*pp*dp = {cfg.tp * cfg.pp * cfg.dp} processes, not {dist.get_world_size()}")
+    rank = dist.get_rank()
+    rm_id = publish.output_id(cfg.reward_model) if use_rm else None
+    request = {"kind": "scores", "rollout_id": publish.output_id(rollout), "rm_id": rm_id,
+               "config": dataclasses.asdict(cfg) | {"out": None, "tp": None, "pp": None, "dp": None, "offload": None}}
+
+    decision, error = None, None
+    if rank == 0:
+        try:
+            decision = publish.prepare(out, lambda m: m.get("request") == request, request)
+        except UserError as e:
+            error = str(e)
+    job.check(error)
+    flag = [decision]
+    dist.broadcast_object_list(flag, src=0)
+    if flag[0] == "skip":
+        if rank == 0:
+            print(f"{out}: already scored with this rollout, reward model and config, nothing to do", flush=True)
+        return
+    out_fs, out_path = fsspec.core.url_to_fs(out)
+    done = set(out_fs.ls(f"{out_path}/parts", detail=False)) if out_fs.exists(f"{out_path}/parts") else set()
+    done = {d.rsplit("/", 1)[-1] for d in done}
+
+    model = offload = actor_tok = rm_tok = None
+    max_length = None
+    if use_rm:
+        from llamarl.lib.model import ParallelLlamaForScore
+
+        dtype = (torch.bfloat16 if torch.cuda.is_available() else torch.float32) if cfg.dtype == "auto" else \
+            {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
+        with torch.device(parallel.device()):
+            model = ParallelLlamaForScore(rm_cfg, ParallelLayout(tp=cfg.tp, pp=cfg.pp, remove_padding=True), dtype=dtype)
+        checkpoint.load_model(model, f"{cfg.reward_model}/model")
+        model.eval()
+        offload = ParamOffload(model, parallel.device())
+        actor_tok = toklib.load(manifest["request"]["actor"])
+        rm_tok = toklib.load(cfg.reward_model)
+        max_length = cfg.max_length or rm_cfg.max_position_embeddings
+
+    writer = topo.tp_rank == 0 and topo.is_last_stage
+    stats = {"parts": 0, "rows": 0, "truncated": 0, "skipped_parts": 0}
+    # Rounds in lockstep: in round r, DP group g scores part r*dp + g. Every rank runs every round
+    # and the ranks agree on errors after each, so nobody is left waiting in a collective.
+    for r in range(-(-len(parts) // topo.dp)):
+        i = r * topo.dp + topo.dp_rank
+        error = None
+        if i < len(parts) and parts[i].rsplit("/", 1)[-1] in done:
+            stats["skipped_parts"] += 1
+        elif i < len(parts):
+            name = parts[i].rsplit("/", 1)[-1]
+            rows = _read_part(fs, parts[i]).to_pylist()
+            columns: dict[str, list[float]] = {}
+            if use_rm:
+                seqs, truncated = rm_inputs(rows, actor_tok, rm_tok, max_length, cfg.chat_template)
+                offload.to_device()
+                columns["score_rm"] = score_sequences(model, seqs, cfg.micro_batch)
+                if cfg.offload:
+                    offload.to_host()
+                stats["truncated"] += truncated
+            for t in terms:
+                if t.name != "rm":
+                    columns[f"score_{t.name}"] = [
+                        float(rules[t.name](row.get("response") or "", {**(refs or {}).get(row["prompt_id"], {}), **row}, **t.args))
+                        for row in rows]
+            if writer:
+                total = [sum(t.weight * columns[f"score_{t.name}"][j] for t in terms) for j in range(len(rows))]
+                bad = next((j for j, v in enumerate(total) if not math.isfinite(v)), None)
+                if bad is not None:
+                    key = (rows[bad]["prompt_id"], rows[bad]["sample_index"])
+                    terms_at = {k: v[bad] for k, v in columns.items()}
+                    error = (f"{rollout}/parts/{name}: the score of {key} is {total[bad]} (terms: {terms_at}); "
+                             "nothing was written for this part — check the reward model and rules")
+                else:
+                    _write_part(out_fs, out_path, name, rows, total, columns, rm_id)
+                    stats["parts"] += 1
+                    stats["rows"] += len(rows)
+        job.check(error)
+
+    all_stats: list = [None] * dist.get_world_size()
+    dist.all_gather_object(all_stats, stats if writer else None)
+    if rank == 0:
+        names = sorted(p.rsplit("/", 1)[-1] for p in out_fs.ls(f"{out_path}/parts", detail=False) if p.endswith(".parquet"))
+        if len(names) != len(parts):
+            raise RuntimeError(f"{out}: {len(names)} parts written, {len(parts)} expected")
+        files = {f"parts/{n}": publish.file_entry(f"{out}/parts/{n}") for n in names}
+        totals = {k: sum(s[k] for s in all_stats if s) for k in stats}
+        publish.publish(out, {"kind": "scores", "request": request, "files": files, "rows": manifest["rows"],
+                              "terms": [dataclasses.asdict(t) for t in terms], "rm_id": rm_id, "stats": totals})
+        print(f"{out}: scored {manifest['rows']} rows ({totals['truncated']} truncated for the RM)", flush=True)
+    dist.barrier()
+
+
+def _write_part(fs, out_path, name, rows, total, columns, rm_id) -> None:
+    data = {"prompt_id": [r["prompt_id"] for r in rows], "sample_index": [r["sample_index"] for r in rows],
+            "score": pa.array(total, pa.float32())}
+    data.update({k: pa.array(v, pa.float32()) for k, v in columns.items()})
+    data["rm_id"] = [rm_id] * len(rows)
+    buf = io.BytesIO()
+    pq.write_table(pa.table(data), buf)
+    fs.makedirs(f"{out_path}/parts", exist_ok=True)
+    fs.pipe_file(f"{out_path}/parts/.{name}.tmp", buf.getvalue())
+    fs.mv(f"{out_path}/parts/.{name}.tmp", f"{out_path}/parts/{name}")
+
+
+if __name__ == "__main__":
+    job.main(ScoreConfig, run)
