@@ -95,6 +95,7 @@ def chunks_of(cfg, tp: int, tp_rank: int, name: str, local: torch.Tensor, head: 
     padding is cut off (it is not part of the HF tensor)."""
     shapes = hf_layout.hf_shapes(cfg, head)
     slices = hf_layout.param_slices(cfg, tp, tp_rank, name)
+    local = local.detach()  # views for I/O only: loading writes through them, outside autograd
     out = []
     for s, piece in zip(slices, local.split([s.stop - s.start for s in slices], dim=slices[0].dim)):
         full = shapes[s.hf_name]

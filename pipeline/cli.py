@@ -99,6 +99,29 @@ def score(
     typer.echo(out)
 
 
+@stage_app.command("ppo")
+def ppo(
+    rollout: str = typer.Argument(..., help="Published rollout folder."),
+    scores: str = typer.Argument(..., help="Published scores of that rollout."),
+    actor: str = typer.Argument(..., help="Actor checkpoint to update."),
+    out: str = typer.Argument(..., help="Output folder: actor/, critic/, metrics.jsonl."),
+    critic: str = typer.Option(None, help="Critic checkpoint (default: the actor's backbone, zero value head)."),
+    reference: str = typer.Option(None, help="Frozen reference (default: the actor)."),
+    tp: int = typer.Option(1, help="Tensor-parallel size."),
+    pp: int = typer.Option(1, help="Pipeline-parallel size."),
+    dp: int = typer.Option(1, help="Data-parallel groups (processes = tp × pp × dp)."),
+    config: str = typer.Option(None, help="YAML with PPO options (lr, clip, kl, epochs, batch sizes…)."),
+):
+    """Rollout + scores → updated actor and critic (one PPO iteration, resumable)."""
+    from llamarl.lib.job import parse_config
+    from llamarl.stages.ppo import PPOConfig
+
+    opts = {**_options(config), "rollout": rollout, "scores": scores, "actor": actor, "out": out,
+            "critic": critic, "reference": reference, "tp": tp, "pp": pp, "dp": dp}
+    _run_local("ppo", parse_config(PPOConfig, opts, config or "options"), tp * pp * dp)
+    typer.echo(out)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())
 

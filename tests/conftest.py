@@ -9,6 +9,13 @@ from distpool import DistPool  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def pool1():
+    pool = DistPool(1)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def pool2():
     pool = DistPool(2)
     yield pool

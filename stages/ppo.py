@@ -1,0 +1,557 @@
+"""Stage ppo: one PPO iteration — update the actor and critic from a rollout and its scores.
+
+Run with tp × pp × dp processes (``llamarl stage ppo …``). The recipe:
+
+1. join rollout and scores on (prompt_id, sample_index);
+2. reference log-probs (frozen initial actor, offloaded once done) and old values (critic), the
+   batch split over DP;
+3. token rewards (score at the last token, minus β·KL unless KL is a loss term), GAE or GRPO
+   advantages, whitening;
+4. ``ppo_epochs`` passes over shuffled mini-batches; each mini-batch is one optimizer step of the
+   actor (clipped/dual-clip policy loss, entropy bonus, optional KL loss) and of the critic (clipped
+   value loss), micro-batched by a token budget with gradient accumulation, gradients reduced over
+   DP from one buffer, clipped by the global norm, AdamW with ZeRO-1;
+5. new actor and critic checkpoints (weights, optimizer moments, step) and metrics.jsonl.
+
+Training state is saved every ``save_every`` steps under ``OUT/.state``; a rerun resumes from the
+latest and ends with the same weights as an uninterrupted run (the data order depends only on
+the seed). Mini-batches and micro-batches depend only on the data, never on the layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+
+import fsspec
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+
+from llamarl.lib import checkpoint, job, optim, parallel, pipeline, publish, rl, vocab_parallel
+from llamarl.lib.config import LlamaConfig, ParallelLayout
+from llamarl.lib.errors import UserError
+from llamarl.lib.offload import ParamOffload
+
+
+@dataclass(kw_only=True)
+class PPOConfig:
+    rollout: str
+    """Published rollout folder."""
+    scores: str
+    """Published scores folder of that rollout."""
+    actor: str
+    """Actor checkpoint to update (from shard or the previous ppo)."""
+    out: str
+    """Output folder: actor/, critic/ (published checkpoints) and metrics.jsonl."""
+    reference: str | None = None
+    """Frozen reference for the KL; default: the actor (right for the first iteration)."""
+    critic: str | None = None
+    """Critic checkpoint (head 'score'); default: the actor's backbone with a zero value head."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    advantage: str = "gae"
+    """gae | grpo (group-normalised scores; no critic update)."""
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.05
+    """β of the KL penalty in the reward (or of the KL loss with use_kl_loss)."""
+    kl_estimator: str = "kl"
+    """kl | abs | mse | low_var_kl."""
+    use_kl_loss: bool = False
+    """KL as a loss term instead of a reward penalty."""
+    whiten_advantages: bool = True
+    clip_eps: float = 0.2
+    dual_clip: float | None = 3.0
+    """Dual-clip bound c for negative advantages; null to disable."""
+    value_clip: float | None = 0.2
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    """token-mean | seq-mean-token-mean."""
+    ppo_epochs: int = 1
+    mini_batch_size: int = 8
+    """Sequences per optimizer step (over all DP ranks)."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one forward/backward (per rank)."""
+    actor_lr: float = 1e-6
+    critic_lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    lr_decay: str = "constant"
+    """constant | linear | cosine, over total_steps (counted across iterations)."""
+    total_steps: int | None = None
+    grad_clip: float | None = 1.0
+    temperature: float = 1.0
+    """Must equal the rollout's: log-probs are of softmax(logits / temperature)."""
+    seed: int = 0
+    save_every: int = 0
+    """Save resumable training state every N optimizer steps (0: only at the end)."""
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    ids: list[int]
+    prompt_len: int
+    old_logp: list[float]
+    score: float
+    group: str
+
+    @property
+    def response_len(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+def _read_parts(root: str, kind: str) -> list[dict]:
+    manifest = publish.require_published(root, kind)
+    fs, path = fsspec.core.url_to_fs(root)
+    rows = []
+    for name in sorted(k for k in manifest["files"] if k.startswith("parts/")):
+        with fs.open(f"{path}/{name}", "rb") as f:
+            rows.extend(pq.read_table(f).to_pylist())
+    return rows
+
+
+def load_samples(rollout: str, scores: str) -> list[Sample]:
+    by_key = {(r["prompt_id"], r["sample_index"]): r for r in _read_parts(scores, "scores")}
+    samples = []
+    for r in _read_parts(rollout, "rollout"):
+        key = (r["prompt_id"], r["sample_index"])
+        if key not in by_key:
+            raise UserError(f"{scores}: no score for {key}; score this rollout first")
+        if not r["response_token_ids"]:
+            continue
+        samples.append(Sample(list(r["prompt_token_ids"]) + list(r["response_token_ids"]), len(r["prompt_token_ids"]),
+                              list(r["response_logprobs"]), float(by_key.pop(key)["score"]), str(r["prompt_id"])))
+    if by_key:
+        raise UserError(f"{scores}: {len(by_key)} scores have no rollout row (first: {next(iter(by_key))}); "
+                        "scores and rollout do not belong together")
+    if not samples:
+        raise UserError(f"{rollout}: no responses to train on")
+    return samples
+
+
+def micro_batches(indices: list[int], samples: list[Sample], budget: int) -> list[list[int]]:
+    """Consecutive groups whose padded size (rows × longest) stays within the token budget."""
+    groups, current, longest = [], [], 0
+    for i in indices:
+        n = len(samples[i].ids)
+        if current and max(longest, n) * (len(current) + 1) > budget:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _padded(samples: list[Sample], device):
+    """ids, attention mask, labels and the response mask, in label space (position t predicts
+    token t+1), right-padded."""
+    width = max(len(s.ids) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    resp = torch.zeros(len(samples), width)
+    for b, s in enumerate(samples):
+        ids[b, : len(s.ids)] = torch.tensor(s.ids)
+        mask[b, : len(s.ids)] = 1
+        resp[b, s.prompt_len - 1 : len(s.ids) - 1] = 1
+    labels = torch.roll(ids, -1, dims=1)
+    return ids.to(device), mask.to(device), labels.to(device), resp.to(device)
+
+
+def _label_space(samples: list[Sample], values: list[list[float]], width: int, device) -> torch.Tensor:
+    """Per-response-token values placed at their label positions, [B, width]."""
+    out = torch.zeros(len(samples), width)
+    for b, (s, v) in enumerate(zip(samples, values)):
+        out[b, s.prompt_len - 1 : s.prompt_len - 1 + len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out.to(device)
+
+
+def _response_values(samples: list[Sample], padded_out: torch.Tensor) -> list[list[float]]:
+    return [padded_out[b, s.prompt_len - 1 : len(s.ids) - 1].tolist() for b, s in enumerate(samples)]
+
+
+# ---- models ---------------------------------------------------------------------------------------
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if temperature == 1.0:
+        return logits
+    # Padded vocabulary sits at the dtype's minimum; keep it finite after scaling.
+    return (logits / temperature).clamp(min=torch.finfo(logits.dtype).min)
+
+
+def _token_outputs(model, samples: list[Sample], groups: list[list[int]], temperature: float) -> list[list[float]] | None:
+    """Per-response-token log-probs (CausalLM) or values (Value) for ``groups`` of samples; None
+    off the last pipeline stage."""
+    batches, metas = [], []
+    dev = next(model.parameters()).device
+    for g in groups:
+        ss = [samples[i] for i in g]
+        ids, mask, labels, _ = _padded(ss, dev)
+        batches.append(model.make_batch(ids, mask))
+        metas.append((ss, labels))
+    with torch.no_grad():
+        outs = pipeline.forward(model, batches)
+    if not parallel.topology().is_last_stage:
+        return None
+    result = []
+    for out, batch, (ss, labels) in zip(outs, batches, metas):
+        if model.hf_head == "lm":
+            out = vocab_parallel.log_probs(_scaled(out, temperature), batch.flat(labels))
+        result.extend(_response_values(ss, batch.to_padded(out)))
+    return result
+
+
+def _gather_dp(mine: dict[int, list[float]] | None) -> dict[int, list[float]] | None:
+    if mine is None:
+        return None
+    topo = parallel.topology()
+    if topo.dp == 1:
+        return mine
+    parts: list = [None] * topo.dp
+    dist.all_gather_object(parts, mine, group=parallel.dp_group())
+    return {k: v for p in parts for k, v in p.items()}
+
+
+# ---- the stage -------------------------------------------------------------------------------------
+
+
+def run(cfg: PPOConfig) -> None:
+    if cfg.advantage not in ("gae", "grpo"):
+        raise UserError(f"advantage={cfg.advantage!r}: use gae or grpo")
+    rl.kl_estimate(torch.zeros(1), torch.zeros(1), cfg.kl_estimator)  # validates the name
+    if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean"):
+        raise UserError(f"loss_agg={cfg.loss_agg!r}: use token-mean or seq-mean-token-mean")
+    actor_m = publish.require_published(cfg.actor, "checkpoint")
+    if actor_m["head"] != "lm":
+        raise UserError(f"{cfg.actor} is a {actor_m['head']} model; the actor must be a causal LM")
+    model_cfg = LlamaConfig.from_dict(actor_m["model_config"])
+    layout = ParallelLayout(tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sequence_parallel, remove_padding=True)
+    layout.check(model_cfg)
+    samples = load_samples(cfg.rollout, cfg.scores)
+    reference = cfg.reference or cfg.actor
+    if cfg.critic:
+        critic_m = publish.require_published(cfg.critic, "checkpoint")
+        if critic_m["head"] != "score":
+            raise UserError(f"{cfg.critic} has head {critic_m['head']!r}; a critic has a value (score) head")
+
+    topo = parallel.init(cfg.tp, cfg.pp)
+    if topo.dp != cfg.dp:
+        raise UserError(f"ppo runs with tp*pp*dp = {cfg.tp * cfg.pp * cfg.dp} processes, not {dist.get_world_size()}")
+    rank = dist.get_rank()
+    out = cfg.out.rstrip("/")
+    request = {"kind": "ppo", "actor_id": publish.output_id(cfg.actor), "rollout_id": publish.output_id(cfg.rollout),
+               "scores_id": publish.output_id(cfg.scores), "reference_id": publish.output_id(reference),
+               "critic_id": publish.output_id(cfg.critic) if cfg.critic else None,
+               "config": dataclasses.asdict(cfg) | {"out": None, "tp": None, "pp": None, "dp": None}}
+    decision, error = None, None
+    if rank == 0:
+        try:
+            decision = publish.prepare(out, lambda m: m.get("request") == request, request)
+        except UserError as e:
+            error = str(e)
+    job.check(error)
+    flag = [decision]
+    dist.broadcast_object_list(flag, src=0)
+    if flag[0] == "skip":
+        if rank == 0:
+            print(f"{out}: this PPO iteration is already done, nothing to do", flush=True)
+        return
+
+    from llamarl.lib.model import ParallelLlamaForCausalLM, ParallelLlamaForValue
+
+    dev = parallel.device()
+    with torch.device(dev):
+        actor = ParallelLlamaForCausalLM(model_cfg, layout)
+        critic = ParallelLlamaForValue(model_cfg, layout)
+    checkpoint.load_model(actor, f"{cfg.actor}/model")
+    _load_critic(critic, cfg, model_cfg)
+    start_step = actor_m.get("train_state", {}).get("step", 0)
+
+    # 2. reference log-probs and old values, the samples split over DP
+    mine = [i for i in range(len(samples)) if i % topo.dp == topo.dp_rank]
+    groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
+    with torch.device(dev):
+        ref = ParallelLlamaForCausalLM(model_cfg, layout)
+    checkpoint.load_model(ref, f"{reference}/model")
+    ref.eval()
+    ref_logp = _token_outputs(ref, samples, groups, cfg.temperature)
+    ParamOffload(ref, dev).to_host()  # done with it for this iteration
+    del ref
+    old_values = _token_outputs(critic, samples, groups, 1.0) if cfg.advantage == "gae" else None
+    order = [i for g in groups for i in g]
+    ref_logp = _gather_dp(dict(zip(order, ref_logp)) if ref_logp is not None else None)
+    old_values = _gather_dp(dict(zip(order, old_values)) if old_values is not None else None)
+
+    # 3. rewards and advantages (on the last stage, where losses are computed)
+    data = None
+    if topo.is_last_stage:
+        data = _advantages(cfg, samples, ref_logp, old_values, dev)
+
+    # 4. the epochs
+    actor_opt = optim.ShardedAdamW(actor, cfg.actor_lr, cfg.betas, weight_decay=cfg.weight_decay)
+    critic_opt = optim.ShardedAdamW(critic, cfg.critic_lr, cfg.betas, weight_decay=cfg.weight_decay)
+    actor_grads, critic_grads = optim.GradBuffer(list(actor.parameters())), optim.GradBuffer(list(critic.parameters()))
+    if "optim" in {k.split("/")[0] for k in actor_m["files"]}:
+        actor_opt.load_state(f"{cfg.actor}/optim", start_step)
+    if cfg.critic and "optim" in {k.split("/")[0] for k in critic_m["files"]}:
+        critic_opt.load_state(f"{cfg.critic}/optim", start_step)
+
+    steps_per_epoch = -(-len(samples) // cfg.mini_batch_size)
+    total = cfg.ppo_epochs * steps_per_epoch
+    done = _resume(out, actor, critic, actor_opt, critic_opt, start_step)
+    metrics_lines = []
+    t_start = time.perf_counter()
+    for k in range(done, total):
+        epoch, j = divmod(k, steps_per_epoch)
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        perm = torch.randperm(len(samples), generator=gen).tolist()
+        batch_idx = perm[j * cfg.mini_batch_size : (j + 1) * cfg.mini_batch_size]
+        step = start_step + k
+        t0 = time.perf_counter()
+        m = _train_step(cfg, actor, actor_opt, actor_grads, critic, critic_opt, critic_grads, samples, data,
+                        batch_idx, step, dev)
+        m.update(step=step + 1, epoch=epoch, seconds=time.perf_counter() - t0)
+        metrics_lines.append(m)
+        if cfg.save_every and (k + 1) % cfg.save_every == 0 and k + 1 < total:
+            _save_state(out, k + 1, actor, critic, actor_opt, critic_opt, start_step)
+
+    # 5. outputs
+    final = start_step + total
+    _save_checkpoint(f"{out}/actor", actor, actor_opt, cfg.actor, actor_m, final, "lm")
+    _save_checkpoint(f"{out}/critic", critic, critic_opt, cfg.actor, actor_m, final, "score")
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, metrics_lines if (topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0) else None)
+    if rank == 0:
+        lines = next(g for g in gathered if g is not None)
+        publish.write_bytes(f"{out}/metrics.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode())
+        files = {"metrics.jsonl": publish.file_entry(f"{out}/metrics.jsonl")}
+        summary = {"steps": total, "seconds": time.perf_counter() - t_start,
+                   "mean_score": sum(s.score for s in samples) / len(samples),
+                   "mean_response_length": sum(s.response_len for s in samples) / len(samples)}
+        publish.publish(out, {"kind": "ppo", "request": request, "files": files, "summary": summary,
+                              "actor": "actor", "critic": "critic", "final_step": final})
+        fs, path = fsspec.core.url_to_fs(out)
+        if fs.exists(f"{path}/.state"):
+            fs.rm(f"{path}/.state", recursive=True)
+        print(f"{out}: {total} PPO steps, mean score {summary['mean_score']:.4f}", flush=True)
+    dist.barrier()
+
+
+def _load_critic(critic, cfg: PPOConfig, model_cfg) -> None:
+    if cfg.critic:
+        checkpoint.load_model(critic, f"{cfg.critic}/model")
+        return
+    # A fresh critic: the actor's backbone and a zero value head.
+    with torch.no_grad():
+        for p in critic.parameters():
+            p.zero_()
+    state = {k: v for k, v in checkpoint.model_state(critic).items() if k != "score.weight"}
+    checkpoint.load(state, f"{cfg.actor}/model")
+
+
+def _advantages(cfg: PPOConfig, samples, ref_logp, old_values, dev) -> dict:
+    n = len(samples)
+    width = max(len(s.ids) for s in samples)
+    old = _label_space(samples, [s.old_logp for s in samples], width, dev)
+    ref = _label_space(samples, [ref_logp[i] for i in range(n)], width, dev)
+    resp = torch.zeros(n, width, device=dev)
+    for b, s in enumerate(samples):
+        resp[b, s.prompt_len - 1 : len(s.ids) - 1] = 1
+    scores = torch.tensor([s.score for s in samples], device=dev)
+    kl = rl.kl_estimate(old, ref, cfg.kl_estimator) * resp
+    if cfg.advantage == "grpo":
+        adv = rl.grpo_advantages(scores, [s.group for s in samples], resp)
+        values = returns = torch.zeros_like(adv)
+    else:
+        values = _label_space(samples, [old_values[i] for i in range(n)], width, dev)
+        rewards = rl.token_rewards(scores, kl, resp, 0.0 if cfg.use_kl_loss else cfg.kl_coef)
+        adv, returns = rl.gae(rewards, values, resp, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            adv = rl.whiten(adv, resp)
+    return {"old_logp": old, "ref_logp": ref, "adv": adv, "values": values, "returns": returns, "resp": resp,
+            "kl": rl.masked_mean(kl, resp).item()}
+
+
+def _train_step(cfg, actor, actor_opt, actor_grads, critic, critic_opt, critic_grads, samples, data, batch_idx, step, dev):
+    topo = parallel.topology()
+    mine = batch_idx[topo.dp_rank :: topo.dp]
+    groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
+    tokens = sum(samples[i].response_len for i in batch_idx)
+    denom = float(tokens if cfg.loss_agg == "token-mean" else len(batch_idx))
+    sums = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "value_loss": 0.0}
+
+    batches, extras = [], []
+    for g in groups:
+        ss = [samples[i] for i in g]
+        ids, mask, labels, resp = _padded(ss, dev)
+        batch = actor.make_batch(ids, mask)
+        batches.append(batch)
+        if data is None:
+            extras.append(None)
+            continue
+        width = ids.shape[1]
+        rows = torch.tensor(g, device=dev)
+
+        def take(name):
+            return batch.flat(data[name][rows, :width])
+
+        extras.append({"labels": batch.flat(labels), "resp": batch.flat(resp), "old_logp": take("old_logp"),
+                       "ref_logp": take("ref_logp"), "adv": take("adv"), "values": take("values"),
+                       "returns": take("returns"), "per_seq": batch.flat(_seq_index(resp))})
+
+    def actor_loss(out, x):
+        logp = vocab_parallel.log_probs(_scaled(out, cfg.temperature), x["labels"])
+        pg, clipped, approx_kl = rl.policy_loss(logp, x["old_logp"], x["adv"], cfg.clip_eps, cfg.dual_clip)
+        loss = _agg(pg, x, cfg.loss_agg, denom)
+        sums["policy_loss"] += loss.item()
+        sums["clip_fraction"] += ((clipped * x["resp"]).sum() / tokens).item()
+        sums["approx_kl"] += ((approx_kl * x["resp"]).sum() / tokens).item()
+        # Entropy is a reported metric every step, and a bonus when entropy_coef > 0.
+        ent_term = _agg(vocab_parallel.entropy(_scaled(out, cfg.temperature)), x, cfg.loss_agg, denom)
+        sums["entropy"] += ent_term.item()
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * ent_term
+        if cfg.use_kl_loss:
+            loss = loss + cfg.kl_coef * _agg(rl.kl_estimate(logp, x["ref_logp"], cfg.kl_estimator), x, cfg.loss_agg, denom)
+        return loss
+
+    def critic_loss(out, x):
+        loss = _agg(rl.value_loss(out, x["values"], x["returns"], cfg.value_clip), x, cfg.loss_agg, denom)
+        sums["value_loss"] += loss.item()
+        return loss
+
+    metrics = {}
+    for model, opt, grads, loss_fn, lr, name in (
+        (actor, actor_opt, actor_grads, actor_loss, cfg.actor_lr, "actor"),
+        (critic, critic_opt, critic_grads, critic_loss, cfg.critic_lr, "critic"),
+    ):
+        if name == "critic" and cfg.advantage == "grpo":
+            continue
+        grads.zero()
+        pipeline.forward_backward(model, batches, loss_fn, extras)
+        grads.all_reduce_dp()
+        model.sync_tied_grads()
+        metrics[f"{name}_grad_norm"] = optim.clip_grad_norm(model, cfg.grad_clip)
+        opt.lr = optim.lr_at(step, lr, cfg.warmup_steps, cfg.total_steps, cfg.lr_decay)
+        metrics[f"{name}_lr"] = opt.lr
+        opt.step()
+
+    if topo.is_last_stage:
+        reduced = torch.tensor(list(sums.values()), dtype=torch.float64)
+        if topo.dp > 1:
+            dist.all_reduce(reduced, group=parallel.dp_group())
+        metrics.update(dict(zip(sums, reduced.tolist())))
+        metrics["mean_score"] = sum(samples[i].score for i in batch_idx) / len(batch_idx)
+        metrics["mean_response_length"] = tokens / len(batch_idx)
+        metrics["kl"] = data["kl"]
+    return metrics
+
+
+def _seq_index(resp: torch.Tensor) -> torch.Tensor:
+    """Row index of every position (to aggregate per sequence on flat tokens), -1 off responses."""
+    rows = torch.arange(resp.shape[0], device=resp.device)[:, None].expand_as(resp)
+    return torch.where(resp.bool(), rows, torch.full_like(rows, -1))
+
+
+def _agg(loss: torch.Tensor, x: dict, mode: str, denom: float) -> torch.Tensor:
+    if mode == "token-mean":
+        return (loss * x["resp"]).sum() / denom
+    seq = x["per_seq"]
+    valid = seq >= 0
+    n = int(seq.max()) + 1 if valid.any() else 0
+    sums = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(0, seq[valid], loss[valid])
+    counts = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(0, seq[valid], torch.ones_like(loss[valid]))
+    return (sums / counts.clamp(min=1)).sum() / denom
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+
+
+def _save_checkpoint(root: str, model, opt, source: str, source_manifest: dict, step: int, head: str) -> None:
+    """A published checkpoint (same format as shard's) with optimizer moments and the step;
+    tokenizer and config files come from ``source``. ``root`` lies inside our own unpublished
+    output, so whatever an interrupted run left there is ours to replace."""
+    rank = dist.get_rank()
+    if rank == 0:
+        fs, path = fsspec.core.url_to_fs(root)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+        publish.prepare(root, lambda m: False)
+        _copy_side_files(source, root)
+    dist.barrier()
+    checkpoint.save(checkpoint.model_state(model), f"{root}/model")
+    checkpoint.save(opt.state(step), f"{root}/optim")
+    dist.barrier()
+    if rank == 0:
+        fs, path = fsspec.core.url_to_fs(root)
+        files = {}
+        for sub in ("model", "optim", "hf"):
+            for p in fs.ls(f"{path}/{sub}", detail=False):
+                rel = f"{sub}/{p.rsplit('/', 1)[-1]}"
+                files[rel] = publish.file_entry(f"{root}/{rel}")
+        from llamarl.lib import hf_layout
+
+        cfg = model.cfg
+        publish.publish(root, {
+            "kind": "checkpoint", "head": head, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "model_config": cfg.to_dict(), "hf_config": source_manifest.get("hf_config", {}),
+            "written_layout": {"tp": parallel.topology().tp, "pp": parallel.topology().pp},
+            "tensors": {n: list(s) for n, s in hf_layout.hf_shapes(cfg, head).items()},
+            "source": {"url": source_manifest.get("source", {}).get("url"), "files": {}},
+            "train_state": {"step": step}, "files": files,
+        })
+    dist.barrier()
+
+
+def _copy_side_files(src_ckpt: str, dst: str) -> None:
+    fs, path = fsspec.core.url_to_fs(src_ckpt)
+    for p in fs.ls(f"{path}/hf", detail=False) if fs.exists(f"{path}/hf") else []:
+        publish.write_bytes(f"{dst}/hf/{p.rsplit('/', 1)[-1]}", fs.cat_file(p))
+
+
+def _save_state(out, k, actor, critic, actor_opt, critic_opt, start_step) -> None:
+    root = f"{out}/.state/step-{k:06d}"
+    for name, model, opt in (("actor", actor, actor_opt), ("critic", critic, critic_opt)):
+        checkpoint.save(checkpoint.model_state(model), f"{root}/{name}/model")
+        checkpoint.save(opt.state(start_step + k), f"{root}/{name}/optim")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        publish.write_bytes(f"{root}/done.json", json.dumps({"step": k}).encode())  # written last
+    dist.barrier()
+
+
+def _resume(out, actor, critic, actor_opt, critic_opt, start_step) -> int:
+    """The number of optimizer steps already done by an interrupted run (0 if none)."""
+    fs, path = fsspec.core.url_to_fs(out)
+    steps = []
+    if fs.exists(f"{path}/.state"):
+        for p in fs.ls(f"{path}/.state", detail=False):
+            if fs.exists(f"{p}/done.json"):
+                steps.append(int(p.rstrip("/").rsplit("-", 1)[-1]))
+    found = [max(steps) if steps else 0]
+    dist.broadcast_object_list(found, src=0)
+    k = found[0]
+    if k:
+        root = f"{out}/.state/step-{k:06d}"
+        checkpoint.load_model(actor, f"{root}/actor/model")
+        checkpoint.load_model(critic, f"{root}/critic/model")
+        actor_opt.load_state(f"{root}/actor/optim", start_step + k)
+        critic_opt.load_state(f"{root}/critic/optim", start_step + k)
+        if dist.get_rank() == 0:
+            print(f"{out}: resuming after optimizer step {k}", flush=True)
+    return k
+
+
+if __name__ == "__main__":
+    job.main(PPOConfig, run)

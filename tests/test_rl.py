@@ -1,0 +1,112 @@
+"""PPO arithmetic against hand-computed cases, masking edge cases included."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llamarl.lib import rl
+
+
+def t(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_kl_estimators():
+    logp, ref = t([-1.0, -2.0]), t([-1.5, -1.0])
+    # log r = logp - ref = [0.5, -1.0]
+    assert torch.allclose(rl.kl_estimate(logp, ref, "kl"), t([0.5, -1.0]))
+    assert torch.allclose(rl.kl_estimate(logp, ref, "abs"), t([0.5, 1.0]))
+    assert torch.allclose(rl.kl_estimate(logp, ref, "mse"), t([0.125, 0.5]))
+    # k3 with r' = exp(ref - logp): [e^-0.5 + 0.5 - 1, e^1 - 1 - 1]
+    expected = t([math.exp(-0.5) + 0.5 - 1, math.e - 2])
+    assert torch.allclose(rl.kl_estimate(logp, ref, "low_var_kl"), expected)
+    assert (rl.kl_estimate(logp, ref, "low_var_kl") >= 0).all()
+    with pytest.raises(ValueError, match="kl estimator 'bogus'"):
+        rl.kl_estimate(logp, ref, "bogus")
+
+
+def test_token_rewards_score_on_last_real_token_only():
+    kl = t([0.1, 0.2, 0.3, 0.4], [0.5, 0.5, 0.5, 0.5])
+    mask = t([1, 1, 1, 0], [0, 1, 1, 0])  # row 2: response starts late (label space), padded end
+    r = rl.token_rewards(torch.tensor([2.0, -1.0]), kl, mask, beta=0.1)
+    assert torch.allclose(r, t([-0.01, -0.02, -0.03 + 2.0, 0.0], [0.0, -0.05, -0.05 - 1.0, 0.0]))
+
+
+def test_gae_hand_computed():
+    # One sequence of 3 tokens, gamma 0.9, lambda 0.8; values 0.5, 0.4, 0.3; reward 1 at the end.
+    rewards, values, mask = t([0.0, 0.0, 1.0]), t([0.5, 0.4, 0.3]), t([1, 1, 1])
+    adv, ret = rl.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    d2 = 1.0 - 0.3
+    d1 = 0.0 + 0.9 * 0.3 - 0.4
+    d0 = 0.0 + 0.9 * 0.4 - 0.5
+    a2 = d2
+    a1 = d1 + 0.72 * a2
+    a0 = d0 + 0.72 * a1
+    assert torch.allclose(adv, t([a0, a1, a2]), atol=1e-6)
+    assert torch.allclose(ret, adv + values)
+
+
+def test_gae_ignores_padding_and_prompt_positions():
+    rewards = t([0.0, 0.0, 1.0, 0.0, 0.0])
+    values = t([9.0, 0.5, 0.3, 7.0, 7.0])  # garbage outside the mask must not leak in
+    mask = t([0, 1, 1, 0, 0])
+    adv, ret = rl.gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert adv[0, 0] == 0 and adv[0, 3] == 0 and adv[0, 4] == 0 and ret[0, 3] == 0
+    # terminal at position 2: a2 = 1 - 0.3; a1 = (0 + 0.3 - 0.5) + a2
+    assert torch.allclose(adv[0, 1:3], torch.tensor([0.5, 0.7]))
+
+
+def test_whiten_uses_only_masked_entries():
+    x, mask = t([1.0, 2.0, 3.0, 100.0]), t([1, 1, 1, 0])
+    w = rl.whiten(x, mask)
+    assert torch.allclose(w[0, :3], (t([1.0, 2.0, 3.0])[0] - 2) / math.sqrt(2 / 3), atol=1e-5)
+    assert w[0, 3] == 0
+
+
+def test_grpo_normalizes_within_groups():
+    scores = torch.tensor([1.0, 3.0, 5.0, 5.0])
+    mask = torch.ones(4, 2)
+    adv = rl.grpo_advantages(scores, ["a", "a", "b", "b"], mask)
+    std_a = torch.tensor([1.0, 3.0]).std()
+    assert torch.allclose(adv[:2, 0], torch.tensor([-1.0, 1.0]) / (std_a + 1e-6))
+    assert torch.allclose(adv[2:], torch.zeros(2, 2))  # equal scores: no signal
+    single = rl.grpo_advantages(torch.tensor([4.0]), ["x"], torch.ones(1, 3))
+    assert torch.equal(single, torch.zeros(1, 3))
+
+
+def test_policy_loss_clip_and_dual_clip():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.5, 0.5, 5.0, 1.0]))  # ratios 1.5, 0.5, 5.0, 1.0
+    adv = torch.tensor([1.0, -1.0, -1.0, 2.0])
+    loss, clipped, approx_kl = rl.policy_loss(logp, old, adv, clip_eps=0.2, dual_clip=3.0)
+    # r=1.5, A=1: max(-1.5, -1.2) = -1.2 (clipped); r=0.5, A=-1: max(0.5, 0.8) = 0.8 (clipped)
+    # r=5, A=-1: max(5, 1.2) = 5, dual clip min(5, 3) = 3; r=1, A=2: -2
+    assert torch.allclose(loss, torch.tensor([-1.2, 0.8, 3.0, -2.0]))
+    assert clipped.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert torch.allclose(approx_kl, -logp)
+    no_dual, _, _ = rl.policy_loss(logp, old, adv, clip_eps=0.2, dual_clip=None)
+    assert no_dual[2] == pytest.approx(5.0)
+
+
+def test_value_loss_clipped():
+    v, old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5]), torch.tensor([1.0, 1.0])
+    loss = rl.value_loss(v, old, ret, clip=0.2)
+    # v=1: clipped 0.7 -> max(0, 0.09) / 2; v=0: clipped 0.3 -> max(1, 0.49) / 2
+    assert torch.allclose(loss, torch.tensor([0.045, 0.5]))
+    assert torch.allclose(rl.value_loss(v, old, ret, clip=None), torch.tensor([0.0, 0.5]))
+
+
+def test_aggregation_modes_over_micro_batches():
+    loss = t([1.0, 2.0, 0.0], [4.0, 0.0, 0.0])
+    mask = t([1, 1, 0], [1, 0, 0])
+    # token-mean over the whole mini-batch of 3 tokens, computed in two micro-batches
+    parts = [rl.aggregate(loss[i : i + 1], mask[i : i + 1], "token-mean", 3.0) for i in range(2)]
+    assert torch.allclose(sum(parts), torch.tensor(7.0 / 3))
+    # seq-mean-token-mean: mean(1.5, 4) = 2.75
+    parts = [rl.aggregate(loss[i : i + 1], mask[i : i + 1], "seq-mean-token-mean", 2.0) for i in range(2)]
+    assert torch.allclose(sum(parts), torch.tensor(2.75))
+    # a sequence with no response tokens contributes nothing
+    assert rl.aggregate(t([5.0, 5.0]), t([0, 0]), "seq-mean-token-mean", 1.0) == 0
