@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -30,6 +31,7 @@ class LocalExecutor:
     """OMP/intra-op threads each process may use (CPU runs)."""
     grace_s: float = 30.0
     """How long the other processes get to exit after one has failed."""
+    last_error: str | None = None
 
     def command(self, stage: str, config) -> list[str]:
         return [sys.executable, "-m", f"llamarl.stages.{stage}", "--config-json", json.dumps(asdict(config))]
@@ -42,13 +44,23 @@ class LocalExecutor:
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                    "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "OMP_NUM_THREADS": str(self.threads_per_process), "PYTHONUNBUFFERED": "1"}
-            procs.append(subprocess.Popen(self.command(stage, config), env=env))
+            proc = subprocess.Popen(self.command(stage, config), env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
+            threading.Thread(target=self._forward, args=(proc.stderr,), daemon=True).start()
+            procs.append(proc)
+        self.last_error = None
         try:
             return self._wait(procs)
         except KeyboardInterrupt:
             for p in procs:
                 p.kill()
             raise
+
+    def _forward(self, stream) -> None:
+        """Pass a process's stderr through, remembering its one-line error (for run records)."""
+        for line in stream:
+            sys.stderr.write(line)
+            if line.startswith("error: "):
+                self.last_error = line[len("error: "):].strip()
 
     def _wait(self, procs) -> int:
         failed_at = None

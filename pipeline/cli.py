@@ -12,6 +12,79 @@ stage_app = typer.Typer(no_args_is_help=True, help="Run one stage by hand, on th
 app.add_typer(stage_app, name="stage")
 
 
+@app.command("run")
+def run(
+    spec: str = typer.Argument(..., help="Run spec (YAML)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print which stages would run and why; run nothing."),
+):
+    """Run (or resume) every stage of a spec that is not done yet."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from llamarl.lib.errors import UserError
+    from llamarl.pipeline.run import run_spec
+    from llamarl.pipeline.spec import load_spec
+
+    console = Console()
+    try:
+        loaded = load_spec(spec)
+        report = run_spec(loaded, dry_run=dry_run, echo=lambda m: console.print(m, highlight=False, markup=False))
+    except UserError as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        raise typer.Exit(2)
+    if dry_run:
+        table = Table(title=f"{loaded.run_dir} (dry run)")
+        table.add_column("stage")
+        table.add_column("plan")
+        for name, what in report:
+            table.add_row(name, what)
+        console.print(table)
+        return
+    _print_metrics(console, loaded.run_dir, loaded.iterations)
+
+
+def _print_metrics(console, run_dir: str, iterations: int) -> None:
+    from rich.table import Table
+
+    from llamarl.pipeline.metrics import iteration_metrics
+
+    rows = iteration_metrics(run_dir, iterations)
+    if not rows:
+        return
+    table = Table(title="per iteration (score: mean of that iteration's rollout)")
+    for col in ("iteration", "mean score", "KL", "policy loss", "value loss", "entropy"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["iteration"]), f"{r['mean_score']:.4f}", f"{r['kl']:.4f}", f"{r['policy_loss']:.4f}",
+                      f"{r['value_loss']:.4f}", f"{r['entropy']:.3f}")
+    console.print(table)
+    console.print(f"plot: {run_dir}/metrics.png   export: {run_dir}/export")
+
+
+@app.command("status")
+def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME).")):
+    """Show the run's stages: done / running / failed / pending, and why."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from llamarl.lib.errors import UserError
+    from llamarl.pipeline.run import status
+
+    console = Console()
+    try:
+        rows = status(run)
+    except UserError as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        raise typer.Exit(2)
+    colors = {"done": "green", "failed": "red", "running": "yellow", "stale": "yellow"}
+    table = Table(title=run)
+    for col in ("stage", "state", "why"):
+        table.add_column(col)
+    for name, state, why in rows:
+        table.add_row(name, f"[{colors.get(state, 'white')}]{state}[/]", why)
+    console.print(table)
+
+
 def _run_local(stage: str, config, nprocs: int) -> None:
     from llamarl.cluster.local import LocalExecutor
 

@@ -1,80 +1,68 @@
-"""``make demo``: build a tiny random Llama and check lib/ against transformers at TP=2 on CPU.
+"""``make demo``: the whole pipeline on CPU at TP=2, on tiny models it makes itself.
 
-Launches itself under torchrun with two processes (gloo). Prints, per layout, the largest logit
-difference from HF ``LlamaForCausalLM`` with the same weights.
+Builds a tiny random Llama actor with its tokenizer, a tiny reward model with a *different*
+tokenizer (so scoring re-tokenizes) and a prompts file, writes a run spec, and runs
+shard → 3 × (rollout → score → ppo) → export with the local executor (2 processes per stage,
+gloo). The reward is the RM's score plus a rule the tiny actor can learn quickly (the share of
+vowels in its response), so the mean score visibly rises. Rerunning resumes: finished stages are
+skipped.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
+import yaml
 
-def _worker() -> None:
-    import torch
-    import torch.distributed as dist
-    from transformers import LlamaConfig as HFConfig
-    from transformers import LlamaForCausalLM
+DEMO_DIR = os.environ.get("LLAMARL_DEMO_DIR", "demo-run")
 
-    from llamarl.lib import parallel
-    from llamarl.lib.config import LlamaConfig, ParallelLayout
-    from llamarl.lib.model import ParallelLlamaForCausalLM
 
-    torch.set_num_threads(1)
-    hf_cfg = HFConfig(vocab_size=1001, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(hf_cfg).eval()
-    ids = torch.randint(1, 1001, (4, 48))
-    mask = torch.ones_like(ids)
-    for row, n in enumerate((48, 30, 9, 41)):  # left padding, unequal lengths
-        mask[row, : 48 - n] = 0
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+def vowel_ratio(response: str, row: dict) -> float:
+    """The share of letters in the response that are vowels (a dense, learnable reward)."""
+    letters = [c for c in response.lower() if c.isalpha()]
+    return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
 
-    parallel.init(tp=2)
-    rows = []
-    for sp in (False, True):
-        for rmpad in (True, False):
-            model = ParallelLlamaForCausalLM(LlamaConfig.from_hf(hf_cfg.to_dict()),
-                                             ParallelLayout(tp=2, sequence_parallel=sp, remove_padding=rmpad))
-            model.load_hf_state_dict(hf.state_dict())
-            with torch.no_grad():
-                local = model.run(ids, mask, pos)
-            parts = [torch.empty_like(local) for _ in range(2)]
-            dist.all_gather(parts, local, group=parallel.tp_group())
-            full = torch.cat(parts, -1)[..., :1001]
-            rows.append((sp, rmpad, (full - ref)[mask.bool()].abs().max().item()))
-    if dist.get_rank() == 0:
-        from rich.console import Console
-        from rich.table import Table
 
-        table = Table(title="lib/ vs transformers.LlamaForCausalLM, TP=2 over gloo (fp32)")
-        for col in ("sequence parallel", "remove padding", "max |Δ logits|", "ok (< 1e-4)"):
-            table.add_column(col)
-        for sp, rmpad, err in rows:
-            table.add_row(str(sp), str(rmpad), f"{err:.2e}", "yes" if err < 1e-4 else "NO")
-        Console().print(table)
-    parallel.shutdown()
-    if any(err >= 1e-4 for *_, err in rows):
-        sys.exit(1)
+def make_inputs(root: str) -> str:
+    """Models, prompts and the run spec under ``root``; returns the spec's path."""
+    from llamarl.pipeline import toy
+
+    inputs = os.path.join(root, "inputs")
+    if not os.path.exists(os.path.join(inputs, "actor", "config.json")):
+        toy.make_llama(os.path.join(inputs, "actor"), tokenizer_corpus=toy.CORPUS_A)
+        toy.make_llama(os.path.join(inputs, "rm"), kind="score", seed=1, tokenizer_corpus=toy.CORPUS_B)
+        toy.make_prompts(os.path.join(inputs, "prompts.jsonl"), n=32)
+    spec = {
+        "name": "demo",
+        "storage": os.path.abspath(root),
+        "actor": os.path.abspath(os.path.join(inputs, "actor")),
+        "reward_model": os.path.abspath(os.path.join(inputs, "rm")),
+        "prompts": os.path.abspath(os.path.join(inputs, "prompts.jsonl")),
+        "iterations": 3,
+        "layout": {"shard": {"tp": 2}, "rollout": {"tp": 2}, "score": {"tp": 2}, "ppo": {"tp": 2}, "export": {"procs": 2}},
+        "rollout": {"id_column": "id", "chunk_size": 32, "max_batch": 64,
+                    "sampling": {"samples_per_prompt": 4, "max_new_tokens": 12, "temperature": 1.0, "seed": 0}},
+        "score": {"rewards": [{"name": "rm", "weight": 0.1},
+                              {"name": "llamarl.pipeline.demo:vowel_ratio", "weight": 1.0}]},
+        "ppo": {"mini_batch_size": 32, "ppo_epochs": 2, "actor_lr": 0.01, "critic_lr": 0.01, "kl_coef": 0.01,
+                "micro_batch_tokens": 4096, "seed": 0},
+        "export": {},
+    }
+    path = os.path.join(root, "demo.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(spec, f, sort_keys=False)
+    return path
 
 
 def main() -> None:
-    if os.environ.get("LLAMARL_DEMO_WORKER"):
-        _worker()
-        return
-    import socket
+    from llamarl.pipeline.cli import app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "LLAMARL_DEMO_WORKER": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "-m", "llamarl.pipeline.demo"]
-    sys.exit(subprocess.call(cmd, env=env))
+    os.makedirs(DEMO_DIR, exist_ok=True)
+    spec = make_inputs(DEMO_DIR)
+    print(f"run spec: {spec}", flush=True)
+    sys.argv = ["llamarl", "run", spec]
+    app()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,233 @@
+"""Running a spec: the stage DAG, the run directory, the resume rules, status.
+
+Run directory (``STORAGE/NAME``)::
+
+    pipeline/spec.yaml          the spec of the latest ``llamarl run``
+    pipeline/<node>.json        one record per stage: key, status, error, times, output id
+    shard/actor  shard/rm       sharded initial actor and reward model
+    iter-001/rollout  iter-001/scores  iter-001/ppo (actor/, critic/, metrics.jsonl)
+    …
+    export/                     the final actor as an HF directory
+    metrics.jsonl  metrics.png  per iteration: score, KL, losses
+
+A stage's *key* hashes its stage config (minus where it runs) and the ids of its inputs' published
+outputs. A stage is skipped when its output is published and its record holds the same key and
+output id; otherwise its stale output is removed and it runs — and, since its output id changes,
+so does everything downstream. A stage killed half-way leaves an unpublished output that the stage
+itself resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import fsspec
+import yaml
+
+from llamarl.lib import publish
+from llamarl.lib.errors import UserError
+from llamarl.lib.job import parse_config
+
+from .spec import Layout, RunSpec
+
+
+@dataclass
+class Node:
+    name: str  # e.g. "iter-002/ppo"
+    stage: str  # module under llamarl.stages
+    out: str
+    inputs: list[str]  # upstream node names
+    layout: Layout
+    make_config: Callable[[], Any]
+
+    @property
+    def nprocs(self) -> int:
+        return self.layout.procs if self.stage == "export" else self.layout.world
+
+
+class PipelineError(UserError):
+    pass
+
+
+def build_dag(spec: RunSpec) -> list[Node]:
+    """The stages of ``spec`` in an order that respects their dependencies."""
+    from llamarl.stages.export import ExportConfig
+    from llamarl.stages.ppo import PPOConfig
+    from llamarl.stages.rollout import RolloutConfig
+    from llamarl.stages.score import ScoreConfig
+    from llamarl.stages.shard import ShardConfig
+
+    run, L = spec.run_dir, spec.layout
+
+    def cfg(cls, user: dict, where: str, **fixed):
+        def make():
+            return parse_config(cls, {**user, **fixed}, f"spec: {where}")
+        return make
+
+    nodes = [Node("shard/actor", "shard", f"{run}/shard/actor", [], L.shard,
+                  cfg(ShardConfig, {}, "shard", src=spec.actor, dst=f"{run}/shard/actor", tp=L.shard.tp, pp=L.shard.pp))]
+    if spec.reward_model:
+        nodes.append(Node("shard/rm", "shard", f"{run}/shard/rm", [], L.shard,
+                          cfg(ShardConfig, {}, "shard", src=spec.reward_model, dst=f"{run}/shard/rm", tp=L.shard.tp, pp=L.shard.pp)))
+    actor, critic = "shard/actor", None
+    for i in range(1, spec.iterations + 1):
+        it = f"iter-{i:03d}"
+        ro, sc, po = f"{it}/rollout", f"{it}/scores", f"{it}/ppo"
+        actor_dir = f"{run}/{actor}" if actor == "shard/actor" else f"{run}/{actor}/actor"
+        nodes.append(Node(ro, "rollout", f"{run}/{ro}", [actor], L.rollout,
+                          cfg(RolloutConfig, spec.rollout, "rollout", actor=actor_dir, prompts=spec.prompts,
+                              out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp)))
+        rm = {"reward_model": f"{run}/shard/rm"} if spec.reward_model else {}
+        nodes.append(Node(sc, "score", f"{run}/{sc}", [ro] + (["shard/rm"] if spec.reward_model else []), L.score,
+                          cfg(ScoreConfig, spec.score, "score", rollout=f"{run}/{ro}", out=f"{run}/{sc}",
+                              tp=L.score.tp, pp=L.score.pp, dp=L.score.dp, **rm)))
+        critic_dir = f"{run}/{critic}/critic" if critic else None
+        nodes.append(Node(po, "ppo", f"{run}/{po}", [ro, sc, actor, "shard/actor"] + ([critic] if critic else []), L.ppo,
+                          cfg(PPOConfig, spec.ppo, "ppo", rollout=f"{run}/{ro}", scores=f"{run}/{sc}", actor=actor_dir,
+                              reference=f"{run}/shard/actor", critic=critic_dir, out=f"{run}/{po}",
+                              tp=L.ppo.tp, pp=L.ppo.pp, dp=L.ppo.dp)))
+        actor, critic = po, po
+    nodes.append(Node("export", "export", f"{run}/export", [actor], L.export,
+                      cfg(ExportConfig, spec.export, "export", src=f"{run}/{actor}/actor", dst=f"{run}/export")))
+    return nodes
+
+
+# ---- records and keys --------------------------------------------------------------------------------
+
+_PLACEMENT = ("out", "dst", "tp", "pp", "dp")
+
+
+def _record_url(run: str, node: Node) -> str:
+    return f"{run}/pipeline/{node.name.replace('/', '.')}.json"
+
+
+def read_record(run: str, node: Node) -> dict | None:
+    fs, path = fsspec.core.url_to_fs(_record_url(run, node))
+    return json.loads(fs.cat_file(path)) if fs.exists(path) else None
+
+
+def write_record(run: str, node: Node, **fields) -> dict:
+    record = {**(read_record(run, node) or {}), **fields}
+    publish.write_bytes(_record_url(run, node), json.dumps(record, indent=1).encode())
+    return record
+
+
+def published_id(url: str) -> str | None:
+    return publish.output_id(url) if publish.read_manifest(url) is not None else None
+
+
+def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
+    """The node's key, or None while an input is not published yet."""
+    config = {k: v for k, v in dataclasses.asdict(node.make_config()).items() if k not in _PLACEMENT}
+    inputs = {}
+    for name in node.inputs:
+        inputs[name] = published_id(by_name[name].out)
+        if inputs[name] is None:
+            return None
+    body = json.dumps({"stage": node.stage, "config": config, "inputs": inputs}, sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -> tuple[bool, str]:
+    """(is it done, why) — for ``--dry-run`` and ``status``."""
+    if any(i in will_run for i in node.inputs):
+        return False, "an input will be redone"
+    record = read_record(run, node)
+    out_id = published_id(node.out)
+    key = node_key(node, by_name)
+    if record is None:
+        return False, "not started"
+    if record.get("status") == "failed":
+        return False, f"failed: {record.get('error')}"
+    if record.get("status") == "running":
+        return False, f"running or interrupted (started {record.get('started')})"
+    if out_id is None:
+        return False, "its output is missing"
+    if record.get("key") != key:
+        return False, "its config or inputs changed"
+    if record.get("output_id") != out_id:
+        return False, "its output was replaced"
+    return True, f"done {record.get('finished')}"
+
+
+# ---- running ---------------------------------------------------------------------------------------------
+
+
+def executor_for(spec: RunSpec):
+    kind = spec.executor.kind
+    if kind == "local":
+        from llamarl.cluster.local import LocalExecutor
+
+        return LocalExecutor(**spec.executor.options)
+    raise PipelineError(f"executor {kind!r} is not available in this version; use kind: local")
+
+
+def run_spec(spec: RunSpec, *, dry_run: bool = False, echo=print) -> list[tuple[str, str]]:
+    """Run every stage that is not done, in order. Returns (node, what happened) pairs."""
+    run = spec.run_dir
+    nodes = build_dag(spec)
+    by_name = {n.name: n for n in nodes}
+    for n in nodes:
+        n.make_config()  # every stage's options are checked before anything runs
+    report, will_run = [], set()
+    if dry_run:
+        for n in nodes:
+            done, why = assess(run, n, by_name, will_run)
+            if not done:
+                will_run.add(n.name)
+            report.append((n.name, ("skip: " if done else "run: ") + why))
+        return report
+
+    publish.write_bytes(f"{run}/pipeline/spec.yaml", yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False).encode())
+    executor = executor_for(spec)
+    for n in nodes:
+        done, why = assess(run, n, by_name, set())
+        if done:
+            report.append((n.name, "skipped (done)"))
+            echo(f"[{n.name}] done, skipped")
+            continue
+        if published_id(n.out) is not None:  # stale: its config or inputs changed
+            fs, path = fsspec.core.url_to_fs(n.out)
+            fs.rm(path, recursive=True)
+        echo(f"[{n.name}] running {n.stage} on {n.nprocs} process(es): {why}")
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        write_record(run, n, status="running", started=started, error=None, key=None)
+        code = executor.run(n.stage, n.make_config(), n.nprocs)
+        if code != 0:
+            error = getattr(executor, "last_error", None) or f"exit status {code}"
+            write_record(run, n, status="failed", error=error, finished=None)
+            raise PipelineError(f"stage {n.name} failed ({error}); fix it and rerun `llamarl run` — finished stages are kept")
+        write_record(run, n, status="done", key=node_key(n, by_name), output_id=published_id(n.out),
+                     finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), error=None)
+        report.append((n.name, "ran"))
+        if n.stage == "ppo":
+            from .metrics import update_metrics
+
+            update_metrics(run, spec.iterations)
+    return report
+
+
+def status(run: str) -> list[tuple[str, str, str]]:
+    """(node, state, why) for the run directory ``run``."""
+    from .spec import load_spec
+
+    fs, path = fsspec.core.url_to_fs(f"{run.rstrip('/')}/pipeline/spec.yaml")
+    if not fs.exists(path):
+        raise UserError(f"{run} is not a run directory (no pipeline/spec.yaml); start it with `llamarl run SPEC`")
+    spec = load_spec(f"{run.rstrip('/')}/pipeline/spec.yaml")
+    nodes = build_dag(spec)
+    by_name = {n.name: n for n in nodes}
+    rows = []
+    for n in nodes:
+        record = read_record(spec.run_dir, n) or {}
+        done, why = assess(spec.run_dir, n, by_name, set())
+        state = "done" if done else record.get("status", "pending")
+        if state == "done" and not done:
+            state = "stale"
+        rows.append((n.name, state, why))
+    return rows
