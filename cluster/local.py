@@ -36,8 +36,12 @@ class LocalExecutor:
     def command(self, stage: str, config) -> list[str]:
         return [sys.executable, "-m", f"llamarl.stages.{stage}", "--config-json", json.dumps(asdict(config))]
 
-    def run(self, stage: str, config, nprocs: int) -> int:
+    def run(self, stage: str, config, nprocs: int, nodes: int = 1) -> int:
         """Run ``llamarl.stages.<stage>`` with ``nprocs`` processes to completion; the exit status."""
+        if nodes != 1:
+            from llamarl.lib.errors import UserError
+
+            raise UserError(f"the local executor runs on this machine only (nodes={nodes}); use slurm or kubernetes")
         port = free_port()
         procs = []
         for rank in range(nprocs):

@@ -70,8 +70,7 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None, timeout_s: int
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp}*{pp}; launch tp*pp*dp processes")
     ps = _ps()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     _TOPOLOGY = Topology(
         tp=tp,
@@ -85,10 +84,21 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None, timeout_s: int
 
 
 def destroy_model_parallel() -> None:
+    """Drop the TP/PP/DP groups, keeping the global process group.
+
+    megatron-core's ``destroy_model_parallel`` only forgets its groups; the communicators (and
+    gloo's threads) would live on, one set per ``init``. So every group but the world's is
+    destroyed here too."""
     global _TOPOLOGY
-    if _TOPOLOGY is not None:
-        _ps().destroy_model_parallel()
-        _TOPOLOGY = None
+    if _TOPOLOGY is None:
+        return
+    _ps().destroy_model_parallel()
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        if group is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    _TOPOLOGY = None
 
 
 def shutdown() -> None:

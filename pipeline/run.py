@@ -159,12 +159,19 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
 
 
 def executor_for(spec: RunSpec):
-    kind = spec.executor.kind
-    if kind == "local":
-        from llamarl.cluster.local import LocalExecutor
+    kind, options = spec.executor.kind, dict(spec.executor.options)
+    try:
+        if kind == "local":
+            from llamarl.cluster.local import LocalExecutor
 
-        return LocalExecutor(**spec.executor.options)
-    raise PipelineError(f"executor {kind!r} is not available in this version; use kind: local")
+            return LocalExecutor(**options)
+        if kind == "slurm":
+            from llamarl.cluster.slurm import SlurmExecutor
+
+            return SlurmExecutor(folder=options.pop("folder", f"{spec.run_dir}/pipeline/slurm"), **options)
+    except TypeError as e:
+        raise PipelineError(f"executor options: {e}") from None
+    raise PipelineError(f"executor {kind!r} is not available in this version; use kind: local or slurm")
 
 
 def run_spec(spec: RunSpec, *, dry_run: bool = False, echo=print) -> list[tuple[str, str]]:
@@ -197,7 +204,7 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, echo=print) -> list[tuple[
         echo(f"[{n.name}] running {n.stage} on {n.nprocs} process(es): {why}")
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         write_record(run, n, status="running", started=started, error=None, key=None)
-        code = executor.run(n.stage, n.make_config(), n.nprocs)
+        code = executor.run(n.stage, n.make_config(), n.nprocs, nodes=n.layout.nodes)
         if code != 0:
             error = getattr(executor, "last_error", None) or f"exit status {code}"
             write_record(run, n, status="failed", error=error, finished=None)
