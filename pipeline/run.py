@@ -169,9 +169,13 @@ def executor_for(spec: RunSpec):
             from llamarl.cluster.slurm import SlurmExecutor
 
             return SlurmExecutor(folder=options.pop("folder", f"{spec.run_dir}/pipeline/slurm"), **options)
+        if kind == "kubernetes":
+            from llamarl.cluster.kubernetes import KubernetesExecutor
+
+            return KubernetesExecutor(manifests_dir=options.pop("manifests_dir", f"{spec.run_dir}/pipeline/k8s"), **options)
     except TypeError as e:
         raise PipelineError(f"executor options: {e}") from None
-    raise PipelineError(f"executor {kind!r} is not available in this version; use kind: local or slurm")
+    raise PipelineError(f"executor {kind!r}: use local, slurm or kubernetes")
 
 
 def run_spec(spec: RunSpec, *, dry_run: bool = False, echo=print) -> list[tuple[str, str]]:
@@ -192,6 +196,14 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, echo=print) -> list[tuple[
 
     publish.write_bytes(f"{run}/pipeline/spec.yaml", yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False).encode())
     executor = executor_for(spec)
+    if spec.executor.kind == "kubernetes" and not executor.apply:
+        # Render every stage's Job; applying them in order (or `apply: true`) runs the pipeline.
+        for i, n in enumerate(nodes):
+            url = executor._write(f"{i:02d}-{n.name.replace('/', '-')}",
+                                  executor.manifests(n.name.replace("/", "-"), n.stage, n.make_config(), n.nprocs, n.layout.nodes))
+            report.append((n.name, f"manifest {url}"))
+            echo(f"[{n.name}] manifest written: {url}")
+        return report
     for n in nodes:
         done, why = assess(run, n, by_name, set())
         if done:

@@ -1,0 +1,115 @@
+"""Kubernetes executor: manifests valid offline, rendezvous and rank wiring, apply against a fake API."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import types
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from llamarl.cluster.kubernetes import KubernetesExecutor
+from llamarl.pipeline import demo
+from llamarl.pipeline.run import run_spec
+from llamarl.pipeline.spec import load_spec
+from llamarl.stages.ppo import PPOConfig
+
+K8S_VERSION = "1.32"  # the kubectl client on these machines
+
+
+def _executor(**kw):
+    return KubernetesExecutor(image="registry.example/llamarl:1", pvc="runs", mount_path="/shared",
+                              gpus_per_node=8, cpu="32", memory="256Gi", **kw)
+
+
+def _config():
+    return PPOConfig(rollout="/shared/r/iter-001/rollout", scores="/shared/r/iter-001/scores",
+                     actor="/shared/r/shard/actor", out="/shared/r/iter-001/ppo", tp=8, pp=2, dp=1)
+
+
+def test_manifests_validate_against_the_kubernetes_schemas():
+    for obj in _executor().manifests("iter-001/ppo", "ppo", _config(), nprocs=16, nodes=2):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_rendezvous_and_rank_wiring():
+    service, job = _executor().manifests("iter-001/ppo", "ppo", _config(), nprocs=16, nodes=2)
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 2
+    pod = spec["template"]["spec"]
+    name = job["metadata"]["name"]
+    # headless service selecting exactly this job's pods, named in their subdomain
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == {"job-name": name}
+    assert pod["subdomain"] == service["metadata"]["name"]
+    command = pod["containers"][0]["command"]
+    assert command[:2] == ["bash", "-c"]
+    argv = shlex.split(command[2])
+    args = dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    assert args["--nnodes"] == "2" and args["--nproc_per_node"] == "8"
+    assert args["--node_rank"] == "${JOB_COMPLETION_INDEX}"  # expanded by bash in each pod
+    assert args["--master_addr"] == f"{name}-0.{service['metadata']['name']}"
+    assert argv[argv.index("-m") + 1] == "llamarl.stages.ppo"
+    assert json.loads(argv[argv.index("--config-json") + 1]) == json.loads(json.dumps(dataclasses.asdict(_config())))
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert {"name": "NCCL_NVLS_ENABLE", "value": "0"} in pod["containers"][0]["env"]
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "runs"
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0]["action"] == "FailJob" and rules[0]["onExitCodes"]["values"] == [2]
+    assert spec["backoffLimitPerIndex"] == 2
+
+
+def test_uneven_spread_is_a_clear_error():
+    from llamarl.lib.errors import UserError
+
+    with pytest.raises(UserError, match="16 processes do not spread evenly over 3 nodes"):
+        _executor().manifests("x", "ppo", _config(), nprocs=16, nodes=3)
+
+
+class _FakeBatch:
+    def __init__(self, outcome):
+        self.created, self.reads, self.outcome = [], 0, outcome
+
+    def create_namespaced_job(self, namespace, body):
+        self.created.append((namespace, body))
+
+    def read_namespaced_job_status(self, name, namespace):
+        self.reads += 1
+        conditions = []
+        if self.reads >= 3:
+            conditions = [types.SimpleNamespace(type=self.outcome, status="True", reason="R", message="M")]
+        return types.SimpleNamespace(status=types.SimpleNamespace(conditions=conditions))
+
+
+class _FakeCore:
+    def __init__(self):
+        self.created = []
+
+    def create_namespaced_service(self, namespace, body):
+        self.created.append((namespace, body))
+
+
+@pytest.mark.parametrize("outcome,code", [("Complete", 0), ("Failed", 1)])
+def test_apply_creates_service_and_job_and_follows_it(outcome, code):
+    batch, core = _FakeBatch(outcome), _FakeCore()
+    ex = _executor(apply=True, namespace="rl", batch_api=batch, core_api=core, poll_s=0)
+    assert ex.run("ppo", _config(), 16, nodes=2) == code
+    assert core.created[0][0] == "rl" and core.created[0][1]["kind"] == "Service"
+    assert batch.created[0][1]["kind"] == "Job" and batch.reads == 3
+    if code:
+        assert "failed: R: M" in ex.last_error
+
+
+def test_pipeline_renders_every_stage_without_apply(tmp_path):
+    spec_path = demo.make_inputs(str(tmp_path))
+    data = yaml.safe_load(open(spec_path))
+    data["executor"] = {"kind": "kubernetes", "options": {"image": "llamarl:dev", "pvc": "runs"}}
+    (tmp_path / "k8s.yaml").write_text(yaml.safe_dump(data))
+    spec = load_spec(str(tmp_path / "k8s.yaml"))
+    report = run_spec(spec, echo=lambda m: None)
+    assert len(report) == 12 and all(what.startswith("manifest ") for _, what in report)
+    for _, what in report:
+        for obj in yaml.safe_load_all(open(what.split(" ", 1)[1])):
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
