@@ -16,6 +16,7 @@ app.add_typer(stage_app, name="stage")
 def run(
     spec: str = typer.Argument(..., help="Run spec (YAML)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print which stages would run and why; run nothing."),
+    apply: bool = typer.Option(False, "--apply", help="Kubernetes: create the Jobs and follow them (default: write YAML)."),
 ):
     """Run (or resume) every stage of a spec that is not done yet."""
     from rich.console import Console
@@ -28,6 +29,8 @@ def run(
     console = Console()
     try:
         loaded = load_spec(spec)
+        if apply:
+            loaded.executor.options["apply"] = True
         report = run_spec(loaded, dry_run=dry_run, echo=lambda m: console.print(m, highlight=False, markup=False))
     except UserError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False)
