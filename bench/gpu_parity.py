@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import tiny  # noqa: E402
 
-from llamarl.lib import attention, parallel, pipeline, vocab_parallel  # noqa: E402
+from llamarl.lib import attention, parallel, vocab_parallel  # noqa: E402
 from llamarl.lib.config import ParallelLayout  # noqa: E402
 from llamarl.lib.model import ParallelLlamaForCausalLM  # noqa: E402
 
@@ -33,7 +33,7 @@ SHAPE = dict(vocab_size=32003, hidden_size=1024, intermediate_size=2816, num_hid
 
 def main():
     world = int(os.environ.get("WORLD_SIZE", 1))
-    topo = parallel.init(tp=world, pp=1)
+    parallel.init(tp=world, pp=1)
     dev = parallel.device()
     rank0 = dist.get_rank() == 0
     out = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "tp": world,

@@ -35,6 +35,31 @@ def timed(step, n, dev) -> float:
     return (time.perf_counter() - t) / n
 
 
+def _measure_lib(hf_cfg, shape, ids, dtype, fused, dev, seq, tokens, n):
+    """lib/'s step, in its own scope so its model and optimizer are freed before HF's."""
+    from llamarl.lib import vocab_parallel
+    from llamarl.lib.config import LlamaConfig, ParallelLayout
+    from llamarl.lib.model import ParallelLlamaForCausalLM
+
+    with torch.device(dev):
+        ours = ParallelLlamaForCausalLM(LlamaConfig.from_hf(hf_cfg.to_dict()), ParallelLayout(), dtype=dtype)
+    ours.init_random(seed=0)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-5, **fused)
+    batch = ours.make_batch(ids)
+    labels = batch.flat(torch.roll(ids, -1, 1))
+
+    def step():
+        vocab_parallel.cross_entropy(ours(batch), labels).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    no_embed = sum(p.numel() for p in ours.parameters()) - shape["vocab_size"] * shape["hidden_size"]
+    flops = flops_per_step(no_embed, shape["num_hidden_layers"], shape["hidden_size"], seq, tokens)
+    dt = timed(step, n, dev)
+    return flops, {"llamarl_tok_s": tokens / dt, "llamarl_mfu": flops / dt / 989e12,
+                   "llamarl_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
@@ -43,9 +68,7 @@ def main():
     from transformers import LlamaForCausalLM
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29545")
-    from llamarl.lib import parallel, vocab_parallel
-    from llamarl.lib.config import LlamaConfig, ParallelLayout
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib import parallel
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.small:
@@ -66,26 +89,8 @@ def main():
     ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=dev)
 
     parallel.init(1, 1)
-    with torch.device(dev):
-        ours = ParallelLlamaForCausalLM(LlamaConfig.from_hf(hf_cfg.to_dict()), ParallelLayout(), dtype=dtype)
-    ours.init_random(seed=0)
-    opt = torch.optim.AdamW(ours.parameters(), lr=1e-5, **fused)
-    batch_obj = ours.make_batch(ids)
-    labels = batch_obj.flat(torch.roll(ids, -1, 1))
-
-    def ours_step():
-        loss = vocab_parallel.cross_entropy(ours(batch_obj), labels).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    n_params = sum(p.numel() for p in ours.parameters())
-    no_embed = n_params - shape["vocab_size"] * shape["hidden_size"]
-    flops = flops_per_step(no_embed, shape["num_hidden_layers"], shape["hidden_size"], seq, tokens)
-    dt = timed(ours_step, n, dev)
-    res.update(llamarl_tok_s=tokens / dt, llamarl_mfu=flops / dt / 989e12,
-               llamarl_peak_gb=torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None)
-    del ours, opt
+    flops, lib = _measure_lib(hf_cfg, shape, ids, dtype, fused, dev, seq, tokens, n)
+    res.update(lib)
     if dev == "cuda":
         torch.cuda.empty_cache()
 

@@ -21,6 +21,10 @@ class ConfigError(UserError, ValueError):
 
 _SUPPORTED_ROPE = ("default", "linear", "llama3")
 
+# The dtype names configs accept.
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
+
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig:

@@ -80,7 +80,7 @@ def param_slices(cfg: LlamaConfig, tp: int, tp_rank: int, name: str) -> list[Sli
 def hf_shapes(cfg: LlamaConfig, head: str = "lm") -> dict[str, tuple[int, ...]]:
     """Every tensor of the HF checkpoint for ``cfg`` and its shape. ``head`` is ``lm`` for
     ``LlamaForCausalLM``, ``score`` for ``LlamaForSequenceClassification`` (one label)."""
-    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."

@@ -91,3 +91,22 @@ def check(error: str | None) -> None:
     first = agree(error)
     if first is not None:
         raise UserError(first)
+
+
+def prepare_output(out: str, is_current, request: dict | None = None) -> str:
+    """Collective ``publish.prepare``: rank 0 decides ("skip", "resume" or "fresh"), every rank
+    gets the decision, or the same error."""
+    from . import publish
+
+    decision, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            decision = publish.prepare(out, is_current, request)
+        except UserError as e:
+            error = str(e)
+    check(error)
+    if dist.is_initialized():
+        box = [decision]
+        dist.broadcast_object_list(box, src=0)
+        decision = box[0]
+    return decision

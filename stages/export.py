@@ -20,12 +20,10 @@ import torch
 import torch.distributed as dist
 
 from llamarl.lib import checkpoint, hf_layout, job, parallel, publish
-from llamarl.lib.config import LlamaConfig
+from llamarl.lib.config import DTYPES, LlamaConfig
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import NAMES, SafetensorsFile, write_file
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
 
 
 @dataclass(kw_only=True)
@@ -90,7 +88,7 @@ def run(cfg: ExportConfig) -> None:
         if tuple(stored[n].size) != tuple(shape):
             raise UserError(f"{src}: {n} is stored with shape {list(stored[n].size)}, its config implies {list(shape)}")
     src_dtype = stored[next(iter(shapes))].properties.dtype
-    out_dtype = DTYPES[cfg.dtype] if cfg.dtype else src_dtype
+    out_dtype = getattr(torch, DTYPES[cfg.dtype]) if cfg.dtype else src_dtype
 
     parallel.init(1, 1, backend="gloo")  # pure I/O on CPU tensors
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -107,16 +105,7 @@ def run(cfg: ExportConfig) -> None:
 
     expect = {"kind": "hf_export", "head": head, "dtype": str(out_dtype).removeprefix("torch."),
               "source": {"url": src, "created": manifest["created"], "files": manifest["files"]}}
-    todo, error = None, None
-    if rank == 0:
-        try:
-            todo = publish.prepare(dst, lambda m: all(m.get(k) == v for k, v in expect.items())) != "skip"
-        except UserError as e:
-            error = str(e)
-    job.check(error)
-    flag = [todo]
-    dist.broadcast_object_list(flag, src=0)
-    if not flag[0]:
+    if job.prepare_output(dst, lambda m: all(m.get(k) == v for k, v in expect.items())) == "skip":
         if rank == 0:
             print(f"{dst}: already exported from this checkpoint, nothing to do", flush=True)
         return

@@ -254,16 +254,7 @@ def run(cfg: PPOConfig) -> None:
                "scores_id": publish.output_id(cfg.scores), "reference_id": publish.output_id(reference),
                "critic_id": publish.output_id(cfg.critic) if cfg.critic else None,
                "config": dataclasses.asdict(cfg) | {"out": None, "tp": None, "pp": None, "dp": None}}
-    decision, error = None, None
-    if rank == 0:
-        try:
-            decision = publish.prepare(out, lambda m: m.get("request") == request, request)
-        except UserError as e:
-            error = str(e)
-    job.check(error)
-    flag = [decision]
-    dist.broadcast_object_list(flag, src=0)
-    if flag[0] == "skip":
+    if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
         if rank == 0:
             print(f"{out}: this PPO iteration is already done, nothing to do", flush=True)
         return

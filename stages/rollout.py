@@ -170,16 +170,7 @@ def run(cfg: RolloutConfig) -> None:
     request = {"kind": "rollout", "actor": actor, "actor_id": actor_id, "prompts": cfg.prompts,
                "config": dataclasses.asdict(cfg) | {"out": None, "tp": None, "dp": None}}
 
-    decision, error = None, None
-    if rank == 0:
-        try:
-            decision = publish.prepare(out, lambda m: m.get("request") == request, request)
-        except UserError as e:
-            error = str(e)
-    job.check(error)
-    flag = [decision]
-    dist.broadcast_object_list(flag, src=0)
-    if flag[0] == "skip":
+    if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
         if rank == 0:
             print(f"{out}: already rolled out with this actor and config, nothing to do", flush=True)
         return

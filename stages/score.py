@@ -219,16 +219,7 @@ def run(cfg: ScoreConfig) -> None:
     request = {"kind": "scores", "rollout_id": publish.output_id(rollout), "rm_id": rm_id,
                "config": dataclasses.asdict(cfg) | {"out": None, "tp": None, "pp": None, "dp": None, "offload": None}}
 
-    decision, error = None, None
-    if rank == 0:
-        try:
-            decision = publish.prepare(out, lambda m: m.get("request") == request, request)
-        except UserError as e:
-            error = str(e)
-    job.check(error)
-    flag = [decision]
-    dist.broadcast_object_list(flag, src=0)
-    if flag[0] == "skip":
+    if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
         if rank == 0:
             print(f"{out}: already scored with this rollout, reward model and config, nothing to do", flush=True)
         return

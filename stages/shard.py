@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.lib import checkpoint, hf_layout, job, parallel, publish
-from llamarl.lib.config import LlamaConfig, ParallelLayout
+from llamarl.lib.config import DTYPES, LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import SafetensorsCheckpoint
 
@@ -33,8 +33,6 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
               "chat_template.jinja", "chat_template.json")
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
 
 
 @dataclass(kw_only=True)
@@ -124,7 +122,7 @@ def run(cfg: ShardConfig) -> None:
     layout.check(model_cfg)
     weights = SafetensorsCheckpoint(src)
     src_dtype = _check_weights(weights, model_cfg, head, src)
-    out_dtype = DTYPES[cfg.dtype] if cfg.dtype else src_dtype
+    out_dtype = getattr(torch, DTYPES[cfg.dtype]) if cfg.dtype else src_dtype
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world != cfg.tp * cfg.pp:
@@ -142,16 +140,7 @@ def run(cfg: ShardConfig) -> None:
     def is_current(m: dict) -> bool:
         return all(m.get(k) == v for k, v in expect.items())
 
-    todo, error = None, None
-    if rank == 0:
-        try:
-            todo = publish.prepare(dst, is_current) != "skip"
-        except UserError as e:
-            error = str(e)
-    job.check(error)
-    flag = [todo]
-    dist.broadcast_object_list(flag, src=0)
-    if not flag[0]:
+    if job.prepare_output(dst, is_current) == "skip":
         if rank == 0:
             print(f"{dst}: already sharded from this source, nothing to do", flush=True)
         return

@@ -12,7 +12,6 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from llamarl.lib import publish
 from llamarl.lib.errors import UserError
