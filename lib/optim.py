@@ -67,7 +67,9 @@ def _share_weights(model) -> dict[str, float]:
 
 def clip_grad_norm(model, max_norm: float | None) -> float:
     """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before."""
-    weights = _share_weights(model)
+    weights = getattr(model, "_grad_norm_weights", None)
+    if weights is None:  # depends only on the model and layout: computed once, not every step
+        weights = model._grad_norm_weights = _share_weights(model)
     dev = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=dev)
     for name, p in model.named_parameters():
