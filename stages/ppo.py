@@ -3,7 +3,7 @@
 Run with tp × pp × dp processes (``llamarl stage ppo …``). The recipe:
 
 1. join rollout and scores on (prompt_id, sample_index);
-2. reference log-probs (frozen initial actor, offloaded once done) and old values (critic), the
+2. reference log-probs (frozen initial actor, freed once done) and old values (critic), the
    batch split over DP;
 3. token rewards (score at the last token, minus β·KL unless KL is a loss term), GAE or GRPO
    advantages, whitening;
@@ -33,7 +33,6 @@ import torch.distributed as dist
 from llamarl.lib import checkpoint, job, optim, parallel, pipeline, publish, rl, vocab_parallel
 from llamarl.lib.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
-from llamarl.lib.offload import ParamOffload
 
 
 @dataclass(kw_only=True)
@@ -277,8 +276,9 @@ def run(cfg: PPOConfig) -> None:
     checkpoint.load_model(ref, f"{reference}/model")
     ref.eval()
     ref_logp = _token_outputs(ref, samples, groups, cfg.temperature)
-    ParamOffload(ref, dev).to_host()  # done with it for this iteration
-    del ref
+    del ref  # used once per iteration: free its memory for training rather than park it on the host
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     old_values = _token_outputs(critic, samples, groups, 1.0) if cfg.advantage == "gae" else None
     order = [i for g in groups for i in g]
     ref_logp = _gather_dp(dict(zip(order, ref_logp)) if ref_logp is not None else None)
