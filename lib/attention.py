@@ -3,7 +3,8 @@
 * ``Padded``: tokens are ``batch × seqlen`` rows with a key-padding mask (SDPA with a mask).
 * ``Packed``: the valid tokens of all sequences back to back, delimited by ``cu_seqlens``
   (remove-padding). Backends, fastest first: flash-attn's ``flash_attn_varlen_func`` when it
-  imports; ``torch.nn.attention.varlen.varlen_attn`` on CUDA; SDPA per sequence on CPU.
+  imports; ``torch.nn.attention.varlen.varlen_attn`` on CUDA; SDPA per sequence on CPU and for
+  fp32 (the varlen kernels are fp16/bf16 only).
 * ``Prefill`` / ``Decode``: generation over a preallocated ``KVCache`` — packed prompts that
   also fill the cache, then one token per sequence attending over its cache.
 
@@ -154,9 +155,10 @@ def _torch_varlen():
     return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def varlen_backend(device: torch.device) -> str:
-    """Which implementation ``varlen_attention`` uses on ``device``."""
-    if device.type == "cuda":
+def varlen_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which implementation ``varlen_attention`` uses for ``dtype`` tensors on ``device``. The
+    varlen kernels take fp16/bf16 only; fp32 (a debugging or reference run on a GPU) takes SDPA."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         if _flash_attn_varlen() is not None:
             return "flash_attn"
         if _torch_varlen()[0] is not None:
@@ -165,7 +167,7 @@ def varlen_backend(device: torch.device) -> str:
 
 
 def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, backend: str | None = None) -> torch.Tensor:
-    backend = backend or varlen_backend(q.device)
+    backend = backend or varlen_backend(q.device, q.dtype)
     if backend == "flash_attn":
         return _flash_attn_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
     if backend == "torch_varlen":

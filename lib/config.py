@@ -26,6 +26,26 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
           "fp32": "float32", "float32": "float32"}
 
 
+def compute_dtype(name: str, device, *, allowed: tuple[str, ...] = ("bf16", "fp16", "fp32"), option: str = "dtype"):
+    """The torch dtype a stage computes in, from its ``dtype`` option; refused up front, in one
+    line, when the device cannot run it (before any weights are read).
+
+    ``auto`` is bf16 on CUDA and fp32 on CPU. fp32 runs on CUDA too (attention then takes the SDPA
+    path: the varlen kernels are fp16/bf16 only). fp16 on CPU is refused: CPU kernels for half
+    precision are partial and slow, and bf16 does the same job there."""
+    import torch
+
+    choices = ("auto",) + allowed
+    if name not in choices:
+        raise UserError(f"{option}={name!r}: use {', '.join(choices[:-1])} or {choices[-1]}")
+    cuda = torch.device(device).type == "cuda"
+    if name == "auto":
+        return torch.bfloat16 if cuda else torch.float32
+    if name == "fp16" and not cuda:
+        raise UserError(f"{option}=fp16 does not run on CPU; use bf16 or fp32 (or auto: fp32 on CPU, bf16 on GPU)")
+    return getattr(torch, DTYPES[name])
+
+
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
     """Shape and numerics of a Llama decoder (HF ``LlamaConfig`` fields, our names)."""

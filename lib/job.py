@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 import typing
 from typing import Any, Callable, TypeVar
 
@@ -93,10 +94,34 @@ def check(error: str | None) -> None:
         raise UserError(first)
 
 
+_work_start: float | None = None
+
+
+def process_start_time() -> float | None:
+    """When this process started, in Unix seconds (10 ms resolution), from /proc; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def timing() -> dict:
+    """For a stage's manifest: when this process started, when it began the stage's work (its
+    output prepared: imports, process groups and input checks done) and now, in Unix seconds."""
+    return {"process_start": process_start_time(), "work_start": _work_start, "work_end": time.time()}
+
+
 def prepare_output(out: str, is_current, request: dict | None = None) -> str:
     """Collective ``publish.prepare``: rank 0 decides ("skip", "resume" or "fresh"), every rank
-    gets the decision, or the same error."""
+    gets the decision, or the same error. Marks the start of the stage's work (``timing``)."""
     from . import publish
+
+    global _work_start
+    _work_start = _work_start or time.time()
 
     decision, error = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:

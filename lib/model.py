@@ -181,17 +181,19 @@ class ParallelLlama(nn.Module):
 
     def tied_head(self) -> bool:
         """Whether the head weight is the embedding's (tied embeddings); with PP > 1 the last stage
-        then holds a copy whose gradient ``sync_tied_grads`` keeps equal to the first stage's."""
+        then holds a copy whose gradient must be summed with the first stage's (``tied_copy``)."""
         return self.hf_head == "lm" and self.cfg.tie_word_embeddings
 
-    def sync_tied_grads(self) -> None:
-        """Sum the tied embedding's gradients over the first and last pipeline stage (PP > 1)."""
+    def tied_copy(self) -> nn.Parameter | None:
+        """With tied embeddings over PP > 1: this stage's copy of the shared weight (the embedding
+        on the first stage, the head on the last), whose gradient is summed over the embedding
+        group; None otherwise."""
         topo = parallel.topology()
         if not self.tied_head() or topo.pp == 1:
-            return
-        p = self.model.embed_tokens.weight if topo.is_first_stage else (self.lm_head.weight if topo.is_last_stage else None)
-        if p is not None and p.grad is not None:
-            torch.distributed.all_reduce(p.grad, group=parallel.embedding_group())
+            return None
+        if topo.is_first_stage:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight if topo.is_last_stage else None
 
 
 class ParallelLlamaForCausalLM(ParallelLlama):

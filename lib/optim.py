@@ -1,52 +1,71 @@
-"""Training pieces: contiguous gradient buffers, global-norm clipping, ZeRO-1 AdamW, LR schedule.
+"""Training pieces: fp32 gradient buffers, global-norm clipping, ZeRO-1 AdamW on fp32 master
+weights, LR schedule.
 
-* ``GradBuffer``: every parameter's ``.grad`` is a view into one flat buffer per dtype, so the
-  data-parallel reduction is one all-reduce per dtype, not one per tensor.
+Mixed precision as Megatron does it: parameters (and so activations) may be bf16, while every
+number that accumulates is fp32 — gradients summed over micro-batches and reduced over DP, the
+master weights AdamW updates, and its moments.
+
+* ``GradBuffer``: every parameter's gradient accumulates into ``p.main_grad``, an fp32 view into
+  one flat buffer, so the data-parallel reduction is one fp32 all-reduce, not one per tensor.
 * ``clip_grad_norm``: the norm of the *whole* model's gradient, whatever the layout: each TP/PP
   rank adds its shards, and pieces held by several ranks (replicated norms, kv heads replicated
   over TP, tied embeddings on two pipeline stages) are counted once.
-* ``ShardedAdamW``: ZeRO-1 — each DP rank keeps AdamW moments for its share of the parameters,
-  updates those, and broadcasts them. Written here rather than taken from torch's
-  ``ZeroRedundancyOptimizer`` because checkpoints need to know who owns which moments: they are
-  saved as chunks of the same HF-named tensors as the weights, so optimizer state, too, loads
-  into any other layout.
+* ``ShardedAdamW``: ZeRO-1 — each DP rank keeps fp32 master weights and AdamW moments for its
+  share of the parameters, updates those, writes them back into the model and broadcasts them.
+  Written here rather than taken from torch's ``ZeroRedundancyOptimizer`` because checkpoints need
+  to know who owns which moments: they are saved as chunks of the same HF-named tensors as the
+  weights, so optimizer state, too, loads into any other layout.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
 from . import checkpoint, hf_layout, parallel
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _accumulate(p: torch.nn.Parameter) -> None:
+    p.main_grad.add_(p.grad)
+    p.grad = None
+
 
 class GradBuffer:
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.params = [p for p in params if p.requires_grad]
-        by_dtype: dict[torch.dtype, list] = defaultdict(list)
+    """fp32 gradients of ``model``'s parameters in one flat buffer; ``p.main_grad`` is each one's view.
+
+    fp32 parameters get ``.grad`` = that view, so autograd accumulates in place. Lower-precision
+    parameters get a hook that adds each backward's ``.grad`` into the view and frees it: micro-batch
+    accumulation happens in fp32, and a bf16 gradient lives for one backward only."""
+
+    def __init__(self, model):
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        dev = self.params[0].device
+        self.buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=dev)
+        offset = 0
         for p in self.params:
-            by_dtype[p.dtype].append(p)
-        self.buffers = {}
-        for dtype, ps in by_dtype.items():
-            buf = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=ps[0].device)
-            offset = 0
-            for p in ps:
-                p.grad = buf[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-            self.buffers[dtype] = buf
+            p.main_grad = self.buffer[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.dtype == torch.float32:
+                p.grad = p.main_grad
+            else:
+                p.register_post_accumulate_grad_hook(_accumulate)
 
     def zero(self) -> None:
-        for buf in self.buffers.values():
-            buf.zero_()
+        self.buffer.zero_()
 
-    def all_reduce_dp(self) -> None:
-        """Sum the gradients over data-parallel replicas (each rank's loss is its share of the mean)."""
+    def reduce(self) -> None:
+        """Sum the gradients over data-parallel replicas (each rank's loss is its share of the mean),
+        and the tied embedding's two copies over the first and last pipeline stage."""
         if parallel.topology().dp > 1:
-            for buf in self.buffers.values():
-                dist.all_reduce(buf, group=parallel.dp_group())
+            dist.all_reduce(self.buffer, group=parallel.dp_group())
+        tied = self.model.tied_copy()
+        if tied is not None:
+            dist.all_reduce(tied.main_grad, group=parallel.embedding_group())
 
 
 def _share_weights(model) -> dict[str, float]:
@@ -66,27 +85,29 @@ def _share_weights(model) -> dict[str, float]:
 
 
 def clip_grad_norm(model, max_norm: float | None) -> float:
-    """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before."""
+    """Scale the (``GradBuffer``) gradients so their global L2 norm is at most ``max_norm``; returns the norm before."""
     weights = getattr(model, "_grad_norm_weights", None)
     if weights is None:  # depends only on the model and layout: computed once, not every step
         weights = model._grad_norm_weights = _share_weights(model)
     dev = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=dev)
     for name, p in model.named_parameters():
-        if p.grad is not None:
-            total += weights[name] * p.grad.double().square().sum()
+        total += weights[name] * p.main_grad.double().square().sum()
     if parallel.topology().tp * parallel.topology().pp > 1:
         dist.all_reduce(total, group=parallel.model_parallel_group())
     norm = float(total.sqrt())
     if max_norm is not None and norm > max_norm:
         for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(max_norm / (norm + 1e-6))
+            p.main_grad.mul_(max_norm / (norm + 1e-6))
     return norm
 
 
 class ShardedAdamW:
-    """AdamW with its moments sharded over DP (ZeRO-1)."""
+    """AdamW with fp32 master weights and moments sharded over DP (ZeRO-1).
+
+    Each DP rank owns whole parameters. It steps their fp32 masters from the fp32 ``main_grad``
+    (``GradBuffer``), copies the result into the model's parameters (rounding to their dtype) and
+    broadcasts them to the other DP ranks. An fp32 parameter is its own master."""
 
     def __init__(self, model, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
         topo = parallel.topology()
@@ -100,10 +121,18 @@ class ShardedAdamW:
             self.owner[n] = r
             load[r] += p.numel()
         self.params = dict(named)
-        mine = [p for n, p in named if self.owner[n] == topo.dp_rank]
-        self.inner = torch.optim.AdamW(mine or [torch.zeros(1, requires_grad=True)], lr=lr, betas=betas, eps=eps,
-                                       weight_decay=weight_decay, foreach=False)
-        self.names = {p: n for n, p in named}
+        # One dtype for all parameters: every rank (owning parameters or not) agrees on this.
+        self.separate_masters = named[0][1].dtype != torch.float32
+        self.master = {n: p.detach().float() if self.separate_masters else p
+                       for n, p in named if self.owner[n] == topo.dp_rank}
+        masters = list(self.master.values()) or [torch.zeros(1, requires_grad=True)]
+        self.device = named[0][1].device
+        # The fused kernel on CUDA (one launch for all tensors); the per-tensor loop on CPU, where
+        # the tests compare layouts at 1e-5 and need the reference arithmetic.
+        self.fused = self.device.type == "cuda"
+        kernel = {"fused": True} if self.fused else {"foreach": False}
+        self.inner = torch.optim.AdamW(masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel)
+        self.names = {m: n for n, m in self.master.items()}
 
     @property
     def lr(self) -> float:
@@ -115,7 +144,13 @@ class ShardedAdamW:
             g["lr"] = value
 
     def step(self) -> None:
+        for n, m in self.master.items():
+            m.grad = self.params[n].main_grad
         self.inner.step()
+        with torch.no_grad():
+            for n, m in self.master.items():
+                if m is not self.params[n]:
+                    self.params[n].copy_(m)
         topo = parallel.topology()
         if topo.dp > 1:
             group = parallel.dp_group()
@@ -125,33 +160,57 @@ class ShardedAdamW:
 
     # ---- checkpoint ------------------------------------------------------------------------
 
+    def model_state(self, dtype: torch.dtype) -> dict:
+        """The model's DCP state from the masters at full precision, stored as ``dtype``: each DP
+        rank writes the parameters it owns."""
+        return checkpoint.model_state(self.model, tensors={n: m.detach().to(dtype) for n, m in self.master.items()})
+
     def state(self, step: int) -> dict:
-        """This rank's moments as DCP chunks under ``<hf name>.exp_avg`` / ``.exp_avg_sq``."""
-        moments: dict[str, dict] = {"exp_avg": {}, "exp_avg_sq": {}}
-        for p, st in self.inner.state.items():
-            name = self.names.get(p)
-            if name is None:
-                continue
-            for k in moments:
-                moments[k][name] = st[k]
+        """This rank's moments (and masters, when they are copies) as DCP chunks under
+        ``<hf name>.exp_avg`` / ``.exp_avg_sq`` / ``.master``."""
+        tensors: dict[str, dict] = {k: {} for k in MOMENTS}
+        for m, st in self.inner.state.items():
+            name = self.names.get(m)
+            if name is not None:
+                for k in MOMENTS:
+                    tensors[k][name] = st[k]
+        if self.separate_masters:
+            tensors["master"] = self.master
         out = {}
-        for k, tensors in moments.items():
-            out.update(checkpoint.model_state(self.model, tensors=tensors, suffix=f".{k}"))
+        for k, ts in tensors.items():
+            out.update(checkpoint.model_state(self.model, tensors=ts, suffix=f".{k}"))
         return out
 
-    def load_state(self, url: str, step: int) -> None:
-        """Fill this rank's moments from a checkpoint's ``optim`` DCP folder, for any layout."""
-        topo = parallel.topology()
-        moments = {k: {n: torch.zeros_like(p) for n, p in self.params.items() if self.owner[n] == topo.dp_rank}
-                   for k in ("exp_avg", "exp_avg_sq")}
-        state = {}
-        for k, tensors in moments.items():
-            state.update(checkpoint.model_state(self.model, tensors=tensors, suffix=f".{k}"))
-        checkpoint.load(state, url)
-        for n, p in self.params.items():
-            if self.owner[n] == topo.dp_rank:
-                self.inner.state[p] = {"step": torch.tensor(float(step)), "exp_avg": moments["exp_avg"][n],
-                                       "exp_avg_sq": moments["exp_avg_sq"][n]}
+    def load_state(self, url: str | None, step: int, model_url: str | None = None) -> None:
+        """Collective. Fill this rank's optimizer state, for any layout: moments from the
+        checkpoint's ``optim`` DCP folder ``url`` (None: fresh moments); masters from ``url`` when it
+        has them, else from the model checkpoint ``model_url`` at its stored precision, else from
+        the parameters."""
+        stored = checkpoint.read_metadata(url).state_dict_metadata if url else {}
+        wanted = list(MOMENTS) if url else []
+        if self.separate_masters:
+            if any(k.endswith(".master") for k in stored):
+                wanted.append("master")
+            elif model_url:
+                checkpoint.load(checkpoint.model_state(self.model, tensors=self.master), model_url)
+            else:
+                with torch.no_grad():
+                    for n, m in self.master.items():
+                        m.copy_(self.params[n])
+        targets = {k: self.master if k == "master" else {n: torch.zeros_like(m) for n, m in self.master.items()}
+                   for k in wanted}
+        if url:
+            state = {}
+            for k, ts in targets.items():
+                state.update(checkpoint.model_state(self.model, tensors=ts, suffix=f".{k}"))
+            checkpoint.load(state, url)
+            for n, m in self.master.items():
+                count = torch.tensor(float(step), device=self.device if self.fused else "cpu")
+                self.inner.state[m] = {"step": count, "exp_avg": targets["exp_avg"][n], "exp_avg_sq": targets["exp_avg_sq"][n]}
+        with torch.no_grad():
+            for n, m in self.master.items():
+                if m is not self.params[n]:
+                    self.params[n].copy_(m)
 
 
 def lr_at(step: int, base: float, warmup: int, total: int | None, decay: str = "constant", min_ratio: float = 0.0) -> float:

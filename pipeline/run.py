@@ -91,7 +91,8 @@ def build_dag(spec: RunSpec) -> list[Node]:
                           cfg(PPOConfig, spec.ppo, "ppo", rollout=f"{run}/{ro}", scores=f"{run}/{sc}", actor=actor_dir,
                               reference=f"{run}/shard/actor", critic=critic_dir, out=f"{run}/{po}",
                               tp=L.ppo.tp, pp=L.ppo.pp, dp=L.ppo.dp)))
-        actor, critic = po, po
+        # GRPO trains no critic: the next iteration starts its own only if it needs one.
+        actor, critic = po, (po if spec.ppo.get("advantage", "gae") == "gae" else None)
     nodes.append(Node("export", "export", f"{run}/export", [actor], L.export,
                       cfg(ExportConfig, spec.export, "export", src=f"{run}/{actor}/actor", dst=f"{run}/export")))
     return nodes

@@ -140,7 +140,7 @@ def run(cfg: ExportConfig) -> None:
             error = str(e)
     job.check(error)
     if rank == 0:
-        publish.publish(dst, {**expect, "files": files})
+        publish.publish(dst, {**expect, "files": files, "timing": job.timing()})
         dt = time.perf_counter() - t0
         total = sum(v["bytes"] for k, v in files.items() if k.endswith(".safetensors"))
         print(f"{dst}: exported {total / 1e9:.2f} GB ({len(names)} file(s)) in {dt:.1f}s ({total / 1e9 / dt:.2f} GB/s)", flush=True)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.lib import checkpoint, job, optim, parallel, pipeline, publish, rl, vocab_parallel
-from llamarl.lib.config import LlamaConfig, ParallelLayout
+from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 
 
@@ -90,6 +90,10 @@ class PPOConfig:
     seed: int = 0
     save_every: int = 0
     """Save resumable training state every N optimizer steps (0: only at the end)."""
+    dtype: str = "auto"
+    """Parameters and activations: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32. Gradients are
+    accumulated and reduced, and master weights and Adam moments kept, in fp32 whatever this is;
+    log-probs, KL, advantages and losses are fp32 too. Checkpoints keep the actor's stored dtype."""
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -184,9 +188,10 @@ def _response_values(samples: list[Sample], padded_out: torch.Tensor) -> list[li
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if temperature == 1.0:
-        return logits
-    # Padded vocabulary sits at the dtype's minimum; keep it finite after scaling.
-    return (logits / temperature).clamp(min=torch.finfo(logits.dtype).min)
+        return logits  # the vocab-parallel ops upcast to fp32 themselves
+    # In fp32: dividing bf16 logits would round them again. Padded vocabulary sits at the dtype's
+    # minimum; keep it finite after scaling.
+    return (logits.float() / temperature).clamp(min=torch.finfo(torch.float32).min)
 
 
 def _token_outputs(model, samples: list[Sample], groups: list[list[int]], temperature: float) -> list[list[float]] | None:
@@ -231,6 +236,8 @@ def run(cfg: PPOConfig) -> None:
     rl.kl_estimate(torch.zeros(1), torch.zeros(1), cfg.kl_estimator)  # validates the name
     if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean"):
         raise UserError(f"loss_agg={cfg.loss_agg!r}: use token-mean or seq-mean-token-mean")
+    # fp16 would need loss scaling, which ppo does not do.
+    dtype = compute_dtype(cfg.dtype, parallel.device(), allowed=("bf16", "fp32"))
     actor_m = publish.require_published(cfg.actor, "checkpoint")
     if actor_m["head"] != "lm":
         raise UserError(f"{cfg.actor} is a {actor_m['head']} model; the actor must be a causal LM")
@@ -239,7 +246,9 @@ def run(cfg: PPOConfig) -> None:
     layout.check(model_cfg)
     samples = load_samples(cfg.rollout, cfg.scores)
     reference = cfg.reference or cfg.actor
-    if cfg.critic:
+    use_critic = cfg.advantage == "gae"
+    critic_m = None
+    if cfg.critic and use_critic:
         critic_m = publish.require_published(cfg.critic, "checkpoint")
         if critic_m["head"] != "score":
             raise UserError(f"{cfg.critic} has head {critic_m['head']!r}; a critic has a value (score) head")
@@ -251,7 +260,7 @@ def run(cfg: PPOConfig) -> None:
     out = cfg.out.rstrip("/")
     request = {"kind": "ppo", "actor_id": publish.output_id(cfg.actor), "rollout_id": publish.output_id(cfg.rollout),
                "scores_id": publish.output_id(cfg.scores), "reference_id": publish.output_id(reference),
-               "critic_id": publish.output_id(cfg.critic) if cfg.critic else None,
+               "critic_id": publish.output_id(cfg.critic) if critic_m else None,
                "config": dataclasses.asdict(cfg) | {"out": None, "tp": None, "pp": None, "dp": None}}
     if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
         if rank == 0:
@@ -260,26 +269,32 @@ def run(cfg: PPOConfig) -> None:
 
     from llamarl.lib.model import ParallelLlamaForCausalLM, ParallelLlamaForValue
 
+    clock = _Clock()
     dev = parallel.device()
+    store_dtype = getattr(torch, actor_m["dtype"])  # checkpoints keep the actor's stored dtype
     with torch.device(dev):
-        actor = ParallelLlamaForCausalLM(model_cfg, layout)
-        critic = ParallelLlamaForValue(model_cfg, layout)
+        actor = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
     checkpoint.load_model(actor, f"{cfg.actor}/model")
-    _load_critic(critic, cfg, model_cfg)
+    critic = None
+    if use_critic:
+        with torch.device(dev):
+            critic = ParallelLlamaForValue(model_cfg, layout, dtype=dtype)
+        _load_critic(critic, cfg, model_cfg)
     start_step = actor_m.get("train_state", {}).get("step", 0)
+    clock.lap("load")
 
     # 2. reference log-probs and old values, the samples split over DP
     mine = [i for i in range(len(samples)) if i % topo.dp == topo.dp_rank]
     groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
     with torch.device(dev):
-        ref = ParallelLlamaForCausalLM(model_cfg, layout)
+        ref = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
     checkpoint.load_model(ref, f"{reference}/model")
     ref.eval()
     ref_logp = _token_outputs(ref, samples, groups, cfg.temperature)
     del ref  # used once per iteration: free its memory for training rather than park it on the host
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    old_values = _token_outputs(critic, samples, groups, 1.0) if cfg.advantage == "gae" else None
+    old_values = _token_outputs(critic, samples, groups, 1.0) if use_critic else None
     order = [i for g in groups for i in g]
     ref_logp = _gather_dp(dict(zip(order, ref_logp)) if ref_logp is not None else None)
     old_values = _gather_dp(dict(zip(order, old_values)) if old_values is not None else None)
@@ -288,21 +303,22 @@ def run(cfg: PPOConfig) -> None:
     data = None
     if topo.is_last_stage:
         data = _advantages(cfg, samples, ref_logp, old_values, dev)
+    clock.lap("reference")
 
-    # 4. the epochs
-    actor_opt = optim.ShardedAdamW(actor, cfg.actor_lr, cfg.betas, weight_decay=cfg.weight_decay)
-    critic_opt = optim.ShardedAdamW(critic, cfg.critic_lr, cfg.betas, weight_decay=cfg.weight_decay)
-    actor_grads, critic_grads = optim.GradBuffer(list(actor.parameters())), optim.GradBuffer(list(critic.parameters()))
-    if "optim" in {k.split("/")[0] for k in actor_m["files"]}:
-        actor_opt.load_state(f"{cfg.actor}/optim", start_step)
-    if cfg.critic and "optim" in {k.split("/")[0] for k in critic_m["files"]}:
-        critic_opt.load_state(f"{cfg.critic}/optim", start_step)
+    # 4. the epochs: one trainer per model (the critic only for GAE)
+    trainers = {"actor": _Trainer(actor, cfg.actor_lr, cfg, f"{cfg.actor}/optim" if _has_optim(actor_m) else None,
+                                  f"{cfg.actor}/model", start_step)}
+    if critic is not None:
+        trainers["critic"] = _Trainer(critic, cfg.critic_lr, cfg,
+                                      f"{cfg.critic}/optim" if critic_m and _has_optim(critic_m) else None,
+                                      f"{cfg.critic}/model" if critic_m else None, start_step)
 
     steps_per_epoch = -(-len(samples) // cfg.mini_batch_size)
     total = cfg.ppo_epochs * steps_per_epoch
-    done = _resume(out, actor, critic, actor_opt, critic_opt, start_step)
+    done = _resume(out, trainers, start_step)
+    clock.lap("load")
     metrics_lines = []
-    t_start = time.perf_counter()
+    update_tokens = 0
     for k in range(done, total):
         epoch, j = divmod(k, steps_per_epoch)
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
@@ -310,33 +326,73 @@ def run(cfg: PPOConfig) -> None:
         batch_idx = perm[j * cfg.mini_batch_size : (j + 1) * cfg.mini_batch_size]
         step = start_step + k
         t0 = time.perf_counter()
-        m = _train_step(cfg, actor, actor_opt, actor_grads, critic, critic_opt, critic_grads, samples, data,
-                        batch_idx, step, dev)
+        m = _train_step(cfg, trainers, samples, data, batch_idx, step, dev)
         m.update(step=step + 1, epoch=epoch, seconds=time.perf_counter() - t0)
+        update_tokens += m["tokens"]
         metrics_lines.append(m)
         if cfg.save_every and (k + 1) % cfg.save_every == 0 and k + 1 < total:
-            _save_state(out, k + 1, actor, critic, actor_opt, critic_opt, start_step)
+            clock.lap("update")
+            _save_state(out, k + 1, trainers, start_step, store_dtype)
+            clock.lap("save")
+    clock.lap("update")
 
     # 5. outputs
     final = start_step + total
-    _save_checkpoint(f"{out}/actor", actor, actor_opt, cfg.actor, actor_m, final, "lm")
-    _save_checkpoint(f"{out}/critic", critic, critic_opt, cfg.actor, actor_m, final, "score")
+    for name, trainer in trainers.items():
+        _save_checkpoint(f"{out}/{name}", trainer, cfg.actor, actor_m, final, store_dtype)
+    clock.lap("save")
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, metrics_lines if (topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0) else None)
     if rank == 0:
         lines = next(g for g in gathered if g is not None)
         publish.write_bytes(f"{out}/metrics.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode())
         files = {"metrics.jsonl": publish.file_entry(f"{out}/metrics.jsonl")}
-        summary = {"steps": total, "seconds": time.perf_counter() - t_start,
+        summary = {"steps": total, "seconds": clock.laps, "dtype": str(dtype).removeprefix("torch."),
+                   # Tokens through the actor's forward and backward, over all DP ranks.
+                   "update_tokens": update_tokens,
+                   "update_tokens_per_s": update_tokens / max(clock.laps["update"], 1e-9),
                    "mean_score": sum(s.score for s in samples) / len(samples),
                    "mean_response_length": sum(s.response_len for s in samples) / len(samples)}
-        publish.publish(out, {"kind": "ppo", "request": request, "files": files, "summary": summary,
-                              "actor": "actor", "critic": "critic", "final_step": final})
+        publish.publish(out, {"kind": "ppo", "timing": job.timing(), "request": request, "files": files,
+                              "summary": summary, "actor": "actor", "critic": "critic" if critic is not None else None,
+                              "final_step": final})
         fs, path = fsspec.core.url_to_fs(out)
         if fs.exists(f"{path}/.state"):
             fs.rm(f"{path}/.state", recursive=True)
-        print(f"{out}: {total} PPO steps, mean score {summary['mean_score']:.4f}", flush=True)
+        print(f"{out}: {total} PPO steps, mean score {summary['mean_score']:.4f}, update "
+              f"{summary['update_tokens_per_s']:.0f} tokens/s ({', '.join(f'{k} {v:.1f}s' for k, v in clock.laps.items())})",
+              flush=True)
     dist.barrier()
+
+
+class _Clock:
+    """Wall time per phase (summed when a phase recurs), for the summary."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.laps[phase] = self.laps.get(phase, 0.0) + now - self._t
+        self._t = now
+
+
+def _has_optim(manifest: dict) -> bool:
+    return any(k.startswith("optim/") for k in manifest["files"])
+
+
+class _Trainer:
+    """A model with its fp32 gradient buffer and ZeRO-1 optimizer, state loaded from ``optim_url``
+    (moments, masters) or, for masters, from ``model_url`` at its stored precision."""
+
+    def __init__(self, model, lr: float, cfg: PPOConfig, optim_url: str | None, model_url: str | None, step: int):
+        self.model, self.lr = model, lr
+        self.grads = optim.GradBuffer(model)
+        self.opt = optim.ShardedAdamW(model, lr, cfg.betas, weight_decay=cfg.weight_decay)
+        self.opt.load_state(optim_url, step, model_url)
 
 
 def _load_critic(critic, cfg: PPOConfig, model_cfg) -> None:
@@ -374,8 +430,9 @@ def _advantages(cfg: PPOConfig, samples, ref_logp, old_values, dev) -> dict:
             "kl": rl.masked_mean(kl, resp).item()}
 
 
-def _train_step(cfg, actor, actor_opt, actor_grads, critic, critic_opt, critic_grads, samples, data, batch_idx, step, dev):
+def _train_step(cfg, trainers: dict[str, _Trainer], samples, data, batch_idx, step, dev):
     topo = parallel.topology()
+    actor = trainers["actor"].model
     mine = batch_idx[topo.dp_rank :: topo.dp]
     groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
     tokens = sum(samples[i].response_len for i in batch_idx)
@@ -423,21 +480,16 @@ def _train_step(cfg, actor, actor_opt, actor_grads, critic, critic_opt, critic_g
         return loss
 
     metrics = {}
-    for model, opt, grads, loss_fn, lr, name in (
-        (actor, actor_opt, actor_grads, actor_loss, cfg.actor_lr, "actor"),
-        (critic, critic_opt, critic_grads, critic_loss, cfg.critic_lr, "critic"),
-    ):
-        if name == "critic" and cfg.advantage == "grpo":
-            continue
-        grads.zero()
-        pipeline.forward_backward(model, batches, loss_fn, extras)
-        grads.all_reduce_dp()
-        model.sync_tied_grads()
-        metrics[f"{name}_grad_norm"] = optim.clip_grad_norm(model, cfg.grad_clip)
-        opt.lr = optim.lr_at(step, lr, cfg.warmup_steps, cfg.total_steps, cfg.lr_decay)
-        metrics[f"{name}_lr"] = opt.lr
-        opt.step()
+    for name, t in trainers.items():
+        t.grads.zero()
+        pipeline.forward_backward(t.model, batches, actor_loss if name == "actor" else critic_loss, extras)
+        t.grads.reduce()
+        metrics[f"{name}_grad_norm"] = optim.clip_grad_norm(t.model, cfg.grad_clip)
+        t.opt.lr = optim.lr_at(step, t.lr, cfg.warmup_steps, cfg.total_steps, cfg.lr_decay)
+        metrics[f"{name}_lr"] = t.opt.lr
+        t.opt.step()
 
+    metrics["tokens"] = sum(len(samples[i].ids) for i in batch_idx)
     if topo.is_last_stage:
         reduced = torch.tensor(list(sums.values()), dtype=torch.float64)
         if topo.dp > 1:
@@ -469,10 +521,12 @@ def _agg(loss: torch.Tensor, x: dict, mode: str, denom: float) -> torch.Tensor:
 # ---- checkpoints -----------------------------------------------------------------------------------
 
 
-def _save_checkpoint(root: str, model, opt, source: str, source_manifest: dict, step: int, head: str) -> None:
-    """A published checkpoint (same format as shard's) with optimizer moments and the step;
-    tokenizer and config files come from ``source``. ``root`` lies inside our own unpublished
-    output, so whatever an interrupted run left there is ours to replace."""
+def _save_checkpoint(root: str, trainer: _Trainer, source: str, source_manifest: dict, step: int,
+                     store_dtype: torch.dtype) -> None:
+    """A published checkpoint (same format as shard's): the weights from the fp32 masters stored as
+    ``store_dtype``, the optimizer state in fp32, and the step; tokenizer and config files come from
+    ``source``. ``root`` lies inside our own unpublished output, so whatever an interrupted run left
+    there is ours to replace."""
     rank = dist.get_rank()
     if rank == 0:
         fs, path = fsspec.core.url_to_fs(root)
@@ -481,8 +535,8 @@ def _save_checkpoint(root: str, model, opt, source: str, source_manifest: dict, 
         publish.prepare(root, lambda m: False)
         _copy_side_files(source, root)
     dist.barrier()
-    checkpoint.save(checkpoint.model_state(model), f"{root}/model")
-    checkpoint.save(opt.state(step), f"{root}/optim")
+    checkpoint.save(trainer.opt.model_state(store_dtype), f"{root}/model")
+    checkpoint.save(trainer.opt.state(step), f"{root}/optim")
     dist.barrier()
     if rank == 0:
         fs, path = fsspec.core.url_to_fs(root)
@@ -493,12 +547,12 @@ def _save_checkpoint(root: str, model, opt, source: str, source_manifest: dict, 
                 files[rel] = publish.file_entry(f"{root}/{rel}")
         from llamarl.lib import hf_layout
 
-        cfg = model.cfg
+        model = trainer.model
         publish.publish(root, {
-            "kind": "checkpoint", "head": head, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "model_config": cfg.to_dict(), "hf_config": source_manifest.get("hf_config", {}),
+            "kind": "checkpoint", "head": model.hf_head, "dtype": str(store_dtype).removeprefix("torch."),
+            "model_config": model.cfg.to_dict(), "hf_config": source_manifest.get("hf_config", {}),
             "written_layout": {"tp": parallel.topology().tp, "pp": parallel.topology().pp},
-            "tensors": {n: list(s) for n, s in hf_layout.hf_shapes(cfg, head).items()},
+            "tensors": {n: list(s) for n, s in hf_layout.hf_shapes(model.cfg, model.hf_head).items()},
             "source": {"url": source_manifest.get("source", {}).get("url"), "files": {}},
             "train_state": {"step": step}, "files": files,
         })
@@ -511,18 +565,18 @@ def _copy_side_files(src_ckpt: str, dst: str) -> None:
         publish.write_bytes(f"{dst}/hf/{p.rsplit('/', 1)[-1]}", fs.cat_file(p))
 
 
-def _save_state(out, k, actor, critic, actor_opt, critic_opt, start_step) -> None:
+def _save_state(out, k, trainers: dict[str, _Trainer], start_step, store_dtype) -> None:
     root = f"{out}/.state/step-{k:06d}"
-    for name, model, opt in (("actor", actor, actor_opt), ("critic", critic, critic_opt)):
-        checkpoint.save(checkpoint.model_state(model), f"{root}/{name}/model")
-        checkpoint.save(opt.state(start_step + k), f"{root}/{name}/optim")
+    for name, t in trainers.items():
+        checkpoint.save(t.opt.model_state(store_dtype), f"{root}/{name}/model")
+        checkpoint.save(t.opt.state(start_step + k), f"{root}/{name}/optim")
     dist.barrier()
     if dist.get_rank() == 0:
         publish.write_bytes(f"{root}/done.json", json.dumps({"step": k}).encode())  # written last
     dist.barrier()
 
 
-def _resume(out, actor, critic, actor_opt, critic_opt, start_step) -> int:
+def _resume(out, trainers: dict[str, _Trainer], start_step) -> int:
     """The number of optimizer steps already done by an interrupted run (0 if none)."""
     fs, path = fsspec.core.url_to_fs(out)
     steps = []
@@ -535,10 +589,9 @@ def _resume(out, actor, critic, actor_opt, critic_opt, start_step) -> int:
     k = found[0]
     if k:
         root = f"{out}/.state/step-{k:06d}"
-        checkpoint.load_model(actor, f"{root}/actor/model")
-        checkpoint.load_model(critic, f"{root}/critic/model")
-        actor_opt.load_state(f"{root}/actor/optim", start_step + k)
-        critic_opt.load_state(f"{root}/critic/optim", start_step + k)
+        for name, t in trainers.items():
+            checkpoint.load_model(t.model, f"{root}/{name}/model")
+            t.opt.load_state(f"{root}/{name}/optim", start_step + k, f"{root}/{name}/model")
         if dist.get_rank() == 0:
             print(f"{out}: resuming after optimizer step {k}", flush=True)
     return k

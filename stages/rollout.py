@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from llamarl.lib import checkpoint, job, parallel, publish
 from llamarl.lib import tokenizer as toklib
-from llamarl.lib.config import LlamaConfig, ParallelLayout
+from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.lib.generate import SamplingParams, generate
 
@@ -90,16 +90,7 @@ class RolloutConfig:
     max_batch: int = 64
     """Sequences decoded together."""
     dtype: str = "auto"
-    """Compute dtype: bf16 | fp32 | auto (bf16 on GPU, fp32 on CPU)."""
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if name not in table:
-        raise UserError(f"dtype={name!r}: use bf16, fp16, fp32 or auto")
-    return table[name]
+    """Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 (GPU only) | fp32."""
 
 
 def open_prompts(url: str) -> pads.Dataset:
@@ -151,7 +142,7 @@ def run(cfg: RolloutConfig) -> None:
     s = cfg.sampling
     if s.samples_per_prompt < 1 or cfg.chunk_size < 1 or cfg.max_batch < 1:
         raise UserError("samples_per_prompt, chunk_size and max_batch must be >= 1")
-    dtype = _dtype(cfg.dtype)
+    dtype = compute_dtype(cfg.dtype, parallel.device())
     tok = toklib.load(actor)
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
                             stop_token_ids=tuple(sorted(set(toklib.stop_token_ids(actor, tok)) | set(s.stop_token_ids))))
@@ -212,7 +203,7 @@ def run(cfg: RolloutConfig) -> None:
             raise RuntimeError(f"{out}: {len(parts)} parts published, {expected} expected")
         files = {f"parts/{p}": publish.file_entry(f"{out}/parts/{p}") for p in parts}
         rows = sum(pq.ParquetFile(fs.open(f"{out_path}/parts/{p}")).metadata.num_rows for p in parts)
-        publish.publish(out, {"kind": "rollout", "request": request, "files": files, "rows": rows,
+        publish.publish(out, {"kind": "rollout", "timing": job.timing(), "request": request, "files": files, "rows": rows,
                               "schema": SCHEMA.names + list(cfg.keep_columns), "stats": totals,
                               "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None})
         print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from llamarl.lib import checkpoint, job, parallel, pipeline, publish, rewards
 from llamarl.lib import tokenizer as toklib
-from llamarl.lib.config import LlamaConfig, ParallelLayout
+from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.lib.offload import ParamOffload
 
@@ -72,7 +72,7 @@ class ScoreConfig:
     offload: bool = True
     """Keep the RM's parameters in host memory between parts."""
     dtype: str = "auto"
-    """bf16 | fp32 | auto (bf16 on GPU, fp32 on CPU)."""
+    """Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 (GPU only) | fp32."""
 
 
 # ---- re-tokenization ---------------------------------------------------------------------------
@@ -203,6 +203,7 @@ def run(cfg: ScoreConfig) -> None:
     _check_inputs(cfg, rollout, fs, parts, refs)
 
     rm_cfg = rm_manifest = None
+    dtype = compute_dtype(cfg.dtype, parallel.device())
     if use_rm:
         rm_manifest = publish.require_published(cfg.reward_model, "checkpoint")
         if rm_manifest["head"] != "score":
@@ -232,8 +233,6 @@ def run(cfg: ScoreConfig) -> None:
     if use_rm:
         from llamarl.lib.model import ParallelLlamaForScore
 
-        dtype = (torch.bfloat16 if torch.cuda.is_available() else torch.float32) if cfg.dtype == "auto" else \
-            {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
         with torch.device(parallel.device()):
             model = ParallelLlamaForScore(rm_cfg, ParallelLayout(tp=cfg.tp, pp=cfg.pp, remove_padding=True), dtype=dtype)
         checkpoint.load_model(model, f"{cfg.reward_model}/model")
@@ -290,7 +289,7 @@ def run(cfg: ScoreConfig) -> None:
             raise RuntimeError(f"{out}: {len(names)} parts written, {len(parts)} expected")
         files = {f"parts/{n}": publish.file_entry(f"{out}/parts/{n}") for n in names}
         totals = {k: sum(s[k] for s in all_stats if s) for k in stats}
-        publish.publish(out, {"kind": "scores", "request": request, "files": files, "rows": manifest["rows"],
+        publish.publish(out, {"kind": "scores", "timing": job.timing(), "request": request, "files": files, "rows": manifest["rows"],
                               "terms": [dataclasses.asdict(t) for t in terms], "rm_id": rm_id, "stats": totals})
         print(f"{out}: scored {manifest['rows']} rows ({totals['truncated']} truncated for the RM)", flush=True)
     dist.barrier()

@@ -183,6 +183,7 @@ def run(cfg: ShardConfig) -> None:
             "tensors": {n: list(s) for n, s in shapes.items()},
             "files": files,
             "ranks": ranks,
+            "timing": job.timing(),
         })
     dist.barrier()
     total = torch.tensor([nbytes], dtype=torch.float64)
