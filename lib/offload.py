@@ -12,7 +12,10 @@ from torch import nn
 
 
 class ParamOffload:
-    def __init__(self, model: nn.Module, device: torch.device):
+    def __init__(self, model: nn.Module, device: torch.device | str):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" means the current device
+            device = torch.device("cuda", torch.cuda.current_device())
         self.model, self.device = model, device
         self.on_device = next(model.parameters()).device == device
 

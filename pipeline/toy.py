@@ -49,9 +49,9 @@ def make_tokenizer(path: str, corpus: list[str] = CORPUS_A, vocab_size: int = 30
 
 
 def make_llama(path: str, *, vocab_size: int = 301, kind: str = "lm", seed: int = 0, hidden_size: int = 64,
-               num_layers: int = 2, tokenizer_corpus: list[str] | None = CORPUS_A, **overrides):
+               num_layers: int = 2, tokenizer_corpus: list[str] | None = CORPUS_A, dtype: str = "float32", **overrides):
     """Save a random HF Llama (``kind`` lm: LlamaForCausalLM; score: LlamaForSequenceClassification,
-    one label) with a tokenizer at ``path``; returns the model."""
+    one label) with a tokenizer at ``path``, its weights stored as ``dtype``; returns the model."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
@@ -67,7 +67,7 @@ def make_llama(path: str, *, vocab_size: int = 301, kind: str = "lm", seed: int 
     else:
         cfg.num_labels = 1
         model = LlamaForSequenceClassification(cfg)
-    model.save_pretrained(path)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
     if tokenizer_corpus is not None:
         make_tokenizer(path, tokenizer_corpus, vocab_size)
     return model
