@@ -31,8 +31,11 @@ import torch
 import torch.distributed as dist
 
 from llamarl.lib import checkpoint, job, optim, parallel, pipeline, publish, rl, vocab_parallel
-from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
+from llamarl.lib.config import LlamaConfig, ParallelLayout, check_dtype_name, compute_dtype
 from llamarl.lib.errors import UserError
+
+
+PPO_DTYPES = ("bf16", "fp32")  # fp16 would need loss scaling, which ppo does not do
 
 
 @dataclass(kw_only=True)
@@ -94,6 +97,9 @@ class PPOConfig:
     """Parameters and activations: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32. Gradients are
     accumulated and reduced, and master weights and Adam moments kept, in fp32 whatever this is;
     log-probs, KL, advantages and losses are fp32 too. Checkpoints keep the actor's stored dtype."""
+
+    def __post_init__(self):
+        check_dtype_name(self.dtype, PPO_DTYPES)
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -236,8 +242,7 @@ def run(cfg: PPOConfig) -> None:
     rl.kl_estimate(torch.zeros(1), torch.zeros(1), cfg.kl_estimator)  # validates the name
     if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean"):
         raise UserError(f"loss_agg={cfg.loss_agg!r}: use token-mean or seq-mean-token-mean")
-    # fp16 would need loss scaling, which ppo does not do.
-    dtype = compute_dtype(cfg.dtype, parallel.device(), allowed=("bf16", "fp32"))
+    dtype = compute_dtype(cfg.dtype, parallel.device(), allowed=PPO_DTYPES)
     actor_m = publish.require_published(cfg.actor, "checkpoint")
     if actor_m["head"] != "lm":
         raise UserError(f"{cfg.actor} is a {actor_m['head']} model; the actor must be a causal LM")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from llamarl.lib import checkpoint, job, parallel, publish
 from llamarl.lib import tokenizer as toklib
-from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
+from llamarl.lib.config import LlamaConfig, ParallelLayout, check_dtype_name, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.lib.generate import SamplingParams, generate
 
@@ -91,6 +91,9 @@ class RolloutConfig:
     """Sequences decoded together."""
     dtype: str = "auto"
     """Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 (GPU only) | fp32."""
+
+    def __post_init__(self):
+        check_dtype_name(self.dtype)
 
 
 def open_prompts(url: str) -> pads.Dataset:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from llamarl.lib import checkpoint, job, parallel, pipeline, publish, rewards
 from llamarl.lib import tokenizer as toklib
-from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
+from llamarl.lib.config import LlamaConfig, ParallelLayout, check_dtype_name, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.lib.offload import ParamOffload
 
@@ -73,6 +73,9 @@ class ScoreConfig:
     """Keep the RM's parameters in host memory between parts."""
     dtype: str = "auto"
     """Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 (GPU only) | fp32."""
+
+    def __post_init__(self):
+        check_dtype_name(self.dtype)
 
 
 # ---- re-tokenization ---------------------------------------------------------------------------

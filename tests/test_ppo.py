@@ -230,3 +230,15 @@ def test_fp32_on_a_gpu_takes_the_sdpa_path():
 
     assert varlen_backend(torch.device("cuda"), torch.float32) == "sdpa"
     assert varlen_backend(torch.device("cpu"), torch.bfloat16) == "sdpa"
+
+
+def test_a_bad_dtype_is_refused_when_the_config_is_built():
+    # `llamarl run` builds every stage's config before it runs any stage.
+    from llamarl.lib.errors import UserError
+    from llamarl.lib.job import parse_config
+
+    base = {"rollout": "r", "scores": "s", "actor": "a", "out": "o"}
+    with pytest.raises(UserError, match=r"^dtype='fp16': use auto, bf16 or fp32$"):
+        parse_config(ppo.PPOConfig, {**base, "dtype": "fp16"}, "spec: ppo")
+    with pytest.raises(UserError, match=r"^dtype='half': use auto, bf16, fp16 or fp32$"):
+        parse_config(rollout.RolloutConfig, {"actor": "a", "prompts": "p", "out": "o", "dtype": "half"}, "spec: rollout")
