@@ -48,15 +48,16 @@ class Packed:
 
 @dataclass
 class KVCache:
-    """Preallocated keys and values, per decoder layer ``[slots, max_len, kv_heads, head_dim]``
-    (this rank's kv heads). A slot holds one sequence being generated."""
+    """Preallocated keys and values, per decoder layer ``[slots, kv_heads, max_len, head_dim]``
+    (this rank's kv heads). A slot holds one sequence being generated; with the length axis third,
+    a slot's first ``span`` keys are a strided view that batched matmuls read in place."""
 
     k: dict[int, torch.Tensor]
     v: dict[int, torch.Tensor]
 
     @classmethod
     def allocate(cls, layers, slots: int, max_len: int, kv_heads: int, head_dim: int, dtype, device) -> KVCache:
-        shape = (slots, max_len, kv_heads, head_dim)
+        shape = (slots, kv_heads, max_len, head_dim)
         return cls({i: torch.zeros(shape, dtype=dtype, device=device) for i in layers},
                    {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers})
 
@@ -79,15 +80,17 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Decode:
-    """One new token for each sequence in ``slots``, which already has ``lengths`` tokens cached."""
+    """One new token for every slot of ``cache``, in slot order. Slot i already holds
+    ``lengths[i]`` tokens, none more than ``span - 1``: ``span`` is known on the host, so no step
+    waits on the device to size its attention."""
 
     cache: KVCache
-    slots: torch.Tensor  # [B]
-    lengths: torch.Tensor  # [B]
+    lengths: torch.Tensor  # [slots]
+    span: int
 
     @property
     def num_tokens(self) -> int:
-        return len(self.slots)
+        return len(self.lengths)
 
 
 Layout = Padded | Packed | Prefill | Decode
@@ -98,25 +101,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
     if isinstance(layout, Padded):
         return _padded_sdpa(q, k, v, layout)
     if isinstance(layout, Prefill):
-        layout.cache.k[layer][layout.slot, layout.pos] = k
-        layout.cache.v[layer][layout.slot, layout.pos] = v
+        layout.cache.k[layer][layout.slot, :, layout.pos] = k
+        layout.cache.v[layer][layout.slot, :, layout.pos] = v
     if isinstance(layout, Decode):
-        return _decode_sdpa(q, k, v, layout, layer)
+        return _decode_attention(q, k, v, layout, layer)
     return varlen_attention(q, k, v, layout.cu_seqlens, layout.max_seqlen)
 
 
-def _decode_sdpa(q, k, v, layout: Decode, layer: int) -> torch.Tensor:
-    """Store the new keys/values, then attend each query over its own sequence's cache."""
+def _decode_attention(q, k, v, layout: Decode, layer: int) -> torch.Tensor:
+    """Store the new keys/values, then attend each query over its own slot's cache, in place.
+
+    Two batched matmuls over ``[slots, kv_heads, ...]``: the query heads of one kv head are the
+    rows of one matrix (GQA without repeating keys), and the keys are read where they lie — no
+    gather, no copy. Scores and softmax in fp32, as the fused kernels do."""
     kc, vc = layout.cache.k[layer], layout.cache.v[layer]
-    kc[layout.slots, layout.lengths] = k
-    vc[layout.slots, layout.lengths] = v
-    span = int(layout.lengths.max()) + 1
-    keys = kc[layout.slots, :span].transpose(1, 2)  # [B, kv_heads, span, d]
-    values = vc[layout.slots, :span].transpose(1, 2)
-    allowed = torch.arange(span, device=q.device)[None, :] <= layout.lengths[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed[:, None, None, :],
-                                         enable_gqa=True)
-    return out[:, :, 0, :]
+    slots = torch.arange(len(layout.lengths), device=q.device)
+    kc[slots, :, layout.lengths] = k
+    vc[slots, :, layout.lengths] = v
+    keys, values = kc[:, :, : layout.span], vc[:, :, : layout.span]  # [B, kv, span, d] views
+    b, heads, d = q.shape
+    kv = keys.shape[1]
+    scores = torch.matmul(q.view(b, kv, heads // kv, d), keys.transpose(-1, -2)).float() * d**-0.5
+    allowed = torch.arange(layout.span, device=q.device)[None, :] <= layout.lengths[:, None]
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(q.dtype), values)  # [B, kv, heads / kv, d]
+    return out.reshape(b, heads, d)
 
 
 def _padded_sdpa(q, k, v, layout: Padded) -> torch.Tensor:

@@ -77,6 +77,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logp = torch.log_softmax(x, dim=-1)
     if greedy:
         tokens = x.argmax(-1)
+    elif not params.top_k and params.top_p >= 1.0:
+        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     else:
         filtered = x
         if params.top_k:
@@ -108,41 +110,51 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, generator:
     return out
 
 
-def _generate_batch(model, prompts, params, generator, on_tokens) -> list[Completion]:
+def _generate_batch(model, prompts, params, generator, on_tokens, check_every: int = 16) -> list[Completion]:
+    """Every slot decodes every step (static shapes: the steps differ only in their values), and
+    tokens, log-probs and stop flags stay on the device: the host looks every ``check_every`` steps
+    (progress, all stopped?) and reads the results once at the end. A finished sequence's slot runs
+    on until the batch ends; what it makes after its stop token is cut off here."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("a prompt has no tokens")
     dev = next(model.parameters()).device
     attn = model.model.layers[str(model.model.layer_range[0])].self_attn
+    n, longest, max_new = len(prompts), max(len(p) for p in prompts), params.max_new_tokens
     lens = torch.tensor([len(p) for p in prompts], device=dev)
-    cache = KVCache.allocate(model.model.layer_range, len(prompts), int(lens.max()) + params.max_new_tokens,
-                             attn.kv_heads, attn.head_dim, model.dtype, dev)
+    cache = KVCache.allocate(model.model.layer_range, n, longest + max_new, attn.kv_heads, attn.head_dim, model.dtype, dev)
     stop = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], device=dev)
 
     ids = torch.tensor([t for p in prompts for t in p], device=dev)
-    slot = torch.repeat_interleave(torch.arange(len(prompts), device=dev), lens)
-    cu = torch.zeros(len(prompts) + 1, dtype=torch.int32, device=dev)
+    slot = torch.repeat_interleave(torch.arange(n, device=dev), lens)
+    cu = torch.zeros(n + 1, dtype=torch.int32, device=dev)
     cu[1:] = lens.cumsum(0)
     pos = torch.arange(len(ids), device=dev) - cu[:-1].long().repeat_interleave(lens)
-    logits = model(_Step(ids, pos, Prefill(cu, int(lens.max()), cache, slot, pos)))
+    logits = model(_Step(ids, pos, Prefill(cu, longest, cache, slot, pos)))
     logits = logits[cu[1:].long() - 1]
 
-    done = [Completion() for _ in prompts]
-    active = torch.arange(len(prompts), device=dev)
-    lengths = lens.clone()
-    while True:
+    out_tokens = torch.zeros(n, max_new, dtype=torch.long, device=dev)
+    out_logps = torch.zeros(n, max_new, dtype=torch.float32, device=dev)
+    live = torch.ones(n, dtype=torch.bool, device=dev)
+    made = torch.zeros(n, dtype=torch.long, device=dev)  # tokens each sequence really generated
+    lengths, reported = lens.clone(), 0
+    for t in range(max_new):
         tokens, logps = sample(gather_vocab(logits), params, generator)
-        if on_tokens is not None:
-            on_tokens(len(active))
-        stopped = torch.isin(tokens, stop)
-        for j, s in enumerate(active.tolist()):
-            c = done[s]
-            c.tokens.append(int(tokens[j]))
-            c.logprobs.append(float(logps[j]))
-            if bool(stopped[j]):
-                c.finish_reason = "stop"
-        keep = ~stopped & torch.tensor([len(done[s].tokens) < params.max_new_tokens for s in active.tolist()], device=dev)
-        if not keep.any():
-            return done
-        active, tokens = active[keep], tokens[keep]
-        logits = model(_Step(tokens, lengths[active], Decode(cache, active, lengths[active])))
-        lengths[active] += 1
+        out_tokens[:, t], out_logps[:, t] = tokens, logps
+        made += live
+        live &= ~torch.isin(tokens, stop)
+        last = t == max_new - 1
+        if last or (t + 1) % check_every == 0:
+            total, alive = torch.stack([made.sum(), live.sum()]).tolist()  # the one sync per check
+            if on_tokens is not None:
+                on_tokens(total - reported)
+            reported = total
+            if last or not alive:
+                break
+        logits = model(_Step(tokens, lengths, Decode(cache, lengths, span=longest + t + 1)))
+        lengths += 1
+
+    done = []
+    for toks, lps, k in zip(out_tokens.tolist(), out_logps.tolist(), made.tolist()):
+        stopped = k > 0 and toks[k - 1] in set(params.stop_token_ids)
+        done.append(Completion(toks[:k], lps[:k], "stop" if stopped else "length"))
+    return done
