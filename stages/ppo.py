@@ -202,24 +202,28 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def _token_outputs(model, samples: list[Sample], groups: list[list[int]], temperature: float) -> list[list[float]] | None:
     """Per-response-token log-probs (CausalLM) or values (Value) for ``groups`` of samples; None
-    off the last pipeline stage."""
-    batches, metas = [], []
+    off the last pipeline stage. Each micro-batch's head output is reduced as soon as it exists:
+    a whole batch of ``[tokens, vocab]`` logits never lives at once."""
     dev = next(model.parameters()).device
+    batches, metas = [], []
     for g in groups:
         ss = [samples[i] for i in g]
         ids, mask, labels, _ = _padded(ss, dev)
-        batches.append(model.make_batch(ids, mask))
-        metas.append((ss, labels))
-    with torch.no_grad():
-        outs = pipeline.forward(model, batches)
-    if not parallel.topology().is_last_stage:
-        return None
-    result = []
-    for out, batch, (ss, labels) in zip(outs, batches, metas):
+        batch = model.make_batch(ids, mask)
+        batches.append(batch)
+        metas.append((batch, labels))
+
+    def per_token(out, meta):
+        batch, labels = meta
         if model.hf_head == "lm":
             out = vocab_parallel.log_probs(_scaled(out, temperature), batch.flat(labels))
-        result.extend(_response_values(ss, batch.to_padded(out)))
-    return result
+        return batch.to_padded(out)
+
+    with torch.no_grad():
+        outs = pipeline.forward_backward(model, batches, per_token, metas, forward_only=True)
+    if not parallel.topology().is_last_stage:
+        return None
+    return [v for g, out in zip(groups, outs) for v in _response_values([samples[i] for i in g], out)]
 
 
 def _gather_dp(mine: dict[int, list[float]] | None) -> dict[int, list[float]] | None:
