@@ -1,14 +1,19 @@
-"""Process groups: set up from the torchrun environment, owned by megatron-core's ``parallel_state``.
+"""Process groups: set up from the torchrun environment; this module is their one owner.
 
 Everything in llamarl asks this module for ranks and groups; nothing else builds groups.
 NCCL on GPU, gloo on CPU — the same collectives are used on both.
+
+The grid is megatron-core's default order (tensor fastest, then data, then pipeline):
+``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, and the groups are the ones its
+``parallel_state`` builds (tests/test_parallel.py checks them against it). They are built here
+rather than by ``parallel_state`` because importing megatron-core costs every stage process 3–7 s
+of start-up for what is a few ``new_group`` calls.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -34,18 +39,22 @@ class Topology:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+
+@dataclass(frozen=True)
+class _Groups:
+    tp: object
+    dp: object
+    pp: object
+    model_parallel: object  # TP × PP: one copy of the model
+    embedding: object | None  # first and last pipeline stage (PP > 1)
+    pp_ranks: tuple[int, ...]  # global ranks of this rank's pipeline, stage order
+
 
 _TOPOLOGY: Topology | None = None
-
-
-def _ps():
-    # Imported lazily: `import megatron.core` costs seconds, and CLI start-up must not pay it.
-    # Its import warns that Transformer Engine / Apex are missing; lib/ uses neither.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
-        from megatron.core import parallel_state
-
-    return parallel_state
+_GROUPS: _Groups | None = None
 
 
 def device() -> torch.device:
@@ -59,7 +68,7 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None, timeout_s: int
 
     May be called again with another layout after ``destroy_model_parallel()``; the global
     process group is kept."""
-    global _TOPOLOGY
+    global _TOPOLOGY, _GROUPS
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -69,36 +78,50 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None, timeout_s: int
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp}*{pp}; launch tp*pp*dp processes")
-    ps = _ps()
     destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    _TOPOLOGY = Topology(
-        tp=tp,
-        pp=pp,
-        dp=world // (tp * pp),
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(),
-    )
+    dp, rank = world // (tp * pp), dist.get_rank()
+    grid = Topology(tp, pp, dp, rank % tp, rank // (tp * dp), (rank // tp) % dp)
+    mine: dict[str, object] = {}
+
+    def build(kind: str, ranks: list[int]) -> None:
+        # Every rank creates every group, in the same order (new_group is collective).
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine[kind] = group
+
+    for d in range(dp):
+        for p in range(pp):
+            build("tp", [grid.rank_of(t, d, p) for t in range(tp)])
+    for t in range(tp):
+        for p in range(pp):
+            build("dp", [grid.rank_of(t, d, p) for d in range(dp)])
+    for t in range(tp):
+        for d in range(dp):
+            build("pp", [grid.rank_of(t, d, p) for p in range(pp)])
+    for d in range(dp):
+        build("model_parallel", [grid.rank_of(t, d, p) for p in range(pp) for t in range(tp)])
+    if pp > 1:
+        for t in range(tp):
+            for d in range(dp):
+                build("embedding", [grid.rank_of(t, d, 0), grid.rank_of(t, d, pp - 1)])
+    pp_ranks = tuple(grid.rank_of(grid.tp_rank, grid.dp_rank, p) for p in range(pp))
+    _GROUPS = _Groups(mine["tp"], mine["dp"], mine["pp"], mine["model_parallel"], mine.get("embedding"), pp_ranks)
+    _TOPOLOGY = grid
     return _TOPOLOGY
 
 
 def destroy_model_parallel() -> None:
-    """Drop the TP/PP/DP groups, keeping the global process group.
-
-    megatron-core's ``destroy_model_parallel`` only forgets its groups; the communicators (and
-    gloo's threads) would live on, one set per ``init``. So every group but the world's is
-    destroyed here too."""
-    global _TOPOLOGY
+    """Drop the TP/PP/DP groups (their communicators and gloo threads too), keeping the global
+    process group."""
+    global _TOPOLOGY, _GROUPS
     if _TOPOLOGY is None:
         return
-    _ps().destroy_model_parallel()
     from torch.distributed import distributed_c10d as c10d
 
     for group in list(c10d._world.pg_map):
         if group is not c10d.GroupMember.WORLD:
             dist.destroy_process_group(group)
-    _TOPOLOGY = None
+    _TOPOLOGY = _GROUPS = None
 
 
 def shutdown() -> None:
@@ -114,33 +137,33 @@ def topology() -> Topology:
 
 
 def tp_group():
-    return _ps().get_tensor_model_parallel_group() if _TOPOLOGY else None
+    return _GROUPS.tp if _GROUPS else None
 
 
 def dp_group():
-    return _ps().get_data_parallel_group() if _TOPOLOGY else None
+    return _GROUPS.dp if _GROUPS else None
 
 
 def pp_group():
-    return _ps().get_pipeline_model_parallel_group() if _TOPOLOGY else None
+    return _GROUPS.pp if _GROUPS else None
 
 
 def embedding_group():
     """First and last pipeline stage of this TP/DP position: they share tied embeddings."""
-    return _ps().get_embedding_group() if _TOPOLOGY else None
+    return _GROUPS.embedding if _GROUPS else None
 
 
 def model_parallel_group():
     """TP × PP ranks holding one copy of the model (the group for gradient-norm reductions)."""
-    return _ps().get_model_parallel_group() if _TOPOLOGY else None
+    return _GROUPS.model_parallel if _GROUPS else None
 
 
 def pp_next_rank() -> int:
-    return _ps().get_pipeline_model_parallel_next_rank()
+    return _GROUPS.pp_ranks[(topology().pp_rank + 1) % topology().pp]
 
 
 def pp_prev_rank() -> int:
-    return _ps().get_pipeline_model_parallel_prev_rank()
+    return _GROUPS.pp_ranks[(topology().pp_rank - 1) % topology().pp]
 
 
 def manual_seed(seed: int) -> torch.Generator:

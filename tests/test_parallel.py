@@ -52,3 +52,43 @@ def layout_mismatch():
 def test_model_layout_must_match_process_groups(pool2):
     msg = pool2.run(layout_mismatch)[0]
     assert msg and "tp=2" in msg and "lib.parallel.init" in msg
+
+
+def _groups_ours_and_megatrons(tp, pp):
+    import torch.distributed as dist
+
+    def ranks(g):
+        return dist.get_process_group_ranks(g)
+
+    topo = parallel.init(tp, pp)
+    ours = {"tp": ranks(parallel.tp_group()), "dp": ranks(parallel.dp_group()), "pp": ranks(parallel.pp_group()),
+            "mp": sorted(ranks(parallel.model_parallel_group())), "next": parallel.pp_next_rank(),
+            "prev": parallel.pp_prev_rank(), "coords": (topo.tp_rank, topo.dp_rank, topo.pp_rank),
+            "emb": ranks(parallel.embedding_group()) if pp > 1 else None}
+    parallel.destroy_model_parallel()
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    theirs = {"tp": ranks(ps.get_tensor_model_parallel_group()), "dp": ranks(ps.get_data_parallel_group()),
+              "pp": ranks(ps.get_pipeline_model_parallel_group()), "mp": sorted(ranks(ps.get_model_parallel_group())),
+              "next": ps.get_pipeline_model_parallel_next_rank(), "prev": ps.get_pipeline_model_parallel_prev_rank(),
+              "coords": (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(),
+                         ps.get_pipeline_model_parallel_rank()),
+              "emb": ranks(ps.get_embedding_group()) if pp > 1 else None}
+    ps.destroy_model_parallel()
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        if group is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    return ours, theirs
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 2), (1, 2), (2, 1), (1, 1)])
+def test_groups_are_megatron_cores(pool4, tp, pp):
+    # Our own groups (no megatron-core import at stage start) in megatron-core's rank order.
+    for ours, theirs in pool4.run(_groups_ours_and_megatrons, tp, pp):
+        assert ours == theirs
