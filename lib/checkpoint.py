@@ -121,10 +121,11 @@ def model_state(model, tensors: dict[str, torch.Tensor] | None = None, suffix: s
     return {k: Chunks(shapes[k[: len(k) - len(suffix)] if suffix else k], v) for k, v in pieces.items()}
 
 
-def save(state: dict, url: str) -> None:
-    """Collective: every rank of the default group calls it with its own state."""
-    dcp.save(state, storage_writer=FsspecWriter(url, single_file_per_rank=True, sync_files=False),
-             planner=_SavePlanner())
+def save(state: dict, url: str, threads: int = 4) -> None:
+    """Collective: every rank of the default group calls it with its own state, written by
+    ``threads`` writer threads into as many files (a training state is tens of GB per rank)."""
+    writer = FsspecWriter(url, single_file_per_rank=True, sync_files=False, thread_count=threads)
+    dcp.save(state, storage_writer=writer, planner=_SavePlanner())
 
 
 def load(state: dict, url: str) -> None:

@@ -1,7 +1,7 @@
 """Publishing a stage's output directory: a marker first, the manifest last.
 
 An output directory at any fsspec URL is *published* once ``llamarl.json`` (the manifest: what was
-made, from what, and the size and sha256 of every file) exists. Writers put ``.llamarl-incomplete``
+made, from what, and the size and checksum of every file) exists. Writers put ``.llamarl-incomplete``
 in it first, so a directory left by a killed run is recognisably ours and can be cleared; a
 directory holding anything else is never touched. Readers insist on the manifest and check file
 sizes (cheap) and, where asked, checksums.
@@ -32,8 +32,20 @@ def _fs(url: str):
     return fs, path.rstrip("/")
 
 
-def sha256(url: str, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
+# The checksum this version writes: XXH3-128 runs at memory speed (≈ 10 GB/s a core, against
+# sha256's ≈ 1.4), and a PPO iteration checksums tens of GB of optimizer state. It guards against
+# damage, not tampering. Manifests name the algorithm; older ones with "sha256" still verify.
+CHECKSUM = "xxh3_128"
+_ALGORITHMS = ("xxh3_128", "sha256")
+
+
+def checksum(url: str, algorithm: str = CHECKSUM, chunk: int = 16 << 20) -> str:
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        h = xxhash.xxh3_128()
+    else:
+        h = hashlib.new(algorithm)
     with fsspec.open(url, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
@@ -42,7 +54,15 @@ def sha256(url: str, chunk: int = 8 << 20) -> str:
 
 def file_entry(url: str) -> dict[str, Any]:
     fs, path = _fs(url)
-    return {"bytes": fs.size(path), "sha256": sha256(url)}
+    return {"bytes": fs.size(path), CHECKSUM: checksum(url)}
+
+
+def file_entries(root: str, names: list[str], threads: int = 8) -> dict[str, dict[str, Any]]:
+    """``file_entry`` of each ``root/name``, several files at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
+        return dict(zip(names, pool.map(lambda n: file_entry(f"{root}/{n}"), names)))
 
 
 def write_bytes(url: str, data: bytes) -> None:
@@ -142,6 +162,7 @@ def verify(root: str, files: dict[str, dict], names: list[str] | None = None, ch
         if fs.size(target) != entry["bytes"]:
             raise PublishError(f"{root}/{name} has {fs.size(target)} bytes, the manifest says {entry['bytes']}; "
                                f"the output is damaged: delete {root} and rerun the stage that wrote it")
-        if checksums and sha256(f"{root}/{name}") != entry["sha256"]:
-            raise PublishError(f"{root}/{name} does not match its sha256 in the manifest; the output is "
-                               f"corrupt: delete {root} and rerun the stage that wrote it")
+        algorithm = next((a for a in _ALGORITHMS if a in entry), None)
+        if checksums and (algorithm is None or checksum(f"{root}/{name}", algorithm) != entry[algorithm]):
+            raise PublishError(f"{root}/{name} does not match its {algorithm or 'missing'} checksum in the manifest; "
+                               f"the output is corrupt: delete {root} and rerun the stage that wrote it")

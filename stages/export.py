@@ -37,7 +37,7 @@ class ExportConfig:
     max_shard_gb: float = 2.0
     """Largest safetensors file; bigger models are split with an index, as HF does."""
     verify: bool = True
-    """Check the checkpoint's files against their sha256 before reading."""
+    """Check the checkpoint's files against their checksums before reading."""
 
 
 def plan_files(shapes: dict[str, tuple], itemsize: int, max_bytes: int) -> list[list[str]]:

@@ -549,11 +549,8 @@ def _save_checkpoint(root: str, trainer: _Trainer, source: str, source_manifest:
     dist.barrier()
     if rank == 0:
         fs, path = fsspec.core.url_to_fs(root)
-        files = {}
-        for sub in ("model", "optim", "hf"):
-            for p in fs.ls(f"{path}/{sub}", detail=False):
-                rel = f"{sub}/{p.rsplit('/', 1)[-1]}"
-                files[rel] = publish.file_entry(f"{root}/{rel}")
+        names = [f"{sub}/{p.rsplit('/', 1)[-1]}" for sub in ("model", "optim", "hf") for p in fs.ls(f"{path}/{sub}", detail=False)]
+        files = publish.file_entries(root, names)
         from llamarl.lib import hf_layout
 
         model = trainer.model

@@ -6,7 +6,7 @@ them as DCP chunks; no rank ever holds the whole model. The result loads into an
 
 Output directory (see docs/formats.md):
     llamarl.json   manifest, written last: model config, head, dtype, layout written, the source's
-                   files with sha256, every output file with size and sha256
+                   files with their checksums, every output file with size and checksum
     model/         DCP checkpoint of HF-named tensors
     hf/            config.json, generation_config.json and tokenizer files, copied from the source
 """
@@ -90,7 +90,7 @@ def _local_param_names(cfg: LlamaConfig, head: str, layout: ParallelLayout) -> l
 
 
 def _hash_share(root: str, names: list[str]) -> dict:
-    """sha256 of this rank's share of ``names`` (every world-th file), gathered on all ranks."""
+    """Size and checksum of this rank's share of ``names`` (every world-th file), gathered on all ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {n: publish.file_entry(f"{root}/{n}") for n in names[rank::world]}
     parts: list = [None] * world

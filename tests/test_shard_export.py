@@ -207,7 +207,7 @@ def test_missing_or_corrupt_shard_file(pool2, tmp_path):
     data[len(data) // 2] ^= 0xFF
     part.write_bytes(bytes(data))
     msg = _user_error(pool2, export.run, export.ExportConfig(src=str(ckpt), dst=str(tmp_path / "out")))
-    assert "model/__1_0.distcp does not match its sha256" in msg and "delete" in msg
+    assert "model/__1_0.distcp does not match its xxh3_128 checksum" in msg and "delete" in msg
     part.unlink()
     msg = _user_error(pool2, export.run, export.ExportConfig(src=str(ckpt), dst=str(tmp_path / "out")))
     assert "model/__1_0.distcp is missing" in msg
