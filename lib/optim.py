@@ -68,31 +68,39 @@ class GradBuffer:
             dist.all_reduce(tied.main_grad, group=parallel.embedding_group())
 
 
-def _share_weights(model) -> dict[str, float]:
-    """For each parameter, 1 / (number of ranks in its TP group holding the same values)."""
+def _share_weights(model) -> dict[str, tuple[int, list[int], list[float]]]:
+    """For each parameter: the dim and sizes of its HF slices, and for each slice 1 / (number of
+    ranks in its TP group holding the same slice). Per slice, not per parameter: at tp > kv heads a
+    fused qkv weight holds its own query rows but key/value rows that other ranks hold too."""
     topo = parallel.topology()
+
+    def key(s):
+        return s.hf_name, s.start, s.stop
+
     weights = {}
     for name, _ in model.named_parameters():
-        mine = [(s.hf_name, s.start) for s in hf_layout.param_slices(model.cfg, topo.tp, topo.tp_rank, name)]
-        copies = sum(1 for r in range(topo.tp)
-                     if [(s.hf_name, s.start) for s in hf_layout.param_slices(model.cfg, topo.tp, r, name)] == mine)
-        weights[name] = 1.0 / copies
-    if topo.pp > 1 and model.tied_head():
-        for name in ("model.embed_tokens.weight", "lm_head.weight"):
-            if name in weights:
-                weights[name] *= 0.5  # the same tensor lives on the first and the last stage
+        mine = hf_layout.param_slices(model.cfg, topo.tp, topo.tp_rank, name)
+        held = [{key(s) for s in hf_layout.param_slices(model.cfg, topo.tp, r, name)} for r in range(topo.tp)]
+        tied = 0.5 if topo.pp > 1 and model.tied_head() and name in ("model.embed_tokens.weight", "lm_head.weight") else 1.0
+        # (with PP > 1 and tied embeddings the same tensor lives on the first and the last stage)
+        weights[name] = (mine[0].dim, [s.stop - s.start for s in mine],
+                         [tied / sum(key(s) in h for h in held) for s in mine])
     return weights
 
 
 def clip_grad_norm(model, max_norm: float | None) -> float:
-    """Scale the (``GradBuffer``) gradients so their global L2 norm is at most ``max_norm``; returns the norm before."""
+    """Scale the (``GradBuffer``) gradients so their global L2 norm is at most ``max_norm``; returns
+    the norm before."""
     weights = getattr(model, "_grad_norm_weights", None)
     if weights is None:  # depends only on the model and layout: computed once, not every step
         weights = model._grad_norm_weights = _share_weights(model)
     dev = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=dev)
     for name, p in model.named_parameters():
-        total += weights[name] * p.main_grad.double().square().sum()
+        dim, sizes, share = weights[name]
+        pieces = p.main_grad.split(sizes, dim) if len(sizes) > 1 else (p.main_grad,)
+        for w, g in zip(share, pieces):
+            total += w * g.double().square().sum()
     if parallel.topology().tp * parallel.topology().pp > 1:
         dist.all_reduce(total, group=parallel.model_parallel_group())
     norm = float(total.sqrt())
