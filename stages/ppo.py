@@ -324,9 +324,8 @@ def run(cfg: PPOConfig) -> None:
 
     steps_per_epoch = -(-len(samples) // cfg.mini_batch_size)
     total = cfg.ppo_epochs * steps_per_epoch
-    done = _resume(out, trainers, start_step)
+    done, metrics_lines = _resume(out, trainers, start_step)
     clock.lap("load")
-    metrics_lines = []
     update_tokens = 0
     for k in range(done, total):
         epoch, j = divmod(k, steps_per_epoch)
@@ -341,7 +340,7 @@ def run(cfg: PPOConfig) -> None:
         metrics_lines.append(m)
         if cfg.save_every and (k + 1) % cfg.save_every == 0 and k + 1 < total:
             clock.lap("update")
-            _save_state(out, k + 1, trainers, start_step, store_dtype)
+            _save_state(out, k + 1, trainers, start_step, store_dtype, _metrics_on_rank0(metrics_lines))
             clock.lap("save")
     clock.lap("update")
 
@@ -350,10 +349,8 @@ def run(cfg: PPOConfig) -> None:
     for name, trainer in trainers.items():
         _save_checkpoint(f"{out}/{name}", trainer, cfg.actor, actor_m, final, store_dtype)
     clock.lap("save")
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, metrics_lines if (topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0) else None)
+    lines = _metrics_on_rank0(metrics_lines)
     if rank == 0:
-        lines = next(g for g in gathered if g is not None)
         publish.write_bytes(f"{out}/metrics.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode())
         files = {"metrics.jsonl": publish.file_entry(f"{out}/metrics.jsonl")}
         summary = {"steps": total, "seconds": clock.laps, "dtype": str(dtype).removeprefix("torch."),
@@ -571,28 +568,41 @@ def _copy_side_files(src_ckpt: str, dst: str) -> None:
         publish.write_bytes(f"{dst}/hf/{p.rsplit('/', 1)[-1]}", fs.cat_file(p))
 
 
-def _save_state(out, k, trainers: dict[str, _Trainer], start_step, store_dtype) -> None:
+def _metrics_on_rank0(lines: list[dict]) -> list[dict] | None:
+    """Collective: the step metrics (kept on the last stage's first TP/DP rank), on rank 0."""
+    topo = parallel.topology()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, lines if (topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0) else None)
+    return next(g for g in gathered if g is not None) if dist.get_rank() == 0 else None
+
+
+def _save_state(out, k, trainers: dict[str, _Trainer], start_step, store_dtype, metrics: list[dict] | None) -> None:
+    """The training state after ``k`` steps, and (so that a resumed run reports every step) the
+    metrics of those steps, in the marker written last."""
     root = f"{out}/.state/step-{k:06d}"
     for name, t in trainers.items():
         checkpoint.save(t.opt.model_state(store_dtype), f"{root}/{name}/model")
         checkpoint.save(t.opt.state(start_step + k), f"{root}/{name}/optim")
     dist.barrier()
     if dist.get_rank() == 0:
-        publish.write_bytes(f"{root}/done.json", json.dumps({"step": k}).encode())  # written last
+        publish.write_bytes(f"{root}/done.json", json.dumps({"step": k, "metrics": metrics}).encode())  # written last
     dist.barrier()
 
 
-def _resume(out, trainers: dict[str, _Trainer], start_step) -> int:
-    """The number of optimizer steps already done by an interrupted run (0 if none)."""
+def _resume(out, trainers: dict[str, _Trainer], start_step) -> tuple[int, list[dict]]:
+    """The number of optimizer steps already done by an interrupted run (0 if none), with their
+    metrics (on the rank that keeps them)."""
     fs, path = fsspec.core.url_to_fs(out)
     steps = []
     if fs.exists(f"{path}/.state"):
         for p in fs.ls(f"{path}/.state", detail=False):
             if fs.exists(f"{p}/done.json"):
                 steps.append(int(p.rstrip("/").rsplit("-", 1)[-1]))
-    found = [max(steps) if steps else 0]
+    found = [max(steps) if steps else 0, None]
+    if found[0] and dist.get_rank() == 0:
+        found[1] = json.loads(fs.cat_file(f"{path}/.state/step-{found[0]:06d}/done.json")).get("metrics")
     dist.broadcast_object_list(found, src=0)
-    k = found[0]
+    k, metrics = found
     if k:
         root = f"{out}/.state/step-{k:06d}"
         for name, t in trainers.items():
@@ -600,7 +610,7 @@ def _resume(out, trainers: dict[str, _Trainer], start_step) -> int:
             t.opt.load_state(f"{root}/{name}/optim", start_step + k, f"{root}/{name}/model")
         if dist.get_rank() == 0:
             print(f"{out}: resuming after optimizer step {k}", flush=True)
-    return k
+    return k, list(metrics or [])
 
 
 if __name__ == "__main__":

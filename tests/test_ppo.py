@@ -123,6 +123,11 @@ def test_interrupted_between_steps_then_resumed_equals_uninterrupted(iteration, 
     resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming after optimizer step" in resumed.stdout
+    # Every step's metrics survive the kill (they live with the training state).
+    def steps(run):
+        return [{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in open(run / "metrics.jsonl")]
+
+    assert steps(out) == steps(uninterrupted) and len(steps(out)) == 6
     # Bit for bit: the masters and moments resume exactly, also under bf16.
     assert _rel_diff(_weights(str(out / "actor")), _weights(str(uninterrupted / "actor"))) == 0
     assert _rel_diff(_weights(str(out / "critic")), _weights(str(uninterrupted / "critic"))) == 0
