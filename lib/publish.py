@@ -151,18 +151,39 @@ def publish(root: str, manifest: dict) -> None:
         fs.rm(f"{path}/{INCOMPLETE}")
 
 
-def verify(root: str, files: dict[str, dict], names: list[str] | None = None, checksums: bool = True) -> None:
-    """Check files of a published directory against its manifest entries."""
+def verify(root: str, files: dict[str, dict], names: list[str] | None = None, checksums: bool = True,
+           threads: int = 8) -> None:
+    """Check files of a published directory against its manifest entries (sizes, then checksums,
+    several files at a time); the first damaged file raises."""
     fs, path = _fs(root)
-    for name in names if names is not None else sorted(files):
-        entry = files[name]
+    names = names if names is not None else sorted(files)
+    for name in names:
         target = f"{path}/{name}"
         if not fs.exists(target):
             raise PublishError(f"{root}/{name} is missing; the output is damaged: delete {root} and rerun the stage that wrote it")
-        if fs.size(target) != entry["bytes"]:
-            raise PublishError(f"{root}/{name} has {fs.size(target)} bytes, the manifest says {entry['bytes']}; "
+        if fs.size(target) != files[name]["bytes"]:
+            raise PublishError(f"{root}/{name} has {fs.size(target)} bytes, the manifest says {files[name]['bytes']}; "
                                f"the output is damaged: delete {root} and rerun the stage that wrote it")
+    if not checksums or not names:
+        return
+
+    def matches(name: str) -> tuple[str, str | None, bool]:
+        entry = files[name]
         algorithm = next((a for a in _ALGORITHMS if a in entry), None)
-        if checksums and (algorithm is None or checksum(f"{root}/{name}", algorithm) != entry[algorithm]):
-            raise PublishError(f"{root}/{name} does not match its {algorithm or 'missing'} checksum in the manifest; "
-                               f"the output is corrupt: delete {root} and rerun the stage that wrote it")
+        return name, algorithm, algorithm is not None and checksum(f"{root}/{name}", algorithm) == entry[algorithm]
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
+        for name, algorithm, ok in pool.map(matches, names):
+            if not ok:
+                raise PublishError(f"{root}/{name} does not match its {algorithm or 'missing'} checksum in the manifest; "
+                                   f"the output is corrupt: delete {root} and rerun the stage that wrote it")
+
+
+def require_verified(root: str, kind: str, prefix: str = "") -> dict:
+    """``require_published``, then every file under ``prefix`` checked against the manifest (sizes
+    and checksums): what a stage reads is exactly what its producer published."""
+    manifest = require_published(root, kind)
+    verify(root, manifest["files"], sorted(k for k in manifest["files"] if k.startswith(prefix)))
+    return manifest

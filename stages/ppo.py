@@ -118,8 +118,7 @@ class Sample:
         return len(self.ids) - self.prompt_len
 
 
-def _read_parts(root: str, kind: str) -> list[dict]:
-    manifest = publish.require_published(root, kind)
+def _read_parts(root: str, manifest: dict) -> list[dict]:
     fs, path = fsspec.core.url_to_fs(root)
     rows = []
     for name in sorted(k for k in manifest["files"] if k.startswith("parts/")):
@@ -129,9 +128,17 @@ def _read_parts(root: str, kind: str) -> list[dict]:
 
 
 def load_samples(rollout: str, scores: str) -> list[Sample]:
-    by_key = {(r["prompt_id"], r["sample_index"]): r for r in _read_parts(scores, "scores")}
+    """The rollout's responses with their scores, both verified against their manifests, and the
+    scores checked to be of this very rollout."""
+    rollout_m = publish.require_verified(rollout, "rollout", "parts/")
+    scores_m = publish.require_verified(scores, "scores", "parts/")
+    scored = scores_m.get("request", {}).get("rollout_id")
+    if scored != publish.output_id(rollout):
+        raise UserError(f"{scores} scores another rollout (id {scored}) than {rollout} (id {publish.output_id(rollout)}); "
+                        "score this rollout first")
+    by_key = {(r["prompt_id"], r["sample_index"]): r for r in _read_parts(scores, scores_m)}
     samples = []
-    for r in _read_parts(rollout, "rollout"):
+    for r in _read_parts(rollout, rollout_m):
         key = (r["prompt_id"], r["sample_index"])
         if key not in by_key:
             raise UserError(f"{scores}: no score for {key}; score this rollout first")

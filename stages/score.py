@@ -192,7 +192,7 @@ def _check_inputs(cfg: ScoreConfig, rollout: str, fs, parts: list[str], refs) ->
 
 def run(cfg: ScoreConfig) -> None:
     rollout, out = cfg.rollout.rstrip("/"), cfg.out.rstrip("/")
-    manifest = publish.require_published(rollout, "rollout")
+    manifest = publish.require_verified(rollout, "rollout", "parts/")
     fs, rollout_path = fsspec.core.url_to_fs(rollout)
     parts = sorted(f"{rollout_path}/{k}" for k in manifest["files"] if k.startswith("parts/"))
     terms = [t if isinstance(t, RewardTerm) else RewardTerm(**t) for t in cfg.rewards]

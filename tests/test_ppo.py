@@ -247,3 +247,46 @@ def test_a_bad_dtype_is_refused_when_the_config_is_built():
         parse_config(ppo.PPOConfig, {**base, "dtype": "fp16"}, "spec: ppo")
     with pytest.raises(UserError, match=r"^dtype='half': use auto, bf16, fp16 or fp32$"):
         parse_config(rollout.RolloutConfig, {"actor": "a", "prompts": "p", "out": "o", "dtype": "half"}, "spec: rollout")
+
+
+# ---- nothing wrong is read ------------------------------------------------------------------------------
+
+
+def _stage(name: str, cfg: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"llamarl.stages.{name}", "--config-json", json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_corrupt_rollout_parts_are_refused_by_score_and_ppo(iteration, tmp_path):
+    import shutil
+
+    bad = tmp_path / "rollout"
+    shutil.copytree(iteration / "rollout", bad)
+    part = sorted((bad / "parts").iterdir())[0]
+    data = bytearray(part.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 16] = bytes(b ^ 0xFF for b in data[mid : mid + 16])  # same size, altered bytes
+    part.write_bytes(bytes(data))
+    expect = f"error: {bad}/parts/{part.name} does not match its xxh3_128 checksum in the manifest"
+    r = _stage("score", {"rollout": str(bad), "out": str(tmp_path / "scores"),
+                         "rewards": [{"name": "rules_for_tests:response_length"}]})
+    assert r.returncode == 2 and r.stderr.strip().startswith(expect), r.stderr
+    assert not (tmp_path / "scores").exists()
+    r = _stage("ppo", {"rollout": str(bad), "scores": str(iteration / "scores"), "actor": str(iteration / "actor"),
+                       "out": str(tmp_path / "ppo")})
+    assert r.returncode == 2 and r.stderr.strip().startswith(expect), r.stderr
+    assert not (tmp_path / "ppo").exists()
+
+
+def test_ppo_refuses_scores_of_another_rollout(pool2, iteration, tmp_path):
+    # Same prompts, so the same (prompt_id, sample_index) keys: only the ids tell them apart.
+    other = tmp_path / "rollout2"
+    pool2.run(rollout.run, rollout.RolloutConfig(
+        actor=str(iteration / "actor"), prompts=str(iteration / "prompts.jsonl"), out=str(other), id_column="id",
+        chunk_size=3, tp=2, sampling=rollout.Sampling(samples_per_prompt=2, max_new_tokens=8, seed=6)))
+    pool2.run(score.run, score.ScoreConfig(rollout=str(other), out=str(tmp_path / "scores2"), tp=2,
+                                           rewards=[score.RewardTerm(name="rules_for_tests:response_length")]))
+    r = _stage("ppo", {"rollout": str(iteration / "rollout"), "scores": str(tmp_path / "scores2"),
+                       "actor": str(iteration / "actor"), "out": str(tmp_path / "ppo")})
+    assert r.returncode == 2 and "scores another rollout" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "ppo").exists()
