@@ -38,8 +38,11 @@ class LocalExecutor:
 
     def run(self, stage: str, config, nprocs: int, nodes: int = 1) -> int:
         """Run ``llamarl.stages.<stage>`` with ``nprocs`` processes to completion; the exit status."""
+        from llamarl.lib.errors import UserError
+
+        if nprocs < 1:
+            raise UserError(f"{stage}: {nprocs} processes; a stage needs at least one")
         if nodes != 1:
-            from llamarl.lib.errors import UserError
 
             raise UserError(f"the local executor runs on this machine only (nodes={nodes}); use slurm or kubernetes")
         port = free_port()

@@ -63,6 +63,14 @@ def _load(cls, argv):
     parser.error("give --config or --config-json")
 
 
+def require_positive(cfg, *names: str) -> None:
+    """Counts (tp, pp, dp, procs, …) of a config are at least 1; for ``__post_init__``."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            raise UserError(f"{name}={value!r}: must be a whole number of at least 1")
+
+
 def agree(error: str | None) -> str | None:
     """Collective: the first error any rank hit (by rank), or None if none did."""
     if not (dist.is_available() and dist.is_initialized()):

@@ -100,8 +100,8 @@ def _run_local(stage: str, config, nprocs: int) -> None:
 def shard(
     src: str = typer.Argument(..., help="HF checkpoint directory (any fsspec URL)."),
     dst: str = typer.Argument(..., help="Output directory for the sharded checkpoint."),
-    tp: int = typer.Option(1, help="Tensor-parallel size (processes = tp × pp)."),
-    pp: int = typer.Option(1, help="Pipeline-parallel size."),
+    tp: int = typer.Option(1, min=1, help="Tensor-parallel size (processes = tp × pp)."),
+    pp: int = typer.Option(1, min=1, help="Pipeline-parallel size."),
     dtype: str = typer.Option(None, help="Stored dtype: bf16 | fp16 | fp32 (default: the source's)."),
 ):
     """HF checkpoint → sharded checkpoint (loadable at any TP×PP)."""
@@ -117,7 +117,7 @@ def export(
     dst: str = typer.Argument(..., help="Output HF directory."),
     dtype: str = typer.Option(None, help="Output dtype: bf16 | fp16 | fp32 (default: the checkpoint's)."),
     max_shard_gb: float = typer.Option(2.0, help="Largest safetensors file, in GB."),
-    procs: int = typer.Option(2, help="Processes writing files in parallel."),
+    procs: int = typer.Option(2, min=1, help="Processes writing files in parallel."),
 ):
     """Sharded checkpoint → HF safetensors directory (transformers loads it)."""
     from llamarl.stages.export import ExportConfig
@@ -140,8 +140,8 @@ def rollout(
     actor: str = typer.Argument(..., help="Published actor checkpoint."),
     prompts: str = typer.Argument(..., help="Parquet or JSONL prompts (file or folder, any fsspec URL)."),
     out: str = typer.Argument(..., help="Output folder for the Parquet parts."),
-    tp: int = typer.Option(1, help="Tensor-parallel size."),
-    dp: int = typer.Option(1, help="Data-parallel groups (processes = tp × dp)."),
+    tp: int = typer.Option(1, min=1, help="Tensor-parallel size."),
+    dp: int = typer.Option(1, min=1, help="Data-parallel groups (processes = tp × dp)."),
     config: str = typer.Option(None, help="YAML with further options (sampling, columns, chunk_size…)."),
 ):
     """Actor + prompts → responses with log-probs (Parquet parts, resumable)."""
@@ -159,9 +159,9 @@ def score(
     rollout: str = typer.Argument(..., help="Published rollout folder."),
     out: str = typer.Argument(..., help="Output folder for the scores."),
     rm: str = typer.Option(None, "--rm", help="Published reward-model checkpoint (for the 'rm' term)."),
-    tp: int = typer.Option(1, help="Tensor-parallel size."),
-    pp: int = typer.Option(1, help="Pipeline-parallel size."),
-    dp: int = typer.Option(1, help="Data-parallel groups (processes = tp × pp × dp)."),
+    tp: int = typer.Option(1, min=1, help="Tensor-parallel size."),
+    pp: int = typer.Option(1, min=1, help="Pipeline-parallel size."),
+    dp: int = typer.Option(1, min=1, help="Data-parallel groups (processes = tp × pp × dp)."),
     config: str = typer.Option(None, help="YAML with further options (rewards, references, max_length…)."),
 ):
     """Rollout → scores from a reward model and/or rule-based rewards (Parquet, resumable)."""
@@ -183,9 +183,9 @@ def ppo(
     out: str = typer.Argument(..., help="Output folder: actor/, critic/, metrics.jsonl."),
     critic: str = typer.Option(None, help="Critic checkpoint (default: the actor's backbone, zero value head)."),
     reference: str = typer.Option(None, help="Frozen reference (default: the actor)."),
-    tp: int = typer.Option(1, help="Tensor-parallel size."),
-    pp: int = typer.Option(1, help="Pipeline-parallel size."),
-    dp: int = typer.Option(1, help="Data-parallel groups (processes = tp × pp × dp)."),
+    tp: int = typer.Option(1, min=1, help="Tensor-parallel size."),
+    pp: int = typer.Option(1, min=1, help="Pipeline-parallel size."),
+    dp: int = typer.Option(1, min=1, help="Data-parallel groups (processes = tp × pp × dp)."),
     config: str = typer.Option(None, help="YAML with PPO options (lr, clip, kl, epochs, batch sizes…)."),
 ):
     """Rollout + scores → updated actor and critic (one PPO iteration, resumable)."""

@@ -25,7 +25,7 @@ import fsspec
 import yaml
 
 from llamarl.lib.errors import UserError
-from llamarl.lib.job import parse_config
+from llamarl.lib.job import parse_config, require_positive
 
 
 @dataclass(kw_only=True)
@@ -40,6 +40,9 @@ class Layout:
     """Processes for export (parallel file writers)."""
     nodes: int = 1
     """Nodes of a cluster job (slurm, kubernetes); processes are spread evenly over them."""
+
+    def __post_init__(self):
+        require_positive(self, "tp", "pp", "dp", "procs", "nodes")
 
     @property
     def world(self) -> int:

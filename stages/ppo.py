@@ -100,6 +100,7 @@ class PPOConfig:
 
     def __post_init__(self):
         check_dtype_name(self.dtype, PPO_DTYPES)
+        job.require_positive(self, "tp", "pp", "dp", "mini_batch_size", "micro_batch_tokens", "ppo_epochs")
 
 
 # ---- data ------------------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         check_dtype_name(self.dtype)
+        job.require_positive(self, "tp", "dp", "chunk_size", "max_batch")
 
 
 def open_prompts(url: str) -> pads.Dataset:

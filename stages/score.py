@@ -76,6 +76,7 @@ class ScoreConfig:
 
     def __post_init__(self):
         check_dtype_name(self.dtype)
+        job.require_positive(self, "tp", "pp", "dp")
 
 
 # ---- re-tokenization ---------------------------------------------------------------------------

@@ -48,6 +48,9 @@ class ShardConfig:
     dtype: str | None = None
     """Stored dtype: bf16 | fp16 | fp32; default: the source's."""
 
+    def __post_init__(self):
+        job.require_positive(self, "tp", "pp")
+
 
 def head_of(hf_config: dict) -> str:
     archs = hf_config.get("architectures") or ["LlamaForCausalLM"]

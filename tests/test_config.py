@@ -86,3 +86,27 @@ def test_vocab_padding_and_layer_split():
     assert split_layers(3, 2) == [range(0, 2), range(2, 3)]
     assert split_layers(5, 2, [1, 4]) == [range(0, 1), range(1, 5)]
     _one_line_error(lambda: split_layers(5, 2, [1, 3]), "[1, 3]", "5")
+
+
+def test_zero_processes_is_refused_everywhere(tmp_path):
+    import subprocess
+    import sys
+
+    from llamarl.lib.errors import UserError
+    from llamarl.lib.job import parse_config
+    from llamarl.pipeline.spec import Layouts
+    from llamarl.stages.ppo import PPOConfig
+    from llamarl.stages.shard import ShardConfig
+
+    with pytest.raises(UserError, match=r"tp=0: must be a whole number of at least 1"):
+        parse_config(Layouts, {"rollout": {"tp": 0}}, "spec: layout")
+    with pytest.raises(UserError, match=r"procs=0"):
+        parse_config(Layouts, {"export": {"procs": 0}}, "spec: layout")
+    with pytest.raises(UserError, match=r"dp=0"):
+        PPOConfig(rollout="r", scores="s", actor="a", out="o", dp=0)
+    with pytest.raises(UserError, match=r"pp=-1"):
+        ShardConfig(src="s", dst="d", pp=-1)
+    for args in (["shard", "SRC", str(tmp_path / "d"), "--tp", "0"], ["export", "CK", str(tmp_path / "e"), "--procs", "0"]):
+        r = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "stage", *args], capture_output=True, text=True)
+        assert r.returncode == 2 and "greater than or equal to 1" in r.stderr, r.stderr
+    assert not (tmp_path / "d").exists() and not (tmp_path / "e").exists()
