@@ -79,7 +79,11 @@ class RolloutConfig:
     chat_template: str = "auto"
     """auto: apply the tokenizer's chat template if it has one; never; always."""
     max_prompt_tokens: int | None = None
-    """Longer prompts keep their last tokens (counted as truncated in the manifest)."""
+    """Longer prompts keep their last tokens (counted as truncated in the manifest). Prompts are
+    also held to the actor's max_position_embeddings − max_new_tokens, as ``overlong_prompts`` says."""
+    overlong_prompts: str = "truncate"
+    """A prompt that leaves no room for max_new_tokens within the actor's max_position_embeddings:
+    truncate (keep its last tokens, counted in the manifest) | error (stop, naming the row)."""
     sampling: Sampling = field(default_factory=Sampling)
     tp: int = 1
     """Tensor-parallel size; processes = tp × dp."""
@@ -95,6 +99,8 @@ class RolloutConfig:
     def __post_init__(self):
         check_dtype_name(self.dtype)
         job.require_positive(self, "tp", "dp", "chunk_size", "max_batch")
+        if self.overlong_prompts not in ("truncate", "error"):
+            raise UserError(f"overlong_prompts={self.overlong_prompts!r}: use truncate or error")
 
 
 def open_prompts(url: str) -> pads.Dataset:
@@ -146,6 +152,10 @@ def run(cfg: RolloutConfig) -> None:
     s = cfg.sampling
     if s.samples_per_prompt < 1 or cfg.chunk_size < 1 or cfg.max_batch < 1:
         raise UserError("samples_per_prompt, chunk_size and max_batch must be >= 1")
+    room = model_cfg.max_position_embeddings - s.max_new_tokens
+    if room < 1:
+        raise UserError(f"sampling.max_new_tokens={s.max_new_tokens} leaves no room for a prompt within {actor}'s "
+                        f"max_position_embeddings={model_cfg.max_position_embeddings}; lower max_new_tokens")
     dtype = compute_dtype(cfg.dtype, parallel.device())
     tok = toklib.load(actor)
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
@@ -187,7 +197,7 @@ def run(cfg: RolloutConfig) -> None:
         if part_name(c) in done:
             stats["skipped_chunks"] += 1
             continue
-        table, chunk_stats = _rollout_chunk(model, tok, cfg, params, c, rows, first, progress)
+        table, chunk_stats = _rollout_chunk(model, tok, cfg, params, c, rows, first, progress, room)
         for k, v in chunk_stats.items():
             stats[k] += v
         if writer:
@@ -227,13 +237,19 @@ def _chunk_generator(seed: int, chunk: int, device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
-def _rollout_chunk(model, tok, cfg: RolloutConfig, params, c, rows, first, progress):
+def _rollout_chunk(model, tok, cfg: RolloutConfig, params, c, rows, first, progress, room: int):
+    """``room``: the most prompt tokens that leave max_new_tokens within the actor's positions."""
     s = cfg.sampling
     prompts, truncated = [], 0
+    keep = min(cfg.max_prompt_tokens or room, room)
     for row in rows:
         ids = toklib.encode_prompt(tok, row[cfg.prompt_column], cfg.chat_template)
-        if cfg.max_prompt_tokens and len(ids) > cfg.max_prompt_tokens:
-            ids, truncated = ids[-cfg.max_prompt_tokens:], truncated + 1
+        if len(ids) > room and cfg.overlong_prompts == "error":
+            raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has {len(ids)} prompt tokens, and with "
+                            f"max_new_tokens={s.max_new_tokens} the actor's {s.max_new_tokens + room} positions allow "
+                            f"{room}; shorten it, or set overlong_prompts: truncate")
+        if len(ids) > keep:
+            ids, truncated = ids[-keep:], truncated + 1
         if not ids:
             raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has an empty prompt; remove it")
         prompts.append(ids)

@@ -137,3 +137,25 @@ def test_killed_mid_run_then_rerun_gives_same_rows_none_twice(actor, tmp_path):
     a, b = _rows(tmp_path / "whole"), _rows(out)
     assert a == b and len({(r["prompt_id"], r["sample_index"]) for r in b}) == len(b) == 48
     assert not [p for p in os.listdir(out / "parts") if not p.endswith(".parquet")]
+
+
+def test_prompts_are_held_to_the_actors_positions(pool1, actor, tmp_path):
+    # The toy actor has max_position_embeddings 512: a 700-word prompt + 8 new tokens does not fit.
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"id": "long", "prompt": " ".join(["hello world"] * 350)}) + "\n"
+                    + json.dumps({"id": "short", "prompt": "the cat"}) + "\n")
+    pool1.run(rollout.run, rollout.RolloutConfig(actor=actor, prompts=str(long), out=str(tmp_path / "out"), id_column="id",
+                                                 sampling=rollout.Sampling(samples_per_prompt=1, max_new_tokens=8)))
+    rows = {r["prompt_id"]: r for r in _rows(tmp_path / "out")}
+    assert len(rows["long"]["prompt_token_ids"]) == 512 - 8
+    assert publish.require_published(str(tmp_path / "out"), "rollout")["stats"]["truncated_prompts"] == 1
+    cfg = {"actor": actor, "prompts": str(long), "out": str(tmp_path / "refused"), "id_column": "id",
+           "overlong_prompts": "error", "sampling": {"max_new_tokens": 8}}
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
+    r = subprocess.run([sys.executable, "-m", "llamarl.stages.rollout", "--config-json", json.dumps(cfg)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and f"{long}: row 0 has" in r.stderr and "overlong_prompts: truncate" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    with pytest.raises(RuntimeError, match="UserError: sampling.max_new_tokens=600 leaves no room"):
+        pool1.run(rollout.run, rollout.RolloutConfig(actor=actor, prompts=str(long), out=str(tmp_path / "x"),
+                                                     sampling=rollout.Sampling(max_new_tokens=600)))
