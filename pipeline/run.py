@@ -195,6 +195,14 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, echo=print) -> list[tuple[
             report.append((n.name, ("skip: " if done else "run: ") + why))
         return report
 
+    from .lock import RunLock
+
+    with RunLock(run, echo=echo):  # one `llamarl run` at a time per run directory
+        return _run_nodes(spec, nodes, by_name, echo)
+
+
+def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo) -> list[tuple[str, str]]:
+    run, report = spec.run_dir, []
     publish.write_bytes(f"{run}/pipeline/spec.yaml", yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False).encode())
     executor = executor_for(spec)
     if spec.executor.kind == "kubernetes" and not executor.apply:

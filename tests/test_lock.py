@@ -1,0 +1,73 @@
+"""One `llamarl run` per run directory: the run lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from llamarl.pipeline.lock import RunLock, RunLocked
+
+
+def test_a_second_run_is_refused_until_the_first_releases(tmp_path):
+    first = RunLock(str(tmp_path))
+    first.acquire()
+    with pytest.raises(RunLocked, match=rf"being run by .*@{socket.gethostname()} \(pid {os.getpid()}\)"):
+        RunLock(str(tmp_path)).acquire()
+    first.release()
+    assert not (tmp_path / "pipeline" / "lock.json").exists()
+    with RunLock(str(tmp_path)):
+        assert (tmp_path / "pipeline" / "lock.json").exists()
+
+
+def test_a_stale_lock_is_taken_over_with_a_message(tmp_path):
+    (tmp_path / "pipeline").mkdir()
+    dead = {"user": "ada", "host": "node7", "pid": 4242, "started": time.time() - 5000, "lease_s": 120,
+            "heartbeat": time.time() - 1000}
+    (tmp_path / "pipeline" / "lock.json").write_text(json.dumps(dead))
+    said = []
+    with RunLock(str(tmp_path), echo=said.append):
+        held = json.loads((tmp_path / "pipeline" / "lock.json").read_text())
+        assert held["pid"] == os.getpid()
+    assert said and "ada@node7 (pid 4242)" in said[0] and "no heartbeat for 1000s" in said[0]
+
+
+def test_the_heartbeat_keeps_a_long_run_locked(tmp_path):
+    with RunLock(str(tmp_path), lease_s=0.4):
+        first = json.loads((tmp_path / "pipeline" / "lock.json").read_text())["heartbeat"]
+        time.sleep(0.9)  # longer than the lease: without heartbeats the lock would be stale
+        with pytest.raises(RunLocked):
+            RunLock(str(tmp_path), lease_s=0.4).acquire()
+        assert json.loads((tmp_path / "pipeline" / "lock.json").read_text())["heartbeat"] > first
+
+
+def test_llamarl_run_exits_at_once_when_the_run_is_held(tmp_path):
+    spec = {"name": "held", "storage": str(tmp_path), "actor": "/nowhere/actor", "prompts": "/nowhere/p.jsonl",
+            "score": {"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio"}]}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    with RunLock(str(tmp_path / "held")):
+        r = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(tmp_path / "spec.yaml")],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    out = " ".join(r.stdout.split())
+    assert "this run is being run by" in out and f"pid {os.getpid()}" in out
+    assert not (tmp_path / "held" / "pipeline" / "spec.yaml").exists()
+
+
+def test_a_killed_run_on_this_host_is_taken_over_at_once(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # a pid that no longer runs
+    (tmp_path / "pipeline").mkdir()
+    gone = {"user": "me", "host": socket.gethostname(), "pid": proc.pid, "started": time.time(), "lease_s": 120,
+            "heartbeat": time.time()}
+    (tmp_path / "pipeline" / "lock.json").write_text(json.dumps(gone))
+    said = []
+    with RunLock(str(tmp_path), echo=said.append):
+        pass
+    assert said and "its process is gone" in said[0]
