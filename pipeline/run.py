@@ -44,6 +44,7 @@ class Node:
     inputs: list[str]  # upstream node names
     layout: Layout
     make_config: Callable[[], Any]
+    external: list[str] = dataclasses.field(default_factory=list)  # inputs from outside the run (HF dirs, prompts)
 
     @property
     def nprocs(self) -> int:
@@ -70,10 +71,12 @@ def build_dag(spec: RunSpec) -> list[Node]:
         return make
 
     nodes = [Node("shard/actor", "shard", f"{run}/shard/actor", [], L.shard,
-                  cfg(ShardConfig, {}, "shard", src=spec.actor, dst=f"{run}/shard/actor", tp=L.shard.tp, pp=L.shard.pp))]
+                  cfg(ShardConfig, {}, "shard", src=spec.actor, dst=f"{run}/shard/actor", tp=L.shard.tp, pp=L.shard.pp),
+                  external=[spec.actor])]
     if spec.reward_model:
         nodes.append(Node("shard/rm", "shard", f"{run}/shard/rm", [], L.shard,
-                          cfg(ShardConfig, {}, "shard", src=spec.reward_model, dst=f"{run}/shard/rm", tp=L.shard.tp, pp=L.shard.pp)))
+                          cfg(ShardConfig, {}, "shard", src=spec.reward_model, dst=f"{run}/shard/rm", tp=L.shard.tp, pp=L.shard.pp),
+                          external=[spec.reward_model]))
     actor, critic = "shard/actor", None
     for i in range(1, spec.iterations + 1):
         it = f"iter-{i:03d}"
@@ -81,7 +84,7 @@ def build_dag(spec: RunSpec) -> list[Node]:
         actor_dir = f"{run}/{actor}" if actor == "shard/actor" else f"{run}/{actor}/actor"
         nodes.append(Node(ro, "rollout", f"{run}/{ro}", [actor], L.rollout,
                           cfg(RolloutConfig, spec.rollout, "rollout", actor=actor_dir, prompts=spec.prompts,
-                              out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp)))
+                              out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp), external=[spec.prompts]))
         rm = {"reward_model": f"{run}/shard/rm"} if spec.reward_model else {}
         nodes.append(Node(sc, "score", f"{run}/{sc}", [ro] + (["shard/rm"] if spec.reward_model else []), L.score,
                           cfg(ScoreConfig, spec.score, "score", rollout=f"{run}/{ro}", out=f"{run}/{sc}",
@@ -122,15 +125,31 @@ def published_id(url: str) -> str | None:
     return publish.output_id(url) if publish.read_manifest(url) is not None else None
 
 
+def fingerprint(url: str) -> str:
+    """A cheap content id of a file or folder outside the run: every file's name, size and
+    modification time. Replacing or editing an input in place changes it (touching one without a
+    change does too: a needless rerun, never a stale result)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not fs.exists(path):
+        return "missing"
+    found = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
+    entries = sorted((name[len(path):], info.get("size"), str(info.get("mtime") or info.get("LastModified") or info.get("ETag")))
+                     for name, info in found.items())
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
+
+
 def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
-    """The node's key, or None while an input is not published yet."""
+    """The node's key, or None while an input is not published yet: its config (where it runs
+    aside), the output ids of its inputs, and the fingerprints of its inputs from outside the run."""
     config = {k: v for k, v in dataclasses.asdict(node.make_config()).items() if k not in _PLACEMENT}
     inputs = {}
     for name in node.inputs:
         inputs[name] = published_id(by_name[name].out)
         if inputs[name] is None:
             return None
-    body = json.dumps({"stage": node.stage, "config": config, "inputs": inputs}, sort_keys=True, default=str)
+    external = {url: fingerprint(url) for url in node.external}
+    body = json.dumps({"stage": node.stage, "config": config, "inputs": inputs, "external": external},
+                      sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
@@ -150,6 +169,9 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
     if out_id is None:
         return False, "its output is missing"
     if record.get("key") != key:
+        changed = [url for url in node.external if (record.get("external") or {}).get(url) != fingerprint(url)]
+        if changed:
+            return False, f"{changed[0]} changed since it ran"
         return False, "its config or inputs changed"
     if record.get("output_id") != out_id:
         return False, "its output was replaced"
@@ -231,6 +253,7 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo)
             write_record(run, n, status="failed", error=error, finished=None)
             raise PipelineError(f"stage {n.name} failed ({error}); fix it and rerun `llamarl run` — finished stages are kept")
         write_record(run, n, status="done", key=node_key(n, by_name), output_id=published_id(n.out),
+                     external={url: fingerprint(url) for url in n.external},
                      finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), error=None)
         report.append((n.name, "ran"))
         if n.stage == "ppo":

@@ -1,4 +1,5 @@
-"""One `llamarl run` per run directory: the run lock."""
+"""The run's guards: one `llamarl run` per run directory (the run lock), and inputs from outside the
+run keyed by their content."""
 
 from __future__ import annotations
 
@@ -71,3 +72,35 @@ def test_a_killed_run_on_this_host_is_taken_over_at_once(tmp_path):
     with RunLock(str(tmp_path), echo=said.append):
         pass
     assert said and "its process is gone" in said[0]
+
+
+def test_inputs_from_outside_the_run_are_keyed_by_content(tmp_path):
+    from llamarl.lib import publish
+    from llamarl.pipeline.run import assess, build_dag, fingerprint, node_key, write_record
+    from llamarl.pipeline.spec import load_spec
+
+    (tmp_path / "actor").mkdir()
+    (tmp_path / "actor" / "model.safetensors").write_bytes(b"x" * 100)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    spec = {"name": "keyed", "storage": str(tmp_path), "actor": str(tmp_path / "actor"), "prompts": str(prompts),
+            "score": {"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio"}]}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    nodes = {n.name: n for n in build_dag(load_spec(str(tmp_path / "spec.yaml")))}
+    shard = nodes["shard/actor"]
+    key, fp = node_key(shard, nodes), fingerprint(str(tmp_path / "actor"))
+    # Pretend shard ran: a published output and its record.
+    publish.prepare(shard.out, lambda m: False)
+    publish.publish(shard.out, {"kind": "checkpoint", "files": {}})
+    run = str(tmp_path / "keyed")
+    write_record(run, shard, status="done", key=key, output_id=publish.output_id(shard.out),
+                 external={str(tmp_path / "actor"): fp})
+    assert assess(run, shard, nodes, set())[0]
+    time.sleep(0.01)
+    (tmp_path / "actor" / "model.safetensors").write_bytes(b"y" * 100)  # replaced in place, same size
+    assert node_key(shard, nodes) != key
+    done, why = assess(run, shard, nodes, set())
+    assert not done and why == f"{tmp_path / 'actor'} changed since it ran"
+    before = fingerprint(str(prompts))
+    prompts.write_text('{"prompt": "a"}\n')  # cut
+    assert fingerprint(str(prompts)) != before
