@@ -63,6 +63,17 @@ def _load(cls, argv):
     parser.error("give --config or --config-json")
 
 
+# Options that say where and how a stage runs, not what it computes: changing them never makes a
+# finished stage stale. The one list the stages (their output's request) and the pipeline (its keys) use.
+PLACEMENT = ("out", "dst", "tp", "pp", "dp", "offload")
+
+
+def identity(cfg) -> dict:
+    """A stage config as it identifies the stage's output: placement options blanked."""
+    values = dataclasses.asdict(cfg)
+    return values | {k: None for k in PLACEMENT if k in values}
+
+
 def require_positive(cfg, *names: str) -> None:
     """Counts (tp, pp, dp, procs, …) of a config are at least 1; for ``__post_init__``."""
     for name in names:

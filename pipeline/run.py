@@ -29,7 +29,7 @@ from typing import Any, Callable
 import fsspec
 import yaml
 
-from llamarl.lib import publish
+from llamarl.lib import job, publish
 from llamarl.lib.errors import UserError
 from llamarl.lib.job import parse_config
 
@@ -103,7 +103,6 @@ def build_dag(spec: RunSpec) -> list[Node]:
 
 # ---- records and keys --------------------------------------------------------------------------------
 
-_PLACEMENT = ("out", "dst", "tp", "pp", "dp")
 
 
 def _record_url(run: str, node: Node) -> str:
@@ -141,7 +140,7 @@ def fingerprint(url: str) -> str:
 def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
     """The node's key, or None while an input is not published yet: its config (where it runs
     aside), the output ids of its inputs, and the fingerprints of its inputs from outside the run."""
-    config = {k: v for k, v in dataclasses.asdict(node.make_config()).items() if k not in _PLACEMENT}
+    config = job.identity(node.make_config())
     inputs = {}
     for name in node.inputs:
         inputs[name] = published_id(by_name[name].out)

@@ -20,7 +20,6 @@ the seed). Mini-batches and micro-batches depend only on the data, never on the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -278,7 +277,7 @@ def run(cfg: PPOConfig) -> None:
     request = {"kind": "ppo", "actor_id": publish.output_id(cfg.actor), "rollout_id": publish.output_id(cfg.rollout),
                "scores_id": publish.output_id(cfg.scores), "reference_id": publish.output_id(reference),
                "critic_id": publish.output_id(cfg.critic) if critic_m else None,
-               "config": dataclasses.asdict(cfg) | {"out": None, "tp": None, "pp": None, "dp": None}}
+               "config": job.identity(cfg)}
     if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
         if rank == 0:
             print(f"{out}: this PPO iteration is already done, nothing to do", flush=True)

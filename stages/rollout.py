@@ -173,7 +173,7 @@ def run(cfg: RolloutConfig) -> None:
     rank = dist.get_rank()
     actor_id = publish.output_id(actor)
     request = {"kind": "rollout", "actor": actor, "actor_id": actor_id, "prompts": cfg.prompts,
-               "config": dataclasses.asdict(cfg) | {"out": None, "tp": None, "dp": None}}
+               "config": job.identity(cfg)}
 
     if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
         if rank == 0:

@@ -222,7 +222,7 @@ def run(cfg: ScoreConfig) -> None:
     rank = dist.get_rank()
     rm_id = publish.output_id(cfg.reward_model) if use_rm else None
     request = {"kind": "scores", "rollout_id": publish.output_id(rollout), "rm_id": rm_id,
-               "config": dataclasses.asdict(cfg) | {"out": None, "tp": None, "pp": None, "dp": None, "offload": None}}
+               "config": job.identity(cfg)}
 
     if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
         if rank == 0:

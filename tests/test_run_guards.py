@@ -104,3 +104,22 @@ def test_inputs_from_outside_the_run_are_keyed_by_content(tmp_path):
     before = fingerprint(str(prompts))
     prompts.write_text('{"prompt": "a"}\n')  # cut
     assert fingerprint(str(prompts)) != before
+
+
+def test_placement_options_never_make_a_stage_stale(tmp_path):
+    # score.offload says where the RM's weights wait between parts, not what is computed: the
+    # stage's identity (its output's request, and the pipeline's key) is the same either way.
+    from llamarl.lib import job
+    from llamarl.pipeline.run import build_dag
+    from llamarl.pipeline.spec import load_spec
+
+    identities = []
+    for offload, tp in ((True, 1), (False, 2)):
+        spec = {"name": "p", "storage": str(tmp_path), "actor": str(tmp_path / "a"), "prompts": str(tmp_path / "p"),
+                "layout": {"score": {"tp": tp}},
+                "score": {"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio"}], "offload": offload}}
+        (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+        score = next(n for n in build_dag(load_spec(str(tmp_path / "spec.yaml"))) if n.stage == "score")
+        identities.append(job.identity(score.make_config()))
+    assert identities[0] == identities[1]
+    assert identities[0]["rewards"]  # what it computes is still there
