@@ -129,8 +129,7 @@ def _generate_batch(model, prompts, params, generator, on_tokens, check_every: i
     cu = torch.zeros(n + 1, dtype=torch.int32, device=dev)
     cu[1:] = lens.cumsum(0)
     pos = torch.arange(len(ids), device=dev) - cu[:-1].long().repeat_interleave(lens)
-    logits = model(_Step(ids, pos, Prefill(cu, longest, cache, slot, pos)))
-    logits = logits[cu[1:].long() - 1]
+    logits = model(_Step(ids, pos, Prefill(cu, longest, cache, slot, pos)), rows=cu[1:].long() - 1)
 
     out_tokens = torch.zeros(n, max_new, dtype=torch.long, device=dev)
     out_logps = torch.zeros(n, max_new, dtype=torch.float32, device=dev)

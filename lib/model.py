@@ -146,12 +146,20 @@ class ParallelLlama(nn.Module):
         return TokenBatch.from_padded(input_ids, attention_mask, position_ids,
                                       remove_padding=self.layout.remove_padding, pad_to_multiple=multiple)
 
-    def forward(self, batch: TokenBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: TokenBatch, hidden: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage: hidden states out of an inner stage (this rank's tokens under SP), the
         head's per-token output out of the last. ``batch`` is a ``TokenBatch`` or any object with
-        ``input_ids``, ``positions`` and an attention ``layout`` (generation steps)."""
+        ``input_ids``, ``positions`` and an attention ``layout`` (generation steps). ``rows``: only
+        these tokens go through the head (a prefill needs each prompt's last token, not a
+        ``[prompt tokens, vocab]`` block); not with sequence parallelism."""
         hidden = self.model(batch, hidden)
-        return self._head(hidden, batch) if parallel.topology().is_last_stage else hidden
+        if not parallel.topology().is_last_stage:
+            return hidden
+        if rows is not None:
+            if self.layout.sequence_parallel:
+                raise ValueError("rows= selects tokens of the whole sequence; sequence parallelism splits it")
+            hidden = hidden[rows]
+        return self._head(hidden, batch)
 
     def run(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Whole-model forward for PP = 1 from padded inputs; outputs padded like the inputs."""

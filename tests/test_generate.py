@@ -121,3 +121,22 @@ def test_bad_sampling_params_are_clear_errors():
                         (dict(max_new_tokens=0), "max_new_tokens")):
         with pytest.raises(UserError, match=needle):
             SamplingParams(**bad).check()
+
+
+def widest_logits_in_generate() -> tuple[int, int]:
+    from test_vocab_parallel import _ShapeRecorder
+
+    _, model = _model(1)
+    prompts = [list(range(3, 3 + n)) for n in (40, 25, 33)]  # 98 prompt tokens, 3 sequences
+    with _ShapeRecorder() as rec:
+        generate(model, prompts, SamplingParams(temperature=0, max_new_tokens=2))
+    vocab = model.lm_head.weight.shape[0]  # this rank's (padded) vocabulary
+    assert vocab not in (model.cfg.hidden_size, 2 * model.cfg.intermediate_size)  # unambiguous widths
+    # (the head weight's transpose [hidden, vocab] is not a logits block)
+    rows = [s[0] for _, s in rec.shapes if len(s) == 2 and s[-1] == vocab and s[0] != model.cfg.hidden_size]
+    return max(rows, default=0), len(prompts)
+
+
+def test_prefill_runs_the_head_on_each_prompts_last_token_only(pool1):
+    widest, sequences = pool1.run(widest_logits_in_generate)[0]
+    assert widest == sequences  # [3, vocab] logits, never [98, vocab]
