@@ -111,10 +111,10 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None, timeout_s: int
 
 
 def destroy_model_parallel() -> None:
-    """Drop the TP/PP/DP groups (their communicators and gloo threads too), keeping the global
-    process group."""
+    """Drop the TP/PP/DP groups — every group but the world's, whoever made it — with their
+    communicators and gloo threads, keeping the global process group."""
     global _TOPOLOGY, _GROUPS
-    if _TOPOLOGY is None:
+    if not dist.is_initialized():
         return
     from torch.distributed import distributed_c10d as c10d
 

@@ -76,11 +76,7 @@ def _groups_ours_and_megatrons(tp, pp):
                          ps.get_pipeline_model_parallel_rank()),
               "emb": ranks(ps.get_embedding_group()) if pp > 1 else None}
     ps.destroy_model_parallel()
-    from torch.distributed import distributed_c10d as c10d
-
-    for group in list(c10d._world.pg_map):
-        if group is not c10d.GroupMember.WORLD:
-            dist.destroy_process_group(group)
+    parallel.destroy_model_parallel()  # megatron-core's groups too
     return ours, theirs
 
 

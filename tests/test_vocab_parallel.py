@@ -43,15 +43,22 @@ def vocab_ops_errors(tp):
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     grad = tiny.gather_tp(local.grad)
 
+    ours_ce = vocab_parallel.cross_entropy(local.detach(), labels)
+    # megatron-core's op as the reference, on its own groups (the same rank layout as ours).
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    parallel.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     mc_ce = vocab_parallel_cross_entropy(local.detach().clone()[:, None, :], labels[:, None])[:, 0]
+    ps.destroy_model_parallel()
+    parallel.destroy_model_parallel()  # and their communicators
     return {
         "logprob": (lp - ref_lp).abs().max().item(),
         "entropy": (ent - ref_ent).abs().max().item(),
         "grad": (grad[:, :V] - ref_grad).abs().max().item(),
         "grad_padding": grad[:, V:].abs().max().item() if vp > V else 0.0,
-        "cross_entropy_vs_megatron": (vocab_parallel.cross_entropy(local.detach(), labels) - mc_ce).abs().max().item(),
+        "cross_entropy_vs_megatron": (ours_ce - mc_ce).abs().max().item(),
     }
 
 
