@@ -53,13 +53,23 @@ def _load(cls, argv):
     parser.add_argument("--config-json", help="the stage's options as a JSON object")
     args = parser.parse_args(argv)
     if args.config_json:
-        return parse_config(cls, json.loads(args.config_json), "--config-json")
+        try:
+            data = json.loads(args.config_json)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--config-json: not valid JSON ({e})") from None
+        return parse_config(cls, data, "--config-json")
     if args.config:
         import fsspec
         import yaml
 
-        with fsspec.open(args.config, "r") as f:
-            return parse_config(cls, yaml.safe_load(f) or {}, args.config)
+        try:
+            with fsspec.open(args.config, "r") as f:
+                data = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise UserError(f"{args.config}: no such config file; check the --config path") from None
+        except yaml.YAMLError as e:
+            raise UserError(f"{args.config}: not valid YAML ({str(e).splitlines()[0]})") from None
+        return parse_config(cls, data, args.config)
     parser.error("give --config or --config-json")
 
 

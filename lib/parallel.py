@@ -74,7 +74,11 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None, timeout_s: int
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # started by hand, not by torchrun or an executor: a job of one process
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp}*{pp}; launch tp*pp*dp processes")

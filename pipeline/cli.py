@@ -126,13 +126,37 @@ def export(
     typer.echo(dst)
 
 
+def _fail(message: str):
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
 def _options(config: str | None) -> dict:
+    """The options file of a stage command, or a one-line error."""
     if not config:
         return {}
     import yaml
 
-    with open(config) as f:
-        return yaml.safe_load(f) or {}
+    try:
+        with open(config) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        _fail(f"{config}: no such options file; check the --config path")
+    except yaml.YAMLError as e:
+        _fail(f"{config}: not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(data, dict):
+        _fail(f"{config}: expected a mapping of options, got {type(data).__name__}")
+    return data
+
+
+def _config(cls, options: dict, source: str):
+    from llamarl.lib.errors import UserError
+    from llamarl.lib.job import parse_config
+
+    try:
+        return parse_config(cls, options, source)
+    except UserError as e:
+        _fail(str(e))
 
 
 @stage_app.command("rollout")
@@ -145,11 +169,10 @@ def rollout(
     config: str = typer.Option(None, help="YAML with further options (sampling, columns, chunk_size…)."),
 ):
     """Actor + prompts → responses with log-probs (Parquet parts, resumable)."""
-    from llamarl.lib.job import parse_config
     from llamarl.stages.rollout import RolloutConfig
 
-    cfg = parse_config(RolloutConfig, {**_options(config), "actor": actor, "prompts": prompts, "out": out, "tp": tp, "dp": dp},
-                       config or "options")
+    cfg = _config(RolloutConfig, {**_options(config), "actor": actor, "prompts": prompts, "out": out, "tp": tp, "dp": dp},
+                  config or "options")
     _run_local("rollout", cfg, tp * dp)
     typer.echo(out)
 
@@ -165,13 +188,12 @@ def score(
     config: str = typer.Option(None, help="YAML with further options (rewards, references, max_length…)."),
 ):
     """Rollout → scores from a reward model and/or rule-based rewards (Parquet, resumable)."""
-    from llamarl.lib.job import parse_config
     from llamarl.stages.score import ScoreConfig
 
     opts = {**_options(config), "rollout": rollout, "out": out, "tp": tp, "pp": pp, "dp": dp}
     if rm:
         opts["reward_model"] = rm
-    _run_local("score", parse_config(ScoreConfig, opts, config or "options"), tp * pp * dp)
+    _run_local("score", _config(ScoreConfig, opts, config or "options"), tp * pp * dp)
     typer.echo(out)
 
 
@@ -189,12 +211,11 @@ def ppo(
     config: str = typer.Option(None, help="YAML with PPO options (lr, clip, kl, epochs, batch sizes…)."),
 ):
     """Rollout + scores → updated actor and critic (one PPO iteration, resumable)."""
-    from llamarl.lib.job import parse_config
     from llamarl.stages.ppo import PPOConfig
 
     opts = {**_options(config), "rollout": rollout, "scores": scores, "actor": actor, "out": out,
             "critic": critic, "reference": reference, "tp": tp, "pp": pp, "dp": dp}
-    _run_local("ppo", parse_config(PPOConfig, opts, config or "options"), tp * pp * dp)
+    _run_local("ppo", _config(PPOConfig, opts, config or "options"), tp * pp * dp)
     typer.echo(out)
 
 

@@ -191,6 +191,25 @@ def _check_inputs(cfg: ScoreConfig, rollout: str, fs, parts: list[str], refs) ->
                                 "every rollout prompt needs a reference")
 
 
+def _rule_scores(term: RewardTerm, fn, rows: list[dict], refs, where: str) -> tuple[list[float] | None, str | None]:
+    """A rule's score of every row, or the one-line error of the first row it fails on (the rule
+    raised, read a column the row lacks, or returned no number)."""
+    out = []
+    for row in rows:
+        key = (row["prompt_id"], row["sample_index"])
+        try:
+            value = fn(row.get("response") or "", {**(refs or {}).get(row["prompt_id"], {}), **row}, **term.args)
+        except KeyError as e:
+            return None, (f"{where}: rule {term.name!r} reads column {e} that row {key} does not have; "
+                          "bring it with rollout's keep_columns or score's references")
+        except Exception as e:  # noqa: BLE001 - user code: its failure is the user's to fix
+            return None, f"{where}: rule {term.name!r} failed on {key}: {type(e).__name__}: {e}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None, f"{where}: rule {term.name!r} returned {value!r} for {key}; a rule returns a number"
+        out.append(float(value))
+    return out, None
+
+
 def run(cfg: ScoreConfig) -> None:
     rollout, out = cfg.rollout.rstrip("/"), cfg.out.rstrip("/")
     manifest = publish.require_verified(rollout, "rollout", "parts/")
@@ -267,11 +286,9 @@ def run(cfg: ScoreConfig) -> None:
                     offload.to_host()
                 stats["truncated"] += truncated
             for t in terms:
-                if t.name != "rm":
-                    columns[f"score_{t.name}"] = [
-                        float(rules[t.name](row.get("response") or "", {**(refs or {}).get(row["prompt_id"], {}), **row}, **t.args))
-                        for row in rows]
-            if writer:
+                if t.name != "rm" and error is None:
+                    columns[f"score_{t.name}"], error = _rule_scores(t, rules[t.name], rows, refs, f"{rollout}/parts/{name}")
+            if writer and error is None:
                 total = [sum(t.weight * columns[f"score_{t.name}"][j] for t in terms) for j in range(len(rows))]
                 bad = next((j for j, v in enumerate(total) if not math.isfinite(v)), None)
                 if bad is not None:

@@ -7,3 +7,15 @@ def nan_rule(response: str, row: dict) -> float:
 
 def response_length(response: str, row: dict) -> float:
     return float(len(row["response_token_ids"]))
+
+
+def raises(response: str, row: dict) -> float:
+    raise ValueError("no")
+
+
+def returns_none(response: str, row: dict):
+    return None
+
+
+def reads_absent_column(response: str, row: dict) -> float:
+    return float(row["nope"])

@@ -110,3 +110,43 @@ def test_zero_processes_is_refused_everywhere(tmp_path):
         r = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "stage", *args], capture_output=True, text=True)
         assert r.returncode == 2 and "greater than or equal to 1" in r.stderr, r.stderr
     assert not (tmp_path / "d").exists() and not (tmp_path / "e").exists()
+
+
+def test_bad_option_files_and_rules_are_one_line_errors(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    def one_line(r):
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: "), r.stderr
+        return r.stderr
+
+    cli = [sys.executable, "-m", "llamarl.pipeline.cli", "stage"]
+    assert "no such options file" in one_line(subprocess.run(
+        cli + ["ppo", "R", "S", "A", str(tmp_path / "o"), "--config", str(tmp_path / "typo.yaml")], capture_output=True, text=True))
+    (tmp_path / "bad.yaml").write_text("lr: [1, 2\n")
+    assert "not valid YAML" in one_line(subprocess.run(
+        cli + ["score", "R", str(tmp_path / "o"), "--config", str(tmp_path / "bad.yaml")], capture_output=True, text=True))
+    (tmp_path / "unknown.yaml").write_text("advantage_typo: gae\n")
+    assert "unknown option(s) advantage_typo" in one_line(subprocess.run(
+        cli + ["ppo", "R", "S", "A", str(tmp_path / "o"), "--config", str(tmp_path / "unknown.yaml")], capture_output=True, text=True))
+    # A stage module started by hand (no torchrun environment) reads its --config the same way.
+    assert "no such config file" in one_line(subprocess.run(
+        [sys.executable, "-m", "llamarl.stages.ppo", "--config", str(tmp_path / "typo.yaml")], capture_output=True, text=True))
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("rule,needle", [
+    ("rules_for_tests:raises", "rule 'rules_for_tests:raises' failed on ('p0000', 0): ValueError: no"),
+    ("rules_for_tests:returns_none", "returned None for ('p0000', 0); a rule returns a number"),
+    ("rules_for_tests:reads_absent_column", "reads column 'nope' that row ('p0000', 0) does not have"),
+])
+def test_a_failing_rule_is_one_line_naming_the_part_and_row(rule, needle):
+    from llamarl.stages.score import RewardTerm, _rule_scores
+
+    import rules_for_tests  # noqa: F401  (importable by name from tests/)
+    from llamarl.lib import rewards
+
+    rows = [{"prompt_id": "p0000", "sample_index": 0, "response": "hi"}]
+    values, error = _rule_scores(RewardTerm(name=rule), rewards.resolve(rule), rows, None, "R/parts/part-000000.parquet")
+    assert values is None and error.startswith("R/parts/part-000000.parquet: ") and needle in error, error
