@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -233,18 +232,16 @@ class ParallelLayout:
             raise ConfigError(f"tp={tp}, pp={pp}: both must be at least 1")
         if cfg.num_heads % tp:
             raise ConfigError(
-                f"tp={tp} does not divide num_attention_heads={cfg.num_heads}; "
-                f"use a tp in {_divisors(cfg.num_heads)}"
+                f"tp={tp} does not divide num_attention_heads={cfg.num_heads}; use a tp in {valid_tps(cfg)}"
             )
         if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
             raise ConfigError(
                 f"tp={tp} and num_key_value_heads={cfg.num_kv_heads}: one must divide the other "
-                f"(kv heads are split over TP or replicated); use a tp in {_divisors(cfg.num_heads)}"
+                f"(kv heads are split over TP or replicated); use a tp in {valid_tps(cfg)}"
             )
         if cfg.intermediate_size % tp:
             raise ConfigError(
-                f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}; "
-                f"use a tp in {_divisors(math.gcd(cfg.num_heads, cfg.intermediate_size))}"
+                f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}; use a tp in {valid_tps(cfg)}"
             )
         if pp > cfg.num_layers:
             raise ConfigError(
@@ -254,8 +251,12 @@ class ParallelLayout:
             raise ConfigError("sequence_parallel=True needs tp > 1; turn it off or raise tp")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def valid_tps(cfg: LlamaConfig) -> list[int]:
+    """Every tensor-parallel size ``cfg`` runs at: it divides the heads and the MLP width, and
+    divides or is a multiple of the kv heads."""
+    return [t for t in range(1, cfg.num_heads + 1)
+            if cfg.num_heads % t == 0 and cfg.intermediate_size % t == 0
+            and (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0)]
 
 
 def pad_vocab(vocab_size: int, tp: int, multiple: int = 1) -> int:

@@ -166,6 +166,8 @@ def run(cfg: RolloutConfig) -> None:
     missing = [c for c in columns if c not in ds.schema.names]
     if missing:
         raise UserError(f"{cfg.prompts}: no column(s) {', '.join(missing)}; it has {', '.join(ds.schema.names)}")
+    if ds.count_rows() == 0:
+        raise UserError(f"{cfg.prompts}: no prompts (0 rows); point at a file with at least one")
 
     topo = parallel.init(cfg.tp, 1)
     if topo.dp != cfg.dp:

@@ -150,3 +150,12 @@ def test_a_failing_rule_is_one_line_naming_the_part_and_row(rule, needle):
     rows = [{"prompt_id": "p0000", "sample_index": 0, "response": "hi"}]
     values, error = _rule_scores(RewardTerm(name=rule), rewards.resolve(rule), rows, None, "R/parts/part-000000.parquet")
     assert values is None and error.startswith("R/parts/part-000000.parquet: ") and needle in error, error
+
+
+def test_the_tp_hint_lists_only_sizes_that_work():
+    cfg = _cfg(num_attention_heads=12, num_key_value_heads=4, head_dim=16, hidden_size=192, intermediate_size=96)
+    with pytest.raises(ConfigError) as e:
+        ParallelLayout(tp=6).check(cfg)
+    assert str(e.value).endswith("use a tp in [1, 2, 4, 12]")
+    for tp in (1, 2, 4, 12):
+        ParallelLayout(tp=tp).check(cfg)

@@ -159,3 +159,11 @@ def test_prompts_are_held_to_the_actors_positions(pool1, actor, tmp_path):
     with pytest.raises(RuntimeError, match="UserError: sampling.max_new_tokens=600 leaves no room"):
         pool1.run(rollout.run, rollout.RolloutConfig(actor=actor, prompts=str(long), out=str(tmp_path / "x"),
                                                      sampling=rollout.Sampling(max_new_tokens=600)))
+
+
+def test_a_prompts_file_without_rows_is_refused_before_any_output(pool1, actor, tmp_path):
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    with pytest.raises(RuntimeError, match=rf"UserError: {empty}: no prompts \(0 rows\)"):
+        pool1.run(rollout.run, rollout.RolloutConfig(actor=actor, prompts=str(empty), out=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
