@@ -6,6 +6,8 @@ import sys
 
 import typer
 
+from llamarl.pipeline.options import epilog
+
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Staged RLHF (PPO) for Llama: each stage a batch job, joined by files on shared storage.")
 stage_app = typer.Typer(no_args_is_help=True, help="Run one stage by hand, on this machine.")
@@ -159,7 +161,7 @@ def _config(cls, options: dict, source: str):
         _fail(str(e))
 
 
-@stage_app.command("rollout")
+@stage_app.command("rollout", epilog=epilog("llamarl.stages.rollout", "RolloutConfig", ("actor", "prompts", "out", "tp", "dp")))
 def rollout(
     actor: str = typer.Argument(..., help="Published actor checkpoint."),
     prompts: str = typer.Argument(..., help="Parquet or JSONL prompts (file or folder, any fsspec URL)."),
@@ -177,7 +179,7 @@ def rollout(
     typer.echo(out)
 
 
-@stage_app.command("score")
+@stage_app.command("score", epilog=epilog("llamarl.stages.score", "ScoreConfig", ("rollout", "out", "reward_model", "tp", "pp", "dp")))
 def score(
     rollout: str = typer.Argument(..., help="Published rollout folder."),
     out: str = typer.Argument(..., help="Output folder for the scores."),
@@ -197,7 +199,7 @@ def score(
     typer.echo(out)
 
 
-@stage_app.command("ppo")
+@stage_app.command("ppo", epilog=epilog("llamarl.stages.ppo", "PPOConfig", ("rollout", "scores", "actor", "out", "critic", "reference", "tp", "pp", "dp")))
 def ppo(
     rollout: str = typer.Argument(..., help="Published rollout folder."),
     scores: str = typer.Argument(..., help="Published scores of that rollout."),

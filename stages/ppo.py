@@ -52,13 +52,19 @@ class PPOConfig:
     critic: str | None = None
     """Critic checkpoint (head 'score'); default: the actor's backbone with a zero value head."""
     tp: int = 1
+    """Tensor-parallel size; processes = tp × pp × dp."""
     pp: int = 1
+    """Pipeline-parallel size (1F1B schedule)."""
     dp: int = 1
+    """Data-parallel groups; the optimizer state is sharded over them (ZeRO-1)."""
     sequence_parallel: bool = False
+    """Split activations along tokens between TP ranks outside attention and MLP (needs tp > 1)."""
     advantage: str = "gae"
     """gae | grpo (group-normalised scores; no critic update)."""
     gamma: float = 1.0
+    """GAE discount."""
     lam: float = 0.95
+    """GAE λ."""
     kl_coef: float = 0.05
     """β of the KL penalty in the reward (or of the KL loss with use_kl_loss)."""
     kl_estimator: str = "kl"
@@ -66,30 +72,43 @@ class PPOConfig:
     use_kl_loss: bool = False
     """KL as a loss term instead of a reward penalty."""
     whiten_advantages: bool = True
+    """Normalise GAE advantages to mean 0, std 1 over the batch's response tokens."""
     clip_eps: float = 0.2
+    """PPO ratio clip ε."""
     dual_clip: float | None = 3.0
     """Dual-clip bound c for negative advantages; null to disable."""
     value_clip: float | None = 0.2
+    """Clip of the value update around the old values; null to disable."""
     entropy_coef: float = 0.0
+    """Entropy bonus weight (entropy is reported every step either way)."""
     loss_agg: str = "token-mean"
     """token-mean | seq-mean-token-mean."""
     ppo_epochs: int = 1
+    """Passes over the rollout."""
     mini_batch_size: int = 8
     """Sequences per optimizer step (over all DP ranks)."""
     micro_batch_tokens: int = 4096
     """Token budget of one forward/backward (per rank)."""
     actor_lr: float = 1e-6
+    """Actor learning rate (AdamW)."""
     critic_lr: float = 1e-5
+    """Critic learning rate (AdamW)."""
     weight_decay: float = 0.0
+    """AdamW weight decay (actor and critic)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     warmup_steps: int = 0
+    """Linear LR warm-up, in optimizer steps counted across iterations."""
     lr_decay: str = "constant"
     """constant | linear | cosine, over total_steps (counted across iterations)."""
     total_steps: int | None = None
+    """Steps over which lr_decay decays (null: no decay)."""
     grad_clip: float | None = 1.0
+    """Clip the global gradient norm (the same at every layout); null to disable."""
     temperature: float = 1.0
     """Must equal the rollout's: log-probs are of softmax(logits / temperature)."""
     seed: int = 0
+    """Seed of the mini-batch order (the same at every layout)."""
     save_every: int = 0
     """Save resumable training state every N optimizer steps (0: only at the end)."""
     dtype: str = "auto"

@@ -159,3 +159,16 @@ def test_the_tp_hint_lists_only_sizes_that_work():
     assert str(e.value).endswith("use a tp in [1, 2, 4, 12]")
     for tp in (1, 2, 4, 12):
         ParallelLayout(tp=tp).check(cfg)
+
+
+def test_stage_help_lists_the_yaml_options():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "stage", "ppo", "--help"], capture_output=True,
+                         text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"}).stdout
+    for line in ('advantage = "gae": gae | grpo', 'dtype = "auto"', "mini_batch_size = 8", "grad_clip = 1.0"):
+        assert line in out, line
+    out = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "stage", "rollout", "--help"], capture_output=True,
+                         text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"}).stdout
+    assert "sampling.temperature = 1.0" in out and "keep_columns = []" in out
