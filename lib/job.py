@@ -144,6 +144,21 @@ def timing() -> dict:
     return {"process_start": process_start_time(), "work_start": _work_start, "work_end": time.time()}
 
 
+def verify_input(root: str, manifest: dict, prefix: str = "") -> None:
+    """Collective: the files of a published input under ``prefix`` checked against its manifest
+    (sizes and checksums), each rank a share of them; a damaged file fails every rank in one line."""
+    from . import publish
+
+    names = sorted(k for k in manifest["files"] if k.startswith(prefix))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    error = None
+    try:
+        publish.verify(root, manifest["files"], names[rank::world])
+    except UserError as e:
+        error = str(e)
+    check(error)
+
+
 def prepare_output(out: str, is_current, request: dict | None = None) -> str:
     """Collective ``publish.prepare``: rank 0 decides ("skip", "resume" or "fresh"), every rank
     gets the decision, or the same error. Marks the start of the stage's work (``timing``)."""

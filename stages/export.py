@@ -94,14 +94,8 @@ def run(cfg: ExportConfig) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()  # after start-up (imports, process groups): the work itself
 
-    error = None
     if cfg.verify:
-        names = sorted(manifest["files"])
-        try:
-            publish.verify(src, manifest["files"], names[rank::world])
-        except UserError as e:
-            error = str(e)
-    job.check(error)
+        job.verify_input(src, manifest)
 
     expect = {"kind": "hf_export", "head": head, "dtype": str(out_dtype).removeprefix("torch."),
               "source": {"url": src, "created": manifest["created"], "files": manifest["files"]}}

@@ -301,6 +301,8 @@ def run(cfg: PPOConfig) -> None:
         if rank == 0:
             print(f"{out}: this PPO iteration is already done, nothing to do", flush=True)
         return
+    for root in dict.fromkeys(filter(None, (cfg.actor, reference, cfg.critic if critic_m else None))):
+        job.verify_input(root, publish.require_published(root, "checkpoint"), "")  # weights and training state
 
     from llamarl.lib.model import ParallelLlamaForCausalLM, ParallelLlamaForValue
 

@@ -181,6 +181,7 @@ def run(cfg: RolloutConfig) -> None:
         if rank == 0:
             print(f"{out}: already rolled out with this actor and config, nothing to do", flush=True)
         return
+    job.verify_input(actor, manifest, "model/")
 
     fs, out_path = fsspec.core.url_to_fs(out)
     done = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{out_path}/parts", detail=False)} if fs.exists(f"{out_path}/parts") else set()

@@ -247,6 +247,8 @@ def run(cfg: ScoreConfig) -> None:
         if rank == 0:
             print(f"{out}: already scored with this rollout, reward model and config, nothing to do", flush=True)
         return
+    if use_rm:
+        job.verify_input(cfg.reward_model, rm_manifest, "model/")
     out_fs, out_path = fsspec.core.url_to_fs(out)
     done = set(out_fs.ls(f"{out_path}/parts", detail=False)) if out_fs.exists(f"{out_path}/parts") else set()
     done = {d.rsplit("/", 1)[-1] for d in done}

@@ -290,3 +290,23 @@ def test_ppo_refuses_scores_of_another_rollout(pool2, iteration, tmp_path):
                        "actor": str(iteration / "actor"), "out": str(tmp_path / "ppo")})
     assert r.returncode == 2 and "scores another rollout" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "ppo").exists()
+
+
+def test_a_corrupt_checkpoint_is_refused_by_its_readers(iteration, tmp_path):
+    import shutil
+
+    bad = tmp_path / "actor"
+    shutil.copytree(iteration / "actor", bad)
+    shard_file = sorted((bad / "model").glob("*.distcp"))[0]
+    data = bytearray(shard_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard_file.write_bytes(bytes(data))
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
+    expect = f"error: {bad}/model/{shard_file.name} does not match its xxh3_128 checksum"
+    for stage, cfg in (("rollout", {"actor": str(bad), "prompts": str(iteration / "prompts.jsonl"), "out": str(tmp_path / "r")}),
+                       ("ppo", {"rollout": str(iteration / "rollout"), "scores": str(iteration / "scores"),
+                                "actor": str(bad), "out": str(tmp_path / "p")})):
+        r = subprocess.run([sys.executable, "-m", f"llamarl.stages.{stage}", "--config-json", json.dumps(cfg)],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 2 and r.stderr.strip().startswith(expect), (stage, r.stderr)
+        assert publish.read_manifest(cfg["out"]) is None
