@@ -107,6 +107,9 @@ class PPOConfig:
     """Clip the global gradient norm (the same at every layout); null to disable."""
     temperature: float = 1.0
     """Must equal the rollout's: log-probs are of softmax(logits / temperature)."""
+    off_policy: bool = False
+    """Allow a rollout sampled from another actor checkpoint than ``actor`` (its recorded
+    log-probs are then another policy's); by default that is refused as a mix-up."""
     seed: int = 0
     """Seed of the mini-batch order (the same at every layout)."""
     save_every: int = 0
@@ -280,6 +283,11 @@ def run(cfg: PPOConfig) -> None:
     layout = ParallelLayout(tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sequence_parallel, remove_padding=True)
     layout.check(model_cfg)
     samples = load_samples(cfg.rollout, cfg.scores)
+    sampled_from = publish.read_manifest(cfg.rollout)["request"]["actor_id"]
+    if not cfg.off_policy and sampled_from != publish.output_id(cfg.actor):
+        raise UserError(f"{cfg.rollout} was sampled from another actor (id {sampled_from}) than {cfg.actor} "
+                        f"(id {publish.output_id(cfg.actor)}); point at the actor it was sampled from, or set "
+                        "off_policy: true")
     reference = cfg.reference or cfg.actor
     use_critic = cfg.advantage == "gae"
     critic_m = None

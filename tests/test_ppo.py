@@ -89,7 +89,8 @@ def test_outputs_metrics_and_checkpoint_format(reference_run, iteration):
 def test_next_iteration_continues_optimizer_state(pool1, iteration, reference_run, tmp_path):
     # The updated actor is a valid input: a second iteration loads its moments and step count.
     pool1.run(ppo.run, _cfg(iteration, tmp_path / "it2", actor=str(reference_run / "actor"),
-                            critic=str(reference_run / "critic"), reference=str(iteration / "actor"), ppo_epochs=1))
+                            critic=str(reference_run / "critic"), reference=str(iteration / "actor"), ppo_epochs=1,
+                            off_policy=True))  # this rollout came from the iteration-1 actor
     lines = [json.loads(x) for x in open(tmp_path / "it2" / "metrics.jsonl")]
     assert lines[0]["step"] == 7
     assert publish.require_published(str(tmp_path / "it2" / "actor"))["train_state"]["step"] == 9
@@ -310,3 +311,10 @@ def test_a_corrupt_checkpoint_is_refused_by_its_readers(iteration, tmp_path):
                            capture_output=True, text=True, timeout=300, env=env)
         assert r.returncode == 2 and r.stderr.strip().startswith(expect), (stage, r.stderr)
         assert publish.read_manifest(cfg["out"]) is None
+
+
+def test_ppo_refuses_a_rollout_of_another_actor_unless_off_policy(iteration, reference_run, tmp_path):
+    r = _stage("ppo", {"rollout": str(iteration / "rollout"), "scores": str(iteration / "scores"),
+                       "actor": str(reference_run / "actor"), "out": str(tmp_path / "ppo")})
+    assert r.returncode == 2 and "was sampled from another actor" in r.stderr and "off_policy: true" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "ppo").exists()
