@@ -621,7 +621,10 @@ def _save_state(out, k, trainers: dict[str, _Trainer], start_step, store_dtype, 
         checkpoint.save(t.opt.state(start_step + k), f"{root}/{name}/optim")
     dist.barrier()
     if dist.get_rank() == 0:
-        publish.write_bytes(f"{root}/done.json", json.dumps({"step": k, "metrics": metrics}).encode())  # written last
+        fs, path = fsspec.core.url_to_fs(root)
+        names = sorted(p[len(path) + 1 :] for p in fs.find(path))
+        marker = {"step": k, "metrics": metrics, "files": publish.file_entries(root, names)}
+        publish.write_bytes(f"{root}/done.json", json.dumps(marker).encode())  # written last
     dist.barrier()
 
 
@@ -636,11 +639,17 @@ def _resume(out, trainers: dict[str, _Trainer], start_step) -> tuple[int, list[d
                 steps.append(int(p.rstrip("/").rsplit("-", 1)[-1]))
     found = [max(steps) if steps else 0, None]
     if found[0] and dist.get_rank() == 0:
-        found[1] = json.loads(fs.cat_file(f"{path}/.state/step-{found[0]:06d}/done.json")).get("metrics")
+        found[1] = json.loads(fs.cat_file(f"{path}/.state/step-{found[0]:06d}/done.json"))
     dist.broadcast_object_list(found, src=0)
-    k, metrics = found
+    k, marker = found
+    metrics = (marker or {}).get("metrics")
     if k:
         root = f"{out}/.state/step-{k:06d}"
+        try:
+            job.verify_input(root, {"files": marker.get("files", {})})  # states saved before checksums: none
+        except UserError as e:
+            raise UserError(f"{e.args[0].split('; ')[0]}: the saved training state is damaged; delete {root} to resume "
+                            "from an earlier step (or the whole output to start over)") from None
         for name, t in trainers.items():
             checkpoint.load_model(t.model, f"{root}/{name}/model")
             t.opt.load_state(f"{root}/{name}/optim", start_step + k, f"{root}/{name}/model")
