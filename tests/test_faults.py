@@ -1,0 +1,141 @@
+"""Fault injection, one matrix: every artifact a stage reads × every fault × every stage reading it.
+
+Each case damages a copy of a good artifact, runs the consuming stage as a real process, and
+expects what a user must see: exit status 2, one line (``error: …`` naming the file and the fix), and
+nothing published. Faults: a file missing, truncated, bytes flipped in the middle, bytes flipped at
+the end (Parquet footer, DCP tail), a same-named file from another run, the directory left
+unfinished, and the manifest damaged.
+
+HF source checkpoints carry no checksums: a flipped byte inside a tensor, or a tensor file swapped
+for another model's of the same shapes, is valid data to shard and cannot be detected there; what
+can be (a missing or truncated file, a damaged header) is tested below. ppo's saved training state
+is tested in test_ppo.py (it is only read on resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from llamarl.lib import publish
+from llamarl.pipeline import toy
+from llamarl.stages import rollout, score, shard
+
+pytestmark = pytest.mark.slow
+
+FAULTS = ["missing", "truncated", "flipped_middle", "flipped_end", "other_run", "unfinished", "manifest"]
+RULE = "llamarl.pipeline.demo:vowel_ratio"
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory, pool1):
+    """Two of everything (the second for "another run's file"), made once."""
+    root = tmp_path_factory.mktemp("faults")
+    prompts = toy.make_prompts(str(root / "prompts.jsonl"), n=4)
+    out = {"prompts": prompts}
+    for tag, seed in (("", 0), ("other_", 1)):
+        toy.make_llama(str(root / f"{tag}actor_hf"), seed=seed)
+        toy.make_llama(str(root / f"{tag}rm_hf"), kind="score", seed=seed + 10, tokenizer_corpus=toy.CORPUS_B)
+        for name in ("actor", "rm"):
+            pool1.run(shard.run, shard.ShardConfig(src=str(root / f"{tag}{name}_hf"), dst=str(root / f"{tag}{name}")))
+        pool1.run(rollout.run, rollout.RolloutConfig(
+            actor=str(root / f"{tag}actor"), prompts=prompts, out=str(root / f"{tag}rollout"), id_column="id",
+            sampling=rollout.Sampling(samples_per_prompt=2, max_new_tokens=6, seed=seed)))
+        pool1.run(score.run, score.ScoreConfig(rollout=str(root / f"{tag}rollout"), out=str(root / f"{tag}scores"),
+                                               rewards=[score.RewardTerm(name=RULE)]))
+        for name in ("actor_hf", "rm_hf", "actor", "rm", "rollout", "scores"):
+            out[f"{tag}{name}"] = str(root / f"{tag}{name}")
+    return out
+
+
+def _target(artifact: str) -> str:
+    """The data file a fault hits, relative to the artifact's folder."""
+    return {"checkpoint": "model/__0_0.distcp", "rm": "model/__0_0.distcp", "rollout": "parts/part-000000.parquet",
+            "scores": "parts/part-000000.parquet"}[artifact]
+
+
+def _damage(src: str, other: str, dst: str, fault: str, rel: str) -> None:
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, rel)
+    if fault == "missing":
+        os.remove(path)
+    elif fault == "truncated":
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) // 2])
+    elif fault in ("flipped_middle", "flipped_end"):
+        data = bytearray(open(path, "rb").read())
+        at = len(data) // 2 if fault == "flipped_middle" else len(data) - 16
+        data[at : at + 16] = bytes(b ^ 0x5A for b in data[at : at + 16])
+        open(path, "wb").write(bytes(data))
+    elif fault == "other_run":
+        shutil.copyfile(os.path.join(other, rel), path)
+    elif fault == "unfinished":
+        os.remove(os.path.join(dst, publish.MANIFEST))
+        open(os.path.join(dst, publish.INCOMPLETE), "w").close()
+    elif fault == "manifest":
+        data = open(os.path.join(dst, publish.MANIFEST), "rb").read()
+        open(os.path.join(dst, publish.MANIFEST), "wb").write(data[: len(data) // 2])
+
+
+def _consumers(g: dict, artifact: str, damaged: str, out: str) -> dict[str, tuple[str, dict]]:
+    """The stages that read ``artifact``, each given the damaged copy."""
+    ppo = {"rollout": g["rollout"], "scores": g["scores"], "actor": g["actor"], "out": out}
+    if artifact == "checkpoint":
+        return {"rollout": ("rollout", {"actor": damaged, "prompts": g["prompts"], "out": out,
+                                        "sampling": {"max_new_tokens": 4}}),
+                "ppo": ("ppo", ppo | {"actor": damaged}),
+                "export": ("export", {"src": damaged, "dst": out})}
+    if artifact == "rm":
+        return {"score": ("score", {"rollout": g["rollout"], "out": out, "reward_model": damaged,
+                                    "rewards": [{"name": "rm"}]})}
+    if artifact == "rollout":
+        return {"score": ("score", {"rollout": damaged, "out": out, "rewards": [{"name": RULE}]}),
+                "ppo": ("ppo", ppo | {"rollout": damaged})}
+    return {"ppo": ("ppo", ppo | {"scores": damaged})}
+
+
+def _run(stage: str, cfg: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}  # one process, started by hand
+    return subprocess.run([sys.executable, "-m", f"llamarl.stages.{stage}", "--config-json", json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def _refused(r: subprocess.CompletedProcess, out: str, what: str) -> None:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), f"{what}:\n{r.stderr[-3000:]}"
+    assert publish.read_manifest(out) is None, f"{what}: something was published"
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("artifact", ["checkpoint", "rm", "rollout", "scores"])
+def test_every_reader_refuses_every_fault(good, tmp_path, artifact, fault):
+    src = good["actor" if artifact == "checkpoint" else artifact]
+    other = good["other_" + ("actor" if artifact == "checkpoint" else artifact)]
+    damaged = str(tmp_path / "damaged")
+    _damage(src, other, damaged, fault, _target(artifact))
+    for name, (stage, cfg) in _consumers(good, artifact, damaged, str(tmp_path / "out")).items():
+        out = cfg.get("out") or cfg["dst"]
+        _refused(_run(stage, cfg), out, f"{artifact}/{fault} read by {name}")
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.parametrize("fault", ["missing", "truncated", "header"])
+def test_shard_refuses_a_damaged_hf_checkpoint(good, tmp_path, fault):
+    src = str(tmp_path / "hf")
+    shutil.copytree(good["actor_hf"], src)
+    path = os.path.join(src, "model.safetensors")
+    data = bytearray(open(path, "rb").read())
+    if fault == "missing":
+        os.remove(path)
+    elif fault == "truncated":
+        open(path, "wb").write(bytes(data[: len(data) // 2]))
+    else:  # the JSON header after the 8-byte length
+        data[8:24] = b"\x00" * 16
+        open(path, "wb").write(bytes(data))
+    out = str(tmp_path / "out")
+    _refused(_run("shard", {"src": src, "dst": out}), out, f"HF source/{fault} read by shard")
