@@ -638,8 +638,15 @@ def _resume(out, trainers: dict[str, _Trainer], start_step) -> tuple[int, list[d
             if fs.exists(f"{p}/done.json"):
                 steps.append(int(p.rstrip("/").rsplit("-", 1)[-1]))
     found = [max(steps) if steps else 0, None]
+    error = None
     if found[0] and dist.get_rank() == 0:
-        found[1] = json.loads(fs.cat_file(f"{path}/.state/step-{found[0]:06d}/done.json"))
+        done = f"{out}/.state/step-{found[0]:06d}"
+        try:
+            found[1] = json.loads(fs.cat_file(f"{path}/.state/step-{found[0]:06d}/done.json"))
+        except json.JSONDecodeError:
+            error = (f"{done}/done.json is not valid JSON: the saved training state is damaged; delete {done} to resume "
+                     "from an earlier step (or the whole output to start over)")
+    job.check(error)
     dist.broadcast_object_list(found, src=0)
     k, marker = found
     metrics = (marker or {}).get("metrics")

@@ -9,7 +9,8 @@ unfinished, and the manifest damaged.
 HF source checkpoints carry no checksums: a flipped byte inside a tensor, or a tensor file swapped
 for another model's of the same shapes, is valid data to shard and cannot be detected there; what
 can be (a missing or truncated file, a damaged header) is tested below. ppo's saved training state
-is tested in test_ppo.py (it is only read on resume).
+(read when a killed ppo resumes) has its own cases at the end: its done marker is its manifest, and
+"unfinished" there is the normal state of a step being saved (the resume takes the previous one).
 """
 
 from __future__ import annotations
@@ -139,3 +140,44 @@ def test_shard_refuses_a_damaged_hf_checkpoint(good, tmp_path, fault):
         open(path, "wb").write(bytes(data))
     out = str(tmp_path / "out")
     _refused(_run("shard", {"src": src, "dst": out}), out, f"HF source/{fault} read by shard")
+
+
+# ---- ppo's saved training state (read when a killed ppo resumes) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def killed_ppo(good, tmp_path_factory):
+    """A ppo output killed after its training state of step 2 (or later) was saved."""
+    import signal
+    import time
+
+    out = tmp_path_factory.mktemp("killed") / "ppo"
+    cfg = {"rollout": good["rollout"], "scores": good["scores"], "actor": good["actor"], "out": str(out),
+           "mini_batch_size": 2, "micro_batch_tokens": 64, "ppo_epochs": 2, "save_every": 1}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen([sys.executable, "-m", "llamarl.stages.ppo", "--config-json", json.dumps(cfg)], env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (out / ".state" / "step-000002" / "done.json").exists():
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / ".state" / "step-000002" / "done.json").exists()
+    return out, cfg
+
+
+@pytest.mark.parametrize("fault", ["missing", "truncated", "flipped_middle", "flipped_end", "other_run", "manifest"])
+def test_ppo_refuses_a_damaged_training_state(killed_ppo, tmp_path, fault):
+    src, cfg = killed_ppo
+    out = tmp_path / "ppo"
+    shutil.copytree(src, out)
+    steps = sorted(p for p in (out / ".state").iterdir() if (p / "done.json").exists())
+    newest, older = steps[-1], steps[0]
+    rel = os.path.relpath(sorted((newest / "actor" / "optim").glob("*.distcp"))[0], newest)
+    if fault == "manifest":  # the done marker, the state's manifest
+        marker = newest / "done.json"
+        marker.write_bytes(marker.read_bytes()[:20])
+    else:  # "other_run": the same-named file of another (earlier) saved state
+        os.rename(newest, tmp_path / "newest")
+        _damage(str(tmp_path / "newest"), str(older), str(newest), fault, rel)
+    _refused(_run("ppo", cfg | {"out": str(out)}), str(out), f"training state/{fault} read by ppo")
