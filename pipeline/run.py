@@ -124,17 +124,24 @@ def published_id(url: str) -> str | None:
     return publish.output_id(url) if publish.read_manifest(url) is not None else None
 
 
-def fingerprint(url: str) -> str:
-    """A cheap content id of a file or folder outside the run: every file's name, size and
-    modification time. Replacing or editing an input in place changes it (touching one without a
-    change does too: a needless rerun, never a stale result)."""
+def fingerprint(url: str, checksums: bool = False) -> str:
+    """A content id of a file or folder outside the run: every file's name, size and modification
+    time, and with ``checksums`` its checksum too (prompts: small; an HF checkpoint is not hashed on
+    every `llamarl run`). Replacing or editing an input in place changes it (touching one without a
+    change may too: a needless rerun, never a stale result)."""
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.exists(path):
         return "missing"
     found = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
-    entries = sorted((name[len(path):], info.get("size"), str(info.get("mtime") or info.get("LastModified") or info.get("ETag")))
+    entries = sorted((name[len(path):], info.get("size"), str(info.get("mtime") or info.get("LastModified") or info.get("ETag")),
+                      publish.checksum(fs.unstrip_protocol(name)) if checksums else None)
                      for name, info in found.items())
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
+
+
+def _fingerprints(node: Node) -> dict[str, str]:
+    # Prompts (read by rollout) are hashed whole; model folders by names, sizes and times.
+    return {url: fingerprint(url, checksums=node.stage == "rollout") for url in node.external}
 
 
 def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
@@ -146,7 +153,7 @@ def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
         inputs[name] = published_id(by_name[name].out)
         if inputs[name] is None:
             return None
-    external = {url: fingerprint(url) for url in node.external}
+    external = _fingerprints(node)
     body = json.dumps({"stage": node.stage, "config": config, "inputs": inputs, "external": external},
                       sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
@@ -168,7 +175,8 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
     if out_id is None:
         return False, "its output is missing"
     if record.get("key") != key:
-        changed = [url for url in node.external if (record.get("external") or {}).get(url) != fingerprint(url)]
+        now = _fingerprints(node)
+        changed = [url for url in node.external if (record.get("external") or {}).get(url) != now[url]]
         if changed:
             return False, f"{changed[0]} changed since it ran"
         return False, "its config or inputs changed"
@@ -252,7 +260,7 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo)
             write_record(run, n, status="failed", error=error, finished=None)
             raise PipelineError(f"stage {n.name} failed ({error}); fix it and rerun `llamarl run` — finished stages are kept")
         write_record(run, n, status="done", key=node_key(n, by_name), output_id=published_id(n.out),
-                     external={url: fingerprint(url) for url in n.external},
+                     external=_fingerprints(n),
                      finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), error=None)
         report.append((n.name, "ran"))
         if n.stage == "ppo":

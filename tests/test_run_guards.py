@@ -123,3 +123,15 @@ def test_placement_options_never_make_a_stage_stale(tmp_path):
         identities.append(job.identity(score.make_config()))
     assert identities[0] == identities[1]
     assert identities[0]["rewards"]  # what it computes is still there
+
+
+def test_prompts_are_keyed_by_their_bytes(tmp_path):
+    from llamarl.pipeline.run import fingerprint
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    stat = prompts.stat()
+    before = fingerprint(str(prompts), checksums=True)
+    prompts.write_text('{"prompt": "b"}\n')  # same size
+    os.utime(prompts, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same time
+    assert fingerprint(str(prompts), checksums=True) != before
