@@ -181,3 +181,15 @@ def test_ppo_refuses_a_damaged_training_state(killed_ppo, tmp_path, fault):
         os.rename(newest, tmp_path / "newest")
         _damage(str(tmp_path / "newest"), str(older), str(newest), fault, rel)
     _refused(_run("ppo", cfg | {"out": str(out)}), str(out), f"training state/{fault} read by ppo")
+
+
+@pytest.mark.parametrize("rule", ["raises", "returns_none", "reads_absent_column"])
+def test_score_refuses_a_failing_rule_in_one_line(good, tmp_path, rule):
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    out = str(tmp_path / "scores")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {"PYTHONPATH": tests_dir}
+    r = subprocess.run([sys.executable, "-m", "llamarl.stages.score", "--config-json",
+                        json.dumps({"rollout": good["rollout"], "out": out, "rewards": [{"name": f"rules_for_tests:{rule}"}]})],
+                       capture_output=True, text=True, timeout=300, env=env)
+    _refused(r, out, f"rule {rule}")
+    assert f"rule 'rules_for_tests:{rule}'" in r.stderr and "/parts/part-000000.parquet" in r.stderr
