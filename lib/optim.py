@@ -90,23 +90,24 @@ def _share_weights(model) -> dict[str, tuple[int, list[int], list[float]]]:
 
 def clip_grad_norm(model, max_norm: float | None) -> float:
     """Scale the (``GradBuffer``) gradients so their global L2 norm is at most ``max_norm``; returns
-    the norm before."""
+    the norm before. One fused norm over all pieces (``torch._foreach_norm``, what torch's own
+    ``clip_grad_norm_`` uses), in fp32, summed in fp64 with each piece's share weight."""
     weights = getattr(model, "_grad_norm_weights", None)
     if weights is None:  # depends only on the model and layout: computed once, not every step
         weights = model._grad_norm_weights = _share_weights(model)
-    dev = next(model.parameters()).device
-    total = torch.zeros((), dtype=torch.float64, device=dev)
+    pieces, shares = [], []
     for name, p in model.named_parameters():
         dim, sizes, share = weights[name]
-        pieces = p.main_grad.split(sizes, dim) if len(sizes) > 1 else (p.main_grad,)
-        for w, g in zip(share, pieces):
-            total += w * g.double().square().sum()
+        pieces += list(p.main_grad.split(sizes, dim)) if len(sizes) > 1 else [p.main_grad]
+        shares += share
+    dev = pieces[0].device
+    share = torch.tensor(shares, dtype=torch.float64, device=dev)
+    total = (torch.stack(torch._foreach_norm(pieces)).double().square() * share).sum()
     if parallel.topology().tp * parallel.topology().pp > 1:
         dist.all_reduce(total, group=parallel.model_parallel_group())
     norm = float(total.sqrt())
     if max_norm is not None and norm > max_norm:
-        for p in model.parameters():
-            p.main_grad.mul_(max_norm / (norm + 1e-6))
+        torch._foreach_mul_([p.main_grad for p in model.parameters()], max_norm / (norm + 1e-6))
     return norm
 
 

@@ -74,6 +74,37 @@ class _Entropy(torch.autograd.Function):
         return grad.to(logits.dtype)
 
 
+class _LogProbEntropy(torch.autograd.Function):
+    """Both from one softmax: one pass over the vocabulary and one fp32 ``[N, vocab / tp]`` tensor
+    kept for backward, where the two separate ops keep two."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        probs, lse = _softmax_stats(logits)
+        local = labels - _vocab_start(logits)
+        mine = (local >= 0) & (local < logits.shape[-1])
+        idx = local.clamp(0, logits.shape[-1] - 1)
+        label_logit = _all_reduce(logits.gather(-1, idx[:, None]).squeeze(-1).float() * mine)
+        mean_logit = _all_reduce((probs * logits.float()).sum(-1))
+        ctx.save_for_backward(probs, logits, mean_logit, idx, mine)
+        return label_logit - lse, lse - mean_logit
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        probs, logits, mean_logit, idx, mine = ctx.saved_tensors
+        g_logp = torch.zeros_like(mean_logit) if g_logp is None else g_logp
+        g_ent = torch.zeros_like(mean_logit) if g_ent is None else g_ent
+        # d logp / dx = onehot(label) - p;  dH/dx_j = p_j (E_p[x] - x_j)
+        grad = probs * ((mean_logit[:, None] - logits.float()) * g_ent[:, None] - g_logp[:, None])
+        grad.scatter_add_(-1, idx[:, None], (g_logp * mine)[:, None])
+        return grad.to(logits.dtype), None
+
+
+def log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_probs`` and ``entropy`` together (the PPO actor loss needs both), fp32 ``[N]`` each."""
+    return _LogProbEntropy.apply(logits, labels)
+
+
 def log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``log softmax(logits)[label]`` per token, fp32 ``[N]``; labels are global vocabulary ids."""
     return _LogProb.apply(logits, labels)

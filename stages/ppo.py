@@ -479,7 +479,9 @@ def _train_step(cfg, trainers: dict[str, _Trainer], samples, data, batch_idx, st
     groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
     tokens = sum(samples[i].response_len for i in batch_idx)
     denom = float(tokens if cfg.loss_agg == "token-mean" else len(batch_idx))
-    sums = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "value_loss": 0.0}
+    # Metric sums stay on the device (a host read per micro-batch would stall the GPU); read once a step.
+    sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
+            for k in ("policy_loss", "entropy", "approx_kl", "clip_fraction", "value_loss")}
 
     batches, extras = [], []
     for g in groups:
@@ -501,15 +503,15 @@ def _train_step(cfg, trainers: dict[str, _Trainer], samples, data, batch_idx, st
                        "returns": take("returns"), "per_seq": batch.flat(_seq_index(resp))})
 
     def actor_loss(out, x):
-        logp = vocab_parallel.log_probs(_scaled(out, cfg.temperature), x["labels"])
+        logp, entropy = vocab_parallel.log_probs_and_entropy(_scaled(out, cfg.temperature), x["labels"])
         pg, clipped, approx_kl = rl.policy_loss(logp, x["old_logp"], x["adv"], cfg.clip_eps, cfg.dual_clip)
         loss = _agg(pg, x, cfg.loss_agg, denom)
-        sums["policy_loss"] += loss.item()
-        sums["clip_fraction"] += ((clipped * x["resp"]).sum() / tokens).item()
-        sums["approx_kl"] += ((approx_kl * x["resp"]).sum() / tokens).item()
+        sums["policy_loss"] += loss.detach()
+        sums["clip_fraction"] += (clipped * x["resp"]).sum().detach() / tokens
+        sums["approx_kl"] += (approx_kl * x["resp"]).sum().detach() / tokens
         # Entropy is a reported metric every step, and a bonus when entropy_coef > 0.
-        ent_term = _agg(vocab_parallel.entropy(_scaled(out, cfg.temperature)), x, cfg.loss_agg, denom)
-        sums["entropy"] += ent_term.item()
+        ent_term = _agg(entropy, x, cfg.loss_agg, denom)
+        sums["entropy"] += ent_term.detach()
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * ent_term
         if cfg.use_kl_loss:
@@ -518,7 +520,7 @@ def _train_step(cfg, trainers: dict[str, _Trainer], samples, data, batch_idx, st
 
     def critic_loss(out, x):
         loss = _agg(rl.value_loss(out, x["values"], x["returns"], cfg.value_clip), x, cfg.loss_agg, denom)
-        sums["value_loss"] += loss.item()
+        sums["value_loss"] += loss.detach()
         return loss
 
     metrics = {}
@@ -533,7 +535,7 @@ def _train_step(cfg, trainers: dict[str, _Trainer], samples, data, batch_idx, st
 
     metrics["tokens"] = sum(len(samples[i].ids) for i in batch_idx)
     if topo.is_last_stage:
-        reduced = torch.tensor(list(sums.values()), dtype=torch.float64)
+        reduced = torch.stack(list(sums.values()))
         if topo.dp > 1:
             dist.all_reduce(reduced, group=parallel.dp_group())
         metrics.update(dict(zip(sums, reduced.tolist())))

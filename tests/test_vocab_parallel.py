@@ -42,6 +42,10 @@ def vocab_ops_errors(tp):
     ent = vocab_parallel.entropy(local)
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     grad = tiny.gather_tp(local.grad)
+    fused_in = local.detach().clone().requires_grad_()
+    f_lp, f_ent = vocab_parallel.log_probs_and_entropy(fused_in, labels)
+    ((f_lp * w_lp).sum() + (f_ent * w_ent).sum()).backward()
+    fused_grad = tiny.gather_tp(fused_in.grad)
 
     ours_ce = vocab_parallel.cross_entropy(local.detach(), labels)
     # megatron-core's op as the reference, on its own groups (the same rank layout as ours).
@@ -57,6 +61,10 @@ def vocab_ops_errors(tp):
         "logprob": (lp - ref_lp).abs().max().item(),
         "entropy": (ent - ref_ent).abs().max().item(),
         "grad": (grad[:, :V] - ref_grad).abs().max().item(),
+        "fused_logprob": (f_lp - ref_lp).abs().max().item(),
+        "fused_entropy": (f_ent - ref_ent).abs().max().item(),
+        "fused_grad": (fused_grad[:, :V] - ref_grad).abs().max().item(),
+        "fused_grad_padding": fused_grad[:, V:].abs().max().item() if vp > V else 0.0,
         "grad_padding": grad[:, V:].abs().max().item() if vp > V else 0.0,
         "cross_entropy_vs_megatron": (ours_ce - mc_ce).abs().max().item(),
     }
