@@ -21,6 +21,7 @@ import dataclasses
 import io
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import fsspec
@@ -204,7 +205,7 @@ def _rule_scores(term: RewardTerm, fn, rows: list[dict], refs, where: str) -> tu
                           "bring it with rollout's keep_columns or score's references")
         except Exception as e:  # noqa: BLE001 - user code: its failure is the user's to fix
             return None, f"{where}: rule {term.name!r} failed on {key}: {type(e).__name__}: {e}"
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not isinstance(value, numbers.Real):  # int, float, bool, numpy scalars
             return None, f"{where}: rule {term.name!r} returned {value!r} for {key}; a rule returns a number"
         out.append(float(value))
     return out, None
