@@ -102,6 +102,7 @@ def agree(error: str | None) -> str | None:
 
 
 def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> None:
+    failed = False
     try:
         cfg = _load(cls, argv)
         run(cfg)
@@ -110,10 +111,17 @@ def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -
         # `check`), so rank 0 alone reports.
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USER_ERROR)
+        failed = True
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if failed:
+        # Leave without the interpreter's teardown: native threads (pyarrow's, torch's) still
+        # winding down have aborted it now and then ("terminate called…", status -6), which would
+        # turn a reported user error into a crash. Everything the stage writes is already closed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_USER_ERROR)
 
 
 def check(error: str | None) -> None:
