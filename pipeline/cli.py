@@ -88,6 +88,10 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
     for name, state, why in rows:
         table.add_row(name, f"[{colors.get(state, 'white')}]{state}[/]", why)
     console.print(table)
+    from llamarl.pipeline.lock import RunLock
+
+    holder = RunLock(run).holder()
+    console.print(f"being run by {holder}" if holder else "no `llamarl run` holds this run now", highlight=False)
 
 
 def _run_local(stage: str, config, nprocs: int) -> None:

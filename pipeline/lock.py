@@ -80,6 +80,17 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         self.release()
 
+    def holder(self) -> str | None:
+        """Who runs this run now, in words (None when nobody does, or the holder is gone)."""
+        held = self._read()
+        if not held:
+            return None
+        age = time.time() - held.get("heartbeat", 0)
+        gone = held.get("host") == self.me["host"] and not _alive(held.get("pid"))
+        if gone or age > held.get("lease_s", self.lease_s):
+            return None
+        return f"{_who(held)} since {_when(held['started'])}, heartbeat {age:.0f}s ago"
+
     # ---- internals -------------------------------------------------------------------------------
 
     def _body(self) -> bytes:

@@ -66,6 +66,7 @@ def test_status_and_dry_run_after_a_config_change(demo_run, tmp_path):
     spec, run_dir, _ = demo_run
     status = _cli("status", run_dir)
     assert status.returncode == 0 and status.stdout.count(" done ") >= 12, status.stdout
+    assert "no `llamarl run` holds this run now" in status.stdout
     data = yaml.safe_load(open(spec))
     data["ppo"]["actor_lr"] = 0.02
     changed = tmp_path / "changed.yaml"

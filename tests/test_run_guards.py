@@ -135,3 +135,11 @@ def test_prompts_are_keyed_by_their_bytes(tmp_path):
     prompts.write_text('{"prompt": "b"}\n')  # same size
     os.utime(prompts, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same time
     assert fingerprint(str(prompts), checksums=True) != before
+
+
+def test_status_says_who_runs_the_run(tmp_path):
+    from llamarl.pipeline.lock import RunLock
+
+    with RunLock(str(tmp_path)) as lock:
+        assert f"(pid {os.getpid()})" in lock.holder() and "heartbeat" in lock.holder()
+    assert RunLock(str(tmp_path)).holder() is None
