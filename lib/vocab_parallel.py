@@ -34,15 +34,19 @@ def _vocab_start(logits: torch.Tensor) -> int:
     return parallel.topology().tp_rank * logits.shape[-1]
 
 
+def _label_logit(logits: torch.Tensor, labels: torch.Tensor):
+    """(the label's logit in fp32, all-reduced; its local column; whether this rank holds it)."""
+    local = labels - _vocab_start(logits)
+    mine = (local >= 0) & (local < logits.shape[-1])
+    idx = local.clamp(0, logits.shape[-1] - 1)
+    return _all_reduce(logits.gather(-1, idx[:, None]).squeeze(-1).float() * mine), idx, mine
+
+
 class _LogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels):
         probs, lse = _softmax_stats(logits)
-        local = labels - _vocab_start(logits)
-        mine = (local >= 0) & (local < logits.shape[-1])
-        idx = local.clamp(0, logits.shape[-1] - 1)
-        label_logit = logits.gather(-1, idx[:, None]).squeeze(-1).float() * mine
-        label_logit = _all_reduce(label_logit)
+        label_logit, idx, mine = _label_logit(logits, labels)
         ctx.save_for_backward(probs, idx, mine)
         ctx.dtype = logits.dtype
         return label_logit - lse
@@ -81,10 +85,7 @@ class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels):
         probs, lse = _softmax_stats(logits)
-        local = labels - _vocab_start(logits)
-        mine = (local >= 0) & (local < logits.shape[-1])
-        idx = local.clamp(0, logits.shape[-1] - 1)
-        label_logit = _all_reduce(logits.gather(-1, idx[:, None]).squeeze(-1).float() * mine)
+        label_logit, idx, mine = _label_logit(logits, labels)
         mean_logit = _all_reduce((probs * logits.float()).sum(-1))
         ctx.save_for_backward(probs, logits, mean_logit, idx, mine)
         return label_logit - lse, lse - mean_logit
