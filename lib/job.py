@@ -167,6 +167,20 @@ def verify_input(root: str, manifest: dict, prefix: str = "") -> None:
     check(error)
 
 
+def file_entries(root: str, names: list[str]) -> dict:
+    """Collective: size and checksum of each ``root/name`` for a manifest, each rank hashing a share
+    (several files at a time), gathered on every rank."""
+    from . import publish
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = publish.file_entries(root, names[rank::world])
+    if world == 1:
+        return mine
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {k: v for p in parts for k, v in p.items()}
+
+
 def prepare_output(out: str, is_current, request: dict | None = None) -> str:
     """Collective ``publish.prepare``: rank 0 decides ("skip", "resume" or "fresh"), every rank
     gets the decision, or the same error. Marks the start of the stage's work (``timing``)."""

@@ -582,10 +582,10 @@ def _save_checkpoint(root: str, trainer: _Trainer, source: str, source_manifest:
     checkpoint.save(trainer.opt.model_state(store_dtype), f"{root}/model")
     checkpoint.save(trainer.opt.state(step), f"{root}/optim")
     dist.barrier()
+    fs, path = fsspec.core.url_to_fs(root)
+    names = sorted(f"{sub}/{p.rsplit('/', 1)[-1]}" for sub in ("model", "optim", "hf") for p in fs.ls(f"{path}/{sub}", detail=False))
+    files = job.file_entries(root, names)
     if rank == 0:
-        fs, path = fsspec.core.url_to_fs(root)
-        names = [f"{sub}/{p.rsplit('/', 1)[-1]}" for sub in ("model", "optim", "hf") for p in fs.ls(f"{path}/{sub}", detail=False)]
-        files = publish.file_entries(root, names)
         from llamarl.lib import hf_layout
 
         model = trainer.model
@@ -622,10 +622,10 @@ def _save_state(out, k, trainers: dict[str, _Trainer], start_step, store_dtype, 
         checkpoint.save(t.opt.model_state(store_dtype), f"{root}/{name}/model")
         checkpoint.save(t.opt.state(start_step + k), f"{root}/{name}/optim")
     dist.barrier()
+    fs, path = fsspec.core.url_to_fs(root)
+    files = job.file_entries(root, sorted(p[len(path) + 1 :] for p in fs.find(path)))
     if dist.get_rank() == 0:
-        fs, path = fsspec.core.url_to_fs(root)
-        names = sorted(p[len(path) + 1 :] for p in fs.find(path))
-        marker = {"step": k, "metrics": metrics, "files": publish.file_entries(root, names)}
+        marker = {"step": k, "metrics": metrics, "files": files}
         publish.write_bytes(f"{root}/done.json", json.dumps(marker).encode())  # written last
     dist.barrier()
 

@@ -92,15 +92,6 @@ def _local_param_names(cfg: LlamaConfig, head: str, layout: ParallelLayout) -> l
     return [n for n, _ in model.named_parameters()]
 
 
-def _hash_share(root: str, names: list[str]) -> dict:
-    """Size and checksum of this rank's share of ``names`` (every world-th file), gathered on all ranks."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {n: publish.file_entry(f"{root}/{n}") for n in names[rank::world]}
-    parts: list = [None] * world
-    dist.all_gather_object(parts, mine)
-    return {k: v for p in parts for k, v in p.items()}
-
-
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -137,7 +128,7 @@ def run(cfg: ShardConfig) -> None:
 
     source_files = sorted(set(weights.where.values()) | {n for n in SIDE_FILES if fs.exists(f"{src_path}/{n}")}
                           | ({"model.safetensors.index.json"} if fs.exists(f"{src_path}/model.safetensors.index.json") else set()))
-    source = {"url": src, "files": _hash_share(src, source_files)}
+    source = {"url": src, "files": job.file_entries(src, source_files)}
     expect = {"kind": "checkpoint", "head": head, "dtype": str(out_dtype).removeprefix("torch."), "source": source}
 
     def is_current(m: dict) -> bool:
@@ -172,7 +163,7 @@ def run(cfg: ShardConfig) -> None:
 
     fs_dst, dst_path = fsspec.core.url_to_fs(dst)
     written = sorted(p.rsplit("/", 1)[-1] for p in fs_dst.ls(f"{dst_path}/model", detail=False))
-    files = {f"model/{k}": v for k, v in _hash_share(f"{dst}/model", written).items()}
+    files = {f"model/{k}": v for k, v in job.file_entries(f"{dst}/model", written).items()}
     if rank == 0:
         for name in SIDE_FILES:
             if fs.exists(f"{src_path}/{name}"):
