@@ -2,7 +2,7 @@
 
 What is stored is layout-free: the *HF-named, HF-shaped* tensors (``q_proj``, ``k_proj``, ...,
 unpadded vocabulary), each rank writing the pieces it owns as chunks with their offsets
-(``hf_layout.param_slices`` says which). A job at any other TP×PP layout loads by asking for its
+(``hf_mapping.param_slices`` says which). A job at any other TP×PP layout loads by asking for its
 own pieces; DCP reads the overlapping chunks. No conversion step, and the fused QKV / gate_up and
 vocabulary padding of a layout never reach the files.
 
@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from . import hf_layout, parallel
+from . import hf_mapping, parallel
 
 
 class Chunks:
@@ -93,8 +93,8 @@ class _LoadPlanner(DefaultLoadPlanner):
 def chunks_of(cfg, tp: int, tp_rank: int, name: str, local: torch.Tensor, head: str) -> list[tuple[str, tuple, torch.Tensor]]:
     """The (hf_name, offsets, view) pieces of our parameter ``name`` held as ``local``; vocabulary
     padding is cut off (it is not part of the HF tensor)."""
-    shapes = hf_layout.hf_shapes(cfg, head)
-    slices = hf_layout.param_slices(cfg, tp, tp_rank, name)
+    shapes = hf_mapping.hf_shapes(cfg, head)
+    slices = hf_mapping.param_slices(cfg, tp, tp_rank, name)
     local = local.detach()  # views for I/O only: loading writes through them, outside autograd
     out = []
     for s, piece in zip(slices, local.split([s.stop - s.start for s in slices], dim=slices[0].dim)):
@@ -112,7 +112,7 @@ def model_state(model, tensors: dict[str, torch.Tensor] | None = None, suffix: s
     """The DCP state of ``model``'s parameters (or of per-parameter ``tensors`` such as optimizer
     moments, keyed like ``named_parameters``), under HF names plus ``suffix``."""
     topo = parallel.topology()
-    shapes = hf_layout.hf_shapes(model.cfg, model.hf_head)
+    shapes = hf_mapping.hf_shapes(model.cfg, model.hf_head)
     pieces: dict[str, dict] = defaultdict(dict)
     source = tensors if tensors is not None else dict(model.named_parameters())
     for name, local in source.items():

@@ -6,7 +6,7 @@
 
 A model object is one pipeline stage: the first holds the embedding, the last the final norm
 and head, each a contiguous range of decoder layers. ``forward(batch, hidden)`` runs the stage;
-``lib.pipeline`` chains stages. With PP = 1, ``model.run(input_ids, attention_mask)`` does it all.
+``lib.schedule`` chains stages. With PP = 1, ``model.run(input_ids, attention_mask)`` does it all.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import hf_layout, mappings, parallel
+from . import hf_mapping, mappings, parallel
 from .attention import attention
 from .batch import TokenBatch
 from .config import LlamaConfig, ParallelLayout, pad_vocab, split_layers
@@ -164,7 +164,7 @@ class ParallelLlama(nn.Module):
     def run(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Whole-model forward for PP = 1 from padded inputs; outputs padded like the inputs."""
         if self.layout.pp > 1:
-            raise RuntimeError("with pp > 1 run the stages through lib.pipeline (forward / forward_backward)")
+            raise RuntimeError("with pp > 1 run the stages through lib.schedule (forward / forward_backward)")
         batch = self.make_batch(input_ids, attention_mask, position_ids)
         return self.to_padded(self(batch), batch)
 
@@ -173,19 +173,19 @@ class ParallelLlama(nn.Module):
 
     # ---- weights ---------------------------------------------------------------------------
 
-    def load_hf(self, read: hf_layout.SliceReader) -> None:
+    def load_hf(self, read: hf_mapping.SliceReader) -> None:
         """Fill every parameter of this rank from HF tensors (``read`` returns slices of them)."""
         topo = parallel.topology()
         with torch.no_grad():
             for name, p in self.named_parameters():
-                p.copy_(hf_layout.build_local(self.cfg, topo.tp, topo.tp_rank, name, read, self.hf_head))
+                p.copy_(hf_mapping.build_local(self.cfg, topo.tp, topo.tp_rank, name, read, self.hf_head))
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.load_hf(hf_layout.state_dict_reader(sd))
+        self.load_hf(hf_mapping.state_dict_reader(sd))
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
-        """Random weights that do not depend on the layout (see ``hf_layout.random_reader``)."""
-        self.load_hf(hf_layout.random_reader(self.cfg, seed, std))
+        """Random weights that do not depend on the layout (see ``hf_mapping.random_reader``)."""
+        self.load_hf(hf_mapping.random_reader(self.cfg, seed, std))
 
     def tied_head(self) -> bool:
         """Whether the head weight is the embedding's (tied embeddings); with PP > 1 the last stage

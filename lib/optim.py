@@ -24,7 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, hf_layout, parallel
+from . import checkpoint, hf_mapping, parallel
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -79,8 +79,8 @@ def _share_weights(model) -> dict[str, tuple[int, list[int], list[float]]]:
 
     weights = {}
     for name, _ in model.named_parameters():
-        mine = hf_layout.param_slices(model.cfg, topo.tp, topo.tp_rank, name)
-        held = [{key(s) for s in hf_layout.param_slices(model.cfg, topo.tp, r, name)} for r in range(topo.tp)]
+        mine = hf_mapping.param_slices(model.cfg, topo.tp, topo.tp_rank, name)
+        held = [{key(s) for s in hf_mapping.param_slices(model.cfg, topo.tp, r, name)} for r in range(topo.tp)]
         tied = 0.5 if topo.pp > 1 and model.tied_head() and name in ("model.embed_tokens.weight", "lm_head.weight") else 1.0
         # (with PP > 1 and tied embeddings the same tensor lives on the first and the last stage)
         weights[name] = (mine[0].dim, [s.stop - s.start for s in mine],
@@ -174,7 +174,7 @@ class ShardedAdamW:
         rank writes the parameters it owns."""
         return checkpoint.model_state(self.model, tensors={n: m.detach().to(dtype) for n, m in self.master.items()})
 
-    def state(self, step: int) -> dict:
+    def state(self) -> dict:
         """This rank's moments (and masters, when they are copies) as DCP chunks under
         ``<hf name>.exp_avg`` / ``.exp_avg_sq`` / ``.master``."""
         tensors: dict[str, dict] = {k: {} for k in MOMENTS}

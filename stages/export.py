@@ -19,7 +19,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, hf_layout, job, parallel, publish
+from llamarl.lib import checkpoint, hf_mapping, job, parallel, publish
 from llamarl.lib.config import DTYPES, LlamaConfig
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import NAMES, SafetensorsFile, write_file
@@ -78,7 +78,7 @@ def run(cfg: ExportConfig) -> None:
         raise UserError(f"dtype={cfg.dtype!r}: use one of bf16, fp16, fp32")
     model_cfg = LlamaConfig.from_dict(manifest["model_config"])
     head = manifest["head"]
-    shapes = hf_layout.hf_shapes(model_cfg, head)
+    shapes = hf_mapping.hf_shapes(model_cfg, head)
     stored = checkpoint.read_metadata(f"{src}/model").state_dict_metadata
     missing = [n for n in shapes if n not in stored]
     if missing:
@@ -159,7 +159,7 @@ def _write_side_files(src, dst, manifest, head, dtype, groups, names, files) -> 
         put("generation_config.json", json.dumps(gen, indent=2).encode())
     if len(names) > 1:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        total = sum(itemsize * int(torch.Size(s).numel()) for s in hf_layout.hf_shapes(LlamaConfig.from_dict(manifest["model_config"]), head).values())
+        total = sum(itemsize * int(torch.Size(s).numel()) for s in hf_mapping.hf_shapes(LlamaConfig.from_dict(manifest["model_config"]), head).values())
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: fname for group, fname in zip(groups, names) for n in group}}
         put("model.safetensors.index.json", json.dumps(index, indent=2).encode())

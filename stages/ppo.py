@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, job, optim, parallel, pipeline, publish, rl, vocab_parallel
+from llamarl.lib import checkpoint, job, optim, parallel, publish, rl, schedule, vocab_parallel
 from llamarl.lib.config import LlamaConfig, ParallelLayout, check_dtype_name, compute_dtype
 from llamarl.lib.errors import UserError
 
@@ -249,7 +249,7 @@ def _token_outputs(model, samples: list[Sample], groups: list[list[int]], temper
         return batch.to_padded(out)
 
     with torch.no_grad():
-        outs = pipeline.forward_backward(model, batches, per_token, metas, forward_only=True)
+        outs = schedule.forward_backward(model, batches, per_token, metas, forward_only=True)
     if not parallel.topology().is_last_stage:
         return None
     return [v for g, out in zip(groups, outs) for v in _response_values([samples[i] for i in g], out)]
@@ -526,7 +526,7 @@ def _train_step(cfg, trainers: dict[str, _Trainer], samples, data, batch_idx, st
     metrics = {}
     for name, t in trainers.items():
         t.grads.zero()
-        pipeline.forward_backward(t.model, batches, actor_loss if name == "actor" else critic_loss, extras)
+        schedule.forward_backward(t.model, batches, actor_loss if name == "actor" else critic_loss, extras)
         t.grads.reduce()
         metrics[f"{name}_grad_norm"] = optim.clip_grad_norm(t.model, cfg.grad_clip)
         t.opt.lr = optim.lr_at(step, t.lr, cfg.warmup_steps, cfg.total_steps, cfg.lr_decay)
@@ -580,20 +580,20 @@ def _save_checkpoint(root: str, trainer: _Trainer, source: str, source_manifest:
         _copy_side_files(source, root)
     dist.barrier()
     checkpoint.save(trainer.opt.model_state(store_dtype), f"{root}/model")
-    checkpoint.save(trainer.opt.state(step), f"{root}/optim")
+    checkpoint.save(trainer.opt.state(), f"{root}/optim")
     dist.barrier()
     fs, path = fsspec.core.url_to_fs(root)
     names = sorted(f"{sub}/{p.rsplit('/', 1)[-1]}" for sub in ("model", "optim", "hf") for p in fs.ls(f"{path}/{sub}", detail=False))
     files = job.file_entries(root, names)
     if rank == 0:
-        from llamarl.lib import hf_layout
+        from llamarl.lib import hf_mapping
 
         model = trainer.model
         publish.publish(root, {
             "kind": "checkpoint", "head": model.hf_head, "dtype": str(store_dtype).removeprefix("torch."),
             "model_config": model.cfg.to_dict(), "hf_config": source_manifest.get("hf_config", {}),
             "written_layout": {"tp": parallel.topology().tp, "pp": parallel.topology().pp},
-            "tensors": {n: list(s) for n, s in hf_layout.hf_shapes(model.cfg, model.hf_head).items()},
+            "tensors": {n: list(s) for n, s in hf_mapping.hf_shapes(model.cfg, model.hf_head).items()},
             "source": {"url": source_manifest.get("source", {}).get("url"), "files": {}},
             "train_state": {"step": step}, "files": files,
         })
@@ -620,7 +620,7 @@ def _save_state(out, k, trainers: dict[str, _Trainer], start_step, store_dtype, 
     root = f"{out}/.state/step-{k:06d}"
     for name, t in trainers.items():
         checkpoint.save(t.opt.model_state(store_dtype), f"{root}/{name}/model")
-        checkpoint.save(t.opt.state(start_step + k), f"{root}/{name}/optim")
+        checkpoint.save(t.opt.state(), f"{root}/{name}/optim")
     dist.barrier()
     fs, path = fsspec.core.url_to_fs(root)
     files = job.file_entries(root, sorted(p[len(path) + 1 :] for p in fs.find(path)))

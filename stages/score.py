@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, job, parallel, pipeline, publish, rewards
+from llamarl.lib import checkpoint, job, parallel, publish, rewards, schedule
 from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, check_dtype_name, compute_dtype
 from llamarl.lib.errors import UserError
@@ -144,7 +144,7 @@ def score_sequences(model, seqs: list[list[int]], micro_batch: int, padding_side
             sl = slice(width - len(s), width) if padding_side == "left" else slice(0, len(s))
             ids[j, sl], mask[j, sl] = torch.tensor(s), 1
         batches.append(model.make_batch(ids.to(dev), mask.to(dev)))
-    outs = pipeline.forward(model, batches)
+    outs = schedule.forward(model, batches)
     if not parallel.topology().is_last_stage:
         return None
     return [float(x) for o in outs for x in o.float().cpu()]

@@ -23,7 +23,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, hf_layout, job, parallel, publish
+from llamarl.lib import checkpoint, hf_mapping, job, parallel, publish
 from llamarl.lib.config import DTYPES, LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import SafetensorsCheckpoint
@@ -69,7 +69,7 @@ def _model_class(head: str):
 
 def _check_weights(src: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, root: str) -> torch.dtype:
     """Every tensor the config implies exists with the implied shape; returns the source dtype."""
-    expected = hf_layout.hf_shapes(cfg, head)
+    expected = hf_mapping.hf_shapes(cfg, head)
     missing = [n for n in expected if n not in src.where]
     if missing:
         raise UserError(f"{root}: {len(missing)} tensors that config.json implies are missing (first: {missing[0]}); "
@@ -142,10 +142,10 @@ def run(cfg: ShardConfig) -> None:
     # This rank's slices, read straight from the source files.
     rss_before = _rss_bytes()
     state: dict[str, checkpoint.Chunks] = {}
-    shapes = hf_layout.hf_shapes(model_cfg, head)
+    shapes = hf_mapping.hf_shapes(model_cfg, head)
     nbytes = 0
     for name in _local_param_names(model_cfg, head, layout):
-        for s in hf_layout.param_slices(model_cfg, topo.tp, topo.tp_rank, name):
+        for s in hf_mapping.param_slices(model_cfg, topo.tp, topo.tp_rank, name):
             stop = min(s.stop, shapes[s.hf_name][s.dim])
             if stop <= s.start:
                 continue

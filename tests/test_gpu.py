@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from llamarl.cluster.local import LocalExecutor
-from llamarl.lib import checkpoint, hf_layout, publish
+from llamarl.lib import checkpoint, hf_mapping, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.pipeline import toy
 from llamarl.stages import ppo, rollout, score, shard
@@ -50,7 +50,7 @@ def run_stage(stage: str, config, nprocs: int = 1) -> None:
 def _weights(ckpt: str) -> dict[str, torch.Tensor]:
     manifest = publish.require_published(ckpt, "checkpoint")
     cfg = LlamaConfig.from_dict(manifest["model_config"])
-    state = {n: torch.empty(s, dtype=getattr(torch, manifest["dtype"])) for n, s in hf_layout.hf_shapes(cfg, manifest["head"]).items()}
+    state = {n: torch.empty(s, dtype=getattr(torch, manifest["dtype"])) for n, s in hf_mapping.hf_shapes(cfg, manifest["head"]).items()}
     checkpoint.load(state, f"{ckpt}/model")
     return {k: v.double() for k, v in state.items()}
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiny
-from llamarl.lib import optim, parallel, pipeline, vocab_parallel
+from llamarl.lib import optim, parallel, schedule, vocab_parallel
 from llamarl.lib.config import ParallelLayout
 from llamarl.lib.model import ParallelLlamaForCausalLM
 
@@ -40,7 +40,7 @@ def logits_error(tp, pp, sp, rmpad, side, tied):
             logits = model.run(ids, mask, pos)
     else:
         batches = _micro_batches(model, ids, mask, pos)
-        outs = pipeline.forward(model, batches)
+        outs = schedule.forward(model, batches)
         if not parallel.topology().is_last_stage:
             return None
         logits = torch.cat([b.to_padded(o) for b, o in zip(batches, outs)])
@@ -106,7 +106,7 @@ def grad_errors(tp, pp, sp, rmpad, kv_heads, tied):
     rows = [slice(0, 2), slice(2, 3)] if pp > 1 else [slice(0, 3)]
     extras = [(b.flat(labels[r]), b.flat(label_mask[r].float())) for b, r in zip(batches, rows)]
     buffer = optim.GradBuffer(model)  # fp32 parameters: .grad is the buffer's view
-    pipeline.forward_backward(model, batches, loss_fn, extras)
+    schedule.forward_backward(model, batches, loss_fn, extras)
     buffer.reduce()
     grads = tiny.gather_hf_grads(model)
     assert grads, "this stage has no parameters"

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from llamarl.lib import checkpoint, hf_layout, publish
+from llamarl.lib import checkpoint, hf_mapping, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.pipeline import toy
 from llamarl.stages import ppo, rollout, score, shard
@@ -44,7 +44,7 @@ def _cfg(root, out, **kw):
 def _weights(ckpt: str) -> dict[str, torch.Tensor]:
     manifest = publish.require_published(ckpt, "checkpoint")
     cfg = LlamaConfig.from_dict(manifest["model_config"])
-    state = {n: torch.empty(s) for n, s in hf_layout.hf_shapes(cfg, manifest["head"]).items()}
+    state = {n: torch.empty(s) for n, s in hf_mapping.hf_shapes(cfg, manifest["head"]).items()}
     checkpoint.load(state, f"{ckpt}/model")
     return state
 
@@ -199,7 +199,7 @@ def _masters_round_trip(actor: str, tmp: str) -> bool:
     assert all(p.grad is None and p.main_grad.abs().sum() > 0 for p in model.parameters())  # fp32 accumulation
     opt.step()
     assert any((m.to(torch.bfloat16).float() != m).any() for m in opt.master.values())  # masters are finer
-    checkpoint.save(opt.state(1), f"{tmp}/optim")
+    checkpoint.save(opt.state(), f"{tmp}/optim")
     checkpoint.save(opt.model_state(torch.bfloat16), f"{tmp}/model")
     again = ParallelLlamaForCausalLM(cfg, dtype=torch.bfloat16)
     checkpoint.load_model(again, f"{tmp}/model")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import hf_layout, parallel
+from llamarl.lib import hf_mapping, parallel
 from llamarl.lib.config import LlamaConfig
 
 PAD_ID = 0
@@ -93,5 +93,5 @@ def gather_hf_grads(model) -> dict[str, torch.Tensor]:
         else:
             grads = [p.grad]
         for r, g in enumerate(grads):
-            hf_layout.scatter_local(model.cfg, topo.tp, r, name, g, out, model.hf_head)
+            hf_mapping.scatter_local(model.cfg, topo.tp, r, name, g, out, model.hf_head)
     return out
