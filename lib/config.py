@@ -20,29 +20,20 @@ class ConfigError(UserError, ValueError):
 
 _SUPPORTED_ROPE = ("default", "linear", "llama3")
 
-# The dtype names configs accept.
+# Stored-dtype names (configs, manifests) → torch dtype names.
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
 
 
-def check_dtype_name(name: str, allowed: tuple[str, ...] = ("bf16", "fp16", "fp32"), option: str = "dtype") -> None:
-    """A stage config's ``dtype`` is ``auto`` or one of ``allowed`` (checked when the config is built,
-    so ``llamarl run`` refuses a bad one before any stage runs)."""
-    choices = ("auto",) + allowed
-    if name not in choices:
-        raise UserError(f"{option}={name!r}: use {', '.join(choices[:-1])} or {choices[-1]}")
-
-
-def compute_dtype(name: str, device, *, allowed: tuple[str, ...] = ("bf16", "fp16", "fp32"), option: str = "dtype"):
-    """The torch dtype a stage computes in, from its ``dtype`` option; refused up front, in one
-    line, when the device cannot run it (before any weights are read).
+def compute_dtype(name: str, device, *, option: str = "dtype"):
+    """The torch dtype a stage computes in, from its (validated: stages/config.py) ``dtype``
+    option; refused up front, in one line, when the device cannot run it (before any weights are read).
 
     ``auto`` is bf16 on CUDA and fp32 on CPU. fp32 runs on CUDA too (attention then takes the SDPA
     path: the varlen kernels are fp16/bf16 only). fp16 on CPU is refused: CPU kernels for half
     precision are partial and slow, and bf16 does the same job there."""
     import torch
 
-    check_dtype_name(name, allowed, option)
     cuda = torch.device(device).type == "cuda"
     if name == "auto":
         return torch.bfloat16 if cuda else torch.float32

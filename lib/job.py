@@ -1,20 +1,18 @@
 """The entry point of a stage process (one per rank under torchrun): config in, errors out.
 
-``python -m llamarl.stages.NAME --config CONFIG.json`` (or ``--config-json '{...}'``) parses the
-stage's typed config and runs it. A ``UserError`` on any rank becomes one line on stderr (from the
-lowest failing rank) and exit status 2; anything else is a bug and keeps its traceback. Ranks
+``python -m llamarl.stages.NAME --config CONFIG.json`` (or ``--config-json '{...}'``) validates the
+stage's config (a model of ``llamarl.stages.config``) and runs it. A ``UserError`` on any rank
+becomes one line on stderr (from the lowest failing rank) and exit status 2; anything else is a bug and keeps its traceback. Ranks
 agree on failure before they exit, so nobody is left waiting in a collective.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
-import typing
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
@@ -24,27 +22,6 @@ from .errors import UserError
 C = TypeVar("C")
 
 EXIT_USER_ERROR = 2
-
-
-def parse_config(cls: type[C], data: dict[str, Any], source: str) -> C:
-    """Build a (possibly nested) config dataclass from a dict, naming unknown or missing options."""
-    if not isinstance(data, dict):
-        raise UserError(f"{source}: expected a mapping of options, got {type(data).__name__}")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        raise UserError(f"{source}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(fields))}")
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for name, value in data.items():
-        kind = hints.get(name)
-        if dataclasses.is_dataclass(kind) and isinstance(value, dict):
-            value = parse_config(kind, value, f"{source}: {name}")
-        values[name] = value
-    try:
-        return cls(**values)
-    except TypeError as e:
-        raise UserError(f"{source}: {e}") from None
 
 
 def _load(cls, argv):
@@ -57,7 +34,7 @@ def _load(cls, argv):
             data = json.loads(args.config_json)
         except json.JSONDecodeError as e:
             raise UserError(f"--config-json: not valid JSON ({e})") from None
-        return parse_config(cls, data, "--config-json")
+        return cls.parse(data, "--config-json")
     if args.config:
         import fsspec
         import yaml
@@ -69,27 +46,8 @@ def _load(cls, argv):
             raise UserError(f"{args.config}: no such config file; check the --config path") from None
         except yaml.YAMLError as e:
             raise UserError(f"{args.config}: not valid YAML ({str(e).splitlines()[0]})") from None
-        return parse_config(cls, data, args.config)
+        return cls.parse(data, args.config)
     parser.error("give --config or --config-json")
-
-
-# Options that say where and how a stage runs, not what it computes: changing them never makes a
-# finished stage stale. The one list the stages (their output's request) and the pipeline (its keys) use.
-PLACEMENT = ("out", "dst", "tp", "pp", "dp", "offload")
-
-
-def identity(cfg) -> dict:
-    """A stage config as it identifies the stage's output: placement options blanked."""
-    values = dataclasses.asdict(cfg)
-    return values | {k: None for k in PLACEMENT if k in values}
-
-
-def require_positive(cfg, *names: str) -> None:
-    """Counts (tp, pp, dp, procs, …) of a config are at least 1; for ``__post_init__``."""
-    for name in names:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or value < 1:
-            raise UserError(f"{name}={value!r}: must be a whole number of at least 1")
 
 
 def agree(error: str | None) -> str | None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-
 import typer
 
-from llamarl.pipeline.options import epilog
+from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig
+
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Staged RLHF (PPO) for Llama: each stage a batch job, joined by files on shared storage.")
@@ -35,7 +34,7 @@ def run(
             loaded.executor.options["apply"] = True
         report = run_spec(loaded, dry_run=dry_run, echo=lambda m: console.print(m, highlight=False, markup=False))
     except UserError as e:
-        console.print(f"[red]error:[/red] {e}", highlight=False)
+        console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     if dry_run:
         table = Table(title=f"{loaded.run_dir} (dry run)")
@@ -79,7 +78,7 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
     try:
         rows = status(run)
     except UserError as e:
-        console.print(f"[red]error:[/red] {e}", highlight=False)
+        console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     colors = {"done": "green", "failed": "red", "running": "yellow", "stale": "yellow"}
     table = Table(title=run)
@@ -111,9 +110,8 @@ def shard(
     dtype: str = typer.Option(None, help="Stored dtype: bf16 | fp16 | fp32 (default: the source's)."),
 ):
     """HF checkpoint → sharded checkpoint (loadable at any TP×PP)."""
-    from llamarl.stages.shard import ShardConfig
 
-    _run_local("shard", ShardConfig(src=src, dst=dst, tp=tp, pp=pp, dtype=dtype), tp * pp)
+    _run_local("shard", _config(ShardConfig, {"src": src, "dst": dst, "tp": tp, "pp": pp, "dtype": dtype}, "options"), tp * pp)
     typer.echo(dst)
 
 
@@ -126,9 +124,9 @@ def export(
     procs: int = typer.Option(2, min=1, help="Processes writing files in parallel."),
 ):
     """Sharded checkpoint → HF safetensors directory (transformers loads it)."""
-    from llamarl.stages.export import ExportConfig
 
-    _run_local("export", ExportConfig(src=src, dst=dst, dtype=dtype, max_shard_gb=max_shard_gb), procs)
+    _run_local("export", _config(ExportConfig, {"src": src, "dst": dst, "dtype": dtype, "max_shard_gb": max_shard_gb},
+                                 "options"), procs)
     typer.echo(dst)
 
 
@@ -157,15 +155,21 @@ def _options(config: str | None) -> dict:
 
 def _config(cls, options: dict, source: str):
     from llamarl.lib.errors import UserError
-    from llamarl.lib.job import parse_config
 
     try:
-        return parse_config(cls, options, source)
+        return cls.parse(options, source)
     except UserError as e:
         _fail(str(e))
 
 
-@stage_app.command("rollout", epilog=epilog("llamarl.stages.rollout", "RolloutConfig", ("actor", "prompts", "out", "tp", "dp")))
+def epilog(cls, skip: tuple[str, ...]) -> str:
+    """The YAML options of a stage command (those its arguments do not set), for ``--help``."""
+    from llamarl.stages.config import describe
+
+    return "Options for --config (YAML):\n\n" + "\n\n".join(describe(cls, skip))
+
+
+@stage_app.command("rollout", epilog=epilog(RolloutConfig, ("actor", "prompts", "out", "tp", "dp")))
 def rollout(
     actor: str = typer.Argument(..., help="Published actor checkpoint."),
     prompts: str = typer.Argument(..., help="Parquet or JSONL prompts (file or folder, any fsspec URL)."),
@@ -175,7 +179,6 @@ def rollout(
     config: str = typer.Option(None, help="YAML with further options (sampling, columns, chunk_size…)."),
 ):
     """Actor + prompts → responses with log-probs (Parquet parts, resumable)."""
-    from llamarl.stages.rollout import RolloutConfig
 
     cfg = _config(RolloutConfig, {**_options(config), "actor": actor, "prompts": prompts, "out": out, "tp": tp, "dp": dp},
                   config or "options")
@@ -183,7 +186,7 @@ def rollout(
     typer.echo(out)
 
 
-@stage_app.command("score", epilog=epilog("llamarl.stages.score", "ScoreConfig", ("rollout", "out", "reward_model", "tp", "pp", "dp")))
+@stage_app.command("score", epilog=epilog(ScoreConfig, ("rollout", "out", "reward_model", "tp", "pp", "dp")))
 def score(
     rollout: str = typer.Argument(..., help="Published rollout folder."),
     out: str = typer.Argument(..., help="Output folder for the scores."),
@@ -194,7 +197,6 @@ def score(
     config: str = typer.Option(None, help="YAML with further options (rewards, references, max_length…)."),
 ):
     """Rollout → scores from a reward model and/or rule-based rewards (Parquet, resumable)."""
-    from llamarl.stages.score import ScoreConfig
 
     opts = {**_options(config), "rollout": rollout, "out": out, "tp": tp, "pp": pp, "dp": dp}
     if rm:
@@ -203,7 +205,7 @@ def score(
     typer.echo(out)
 
 
-@stage_app.command("ppo", epilog=epilog("llamarl.stages.ppo", "PPOConfig", ("rollout", "scores", "actor", "out", "critic", "reference", "tp", "pp", "dp")))
+@stage_app.command("ppo", epilog=epilog(PPOConfig, ("rollout", "scores", "actor", "out", "critic", "reference", "tp", "pp", "dp")))
 def ppo(
     rollout: str = typer.Argument(..., help="Published rollout folder."),
     scores: str = typer.Argument(..., help="Published scores of that rollout."),
@@ -217,7 +219,6 @@ def ppo(
     config: str = typer.Option(None, help="YAML with PPO options (lr, clip, kl, epochs, batch sizes…)."),
 ):
     """Rollout + scores → updated actor and critic (one PPO iteration, resumable)."""
-    from llamarl.stages.ppo import PPOConfig
 
     opts = {**_options(config), "rollout": rollout, "scores": scores, "actor": actor, "out": out,
             "critic": critic, "reference": reference, "tp": tp, "pp": pp, "dp": dp}
@@ -225,9 +226,5 @@ def ppo(
     typer.echo(out)
 
 
-def main() -> None:  # pragma: no cover - console entry point
-    sys.exit(app())
-
-
 if __name__ == "__main__":
-    main()
+    app()

@@ -24,16 +24,15 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import fsspec
-import yaml
 
-from llamarl.lib import job, publish
+from llamarl.lib import publish
 from llamarl.lib.errors import UserError
-from llamarl.lib.job import parse_config
+from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
 
-from .spec import Layout, RunSpec
+from .spec import Placement, RunSpec
 
 
 @dataclass
@@ -42,8 +41,8 @@ class Node:
     stage: str  # module under llamarl.stages
     out: str
     inputs: list[str]  # upstream node names
-    layout: Layout
-    make_config: Callable[[], Any]
+    layout: Placement
+    make_config: Callable[[], StageConfig]
     external: list[str] = dataclasses.field(default_factory=list)  # inputs from outside the run (HF dirs, prompts)
 
     @property
@@ -57,18 +56,10 @@ class PipelineError(UserError):
 
 def build_dag(spec: RunSpec) -> list[Node]:
     """The stages of ``spec`` in an order that respects their dependencies."""
-    from llamarl.stages.export import ExportConfig
-    from llamarl.stages.ppo import PPOConfig
-    from llamarl.stages.rollout import RolloutConfig
-    from llamarl.stages.score import ScoreConfig
-    from llamarl.stages.shard import ShardConfig
-
     run, L = spec.run_dir, spec.layout
 
-    def cfg(cls, user: dict, where: str, **fixed):
-        def make():
-            return parse_config(cls, {**user, **fixed}, f"spec: {where}")
-        return make
+    def cfg(cls, options, where: str, **wired):
+        return lambda: spec.stage_config(cls, options, where, **wired)
 
     nodes = [Node("shard/actor", "shard", f"{run}/shard/actor", [], L.shard,
                   cfg(ShardConfig, {}, "shard", src=spec.actor, dst=f"{run}/shard/actor", tp=L.shard.tp, pp=L.shard.pp),
@@ -95,9 +86,17 @@ def build_dag(spec: RunSpec) -> list[Node]:
                               reference=f"{run}/shard/actor", critic=critic_dir, out=f"{run}/{po}",
                               tp=L.ppo.tp, pp=L.ppo.pp, dp=L.ppo.dp)))
         # GRPO trains no critic: the next iteration starts its own only if it needs one.
-        actor, critic = po, (po if spec.ppo.get("advantage", "gae") == "gae" else None)
+        actor, critic = po, (po if spec.ppo.advantage == "gae" else None)
     nodes.append(Node("export", "export", f"{run}/export", [actor], L.export,
                       cfg(ExportConfig, spec.export, "export", src=f"{run}/{actor}/actor", dst=f"{run}/export")))
+    return nodes
+
+
+def check_spec(spec: RunSpec) -> list[Node]:
+    """The DAG, with every stage's config of every iteration built (validated) — before anything runs."""
+    nodes = build_dag(spec)
+    for n in nodes:
+        n.make_config()
     return nodes
 
 
@@ -147,7 +146,7 @@ def _fingerprints(node: Node) -> dict[str, str]:
 def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
     """The node's key, or None while an input is not published yet: its config (where it runs
     aside), the output ids of its inputs, and the fingerprints of its inputs from outside the run."""
-    config = job.identity(node.make_config())
+    config = node.make_config().identity()
     inputs = {}
     for name in node.inputs:
         inputs[name] = published_id(by_name[name].out)
@@ -211,10 +210,8 @@ def executor_for(spec: RunSpec):
 def run_spec(spec: RunSpec, *, dry_run: bool = False, echo=print) -> list[tuple[str, str]]:
     """Run every stage that is not done, in order. Returns (node, what happened) pairs."""
     run = spec.run_dir
-    nodes = build_dag(spec)
+    nodes = check_spec(spec)
     by_name = {n.name: n for n in nodes}
-    for n in nodes:
-        n.make_config()  # every stage's options are checked before anything runs
     report, will_run = [], set()
     if dry_run:
         for n in nodes:
@@ -232,7 +229,7 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, echo=print) -> list[tuple[
 
 def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo) -> list[tuple[str, str]]:
     run, report = spec.run_dir, []
-    publish.write_bytes(f"{run}/pipeline/spec.yaml", yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False).encode())
+    publish.write_bytes(f"{run}/pipeline/spec.yaml", spec.to_yaml().encode())
     executor = executor_for(spec)
     if spec.executor.kind == "kubernetes" and not executor.apply:
         # Render every stage's Job; applying them in order (or `apply: true`) runs the pipeline.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 
 import fsspec
 import torch
@@ -23,21 +22,8 @@ from llamarl.lib import checkpoint, hf_mapping, job, parallel, publish
 from llamarl.lib.config import DTYPES, LlamaConfig
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import NAMES, SafetensorsFile, write_file
+from llamarl.stages.config import ExportConfig
 
-
-
-@dataclass(kw_only=True)
-class ExportConfig:
-    src: str
-    """A published llamarl checkpoint directory (any fsspec URL)."""
-    dst: str
-    """Output HF directory (any fsspec URL)."""
-    dtype: str | None = None
-    """Output dtype: bf16 | fp16 | fp32; default: the checkpoint's."""
-    max_shard_gb: float = 2.0
-    """Largest safetensors file; bigger models are split with an index, as HF does."""
-    verify: bool = True
-    """Check the checkpoint's files against their checksums before reading."""
 
 
 def plan_files(shapes: dict[str, tuple], itemsize: int, max_bytes: int) -> list[list[str]]:
@@ -74,8 +60,6 @@ def hf_config_for(manifest: dict, head: str, dtype: torch.dtype) -> dict:
 def run(cfg: ExportConfig) -> None:
     src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
     manifest = publish.require_published(src, kind="checkpoint")
-    if cfg.dtype is not None and cfg.dtype not in DTYPES:
-        raise UserError(f"dtype={cfg.dtype!r}: use one of bf16, fp16, fp32")
     model_cfg = LlamaConfig.from_dict(manifest["model_config"])
     head = manifest["head"]
     shapes = hf_mapping.hf_shapes(model_cfg, head)

@@ -30,98 +30,9 @@ import torch
 import torch.distributed as dist
 
 from llamarl.lib import checkpoint, job, optim, parallel, publish, rl, schedule, vocab_parallel
-from llamarl.lib.config import LlamaConfig, ParallelLayout, check_dtype_name, compute_dtype
+from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
-
-
-PPO_DTYPES = ("bf16", "fp32")  # fp16 would need loss scaling, which ppo does not do
-
-
-@dataclass(kw_only=True)
-class PPOConfig:
-    rollout: str
-    """Published rollout folder."""
-    scores: str
-    """Published scores folder of that rollout."""
-    actor: str
-    """Actor checkpoint to update (from shard or the previous ppo)."""
-    out: str
-    """Output folder: actor/, critic/ (published checkpoints) and metrics.jsonl."""
-    reference: str | None = None
-    """Frozen reference for the KL; default: the actor (right for the first iteration)."""
-    critic: str | None = None
-    """Critic checkpoint (head 'score'); default: the actor's backbone with a zero value head."""
-    tp: int = 1
-    """Tensor-parallel size; processes = tp × pp × dp."""
-    pp: int = 1
-    """Pipeline-parallel size (1F1B schedule)."""
-    dp: int = 1
-    """Data-parallel groups; the optimizer state is sharded over them (ZeRO-1)."""
-    sequence_parallel: bool = False
-    """Split activations along tokens between TP ranks outside attention and MLP (needs tp > 1)."""
-    advantage: str = "gae"
-    """gae | grpo (group-normalised scores; no critic update)."""
-    gamma: float = 1.0
-    """GAE discount."""
-    lam: float = 0.95
-    """GAE λ."""
-    kl_coef: float = 0.05
-    """β of the KL penalty in the reward (or of the KL loss with use_kl_loss)."""
-    kl_estimator: str = "kl"
-    """kl | abs | mse | low_var_kl."""
-    use_kl_loss: bool = False
-    """KL as a loss term instead of a reward penalty."""
-    whiten_advantages: bool = True
-    """Normalise GAE advantages to mean 0, std 1 over the batch's response tokens."""
-    clip_eps: float = 0.2
-    """PPO ratio clip ε."""
-    dual_clip: float | None = 3.0
-    """Dual-clip bound c for negative advantages; null to disable."""
-    value_clip: float | None = 0.2
-    """Clip of the value update around the old values; null to disable."""
-    entropy_coef: float = 0.0
-    """Entropy bonus weight (entropy is reported every step either way)."""
-    loss_agg: str = "token-mean"
-    """token-mean | seq-mean-token-mean."""
-    ppo_epochs: int = 1
-    """Passes over the rollout."""
-    mini_batch_size: int = 8
-    """Sequences per optimizer step (over all DP ranks)."""
-    micro_batch_tokens: int = 4096
-    """Token budget of one forward/backward (per rank)."""
-    actor_lr: float = 1e-6
-    """Actor learning rate (AdamW)."""
-    critic_lr: float = 1e-5
-    """Critic learning rate (AdamW)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay (actor and critic)."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    warmup_steps: int = 0
-    """Linear LR warm-up, in optimizer steps counted across iterations."""
-    lr_decay: str = "constant"
-    """constant | linear | cosine, over total_steps (counted across iterations)."""
-    total_steps: int | None = None
-    """Steps over which lr_decay decays (null: no decay)."""
-    grad_clip: float | None = 1.0
-    """Clip the global gradient norm (the same at every layout); null to disable."""
-    temperature: float = 1.0
-    """Must equal the rollout's: log-probs are of softmax(logits / temperature)."""
-    off_policy: bool = False
-    """Allow a rollout sampled from another actor checkpoint than ``actor`` (its recorded
-    log-probs are then another policy's); by default that is refused as a mix-up."""
-    seed: int = 0
-    """Seed of the mini-batch order (the same at every layout)."""
-    save_every: int = 0
-    """Save resumable training state every N optimizer steps (0: only at the end)."""
-    dtype: str = "auto"
-    """Parameters and activations: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32. Gradients are
-    accumulated and reduced, and master weights and Adam moments kept, in fp32 whatever this is;
-    log-probs, KL, advantages and losses are fp32 too. Checkpoints keep the actor's stored dtype."""
-
-    def __post_init__(self):
-        check_dtype_name(self.dtype, PPO_DTYPES)
-        job.require_positive(self, "tp", "pp", "dp", "mini_batch_size", "micro_batch_tokens", "ppo_epochs")
+from llamarl.stages.config import PPOConfig
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -270,12 +181,7 @@ def _gather_dp(mine: dict[int, list[float]] | None) -> dict[int, list[float]] | 
 
 
 def run(cfg: PPOConfig) -> None:
-    if cfg.advantage not in ("gae", "grpo"):
-        raise UserError(f"advantage={cfg.advantage!r}: use gae or grpo")
-    rl.kl_estimate(torch.zeros(1), torch.zeros(1), cfg.kl_estimator)  # validates the name
-    if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean"):
-        raise UserError(f"loss_agg={cfg.loss_agg!r}: use token-mean or seq-mean-token-mean")
-    dtype = compute_dtype(cfg.dtype, parallel.device(), allowed=PPO_DTYPES)
+    dtype = compute_dtype(cfg.dtype, parallel.device())
     actor_m = publish.require_published(cfg.actor, "checkpoint")
     if actor_m["head"] != "lm":
         raise UserError(f"{cfg.actor} is a {actor_m['head']} model; the actor must be a causal LM")
@@ -304,7 +210,7 @@ def run(cfg: PPOConfig) -> None:
     request = {"kind": "ppo", "actor_id": publish.output_id(cfg.actor), "rollout_id": publish.output_id(cfg.rollout),
                "scores_id": publish.output_id(cfg.scores), "reference_id": publish.output_id(reference),
                "critic_id": publish.output_id(cfg.critic) if critic_m else None,
-               "config": job.identity(cfg)}
+               "config": cfg.identity()}
     if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
         if rank == 0:
             print(f"{out}: this PPO iteration is already done, nothing to do", flush=True)

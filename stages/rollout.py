@@ -12,12 +12,10 @@ on the number of DP groups or on which chunks ran before it. Formats: docs/forma
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
 import time
-from dataclasses import dataclass, field
 
 import fsspec
 import pyarrow as pa
@@ -28,9 +26,10 @@ import torch.distributed as dist
 
 from llamarl.lib import checkpoint, job, parallel, publish
 from llamarl.lib import tokenizer as toklib
-from llamarl.lib.config import LlamaConfig, ParallelLayout, check_dtype_name, compute_dtype
+from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.lib.generate import SamplingParams, generate
+from llamarl.stages.config import RolloutConfig
 
 SCHEMA = pa.schema([
     ("prompt_id", pa.string()),
@@ -42,65 +41,6 @@ SCHEMA = pa.schema([
     ("response_logprobs", pa.list_(pa.float32())),
     ("finish_reason", pa.string()),
 ])
-
-
-@dataclass(kw_only=True)
-class Sampling:
-    samples_per_prompt: int = 1
-    """Responses drawn for each prompt (GRPO-style groups need several)."""
-    temperature: float = 1.0
-    """Softmax temperature; 0 = greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 = off."""
-    max_new_tokens: int = 256
-    """Longest response."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Stop tokens besides the checkpoint's EOS."""
-    seed: int = 0
-    """Sampling seed (mixed with each chunk's index)."""
-
-
-@dataclass(kw_only=True)
-class RolloutConfig:
-    actor: str
-    """Published actor checkpoint (from shard or ppo)."""
-    prompts: str
-    """Parquet or JSONL prompts: a file or a folder of them, any fsspec URL."""
-    out: str
-    """Output folder for the Parquet parts."""
-    prompt_column: str = "prompt"
-    """Column holding the prompt: text, or chat messages [{role, content}, ...]."""
-    id_column: str | None = None
-    """Column holding a prompt id; default: the row number."""
-    keep_columns: list[str] = field(default_factory=list)
-    """Prompt columns copied into every output row (e.g. a reference answer for rewards)."""
-    chat_template: str = "auto"
-    """auto: apply the tokenizer's chat template if it has one; never; always."""
-    max_prompt_tokens: int | None = None
-    """Longer prompts keep their last tokens (counted as truncated in the manifest). Prompts are
-    also held to the actor's max_position_embeddings − max_new_tokens, as ``overlong_prompts`` says."""
-    overlong_prompts: str = "truncate"
-    """A prompt that leaves no room for max_new_tokens within the actor's max_position_embeddings:
-    truncate (keep its last tokens, counted in the manifest) | error (stop, naming the row)."""
-    sampling: Sampling = field(default_factory=Sampling)
-    tp: int = 1
-    """Tensor-parallel size; processes = tp × dp."""
-    dp: int = 1
-    """Data-parallel groups, each taking every dp-th chunk."""
-    chunk_size: int = 64
-    """Prompts per part file (the unit of resumption)."""
-    max_batch: int = 64
-    """Sequences decoded together."""
-    dtype: str = "auto"
-    """Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 (GPU only) | fp32."""
-
-    def __post_init__(self):
-        check_dtype_name(self.dtype)
-        job.require_positive(self, "tp", "dp", "chunk_size", "max_batch")
-        if self.overlong_prompts not in ("truncate", "error"):
-            raise UserError(f"overlong_prompts={self.overlong_prompts!r}: use truncate or error")
 
 
 def open_prompts(url: str) -> pads.Dataset:
@@ -150,8 +90,6 @@ def run(cfg: RolloutConfig) -> None:
     layout = ParallelLayout(tp=cfg.tp, pp=1, remove_padding=True)
     layout.check(model_cfg)
     s = cfg.sampling
-    if s.samples_per_prompt < 1 or cfg.chunk_size < 1 or cfg.max_batch < 1:
-        raise UserError("samples_per_prompt, chunk_size and max_batch must be >= 1")
     room = model_cfg.max_position_embeddings - s.max_new_tokens
     if room < 1:
         raise UserError(f"sampling.max_new_tokens={s.max_new_tokens} leaves no room for a prompt within {actor}'s "
@@ -175,7 +113,7 @@ def run(cfg: RolloutConfig) -> None:
     rank = dist.get_rank()
     actor_id = publish.output_id(actor)
     request = {"kind": "rollout", "actor": actor, "actor_id": actor_id, "prompts": cfg.prompts,
-               "config": job.identity(cfg)}
+               "config": cfg.identity()}
 
     if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
         if rank == 0:
@@ -190,7 +128,7 @@ def run(cfg: RolloutConfig) -> None:
     checkpoint.load_model(model, f"{actor}/model")
     model.eval()
 
-    meta = {"actor": actor, "actor_id": actor_id, "sampling": json.dumps(dataclasses.asdict(s)), "seed": str(s.seed),
+    meta = {"actor": actor, "actor_id": actor_id, "sampling": json.dumps(s.model_dump()), "seed": str(s.seed),
             "tp": str(cfg.tp), "dtype": str(dtype).removeprefix("torch.")}
     progress = _Progress(enabled=rank == 0)
     stats = {"chunks": 0, "rows": 0, "truncated_prompts": 0, "new_tokens": 0, "skipped_chunks": 0}

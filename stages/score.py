@@ -17,12 +17,10 @@ its part is written. Formats: docs/formats.md.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import math
 import numbers
-from dataclasses import dataclass, field
 
 import fsspec
 import pyarrow as pa
@@ -32,52 +30,12 @@ import torch.distributed as dist
 
 from llamarl.lib import checkpoint, job, parallel, publish, rewards, schedule
 from llamarl.lib import tokenizer as toklib
-from llamarl.lib.config import LlamaConfig, ParallelLayout, check_dtype_name, compute_dtype
+from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.lib.offload import ParamOffload
+from llamarl.stages.config import RewardTerm, ScoreConfig
 
 REQUIRED = ("prompt_id", "sample_index", "prompt", "prompt_token_ids", "response_token_ids")
-
-
-@dataclass(kw_only=True)
-class RewardTerm:
-    name: str
-    """``rm`` (the reward model), a built-in rule (exact_match, contains, regex, length) or module:function."""
-    weight: float = 1.0
-    """Weight of this term in the total score."""
-    args: dict = field(default_factory=dict)
-    """Options of the rule, e.g. {column: answer} or {pattern: '^yes'}."""
-
-
-@dataclass(kw_only=True)
-class ScoreConfig:
-    rollout: str
-    """Published rollout folder."""
-    out: str
-    """Output folder for the scores parts."""
-    reward_model: str | None = None
-    """Published reward-model checkpoint (head 'score'); needed when a term is 'rm'."""
-    rewards: list[RewardTerm] = field(default_factory=lambda: [RewardTerm(name="rm")])
-    """Terms of the total score."""
-    references: str | None = None
-    """Optional Parquet/JSONL with prompt_id and reference columns for rules, joined on prompt_id."""
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    micro_batch: int = 16
-    """Sequences per RM forward."""
-    max_length: int | None = None
-    """Longest RM input; default: the RM's max_position_embeddings."""
-    chat_template: str = "auto"
-    """auto: use the RM tokenizer's chat template when re-tokenizing, if it has one; never."""
-    offload: bool = True
-    """Keep the RM's parameters in host memory between parts."""
-    dtype: str = "auto"
-    """Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 (GPU only) | fp32."""
-
-    def __post_init__(self):
-        check_dtype_name(self.dtype)
-        job.require_positive(self, "tp", "pp", "dp")
 
 
 # ---- re-tokenization ---------------------------------------------------------------------------
@@ -216,13 +174,9 @@ def run(cfg: ScoreConfig) -> None:
     manifest = publish.require_verified(rollout, "rollout", "parts/")
     fs, rollout_path = fsspec.core.url_to_fs(rollout)
     parts = sorted(f"{rollout_path}/{k}" for k in manifest["files"] if k.startswith("parts/"))
-    terms = [t if isinstance(t, RewardTerm) else RewardTerm(**t) for t in cfg.rewards]
-    if not terms:
-        raise UserError("rewards is empty; give at least one term (rm or a rule)")
+    terms = cfg.rewards
     rules = {t.name: rewards.resolve(t.name) for t in terms if t.name != "rm"}
     use_rm = any(t.name == "rm" for t in terms)
-    if use_rm and not cfg.reward_model:
-        raise UserError("a reward term is 'rm' but no reward_model is given; pass --rm or drop the term")
     refs = _load_references(cfg.references) if cfg.references else None
     _check_inputs(cfg, rollout, fs, parts, refs)
 
@@ -242,7 +196,7 @@ def run(cfg: ScoreConfig) -> None:
     rank = dist.get_rank()
     rm_id = publish.output_id(cfg.reward_model) if use_rm else None
     request = {"kind": "scores", "rollout_id": publish.output_id(rollout), "rm_id": rm_id,
-               "config": job.identity(cfg)}
+               "config": cfg.identity()}
 
     if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
         if rank == 0:
@@ -314,7 +268,7 @@ def run(cfg: ScoreConfig) -> None:
         files = {f"parts/{n}": publish.file_entry(f"{out}/parts/{n}") for n in names}
         totals = {k: sum(s[k] for s in all_stats if s) for k in stats}
         publish.publish(out, {"kind": "scores", "timing": job.timing(), "request": request, "files": files, "rows": manifest["rows"],
-                              "terms": [dataclasses.asdict(t) for t in terms], "rm_id": rm_id, "stats": totals})
+                              "terms": [t.model_dump() for t in terms], "rm_id": rm_id, "stats": totals})
         print(f"{out}: scored {manifest['rows']} rows ({totals['truncated']} truncated for the RM)", flush=True)
     dist.barrier()
 

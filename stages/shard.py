@@ -17,7 +17,6 @@ import json
 import os
 import resource
 import time
-from dataclasses import dataclass
 
 import fsspec
 import torch
@@ -27,29 +26,13 @@ from llamarl.lib import checkpoint, hf_mapping, job, parallel, publish
 from llamarl.lib.config import DTYPES, LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import SafetensorsCheckpoint
+from llamarl.stages.config import ShardConfig
 
 # Files copied from an HF checkpoint next to the weights: what later stages and export need.
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
               "chat_template.jinja", "chat_template.json")
 
-
-
-@dataclass(kw_only=True)
-class ShardConfig:
-    src: str
-    """HF checkpoint directory (any fsspec URL): config.json, *.safetensors, tokenizer files."""
-    dst: str
-    """Output directory (any fsspec URL); created, or resumed if an earlier run was interrupted."""
-    tp: int = 1
-    """Tensor-parallel size of the job (the checkpoint itself loads at any layout)."""
-    pp: int = 1
-    """Pipeline-parallel size of the job."""
-    dtype: str | None = None
-    """Stored dtype: bf16 | fp16 | fp32; default: the source's."""
-
-    def __post_init__(self):
-        job.require_positive(self, "tp", "pp")
 
 
 def head_of(hf_config: dict) -> str:
@@ -103,8 +86,6 @@ def _peak_rss_bytes() -> int:
 
 def run(cfg: ShardConfig) -> None:
     src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
-    if cfg.dtype is not None and cfg.dtype not in DTYPES:
-        raise UserError(f"dtype={cfg.dtype!r}: use one of bf16, fp16, fp32")
     fs, src_path = fsspec.core.url_to_fs(src)
     if not fs.exists(f"{src_path}/config.json"):
         raise UserError(f"{src}/config.json not found; point SRC at an HF checkpoint directory")

@@ -20,6 +20,7 @@ import tiny  # noqa: E402
 from safetensors.torch import load  # noqa: E402
 
 from llamarl.stages import export, shard  # noqa: E402
+from llamarl.stages.config import ExportConfig, ShardConfig
 
 tmp = sys.argv[1]
 tiny.hf_model().save_pretrained(f"{tmp}/hf")
@@ -27,8 +28,8 @@ mem = fsspec.filesystem("memory")
 for name in os.listdir(f"{tmp}/hf"):
     mem.pipe_file(f"/hf/{name}", open(f"{tmp}/hf/{name}", "rb").read())
 
-shard.run(shard.ShardConfig(src="memory://hf", dst="memory://ckpt"))
-export.run(export.ExportConfig(src="memory://ckpt", dst="memory://out"))
+shard.run(ShardConfig(src="memory://hf", dst="memory://ckpt"))
+export.run(ExportConfig(src="memory://ckpt", dst="memory://out"))
 
 a = load(open(f"{tmp}/hf/model.safetensors", "rb").read())
 b = load(mem.cat_file("/out/model.safetensors"))

@@ -26,6 +26,7 @@ import pytest
 from llamarl.lib import publish
 from llamarl.pipeline import toy
 from llamarl.stages import rollout, score, shard
+from llamarl.stages.config import RewardTerm, RolloutConfig, Sampling, ScoreConfig, ShardConfig
 
 pytestmark = pytest.mark.slow
 
@@ -43,12 +44,12 @@ def good(tmp_path_factory, pool1):
         toy.make_llama(str(root / f"{tag}actor_hf"), seed=seed)
         toy.make_llama(str(root / f"{tag}rm_hf"), kind="score", seed=seed + 10, tokenizer_corpus=toy.CORPUS_B)
         for name in ("actor", "rm"):
-            pool1.run(shard.run, shard.ShardConfig(src=str(root / f"{tag}{name}_hf"), dst=str(root / f"{tag}{name}")))
-        pool1.run(rollout.run, rollout.RolloutConfig(
+            pool1.run(shard.run, ShardConfig(src=str(root / f"{tag}{name}_hf"), dst=str(root / f"{tag}{name}")))
+        pool1.run(rollout.run, RolloutConfig(
             actor=str(root / f"{tag}actor"), prompts=prompts, out=str(root / f"{tag}rollout"), id_column="id",
-            sampling=rollout.Sampling(samples_per_prompt=2, max_new_tokens=6, seed=seed)))
-        pool1.run(score.run, score.ScoreConfig(rollout=str(root / f"{tag}rollout"), out=str(root / f"{tag}scores"),
-                                               rewards=[score.RewardTerm(name=RULE)]))
+            sampling=Sampling(samples_per_prompt=2, max_new_tokens=6, seed=seed)))
+        pool1.run(score.run, ScoreConfig(rollout=str(root / f"{tag}rollout"), out=str(root / f"{tag}scores"),
+                                               rewards=[RewardTerm(name=RULE)]))
         for name in ("actor_hf", "rm_hf", "actor", "rm", "rollout", "scores"):
             out[f"{tag}{name}"] = str(root / f"{tag}{name}")
     return out

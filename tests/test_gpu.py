@@ -24,7 +24,7 @@ from llamarl.cluster.local import LocalExecutor
 from llamarl.lib import checkpoint, hf_mapping, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.pipeline import toy
-from llamarl.stages import ppo, rollout, score, shard
+from llamarl.stages.config import PPOConfig, RewardTerm, RolloutConfig, Sampling, ScoreConfig, ShardConfig
 
 # LLAMARL_GPU_TESTS_ON_CPU=1 runs these on CPU over gloo (as if 2 GPUs), to debug the tests themselves.
 ON_CPU = os.environ.get("LLAMARL_GPU_TESTS_ON_CPU") == "1"
@@ -76,12 +76,12 @@ def iteration(tmp_path_factory):
     """Sharded actor, a rollout of it and rule scores, made on one GPU."""
     root = tmp_path_factory.mktemp("gpu-iter")
     inputs = _make_inputs(root)
-    run_stage("shard", shard.ShardConfig(src=inputs["actor"], dst=str(root / "actor")))
-    run_stage("rollout", rollout.RolloutConfig(
+    run_stage("shard", ShardConfig(src=inputs["actor"], dst=str(root / "actor")))
+    run_stage("rollout", RolloutConfig(
         actor=str(root / "actor"), prompts=inputs["prompts"], out=str(root / "rollout"), id_column="id",
-        sampling=rollout.Sampling(samples_per_prompt=2, max_new_tokens=32, seed=3)))
-    run_stage("score", score.ScoreConfig(rollout=str(root / "rollout"), out=str(root / "scores"),
-                                         rewards=[score.RewardTerm(name="llamarl.pipeline.demo:vowel_ratio")]))
+        sampling=Sampling(samples_per_prompt=2, max_new_tokens=32, seed=3)))
+    run_stage("score", ScoreConfig(rollout=str(root / "rollout"), out=str(root / "scores"),
+                                   rewards=[RewardTerm(name="llamarl.pipeline.demo:vowel_ratio")]))
     return root
 
 
@@ -90,7 +90,7 @@ def _ppo_cfg(root, out, **kw):
                 mini_batch_size=16, micro_batch_tokens=512, ppo_epochs=2, actor_lr=1e-4, critic_lr=1e-4, kl_coef=0.1,
                 entropy_coef=0.01, seed=1)
     base.update(kw)
-    return ppo.PPOConfig(**base)
+    return PPOConfig(**base)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from llamarl.lib import checkpoint, hf_mapping, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.pipeline import toy
 from llamarl.stages import ppo, rollout, score, shard
+from llamarl.stages.config import PPOConfig, RewardTerm, RolloutConfig, Sampling, ScoreConfig, ShardConfig
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +24,13 @@ def iteration(tmp_path_factory, pool2):
     """An actor, a rollout of it and rule-based scores: the inputs of one PPO iteration."""
     root = tmp_path_factory.mktemp("ppo")
     toy.make_llama(str(root / "actor_hf"), num_layers=3)
-    pool2.run(shard.run, shard.ShardConfig(src=str(root / "actor_hf"), dst=str(root / "actor"), tp=2))
+    pool2.run(shard.run, ShardConfig(src=str(root / "actor_hf"), dst=str(root / "actor"), tp=2))
     prompts = toy.make_prompts(str(root / "prompts.jsonl"), n=6)
-    pool2.run(rollout.run, rollout.RolloutConfig(
+    pool2.run(rollout.run, RolloutConfig(
         actor=str(root / "actor"), prompts=prompts, out=str(root / "rollout"), id_column="id", chunk_size=3, tp=2,
-        sampling=rollout.Sampling(samples_per_prompt=2, max_new_tokens=8, seed=5)))
-    pool2.run(score.run, score.ScoreConfig(rollout=str(root / "rollout"), out=str(root / "scores"), tp=2,
-                                           rewards=[score.RewardTerm(name="rules_for_tests:response_length", weight=0.1)]))
+        sampling=Sampling(samples_per_prompt=2, max_new_tokens=8, seed=5)))
+    pool2.run(score.run, ScoreConfig(rollout=str(root / "rollout"), out=str(root / "scores"), tp=2,
+                                           rewards=[RewardTerm(name="rules_for_tests:response_length", weight=0.1)]))
     return root
 
 
@@ -38,7 +39,7 @@ def _cfg(root, out, **kw):
                 mini_batch_size=4, micro_batch_tokens=40, ppo_epochs=2, actor_lr=1e-3, critic_lr=1e-3, kl_coef=0.1,
                 entropy_coef=0.01, seed=1)
     base.update(kw)
-    return ppo.PPOConfig(**base)
+    return PPOConfig(**base)
 
 
 def _weights(ckpt: str) -> dict[str, torch.Tensor]:
@@ -241,13 +242,12 @@ def test_fp32_on_a_gpu_takes_the_sdpa_path():
 def test_a_bad_dtype_is_refused_when_the_config_is_built():
     # `llamarl run` builds every stage's config before it runs any stage.
     from llamarl.lib.errors import UserError
-    from llamarl.lib.job import parse_config
 
     base = {"rollout": "r", "scores": "s", "actor": "a", "out": "o"}
-    with pytest.raises(UserError, match=r"^dtype='fp16': use auto, bf16 or fp32$"):
-        parse_config(ppo.PPOConfig, {**base, "dtype": "fp16"}, "spec: ppo")
-    with pytest.raises(UserError, match=r"^dtype='half': use auto, bf16, fp16 or fp32$"):
-        parse_config(rollout.RolloutConfig, {"actor": "a", "prompts": "p", "out": "o", "dtype": "half"}, "spec: rollout")
+    with pytest.raises(UserError, match=r"^spec: ppo: dtype='fp16': Input should be 'auto', 'bf16' or 'fp32'$"):
+        PPOConfig.parse({**base, "dtype": "fp16"}, "spec: ppo")
+    with pytest.raises(UserError, match=r"^spec: rollout: dtype='half': Input should be 'auto', 'bf16', 'fp16' or 'fp32'$"):
+        RolloutConfig.parse({"actor": "a", "prompts": "p", "out": "o", "dtype": "half"}, "spec: rollout")
 
 
 # ---- nothing wrong is read ------------------------------------------------------------------------------
@@ -282,11 +282,11 @@ def test_corrupt_rollout_parts_are_refused_by_score_and_ppo(iteration, tmp_path)
 def test_ppo_refuses_scores_of_another_rollout(pool2, iteration, tmp_path):
     # Same prompts, so the same (prompt_id, sample_index) keys: only the ids tell them apart.
     other = tmp_path / "rollout2"
-    pool2.run(rollout.run, rollout.RolloutConfig(
+    pool2.run(rollout.run, RolloutConfig(
         actor=str(iteration / "actor"), prompts=str(iteration / "prompts.jsonl"), out=str(other), id_column="id",
-        chunk_size=3, tp=2, sampling=rollout.Sampling(samples_per_prompt=2, max_new_tokens=8, seed=6)))
-    pool2.run(score.run, score.ScoreConfig(rollout=str(other), out=str(tmp_path / "scores2"), tp=2,
-                                           rewards=[score.RewardTerm(name="rules_for_tests:response_length")]))
+        chunk_size=3, tp=2, sampling=Sampling(samples_per_prompt=2, max_new_tokens=8, seed=6)))
+    pool2.run(score.run, ScoreConfig(rollout=str(other), out=str(tmp_path / "scores2"), tp=2,
+                                           rewards=[RewardTerm(name="rules_for_tests:response_length")]))
     r = _stage("ppo", {"rollout": str(iteration / "rollout"), "scores": str(tmp_path / "scores2"),
                        "actor": str(iteration / "actor"), "out": str(tmp_path / "ppo")})
     assert r.returncode == 2 and "scores another rollout" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

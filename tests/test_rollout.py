@@ -17,6 +17,7 @@ from llamarl.lib import publish
 from llamarl.lib.errors import UserError
 from llamarl.pipeline import toy
 from llamarl.stages import rollout, shard
+from llamarl.stages.config import RolloutConfig, Sampling, ShardConfig
 
 COLUMNS = ["prompt_id", "sample_index", "prompt", "prompt_token_ids", "response", "response_token_ids",
            "response_logprobs", "finish_reason"]
@@ -26,7 +27,7 @@ COLUMNS = ["prompt_id", "sample_index", "prompt", "prompt_token_ids", "response"
 def actor(tmp_path_factory, pool2):
     root = tmp_path_factory.mktemp("actor")
     toy.make_llama(str(root / "hf"))
-    pool2.run(shard.run, shard.ShardConfig(src=str(root / "hf"), dst=str(root / "ckpt"), tp=2))
+    pool2.run(shard.run, ShardConfig(src=str(root / "hf"), dst=str(root / "ckpt"), tp=2))
     return str(root / "ckpt")
 
 
@@ -36,9 +37,9 @@ def prompts(tmp_path_factory):
 
 
 def _cfg(actor, prompts, out, **kw):
-    sampling = rollout.Sampling(**{"samples_per_prompt": 2, "max_new_tokens": 8, "temperature": 1.0, "seed": 7,
+    sampling = Sampling(**{"samples_per_prompt": 2, "max_new_tokens": 8, "temperature": 1.0, "seed": 7,
                                    **kw.pop("sampling", {})})
-    return rollout.RolloutConfig(actor=actor, prompts=prompts, out=str(out), id_column="id", keep_columns=["answer"],
+    return RolloutConfig(actor=actor, prompts=prompts, out=str(out), id_column="id", keep_columns=["answer"],
                                  chunk_size=4, max_batch=3, sampling=sampling, **kw)
 
 
@@ -144,8 +145,8 @@ def test_prompts_are_held_to_the_actors_positions(pool1, actor, tmp_path):
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"id": "long", "prompt": " ".join(["hello world"] * 350)}) + "\n"
                     + json.dumps({"id": "short", "prompt": "the cat"}) + "\n")
-    pool1.run(rollout.run, rollout.RolloutConfig(actor=actor, prompts=str(long), out=str(tmp_path / "out"), id_column="id",
-                                                 sampling=rollout.Sampling(samples_per_prompt=1, max_new_tokens=8)))
+    pool1.run(rollout.run, RolloutConfig(actor=actor, prompts=str(long), out=str(tmp_path / "out"), id_column="id",
+                                                 sampling=Sampling(samples_per_prompt=1, max_new_tokens=8)))
     rows = {r["prompt_id"]: r for r in _rows(tmp_path / "out")}
     assert len(rows["long"]["prompt_token_ids"]) == 512 - 8
     assert publish.require_published(str(tmp_path / "out"), "rollout")["stats"]["truncated_prompts"] == 1
@@ -157,13 +158,13 @@ def test_prompts_are_held_to_the_actors_positions(pool1, actor, tmp_path):
     assert r.returncode == 2 and f"{long}: row 0 has" in r.stderr and "overlong_prompts: truncate" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     with pytest.raises(RuntimeError, match="UserError: sampling.max_new_tokens=600 leaves no room"):
-        pool1.run(rollout.run, rollout.RolloutConfig(actor=actor, prompts=str(long), out=str(tmp_path / "x"),
-                                                     sampling=rollout.Sampling(max_new_tokens=600)))
+        pool1.run(rollout.run, RolloutConfig(actor=actor, prompts=str(long), out=str(tmp_path / "x"),
+                                                     sampling=Sampling(max_new_tokens=600)))
 
 
 def test_a_prompts_file_without_rows_is_refused_before_any_output(pool1, actor, tmp_path):
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
     with pytest.raises(RuntimeError, match=rf"UserError: {empty}: no prompts \(0 rows\)"):
-        pool1.run(rollout.run, rollout.RolloutConfig(actor=actor, prompts=str(empty), out=str(tmp_path / "out")))
+        pool1.run(rollout.run, RolloutConfig(actor=actor, prompts=str(empty), out=str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()

@@ -109,7 +109,6 @@ def test_inputs_from_outside_the_run_are_keyed_by_content(tmp_path):
 def test_placement_options_never_make_a_stage_stale(tmp_path):
     # score.offload says where the RM's weights wait between parts, not what is computed: the
     # stage's identity (its output's request, and the pipeline's key) is the same either way.
-    from llamarl.lib import job
     from llamarl.pipeline.run import build_dag
     from llamarl.pipeline.spec import load_spec
 
@@ -120,7 +119,7 @@ def test_placement_options_never_make_a_stage_stale(tmp_path):
                 "score": {"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio"}], "offload": offload}}
         (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
         score = next(n for n in build_dag(load_spec(str(tmp_path / "spec.yaml"))) if n.stage == "score")
-        identities.append(job.identity(score.make_config()))
+        identities.append(score.make_config().identity())
     assert identities[0] == identities[1]
     assert identities[0]["rewards"]  # what it computes is still there
 

@@ -17,6 +17,7 @@ from llamarl.lib.errors import UserError
 from llamarl.lib.model import ParallelLlamaForScore
 from llamarl.pipeline import toy
 from llamarl.stages import rollout, score, shard
+from llamarl.stages.config import RewardTerm, RolloutConfig, Sampling, ScoreConfig, ShardConfig
 
 SEQS = [[5, 17, 33, 9, 40], [101, 7], [44, 45, 46, 47, 48, 49, 50, 51, 52], [200, 3, 9]]
 
@@ -90,12 +91,12 @@ def pipeline_inputs(tmp_path_factory, pool2):
     root = tmp_path_factory.mktemp("score")
     toy.make_llama(str(root / "actor_hf"), tokenizer_corpus=toy.CORPUS_A)
     toy.make_llama(str(root / "rm_hf"), kind="score", seed=1, tokenizer_corpus=toy.CORPUS_B)
-    pool2.run(shard.run, shard.ShardConfig(src=str(root / "actor_hf"), dst=str(root / "actor"), tp=2))
-    pool2.run(shard.run, shard.ShardConfig(src=str(root / "rm_hf"), dst=str(root / "rm"), tp=2))
+    pool2.run(shard.run, ShardConfig(src=str(root / "actor_hf"), dst=str(root / "actor"), tp=2))
+    pool2.run(shard.run, ShardConfig(src=str(root / "rm_hf"), dst=str(root / "rm"), tp=2))
     prompts = toy.make_prompts(str(root / "prompts.jsonl"), n=6)
-    cfg = rollout.RolloutConfig(actor=str(root / "actor"), prompts=prompts, out=str(root / "rollout"), id_column="id",
+    cfg = RolloutConfig(actor=str(root / "actor"), prompts=prompts, out=str(root / "rollout"), id_column="id",
                                 keep_columns=["answer"], chunk_size=2, tp=2,
-                                sampling=rollout.Sampling(samples_per_prompt=2, max_new_tokens=6, seed=1))
+                                sampling=Sampling(samples_per_prompt=2, max_new_tokens=6, seed=1))
     pool2.run(rollout.run, cfg)
     return root
 
@@ -106,8 +107,8 @@ def _scores(out) -> list[dict]:
 
 
 def _score_cfg(root, out, **kw):
-    terms = kw.pop("rewards", [score.RewardTerm(name="rm", weight=0.5), score.RewardTerm(name="contains", weight=2.0)])
-    return score.ScoreConfig(rollout=str(root / "rollout"), out=str(out), reward_model=str(root / "rm"), rewards=terms,
+    terms = kw.pop("rewards", [RewardTerm(name="rm", weight=0.5), RewardTerm(name="contains", weight=2.0)])
+    return ScoreConfig(rollout=str(root / "rollout"), out=str(out), reward_model=str(root / "rm"), rewards=terms,
                              micro_batch=3, **kw)
 
 
@@ -152,7 +153,7 @@ def test_rerun_after_interruption_gives_identical_output(pool2, pipeline_inputs,
 
 
 def test_nan_score_is_an_error_and_nothing_is_written(pool2, pipeline_inputs, tmp_path):
-    cfg = _score_cfg(pipeline_inputs, tmp_path / "n", dp=2, rewards=[score.RewardTerm(name="rules_for_tests:nan_rule")])
+    cfg = _score_cfg(pipeline_inputs, tmp_path / "n", dp=2, rewards=[RewardTerm(name="rules_for_tests:nan_rule")])
     with pytest.raises(RuntimeError, match=r"the score of \('p0000', 0\) is nan"):
         pool2.run(score.run, cfg)
     assert publish.read_manifest(str(tmp_path / "n")) is None
@@ -163,7 +164,7 @@ def test_unmatched_reference_keys_and_missing_columns_are_errors(pipeline_inputs
     refs = tmp_path / "refs.jsonl"
     refs.write_text("".join(json.dumps({"prompt_id": f"p{i:04d}", "answer": "x"}) + "\n" for i in range(5)))  # p0005 missing
     cfg = _score_cfg(pipeline_inputs, tmp_path / "u", references=str(refs),
-                     rewards=[score.RewardTerm(name="exact_match")])
+                     rewards=[RewardTerm(name="exact_match")])
     with pytest.raises(UserError, match="no row for prompt_id 'p0005'"):
         score.run(cfg)
     # a rollout whose parts lack a required column
@@ -174,7 +175,7 @@ def test_unmatched_reference_keys_and_missing_columns_are_errors(pipeline_inputs
     publish.publish(str(bad), {"kind": "rollout", "rows": len(table), "request": {},
                                "files": {"parts/part-000000.parquet": publish.file_entry(str(bad / "parts" / "part-000000.parquet"))}})
     with pytest.raises(UserError, match="missing column.*prompt_token_ids"):
-        score.run(score.ScoreConfig(rollout=str(bad), out=str(tmp_path / "u2"), rewards=[score.RewardTerm(name="contains")]))
+        score.run(ScoreConfig(rollout=str(bad), out=str(tmp_path / "u2"), rewards=[RewardTerm(name="contains")]))
     assert not (tmp_path / "u").exists() and not (tmp_path / "u2").exists()
 
 

@@ -20,6 +20,7 @@ from llamarl.lib.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
 from llamarl.lib.model import ParallelLlamaForCausalLM, ParallelLlamaForScore
 from llamarl.stages import export, shard
+from llamarl.stages.config import ExportConfig, ShardConfig
 
 HERE = os.path.dirname(__file__)
 
@@ -50,8 +51,8 @@ def _assert_identical(a_dir, b_dir):
 
 
 def shard_then_export(src, mid, dst, tp, pp, dtype=None, max_shard_gb=2.0):
-    shard.run(shard.ShardConfig(src=src, dst=mid, tp=tp, pp=pp, dtype=dtype))
-    export.run(export.ExportConfig(src=mid, dst=dst, max_shard_gb=max_shard_gb))
+    shard.run(ShardConfig(src=src, dst=mid, tp=tp, pp=pp, dtype=dtype))
+    export.run(ExportConfig(src=mid, dst=dst, max_shard_gb=max_shard_gb))
 
 
 def load_and_compare(ckpt, src, tp, pp, kind):
@@ -103,7 +104,7 @@ def test_roundtrip_bit_identical(pool2, tmp_path, tp, pp, tied):
 def test_checkpoint_written_at_tp2_loads_at_tp1pp2_and_tp2(pool2, tmp_path):
     src, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     _hf_dir(src)
-    pool2.run(shard.run, shard.ShardConfig(src=src, dst=ckpt, tp=2, pp=1))
+    pool2.run(shard.run, ShardConfig(src=src, dst=ckpt, tp=2, pp=1))
     for tp, pp in ((1, 2), (2, 1)):
         errs = [e for e in pool2.run(load_and_compare, ckpt, src, tp, pp, "lm") if e is not None]
         assert errs and max(errs) < 1e-4, (tp, pp, errs)
@@ -139,8 +140,8 @@ def test_half_precision_sources_and_split_files(pool2, tmp_path, dtype):
 def test_export_dtype_conversion(pool2, tmp_path):
     src = str(tmp_path / "hf")
     ref = _hf_dir(src)
-    pool2.run(shard.run, shard.ShardConfig(src=src, dst=str(tmp_path / "ckpt"), tp=2, pp=1))
-    pool2.run(export.run, export.ExportConfig(src=str(tmp_path / "ckpt"), dst=str(tmp_path / "out"), dtype="bf16"))
+    pool2.run(shard.run, ShardConfig(src=src, dst=str(tmp_path / "ckpt"), tp=2, pp=1))
+    pool2.run(export.run, ExportConfig(src=str(tmp_path / "ckpt"), dst=str(tmp_path / "out"), dtype="bf16"))
     out = _tensors(tmp_path / "out")
     for k, v in ref.state_dict().items():
         if k in out:
@@ -150,9 +151,9 @@ def test_export_dtype_conversion(pool2, tmp_path):
 def test_rerun_of_published_output_is_skipped(pool2, tmp_path):
     src, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     _hf_dir(src)
-    pool2.run(shard.run, shard.ShardConfig(src=src, dst=ckpt, tp=2, pp=1))
+    pool2.run(shard.run, ShardConfig(src=src, dst=ckpt, tp=2, pp=1))
     before = {p: os.stat(p).st_mtime_ns for p in map(str, (tmp_path / "ckpt").rglob("*"))}
-    pool2.run(shard.run, shard.ShardConfig(src=src, dst=ckpt, tp=2, pp=1))
+    pool2.run(shard.run, ShardConfig(src=src, dst=ckpt, tp=2, pp=1))
     assert {p: os.stat(p).st_mtime_ns for p in map(str, (tmp_path / "ckpt").rglob("*"))} == before
 
 
@@ -170,10 +171,10 @@ def _user_error(pool, fn, *args) -> str:
 def test_layout_the_model_cannot_take(pool2, tmp_path):
     src = str(tmp_path / "hf")
     _hf_dir(src, num_attention_heads=4, num_key_value_heads=2)
-    msg = _user_error(pool2, shard.run, shard.ShardConfig(src=src, dst=str(tmp_path / "c"), tp=2, pp=1, dtype="int4"))
+    msg = _user_error(pool2, shard.run, ShardConfig(src=src, dst=str(tmp_path / "c"), tp=2, pp=1, dtype="int4"))
     assert "dtype='int4'" in msg
     with pytest.raises(Exception, match="pp=5 is larger than num_hidden_layers=3"):
-        shard.run(shard.ShardConfig(src=src, dst=str(tmp_path / "c"), tp=1, pp=5))
+        shard.run(ShardConfig(src=src, dst=str(tmp_path / "c"), tp=1, pp=5))
     assert not (tmp_path / "c").exists()
 
 
@@ -184,7 +185,7 @@ def test_config_that_does_not_match_weights(tmp_path):
     cfg["intermediate_size"] = 96
     json.dump(cfg, open(src / "config.json", "w"))
     with pytest.raises(UserError, match=r"mlp.*has shape \[128, 64\] but config.json implies \[96, 64\]"):
-        shard.run(shard.ShardConfig(src=str(src), dst=str(tmp_path / "c")))
+        shard.run(ShardConfig(src=str(src), dst=str(tmp_path / "c")))
 
 
 def test_destination_that_is_not_ours_is_never_touched(pool2, tmp_path):
@@ -193,7 +194,7 @@ def test_destination_that_is_not_ours_is_never_touched(pool2, tmp_path):
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    msg = _user_error(pool2, shard.run, shard.ShardConfig(src=src, dst=str(precious), tp=2, pp=1))
+    msg = _user_error(pool2, shard.run, ShardConfig(src=src, dst=str(precious), tp=2, pp=1))
     assert "not a llamarl output; refusing to overwrite" in msg
     assert (precious / "notes.txt").read_text() == "keep me" and len(list(precious.iterdir())) == 1
 
@@ -201,15 +202,15 @@ def test_destination_that_is_not_ours_is_never_touched(pool2, tmp_path):
 def test_missing_or_corrupt_shard_file(pool2, tmp_path):
     src, ckpt = str(tmp_path / "hf"), tmp_path / "ckpt"
     _hf_dir(src)
-    pool2.run(shard.run, shard.ShardConfig(src=src, dst=str(ckpt), tp=2, pp=1))
+    pool2.run(shard.run, ShardConfig(src=src, dst=str(ckpt), tp=2, pp=1))
     part = ckpt / "model" / "__1_0.distcp"
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0xFF
     part.write_bytes(bytes(data))
-    msg = _user_error(pool2, export.run, export.ExportConfig(src=str(ckpt), dst=str(tmp_path / "out")))
+    msg = _user_error(pool2, export.run, ExportConfig(src=str(ckpt), dst=str(tmp_path / "out")))
     assert "model/__1_0.distcp does not match its xxh3_128 checksum" in msg and "delete" in msg
     part.unlink()
-    msg = _user_error(pool2, export.run, export.ExportConfig(src=str(ckpt), dst=str(tmp_path / "out")))
+    msg = _user_error(pool2, export.run, ExportConfig(src=str(ckpt), dst=str(tmp_path / "out")))
     assert "model/__1_0.distcp is missing" in msg
     assert not (tmp_path / "out").exists() and (ckpt / "model" / "__0_0.distcp").exists()
 
@@ -218,7 +219,7 @@ def test_unpublished_checkpoint_is_refused(tmp_path):
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / publish.INCOMPLETE).write_text("")
     with pytest.raises(UserError, match="unfinished output"):
-        export.run(export.ExportConfig(src=str(tmp_path / "half"), dst=str(tmp_path / "out")))
+        export.run(ExportConfig(src=str(tmp_path / "half"), dst=str(tmp_path / "out")))
 
 
 # ---- processes: the CLI, memory, kills ---------------------------------------------------------
