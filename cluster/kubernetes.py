@@ -8,100 +8,113 @@ named in the pods' ``subdomain`` gives each a DNS name, so rank 0's node is
 as the run directory. A pod failing with exit status 2 (a user error, already reported) fails
 the Job at once; a pod evicted by a disruption does not count against ``backoffLimitPerIndex``.
 
-Without ``apply`` the manifests are written as YAML; with it they are created through the
-kubernetes client and the Job is followed to completion.
+Without ``apply`` nothing runs here: ``submit`` writes the stage's manifests as YAML to
+``manifests_dir``, numbered in submission order, and the pipeline writes every stage's, to be
+applied in that order. With it they are created through the kubernetes client and ``wait``
+follows the Job to its Complete or Failed condition.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import re
 import shlex
 import time
-from dataclasses import dataclass, field
+from typing import Any
 
-from llamarl.lib.errors import UserError
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
 
-USER_ERROR_EXIT = 2
+from llamarl.lib.errors import EXIT_USER_ERROR, UserError
+
+from .executor import StageResult, per_node, stage_args
+
+NOT_APPLIED = 3
+"""``wait``'s code for a stage whose manifests were written, not applied: nothing ran."""
 
 
 def _dns_name(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:50]
 
 
-@dataclass
+class KubernetesOptions(BaseModel):
+    # YAML reads `cpu: 32` as a number; the API takes quantities as strings.
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+    image: str = Field(description="Container image with llamarl installed.")
+    pvc: str = Field(description="PersistentVolumeClaim holding the run's storage.")
+    mount_path: str = Field("/shared", description="Where the PVC is mounted in the pods (storage URLs must point "
+                                                   "under it).")
+    namespace: str = Field("default", description="Namespace of the Jobs and Services.")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs of each pod (nvidia.com/gpu), one process per GPU.")
+    cpu: str | None = Field(None, description="CPU request of each pod, e.g. 32 or 500m.")
+    memory: str | None = Field(None, description="Memory request of each pod, e.g. 256Gi.")
+    backoff_limit_per_index: int = Field(2, ge=0, description="Retries of each node's pod (disruptions not counted).")
+    master_port: int = Field(29500, ge=1, le=65535, description="torchrun's rendezvous port on the first pod.")
+    apply: bool = Field(False, description="Create the objects and follow the Job; otherwise only write the YAML.")
+    manifests_dir: str | None = Field(None, description="Where the YAML is written without apply (one file per "
+                                                        "stage); default RUN/pipeline/k8s.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the pods.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="nodeSelector of the pods.")
+    poll_s: float = Field(5.0, gt=0, description="Seconds between reads of a Job's status.")
+
+
 class KubernetesExecutor:
-    image: str
-    """Container image with llamarl installed."""
-    pvc: str
-    """PersistentVolumeClaim holding the run's storage."""
-    mount_path: str = "/shared"
-    """Where the PVC is mounted in the pods (storage URLs must point under it)."""
-    namespace: str = "default"
-    gpus_per_node: int = 0
-    cpu: str | None = None
-    memory: str | None = None
-    backoff_limit_per_index: int = 2
-    """Retries of each node's pod (preemptions not counted)."""
-    master_port: int = 29500
-    apply: bool = False
-    """Create the objects and follow the Job; otherwise only write the YAML."""
-    manifests_dir: str | None = None
-    """Where YAML is written (one file per stage)."""
-    env: dict = field(default_factory=dict)
-    node_selector: dict = field(default_factory=dict)
-    poll_s: float = 5.0
-    batch_api: object = None
-    core_api: object = None
-    last_error: str | None = None
-    counter: int = 0
+    def __init__(self, options: KubernetesOptions, *, batch_api: Any = None, core_api: Any = None):
+        """``batch_api`` / ``core_api``: kubernetes clients (BatchV1Api, CoreV1Api); by default
+        built from the in-cluster or kubeconfig credentials on first use."""
+        if not options.apply and not options.manifests_dir:
+            raise UserError("kubernetes executor: set manifests_dir, or apply: true")
+        self.options = options
+        self.launches = options.apply
+        self._batch_api, self._core_api = batch_api, core_api
+        self._written = 0  # manifests written so far: their files are numbered in the order to apply them
 
     # ---- manifests ------------------------------------------------------------------------
 
-    def manifests(self, name: str, stage: str, config, nprocs: int, nodes: int = 1) -> list[dict]:
-        if nprocs % nodes:
-            raise UserError(f"{nprocs} processes do not spread evenly over {nodes} nodes")
-        job, svc = _dns_name(f"llamarl-{name}"), _dns_name(f"llamarl-{name}") + "-svc"
-        per_node = nprocs // nodes
-        stage_args = f"-m llamarl.stages.{stage} --config-json {shlex.quote(json.dumps(dataclasses.asdict(config)))}"
-        torchrun = (f"exec torchrun --nnodes={nodes} --node_rank=${{JOB_COMPLETION_INDEX}} --nproc_per_node={per_node} "
-                    f"--master_addr={job}-0.{svc} --master_port={self.master_port} {stage_args}")
+    def manifests(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> list[dict]:
+        """The stage's headless Service and Indexed Job."""
+        o = self.options
+        job = _dns_name(f"llamarl-{name or stage}")
+        svc = f"{job}-svc"
+        args = shlex.join(stage_args(stage, config))
+        torchrun = (f"exec torchrun --nnodes={nodes} --node_rank=${{JOB_COMPLETION_INDEX}} "
+                    f"--nproc_per_node={per_node(nprocs, nodes)} --master_addr={job}-0.{svc} "
+                    f"--master_port={o.master_port} {args}")
         resources: dict = {}
-        if self.gpus_per_node:
-            resources["limits"] = {"nvidia.com/gpu": self.gpus_per_node}
-        requests = {k: v for k, v in (("cpu", self.cpu), ("memory", self.memory)) if v}
+        if o.gpus_per_node:
+            resources["limits"] = {"nvidia.com/gpu": o.gpus_per_node}
+        requests = {k: v for k, v in (("cpu", o.cpu), ("memory", o.memory)) if v}
         if requests:
             resources["requests"] = requests
         env = [{"name": "NCCL_NVLS_ENABLE", "value": "0"}, {"name": "PYTHONUNBUFFERED", "value": "1"}]
-        env += [{"name": k, "value": str(v)} for k, v in self.env.items()]
+        env += [{"name": k, "value": v} for k, v in o.env.items()]
         labels = {"app.kubernetes.io/part-of": "llamarl", "llamarl/stage": stage}
         service = {
             "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": svc, "namespace": self.namespace, "labels": labels},
+            "metadata": {"name": svc, "namespace": o.namespace, "labels": labels},
             "spec": {"clusterIP": "None", "selector": {"job-name": job}, "publishNotReadyAddresses": True,
-                     "ports": [{"name": "rendezvous", "port": self.master_port}]},
+                     "ports": [{"name": "rendezvous", "port": o.master_port}]},
         }
         pod_spec = {
             "subdomain": svc,
             "restartPolicy": "Never",
             "containers": [{
-                "name": "stage", "image": self.image, "command": ["bash", "-c", torchrun], "env": env,
+                "name": "stage", "image": o.image, "command": ["bash", "-c", torchrun], "env": env,
                 "resources": resources,
-                "volumeMounts": [{"name": "storage", "mountPath": self.mount_path}],
+                "volumeMounts": [{"name": "storage", "mountPath": o.mount_path}],
             }],
-            "volumes": [{"name": "storage", "persistentVolumeClaim": {"claimName": self.pvc}}],
+            "volumes": [{"name": "storage", "persistentVolumeClaim": {"claimName": o.pvc}}],
         }
-        if self.node_selector:
-            pod_spec["nodeSelector"] = dict(self.node_selector)
+        if o.node_selector:
+            pod_spec["nodeSelector"] = dict(o.node_selector)
         job_obj = {
             "apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": job, "namespace": self.namespace, "labels": labels},
+            "metadata": {"name": job, "namespace": o.namespace, "labels": labels},
             "spec": {
                 "completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
-                "backoffLimitPerIndex": self.backoff_limit_per_index,
+                "backoffLimitPerIndex": o.backoff_limit_per_index,
                 "podFailurePolicy": {"rules": [
-                    {"action": "FailJob", "onExitCodes": {"containerName": "stage", "operator": "In", "values": [USER_ERROR_EXIT]}},
+                    {"action": "FailJob", "onExitCodes": {"containerName": "stage", "operator": "In", "values": [EXIT_USER_ERROR]}},
                     {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
                 ]},
                 "template": {"metadata": {"labels": labels}, "spec": pod_spec},
@@ -109,55 +122,56 @@ class KubernetesExecutor:
         }
         return [service, job_obj]
 
+    def render(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
+        """The manifests as one YAML document stream (what ``kubectl apply -f`` takes)."""
+        return yaml.safe_dump_all(self.manifests(stage, config, nprocs, nodes, name=name), sort_keys=False)
+
     # ---- running ---------------------------------------------------------------------------
 
-    def run(self, stage: str, config, nprocs: int, nodes: int = 1) -> int:
-        self.counter += 1
-        name = f"{self.counter:02d}-{stage}-{int(time.time())}"
-        objects = self.manifests(name, stage, config, nprocs, nodes)
-        if not self.apply:
-            self._write(name, objects)
-            self.last_error = f"manifests written to {self.manifests_dir} (apply them, or set apply: true)"
-            return 3
-        return self._apply_and_follow(objects)
-
-    def _write(self, name: str, objects: list[dict]) -> str:
-        import yaml
-
+    def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
+        """With ``apply``: create the Service and Job, and return the Job's name. Without: write
+        the manifests to ``manifests_dir/NN-NAME.yaml`` and return that URL."""
         from llamarl.lib import publish
 
-        if not self.manifests_dir:
-            raise UserError("kubernetes executor: set manifests_dir, or apply: true")
-        url = f"{self.manifests_dir.rstrip('/')}/{name}.yaml"
-        publish.write_bytes(url, yaml.safe_dump_all(objects, sort_keys=False).encode())
-        return url
+        if not self.options.apply:
+            url = f"{self.options.manifests_dir.rstrip('/')}/{self._written:02d}-{_dns_name(name or stage)}.yaml"
+            publish.write_bytes(url, self.render(stage, config, nprocs, nodes, name=name).encode())
+            self._written += 1
+            return url
+        # Job names must be unique in the namespace while an earlier run's Job is kept.
+        service, job = self.manifests(stage, config, nprocs, nodes, name=f"{name or stage}-{int(time.time())}")
+        batch, core = self._apis()
+        core.create_namespaced_service(namespace=self.options.namespace, body=service)
+        batch.create_namespaced_job(namespace=self.options.namespace, body=job)
+        return job["metadata"]["name"]
 
-    def _apis(self):
-        if self.batch_api is None or self.core_api is None:
+    def wait(self, handle: str) -> StageResult:
+        """Follow the Job to its Complete or Failed condition. A failure by the pod failure policy
+        is a stage's user error (exit status 2, reported in its pod's log)."""
+        if not self.options.apply:
+            return StageResult(NOT_APPLIED, f"manifests written to {handle}: apply them, or set apply: true")
+        batch, _ = self._apis()
+        while True:
+            status = batch.read_namespaced_job_status(name=handle, namespace=self.options.namespace).status
+            for cond in status.conditions or []:
+                if cond.status == "True" and cond.type == "Complete":
+                    return StageResult(0)
+                if cond.status == "True" and cond.type == "Failed":
+                    code = EXIT_USER_ERROR if cond.reason == "PodFailurePolicy" else 1
+                    return StageResult(code, f"job {handle} failed: {cond.reason}: {cond.message}")
+            time.sleep(self.options.poll_s)
+
+    def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
+        return self.wait(self.submit(stage, config, nprocs, nodes, name=name))
+
+    def _apis(self) -> tuple[Any, Any]:
+        if self._batch_api is None or self._core_api is None:
             from kubernetes import client, config
 
             try:
                 config.load_incluster_config()
             except config.ConfigException:
                 config.load_kube_config()
-            self.batch_api = self.batch_api or client.BatchV1Api()
-            self.core_api = self.core_api or client.CoreV1Api()
-        return self.batch_api, self.core_api
-
-    def _apply_and_follow(self, objects: list[dict]) -> int:
-        batch, core = self._apis()
-        service, job = objects
-        ns = self.namespace
-        core.create_namespaced_service(namespace=ns, body=service)
-        batch.create_namespaced_job(namespace=ns, body=job)
-        name = job["metadata"]["name"]
-        while True:
-            status = batch.read_namespaced_job_status(name=name, namespace=ns).status
-            for cond in status.conditions or []:
-                if cond.status == "True" and cond.type == "Complete":
-                    self.last_error = None
-                    return 0
-                if cond.status == "True" and cond.type == "Failed":
-                    self.last_error = f"job {name} failed: {cond.reason}: {cond.message}"
-                    return 1
-            time.sleep(self.poll_s)
+            self._batch_api = self._batch_api or client.BatchV1Api()
+            self._core_api = self._core_api or client.CoreV1Api()
+        return self._batch_api, self._core_api

@@ -3,20 +3,27 @@
 The processes get exactly the environment torchrun gives its workers (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so stage code cannot tell the
 difference; starting them directly keeps the output to what the stage prints and the exit status
-to the stage's own (2: a user error, already reported in one line). If one process dies, the
-others are stopped rather than left waiting in a collective.
+to the stage's own (2: a user error, reported in one line, which comes back as the result's
+error). If one process dies, the others are stopped rather than left waiting in a collective.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llamarl.lib.errors import EXIT_USER_ERROR, UserError
+
+from .executor import StageResult, per_node, stage_command
 
 
 def free_port() -> int:
@@ -25,61 +32,105 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class LocalOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    threads_per_process: int = Field(1, ge=1, description="OMP/intra-op threads each process may use (CPU runs).")
+    grace_s: float = Field(30.0, ge=0, description="Seconds the other processes get to exit after one has failed.")
+
+
 @dataclass
+class LocalRun:
+    """A started stage: its processes and what their stderr has told so far."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    readers: list[threading.Thread] = field(default_factory=list)
+    error: str | None = None  # the stage's one-line error, once a process printed it
+
+
 class LocalExecutor:
-    threads_per_process: int = 1
-    """OMP/intra-op threads each process may use (CPU runs)."""
-    grace_s: float = 30.0
-    """How long the other processes get to exit after one has failed."""
-    last_error: str | None = None
+    launches = True
 
-    def command(self, stage: str, config) -> list[str]:
-        return [sys.executable, "-m", f"llamarl.stages.{stage}", "--config-json", json.dumps(asdict(config))]
+    def __init__(self, options: LocalOptions | None = None):
+        self.options = options or LocalOptions()
 
-    def run(self, stage: str, config, nprocs: int, nodes: int = 1) -> int:
-        """Run ``llamarl.stages.<stage>`` with ``nprocs`` processes to completion; the exit status."""
-        from llamarl.lib.errors import UserError
+    def command(self, stage: str, config: Any) -> list[str]:
+        """The command line of every process of the stage (only their environments differ)."""
+        return stage_command(stage, config)
 
-        if nprocs < 1:
-            raise UserError(f"{stage}: {nprocs} processes; a stage needs at least one")
+    def _env(self, rank: int, nprocs: int, port: int | str) -> dict[str, str]:
+        return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": str(self.options.threads_per_process), "PYTHONUNBUFFERED": "1"}
+
+    @staticmethod
+    def _check(nprocs: int, nodes: int) -> None:
+        per_node(nprocs, nodes)
         if nodes != 1:
-
             raise UserError(f"the local executor runs on this machine only (nodes={nodes}); use slurm or kubernetes")
-        port = free_port()
-        procs = []
+
+    def render(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
+        """One line per process: its environment and command."""
+        self._check(nprocs, nodes)
+        command = shlex.join(self.command(stage, config))
+        lines = [f"# {name or stage}: {nprocs} process(es) on this machine; MASTER_PORT is a free port chosen at launch"]
         for rank in range(nprocs):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
-                   "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "OMP_NUM_THREADS": str(self.threads_per_process), "PYTHONUNBUFFERED": "1"}
-            proc = subprocess.Popen(self.command(stage, config), env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
-            threading.Thread(target=self._forward, args=(proc.stderr,), daemon=True).start()
-            procs.append(proc)
-        self.last_error = None
+            env = self._env(rank, nprocs, "$MASTER_PORT")
+            lines.append(" ".join(f"{k}={v}" for k, v in env.items()) + f" {command}")
+        return "\n".join(lines)
+
+    def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> LocalRun:
+        """Start ``llamarl.stages.<stage>`` as ``nprocs`` processes."""
+        self._check(nprocs, nodes)
+        port = free_port()
+        run = LocalRun()
+        for rank in range(nprocs):
+            proc = subprocess.Popen(self.command(stage, config), env={**os.environ, **self._env(rank, nprocs, port)},
+                                    stderr=subprocess.PIPE, text=True, bufsize=1)
+            reader = threading.Thread(target=_forward, args=(proc.stderr, run), daemon=True)
+            reader.start()
+            run.procs.append(proc)
+            run.readers.append(reader)
+        return run
+
+    def wait(self, handle: LocalRun) -> StageResult:
         try:
-            return self._wait(procs)
+            code = self._wait(handle.procs)
         except KeyboardInterrupt:
-            for p in procs:
+            for p in handle.procs:
                 p.kill()
             raise
+        # The error line may still sit in a pipe after its process has gone: read them to the end.
+        for reader in handle.readers:
+            reader.join(timeout=10)
+        if code == 0:
+            return StageResult(0)
+        return StageResult(code, handle.error or f"exit status {code}")
 
-    def _forward(self, stream) -> None:
-        """Pass a process's stderr through, remembering its one-line error (for run records)."""
-        for line in stream:
-            sys.stderr.write(line)
-            if line.startswith("error: "):
-                self.last_error = line[len("error: "):].strip()
+    def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
+        return self.wait(self.submit(stage, config, nprocs, nodes, name=name))
 
-    def _wait(self, procs) -> int:
+    def _wait(self, procs: list[subprocess.Popen]) -> int:
         failed_at = None
         while True:
             codes = [p.poll() for p in procs]
             if all(c is not None for c in codes):
                 bad = [c for c in codes if c != 0]
-                return 0 if not bad else (2 if all(c == 2 for c in bad) else bad[0])
+                if not bad:
+                    return 0
+                return EXIT_USER_ERROR if all(c == EXIT_USER_ERROR for c in bad) else bad[0]
             if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > self.grace_s:
+            if failed_at is not None and time.monotonic() - failed_at > self.options.grace_s:
                 for p in procs:
                     if p.poll() is None:
                         p.kill()
             time.sleep(0.05)
+
+
+def _forward(stream, run: LocalRun) -> None:
+    """Pass a process's stderr through, remembering the stage's one-line error."""
+    for line in stream:
+        sys.stderr.write(line)
+        if line.startswith("error: "):
+            run.error = line[len("error: "):].strip()

@@ -2,8 +2,10 @@
 
 The job runs ``StageTask`` — a picklable callable — on ``nodes × tasks_per_node`` Slurm tasks,
 one per rank. Inside each task, submitit's ``TorchDistributedEnvironment`` exports the torchrun
-environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, …) for the whole allocation, so the
-stage code runs unchanged across nodes.
+environment (MASTER_ADDR, RANK, WORLD_SIZE, LOCAL_RANK, …) for the whole allocation, with a
+master port the tasks agree on (``agree_on_port``), and the stage runs through the same entry
+point as a local process (``lib.job.execute``), so stage code runs unchanged across nodes. Each
+task returns a ``StageResult``: a user error comes back as data, not as exception text.
 
 Preemption and time-outs: ``StageTask.checkpoint`` asks submitit to resubmit the same task
 (submitit requeues preempted jobs, and timed-out ones up to ``max_num_timeout`` times); a job
@@ -13,98 +15,158 @@ from what it had already published.
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import os
+import shlex
 import socket
-from dataclasses import dataclass, field
+import time
+from typing import Any
 
-from llamarl.lib.errors import UserError
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from llamarl.lib.errors import EXIT_USER_ERROR, UserError
+
+from .executor import StageResult, per_node, stage_args
+
+PORT_WAIT_S = 300.0
+"""How long tasks wait for rank 0's port: Slurm starts a job's tasks together, so only a rank 0
+that died before publishing makes them wait this long."""
+
+
+def _free_port() -> int:
+    """A port free on every interface of this host, as c10d's store will listen on."""
+    if socket.has_dualstack_ipv6():
+        server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    else:
+        server = socket.create_server(("", 0))
+    with server:
+        return server.getsockname()[1]
+
+
+def agree_on_port(folder: str, rank: int, attempt: str, timeout_s: float = PORT_WAIT_S) -> int:
+    """The master port of one attempt of a job, the same in every task.
+
+    submitit derives the port from the job id alone, so a port already taken on the master node
+    fails rank 0 with EADDRINUSE and leaves the other ranks waiting for it forever. Instead rank 0
+    (on the master node) takes a port the kernel says is free there and publishes it in
+    ``folder`` (the job's folder, on storage every node sees); the others wait for it. One file per
+    ``attempt`` (Slurm's restart count), so a requeued job never reads its previous attempt's port.
+    """
+    path = os.path.join(folder, f"master_port.{attempt}")
+    if rank == 0:
+        port = _free_port()
+        with open(f"{path}.tmp", "w") as f:
+            f.write(str(port))
+        os.replace(f"{path}.tmp", path)  # whole, or not there: a reader never sees half a number
+        return port
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path}: rank 0 published no master port within {timeout_s:.0f} s; see rank 0's log")
+        time.sleep(0.1)
+    with open(path) as f:
+        return int(f.read())
 
 
 class StageTask:
     """Run one stage in a Slurm task (picklable; resubmitted as is on preemption)."""
 
-    def __init__(self, stage: str, config_class: str, config: dict):
-        self.stage, self.config_class, self.config = stage, config_class, config
+    def __init__(self, stage: str, config: dict):
+        self.stage, self.config = stage, config
 
-    def __call__(self) -> str:
+    def __call__(self) -> StageResult:
         import importlib
 
         import submitit
 
-        from llamarl.lib.job import parse_config
+        from llamarl.lib import job
+        from llamarl.stages.config import STAGES
 
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        task = submitit.JobEnvironment()
+        environment = submitit.helpers.TorchDistributedEnvironment()
+        environment.master_port = agree_on_port(str(task.paths.folder), task.global_rank,
+                                                attempt=os.environ.get("SLURM_RESTART_COUNT", "0"))
+        environment.export(set_cuda_visible_devices=False)
         # Resolve the master's host name once, to IPv4: c10d otherwise looks it up again and again,
         # and where name service is slow (IPv6 lookups timing out) that adds minutes.
         os.environ["MASTER_ADDR"] = socket.gethostbyname(os.environ["MASTER_ADDR"])
-        from llamarl.lib import parallel
-
         module = importlib.import_module(f"llamarl.stages.{self.stage}")
-        cls = getattr(module, self.config_class)
-        try:
-            module.run(parse_config(cls, self.config, f"stage {self.stage}"))
-        finally:
-            parallel.shutdown()  # leave no process group behind: exit must not wait on peers
-        return "ok"
+        error = job.execute(STAGES[self.stage], module.run, ["--config-json", json.dumps(self.config)])
+        return StageResult(EXIT_USER_ERROR, error) if error is not None else StageResult(0)
 
     def checkpoint(self, *args, **kwargs):
         import submitit
 
-        return submitit.helpers.DelayedSubmission(StageTask(self.stage, self.config_class, self.config))
+        return submitit.helpers.DelayedSubmission(StageTask(self.stage, self.config))
 
 
-@dataclass
+class SlurmOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    folder: str | None = Field(None, description="Where submitit keeps job scripts, pickles and logs, on storage "
+                                                 "every node sees; default RUN/pipeline/slurm.")
+    partition: str | None = Field(None, description="Slurm partition; default: the cluster's.")
+    account: str | None = Field(None, description="Slurm account to charge.")
+    timeout_min: int = Field(60, ge=1, description="Time limit of each stage's job, in minutes.")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (one process per GPU).")
+    cpus_per_task: int = Field(1, ge=1, description="CPUs of each task (process).")
+    max_num_timeout: int = Field(3, ge=0, description="Requeues after time-outs (preemptions are always requeued).")
+    additional: dict[str, str | int | bool] = Field(default_factory=dict,
+                                                    description="Extra sbatch options, e.g. {constraint: h100, qos: high}.")
+    setup: list[str] = Field(default_factory=list, description="Shell lines run before the tasks (module loads, "
+                                                               "environment activation).")
+
+
 class SlurmExecutor:
-    folder: str
-    """Where submitit keeps job scripts, pickles and logs (on shared storage)."""
-    partition: str | None = None
-    account: str | None = None
-    timeout_min: int = 60
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
-    max_num_timeout: int = 3
-    """Requeues after time-outs (preemptions are always requeued)."""
-    additional: dict = field(default_factory=dict)
-    """Extra sbatch options, e.g. {constraint: h100, qos: high}."""
-    setup: list[str] = field(default_factory=list)
-    """Shell lines run before the task (module loads, env activation)."""
-    last_error: str | None = None
-    last_job_id: str | None = None
+    launches = True
 
-    def _executor(self, name: str, nodes: int, tasks_per_node: int):
+    def __init__(self, options: SlurmOptions):
+        if options.folder is None:
+            raise UserError("slurm executor: set folder (where submitit keeps its files, on shared storage)")
+        self.options = options
+
+    def _parameters(self, stage: str, nprocs: int, nodes: int, name: str | None) -> dict[str, Any]:
+        """The parameters of submitit's ``update_parameters`` for one stage."""
+        o = self.options
+        additional = dict(o.additional) | ({"account": o.account} if o.account else {})
+        params: dict[str, Any] = dict(nodes=nodes, tasks_per_node=per_node(nprocs, nodes), cpus_per_task=o.cpus_per_task,
+                                      timeout_min=o.timeout_min, name=f"llamarl-{(name or stage).replace('/', '-')}",
+                                      slurm_setup=list(o.setup), slurm_additional_parameters=additional)
+        if o.gpus_per_node:
+            params["gpus_per_node"] = o.gpus_per_node
+        if o.partition:
+            params["slurm_partition"] = o.partition
+        return params
+
+    def render(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
+        """submitit's parameters of the job, and what each of its tasks runs."""
+        params = self._parameters(stage, nprocs, nodes, name)
+        return (f"# a submitit job in {self.options.folder}/%j; its parameters:\n"
+                + yaml.safe_dump(params, sort_keys=False)
+                + f"# each of its {nprocs} tasks runs, in torch.distributed's environment:\n"
+                + shlex.join(["python", *stage_args(stage, config)]))
+
+    def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None):
+        """Submit the stage's job; the submitit ``Job``."""
         import submitit
 
-        ex = submitit.AutoExecutor(folder=os.path.join(self.folder, "%j"), slurm_max_num_timeout=self.max_num_timeout)
-        params = dict(nodes=nodes, tasks_per_node=tasks_per_node, cpus_per_task=self.cpus_per_task,
-                      timeout_min=self.timeout_min, name=f"llamarl-{name}", slurm_setup=list(self.setup),
-                      slurm_additional_parameters=dict(self.additional))
-        if self.gpus_per_node:
-            params["gpus_per_node"] = self.gpus_per_node
-        if self.partition:
-            params["slurm_partition"] = self.partition
-        if self.account:
-            params["slurm_additional_parameters"] = {**params["slurm_additional_parameters"], "account": self.account}
-        ex.update_parameters(**params)
-        return ex
+        ex = submitit.AutoExecutor(folder=os.path.join(self.options.folder, "%j"),
+                                   slurm_max_num_timeout=self.options.max_num_timeout)
+        ex.update_parameters(**self._parameters(stage, nprocs, nodes, name))
+        return ex.submit(StageTask(stage, config.to_json()))
 
-    def submit(self, stage: str, config, nprocs: int, nodes: int = 1):
-        if nprocs % nodes:
-            raise UserError(f"{nprocs} processes do not spread evenly over {nodes} nodes")
-        ex = self._executor(stage, nodes, nprocs // nodes)
-        job = ex.submit(StageTask(stage, type(config).__name__, dataclasses.asdict(config)))
-        self.last_job_id = job.job_id
-        return job
-
-    def run(self, stage: str, config, nprocs: int, nodes: int = 1) -> int:
-        """Submit and wait; the exit status (0 or 1, with ``last_error`` set)."""
-        job = self.submit(stage, config, nprocs, nodes)
+    def wait(self, handle) -> StageResult:
+        """The first failed task's result (by rank), or success."""
         try:
-            job.results()  # one result per task (rank)
-            self.last_error = None
-            return 0
-        except Exception as e:  # submitit.core.utils.FailedJobError and friends
-            lines = [line for line in str(e).splitlines() if "UserError:" in line or line.startswith("error: ")]
-            detail = lines[-1].split("UserError:", 1)[-1].strip() if lines else f"{type(e).__name__}: {str(e)[:300]}"
-            self.last_error = f"slurm job {job.job_id}: {detail}"
-            return 1
+            results: list[StageResult] = handle.results()  # one per task
+        except Exception as e:  # the task crashed, or the job was cancelled or lost: no result to read
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            return StageResult(1, f"slurm job {handle.job_id}: {type(e).__name__}: {first} (log: {handle.paths.stderr})")
+        failed = next((r for r in results if not r.ok), None)
+        if failed is None:
+            return StageResult(0)
+        return StageResult(failed.code, f"slurm job {handle.job_id}: {failed.error}")
+
+    def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
+        return self.wait(self.submit(stage, config, nprocs, nodes, name=name))

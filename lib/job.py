@@ -17,11 +17,9 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from .errors import UserError
+from .errors import EXIT_USER_ERROR, UserError
 
 C = TypeVar("C")
-
-EXIT_USER_ERROR = 2
 
 
 def _load(cls, argv):
@@ -59,21 +57,27 @@ def agree(error: str | None) -> str | None:
     return next((e for e in errors if e is not None), None)
 
 
-def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> None:
-    failed = False
+def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> str | None:
+    """Load the stage's config from ``argv`` and run it in this process (one rank): its one-line
+    user error (printed by rank 0 as ``error: …``), or None. The process group is gone afterwards,
+    either way. The one path into a stage: ``main`` for processes, ``cluster.slurm``'s tasks."""
     try:
-        cfg = _load(cls, argv)
-        run(cfg)
+        run(_load(cls, argv))
     except UserError as e:
         # Errors reach every rank alike (config checks run everywhere; later ones go through
         # `check`), so rank 0 alone reports.
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
-        failed = True
+        return str(e)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if failed:
+    return None
+
+
+def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> None:
+    """A stage process's ``__main__``: ``execute``, then exit status ``EXIT_USER_ERROR`` on a user error."""
+    if execute(cls, run, argv) is not None:
         # Leave without the interpreter's teardown: native threads (pyarrow's, torch's) still
         # winding down have aborted it now and then ("terminate called…", status -6), which would
         # turn a reported user error into a crash. Everything the stage writes is already closed.

@@ -43,8 +43,8 @@ def record(what: str, **numbers) -> None:
 
 
 def run_stage(stage: str, config, nprocs: int = 1) -> None:
-    code = LocalExecutor().run(stage, config, nprocs)
-    assert code == 0, f"{stage} failed with exit status {code}"
+    result = LocalExecutor().run(stage, config, nprocs)
+    assert result.ok, f"{stage} failed: {result.error}"
 
 
 def _weights(ckpt: str) -> dict[str, torch.Tensor]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shlex
 import types
@@ -11,18 +10,20 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from llamarl.cluster.kubernetes import KubernetesExecutor
+from llamarl.cluster.kubernetes import NOT_APPLIED, KubernetesExecutor, KubernetesOptions
+from llamarl.lib.errors import EXIT_USER_ERROR, UserError
 from llamarl.pipeline import demo
 from llamarl.pipeline.run import run_spec
 from llamarl.pipeline.spec import load_spec
-from llamarl.stages.ppo import PPOConfig
+from llamarl.stages.config import PPOConfig
 
 K8S_VERSION = "1.32"  # the kubectl client on these machines
 
 
-def _executor(**kw):
-    return KubernetesExecutor(image="registry.example/llamarl:1", pvc="runs", mount_path="/shared",
-                              gpus_per_node=8, cpu="32", memory="256Gi", **kw)
+def _executor(apis=(None, None), **options):
+    options = KubernetesOptions(image="registry.example/llamarl:1", pvc="runs", mount_path="/shared", gpus_per_node=8,
+                                cpu=32, memory="256Gi", **{"manifests_dir": "/unused", **options})
+    return KubernetesExecutor(options, batch_api=apis[0], core_api=apis[1])
 
 
 def _config():
@@ -31,16 +32,17 @@ def _config():
 
 
 def test_manifests_validate_against_the_kubernetes_schemas():
-    for obj in _executor().manifests("iter-001/ppo", "ppo", _config(), nprocs=16, nodes=2):
+    for obj in _executor().manifests("ppo", _config(), nprocs=16, nodes=2, name="iter-001/ppo"):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
 def test_rendezvous_and_rank_wiring():
-    service, job = _executor().manifests("iter-001/ppo", "ppo", _config(), nprocs=16, nodes=2)
+    service, job = _executor().manifests("ppo", _config(), nprocs=16, nodes=2, name="iter-001/ppo")
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 2
     pod = spec["template"]["spec"]
     name = job["metadata"]["name"]
+    assert name == "llamarl-iter-001-ppo"
     # headless service selecting exactly this job's pods, named in their subdomain
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == {"job-name": name}
     assert pod["subdomain"] == service["metadata"]["name"]
@@ -52,8 +54,8 @@ def test_rendezvous_and_rank_wiring():
     assert args["--node_rank"] == "${JOB_COMPLETION_INDEX}"  # expanded by bash in each pod
     assert args["--master_addr"] == f"{name}-0.{service['metadata']['name']}"
     assert argv[argv.index("-m") + 1] == "llamarl.stages.ppo"
-    assert json.loads(argv[argv.index("--config-json") + 1]) == json.loads(json.dumps(dataclasses.asdict(_config())))
-    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert json.loads(argv[argv.index("--config-json") + 1]) == _config().to_json()
+    assert pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 8}, "requests": {"cpu": "32", "memory": "256Gi"}}
     assert {"name": "NCCL_NVLS_ENABLE", "value": "0"} in pod["containers"][0]["env"]
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "runs"
     rules = spec["podFailurePolicy"]["rules"]
@@ -62,15 +64,13 @@ def test_rendezvous_and_rank_wiring():
 
 
 def test_uneven_spread_is_a_clear_error():
-    from llamarl.lib.errors import UserError
-
     with pytest.raises(UserError, match="16 processes do not spread evenly over 3 nodes"):
-        _executor().manifests("x", "ppo", _config(), nprocs=16, nodes=3)
+        _executor().manifests("ppo", _config(), nprocs=16, nodes=3)
 
 
 class _FakeBatch:
-    def __init__(self, outcome):
-        self.created, self.reads, self.outcome = [], 0, outcome
+    def __init__(self, outcome, reason):
+        self.created, self.reads, self.outcome, self.reason = [], 0, outcome, reason
 
     def create_namespaced_job(self, namespace, body):
         self.created.append((namespace, body))
@@ -79,7 +79,7 @@ class _FakeBatch:
         self.reads += 1
         conditions = []
         if self.reads >= 3:
-            conditions = [types.SimpleNamespace(type=self.outcome, status="True", reason="R", message="M")]
+            conditions = [types.SimpleNamespace(type=self.outcome, status="True", reason=self.reason, message="M")]
         return types.SimpleNamespace(status=types.SimpleNamespace(conditions=conditions))
 
 
@@ -91,15 +91,34 @@ class _FakeCore:
         self.created.append((namespace, body))
 
 
-@pytest.mark.parametrize("outcome,code", [("Complete", 0), ("Failed", 1)])
-def test_apply_creates_service_and_job_and_follows_it(outcome, code):
-    batch, core = _FakeBatch(outcome), _FakeCore()
-    ex = _executor(apply=True, namespace="rl", batch_api=batch, core_api=core, poll_s=0)
-    assert ex.run("ppo", _config(), 16, nodes=2) == code
+def test_render_is_the_manifests_yaml():
+    text = _executor().render("ppo", _config(), nprocs=16, nodes=2, name="iter-001/ppo")
+    assert list(yaml.safe_load_all(text)) == _executor().manifests("ppo", _config(), 16, 2, name="iter-001/ppo")
+
+
+@pytest.mark.parametrize("outcome,reason,code", [("Complete", None, 0), ("Failed", "BackoffLimitExceeded", 1),
+                                                 ("Failed", "PodFailurePolicy", EXIT_USER_ERROR)])
+def test_apply_creates_service_and_job_and_follows_it(outcome, reason, code):
+    batch, core = _FakeBatch(outcome, reason), _FakeCore()
+    ex = _executor(apis=(batch, core), apply=True, namespace="rl", poll_s=0.001)
+    assert ex.launches
+    result = ex.run("ppo", _config(), 16, nodes=2, name="iter-001/ppo")
     assert core.created[0][0] == "rl" and core.created[0][1]["kind"] == "Service"
     assert batch.created[0][1]["kind"] == "Job" and batch.reads == 3
+    assert batch.created[0][1]["metadata"]["name"].startswith("llamarl-iter-001-ppo-")  # unique per submission
+    assert result.code == code
     if code:
-        assert "failed: R: M" in ex.last_error
+        assert result.error == f"job {batch.created[0][1]['metadata']['name']} failed: {reason}: M"
+
+
+def test_without_apply_submit_writes_the_manifests_and_nothing_runs(tmp_path):
+    ex = _executor(manifests_dir=str(tmp_path))
+    assert not ex.launches
+    first = ex.submit("ppo", _config(), 16, nodes=2, name="iter-001/ppo")
+    result = ex.wait(ex.submit("ppo", _config(), 16, nodes=2, name="iter-002/ppo"))
+    assert first == f"{tmp_path}/00-iter-001-ppo.yaml"
+    assert result.code == NOT_APPLIED and result.error.startswith(f"manifests written to {tmp_path}/01-iter-002-ppo.yaml")
+    assert list(yaml.safe_load_all(open(first))) == ex.manifests("ppo", _config(), 16, 2, name="iter-001/ppo")
 
 
 def test_pipeline_renders_every_stage_without_apply(tmp_path):
@@ -109,7 +128,8 @@ def test_pipeline_renders_every_stage_without_apply(tmp_path):
     (tmp_path / "k8s.yaml").write_text(yaml.safe_dump(data))
     spec = load_spec(str(tmp_path / "k8s.yaml"))
     report = run_spec(spec, echo=lambda m: None)
-    assert len(report) == 12 and all(what.startswith("manifest ") for _, what in report)
+    assert len(report) == 12 and all(what.startswith("written ") for _, what in report)
+    assert report[0] == ("shard/actor", f"written {spec.run_dir}/pipeline/k8s/00-shard-actor.yaml")
     for _, what in report:
         for obj in yaml.safe_load_all(open(what.split(" ", 1)[1])):
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)

@@ -9,17 +9,23 @@ from __future__ import annotations
 import glob
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import yaml
 
 import slurm_cluster
+from llamarl.cluster.executor import make_executor
+from llamarl.cluster.slurm import agree_on_port
 from llamarl.lib import publish
+from llamarl.lib.errors import EXIT_USER_ERROR
 from llamarl.pipeline import demo
 from llamarl.pipeline.spec import load_spec
+from llamarl.stages.config import ShardConfig
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +35,49 @@ def cluster(tmp_path_factory):
     c = slurm_cluster.Cluster(str(tmp_path_factory.mktemp("slurm"))).start()
     yield c
     c.stop()
+
+
+def test_tasks_agree_on_a_master_port_free_on_the_master(tmp_path):
+    # The port submitit would take (seeded by the job id) busy on the master node: the tasks
+    # must agree on another, free one.
+    with socket.create_server(("", 0)) as busy:
+        taken = busy.getsockname()[1]
+        ports: dict[int, int] = {}
+        others = [threading.Thread(target=lambda r=r: ports.__setitem__(r, agree_on_port(str(tmp_path), r, "0")))
+                  for r in (1, 2, 3)]
+        for t in others:
+            t.start()
+        time.sleep(0.3)  # the others start first and wait for rank 0
+        ports[0] = agree_on_port(str(tmp_path), 0, "0")
+        for t in others:
+            t.join(timeout=10)
+    assert len(set(ports.values())) == 1 and len(ports) == 4 and ports[0] != taken
+    with socket.create_server(("", ports[0])):  # free indeed
+        pass
+
+
+def test_a_requeued_job_never_reads_its_previous_attempts_port(tmp_path):
+    (tmp_path / "master_port.0").write_text("43107")
+    with pytest.raises(RuntimeError, match="rank 0 published no master port within 0 s"):
+        agree_on_port(str(tmp_path), 1, "1", timeout_s=0.2)
+    port = agree_on_port(str(tmp_path), 0, "1")
+    assert agree_on_port(str(tmp_path), 1, "1") == port
+    assert agree_on_port(str(tmp_path), 2, "0") == 43107
+
+
+def test_a_user_error_comes_back_as_the_result(cluster, tmp_path):
+    ex = make_executor("slurm", {"timeout_min": 5}, str(tmp_path), "test")
+    cfg = ShardConfig(src=str(tmp_path / "no-such-model"), dst=str(tmp_path / "out"), tp=2)
+    env = os.environ.copy()
+    os.environ["SLURM_CONF"] = cluster.conf
+    try:
+        result = ex.run("shard", cfg, nprocs=2)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    assert result.code == EXIT_USER_ERROR, result
+    assert result.error.endswith(f": {tmp_path}/no-such-model/config.json not found; point SRC at an HF checkpoint directory")
+    assert result.error.startswith("slurm job ")
 
 
 def _spec(tmp_path) -> str:
@@ -58,7 +107,7 @@ def test_pipeline_through_submitit_with_a_requeued_stage(cluster, tmp_path):
     parts_dir = os.path.join(run_dir, "iter-001", "rollout", "parts")
     deadline, job_id, requeued_after = time.monotonic() + 600, None, None
     while time.monotonic() < deadline and proc.poll() is None:
-        running = [j for j in _squeue(cluster, "llamarl-rollout") if j[2] == "RUNNING"]
+        running = [j for j in _squeue(cluster, "llamarl-iter-001-rollout") if j[2] == "RUNNING"]
         parts = glob.glob(os.path.join(parts_dir, "part-*.parquet"))
         if running and len(parts) >= 2:
             job_id = running[0][0]

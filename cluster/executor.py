@@ -1,0 +1,112 @@
+"""The one interface of the executors (local, slurm, kubernetes): submit a stage, wait, report.
+
+A stage is ``llamarl.stages.<stage>`` run with its config on ``nprocs`` processes spread evenly
+over ``nodes`` machines, every process given torchrun's environment. What an executor is built
+from — its options — is a pydantic model validated when the run spec is loaded (``validate_options``),
+so a misspelt option fails before any stage; what it learns while running (jobs, counters, API
+clients) lives on the executor object and no spec can set it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from llamarl.lib.errors import UserError
+
+
+@dataclass(frozen=True)
+class StageResult:
+    code: int
+    """The stage's exit status: 0, ``EXIT_USER_ERROR`` (a user error, in ``error``), or another failure."""
+    error: str | None = None
+    """Why it failed, in one line (the stage's own ``error: …`` where it reported one); None when ok."""
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+
+class Executor(Protocol):
+    launches: bool
+    """False for an executor that only writes what it would launch (kubernetes without ``apply``):
+    ``submit`` then returns where it wrote it, and the pipeline writes every stage and runs none."""
+
+    def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> Any:
+        """Start the stage and return a handle for ``wait``. ``name`` (default: the stage) names
+        the job where the cluster shows one; the pipeline passes the node, e.g. iter-001/rollout."""
+        ...
+
+    def wait(self, handle: Any) -> StageResult:
+        """Block until the stage submitted as ``handle`` has ended."""
+        ...
+
+    def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
+        """``wait(submit(...))``."""
+        ...
+
+    def render(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
+        """What ``submit`` would launch, as text (for dry runs); starts and writes nothing."""
+        ...
+
+
+def stage_args(stage: str, config: Any) -> list[str]:
+    """The Python arguments of a stage process: ``-m llamarl.stages.STAGE --config-json JSON``."""
+    return ["-m", f"llamarl.stages.{stage}", "--config-json", json.dumps(config.to_json())]
+
+
+def stage_command(stage: str, config: Any) -> list[str]:
+    return [sys.executable, *stage_args(stage, config)]
+
+
+def per_node(nprocs: int, nodes: int) -> int:
+    """Processes on each node; a UserError where they do not spread evenly."""
+    if nprocs < 1 or nodes < 1:
+        raise UserError(f"{nprocs} processes on {nodes} nodes: a stage needs at least one of each")
+    if nprocs % nodes:
+        raise UserError(f"{nprocs} processes do not spread evenly over {nodes} nodes")
+    return nprocs // nodes
+
+
+KINDS = ("local", "slurm", "kubernetes")
+
+
+def _classes(kind: str, source: str) -> tuple[type[BaseModel], type]:
+    # Imported on demand: a spec naming one executor loads neither of the others.
+    if kind == "local":
+        from .local import LocalExecutor, LocalOptions
+
+        return LocalOptions, LocalExecutor
+    if kind == "slurm":
+        from .slurm import SlurmExecutor, SlurmOptions
+
+        return SlurmOptions, SlurmExecutor
+    if kind == "kubernetes":
+        from .kubernetes import KubernetesExecutor, KubernetesOptions
+
+        return KubernetesOptions, KubernetesExecutor
+    raise UserError(f"{source}: {kind!r} is no executor kind; use one of {', '.join(KINDS)}")
+
+
+def validate_options(kind: str, options: dict, source: str) -> BaseModel:
+    """The options of a ``kind`` executor, checked; otherwise a one-line UserError naming
+    ``source`` (where the options are, e.g. ``spec.yaml: executor.options``) and the field."""
+    from llamarl.stages.config import validate
+
+    options_class, _ = _classes(kind, source)
+    return validate(options_class, options, source)
+
+
+def make_executor(kind: str, options: dict, run_dir: str, source: str) -> Executor:
+    """The executor of ``kind`` with ``options`` for the run in ``run_dir`` (whose folders hold
+    what the cluster executors write: ``pipeline/slurm``, ``pipeline/k8s``)."""
+    _, executor_class = _classes(kind, source)
+    checked = validate_options(kind, options, source)
+    defaults = {"slurm": {"folder": f"{run_dir}/pipeline/slurm"},
+                "kubernetes": {"manifests_dir": f"{run_dir}/pipeline/k8s"}}.get(kind, {})
+    unset = {k: v for k, v in defaults.items() if getattr(checked, k) is None}
+    return executor_class(checked.model_copy(update=unset))

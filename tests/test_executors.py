@@ -1,0 +1,137 @@
+"""The Executor protocol: results with the stage's one-line error, render, option validation."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+import pytest
+import yaml
+
+from llamarl.cluster.executor import StageResult, make_executor, validate_options
+from llamarl.cluster.local import LocalExecutor, LocalOptions
+from llamarl.lib.errors import EXIT_USER_ERROR, UserError
+from llamarl.stages.config import ShardConfig
+
+
+def _shard(tmp_path) -> ShardConfig:
+    return ShardConfig(src=str(tmp_path / "no-such-model"), dst=str(tmp_path / "out"), tp=2)
+
+
+def test_local_result_carries_the_stages_one_line_error(tmp_path):
+    result = LocalExecutor().run("shard", _shard(tmp_path), nprocs=2)
+    assert result.code == EXIT_USER_ERROR and not result.ok
+    assert result.error == f"{tmp_path}/no-such-model/config.json not found; point SRC at an HF checkpoint directory"
+
+
+class _Scripted(LocalExecutor):
+    """Runs a Python one-liner in place of the stage: the executor's bookkeeping, without torch."""
+
+    def __init__(self, script: str, **options):
+        super().__init__(LocalOptions(**options))
+        self.script = script
+
+    def command(self, stage, config):
+        return [sys.executable, "-c", self.script]
+
+
+def test_local_crash_without_an_error_line_reports_its_status(tmp_path):
+    result = _Scripted("import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)").run("shard", _shard(tmp_path), 2)
+    assert result == StageResult(3, "exit status 3")
+
+
+def test_local_stops_the_others_after_a_failure(tmp_path):
+    script = "import os, sys, time; sys.exit(1) if os.environ['RANK'] == '1' else time.sleep(60)"
+    result = _Scripted(script, grace_s=0.2).run("shard", _shard(tmp_path), 2)
+    assert not result.ok and result.error.startswith("exit status")
+
+
+def test_local_success_is_ok(tmp_path):
+    assert _Scripted("pass").run("shard", _shard(tmp_path), 2) == StageResult(0, None)
+
+
+def test_local_render_is_each_process_with_its_environment(tmp_path):
+    cfg = _shard(tmp_path)
+    lines = LocalExecutor(LocalOptions(threads_per_process=4)).render("shard", cfg, nprocs=2).splitlines()
+    assert lines[0].startswith("# shard: 2 process(es)")
+    for rank, line in enumerate(lines[1:]):
+        words = shlex.split(line)
+        env = dict(w.split("=", 1) for w in words[:words.index(sys.executable)])
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
+        assert env["OMP_NUM_THREADS"] == "4"
+        assert json.loads(words[words.index("--config-json") + 1]) == cfg.to_json()
+    assert len(lines) == 3
+
+
+def test_local_runs_on_one_node_only(tmp_path):
+    with pytest.raises(UserError, match="local executor runs on this machine only"):
+        LocalExecutor().render("shard", _shard(tmp_path), nprocs=2, nodes=2)
+
+
+def test_slurm_render_shows_the_job_parameters_and_the_tasks_command(tmp_path):
+    ex = make_executor("slurm", {"partition": "gpu", "account": "rl", "gpus_per_node": 8,
+                                 "additional": {"qos": "high"}}, "/runs/r", "spec.yaml: executor.options")
+    text = ex.render("rollout", _shard(tmp_path), nprocs=16, nodes=2, name="iter-001/rollout")
+    assert "# a submitit job in /runs/r/pipeline/slurm/%j" in text
+    for line in ("nodes: 2", "tasks_per_node: 8", "gpus_per_node: 8", "slurm_partition: gpu",
+                 "name: llamarl-iter-001-rollout", "  account: rl", "  qos: high"):
+        assert line in text.splitlines(), line
+    assert text.splitlines()[-1].startswith("python -m llamarl.stages.rollout --config-json ")
+    with pytest.raises(UserError, match="16 processes do not spread evenly over 3 nodes"):
+        ex.render("rollout", _shard(tmp_path), nprocs=16, nodes=3)
+
+
+def test_cluster_folders_default_to_the_run_directory():
+    assert make_executor("slurm", {}, "/runs/r", "x").options.folder == "/runs/r/pipeline/slurm"
+    assert make_executor("slurm", {"folder": "/s"}, "/runs/r", "x").options.folder == "/s"
+    k8s = make_executor("kubernetes", {"image": "i", "pvc": "p"}, "/runs/r", "x")
+    assert k8s.options.manifests_dir == "/runs/r/pipeline/k8s" and not k8s.launches
+    assert make_executor("local", {}, "/runs/r", "x").launches
+
+
+@pytest.mark.parametrize("kind,options,message", [
+    ("local", {"threads": 2},
+     "spec.yaml: executor.options: threads: unknown option; valid options: threads_per_process, grace_s"),
+    ("local", {"threads_per_process": 0},
+     "spec.yaml: executor.options: threads_per_process=0: Input should be greater than or equal to 1"),
+    ("slurm", {"timeout_min": "soon"},
+     "spec.yaml: executor.options: timeout_min='soon': Input should be a valid integer, unable to parse string as an integer"),
+    ("slurm", {"last_error": "x"}, "spec.yaml: executor.options: last_error: unknown option; valid options: folder, "),
+    ("kubernetes", {"image": "i"}, "spec.yaml: executor.options: pvc: required, not given"),
+    ("kubernetes", {"image": "i", "pvc": "p", "master_port": 70000},
+     "spec.yaml: executor.options: master_port=70000: Input should be less than or equal to 65535"),
+    ("lokal", {}, "spec.yaml: executor.options: 'lokal' is no executor kind; use one of local, slurm, kubernetes"),
+])
+def test_bad_options_are_one_line_errors_naming_the_field(kind, options, message):
+    with pytest.raises(UserError) as e:
+        validate_options(kind, options, "spec.yaml: executor.options")
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="^spec.yaml: executor.options: "):
+        make_executor(kind, options, "/runs/r", "spec.yaml: executor.options")
+
+
+def test_options_documented():
+    from llamarl.cluster.kubernetes import KubernetesOptions
+    from llamarl.cluster.slurm import SlurmOptions
+
+    for model in (LocalOptions, SlurmOptions, KubernetesOptions):
+        undocumented = [name for name, f in model.model_fields.items() if not f.description]
+        assert not undocumented, (model.__name__, undocumented)
+
+
+def test_the_pipeline_records_a_failed_stage_with_its_one_line_error(tmp_path):
+    from llamarl.pipeline import demo
+    from llamarl.pipeline.run import PipelineError, build_dag, read_record, run_spec
+    from llamarl.pipeline.spec import load_spec
+
+    data = yaml.safe_load(open(demo.make_inputs(str(tmp_path))))
+    (tmp_path / "empty").mkdir()
+    data.update(name="broken", actor=str(tmp_path / "empty"))
+    (tmp_path / "broken.yaml").write_text(yaml.safe_dump(data))
+    spec = load_spec(str(tmp_path / "broken.yaml"))
+    error = f"{tmp_path}/empty/config.json not found; point SRC at an HF checkpoint directory"
+    with pytest.raises(PipelineError, match=f"stage shard/actor failed \\({error}\\)"):
+        run_spec(spec, echo=lambda m: None)
+    shard_actor = build_dag(spec)[0]
+    assert shard_actor.name == "shard/actor" and read_record(spec.run_dir, shard_actor)["error"] == error
