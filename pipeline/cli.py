@@ -96,9 +96,9 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
 def _run_local(stage: str, config, nprocs: int) -> None:
     from llamarl.cluster.local import LocalExecutor
 
-    code = LocalExecutor().run(stage, config, nprocs)
-    if code:
-        raise typer.Exit(code)
+    result = LocalExecutor().run(stage, config, nprocs)
+    if not result.ok:  # the stage has printed its error
+        raise typer.Exit(result.code)
 
 
 @stage_app.command("shard")

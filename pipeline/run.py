@@ -28,6 +28,7 @@ from typing import Callable
 
 import fsspec
 
+from llamarl.cluster.executor import Executor, make_executor
 from llamarl.lib import publish
 from llamarl.lib.errors import UserError
 from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
@@ -187,24 +188,8 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
 # ---- running ---------------------------------------------------------------------------------------------
 
 
-def executor_for(spec: RunSpec):
-    kind, options = spec.executor.kind, dict(spec.executor.options)
-    try:
-        if kind == "local":
-            from llamarl.cluster.local import LocalExecutor
-
-            return LocalExecutor(**options)
-        if kind == "slurm":
-            from llamarl.cluster.slurm import SlurmExecutor
-
-            return SlurmExecutor(folder=options.pop("folder", f"{spec.run_dir}/pipeline/slurm"), **options)
-        if kind == "kubernetes":
-            from llamarl.cluster.kubernetes import KubernetesExecutor
-
-            return KubernetesExecutor(manifests_dir=options.pop("manifests_dir", f"{spec.run_dir}/pipeline/k8s"), **options)
-    except TypeError as e:
-        raise PipelineError(f"executor options: {e}") from None
-    raise PipelineError(f"executor {kind!r}: use local, slurm or kubernetes")
+def executor_for(spec: RunSpec) -> Executor:
+    return make_executor(spec.executor.kind, spec.executor.options, spec.run_dir, f"{spec.source}: executor.options")
 
 
 def run_spec(spec: RunSpec, *, dry_run: bool = False, echo=print) -> list[tuple[str, str]]:
@@ -231,13 +216,12 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo)
     run, report = spec.run_dir, []
     publish.write_bytes(f"{run}/pipeline/spec.yaml", spec.to_yaml().encode())
     executor = executor_for(spec)
-    if spec.executor.kind == "kubernetes" and not executor.apply:
-        # Render every stage's Job; applying them in order (or `apply: true`) runs the pipeline.
-        for i, n in enumerate(nodes):
-            url = executor._write(f"{i:02d}-{n.name.replace('/', '-')}",
-                                  executor.manifests(n.name.replace("/", "-"), n.stage, n.make_config(), n.nprocs, n.layout.nodes))
-            report.append((n.name, f"manifest {url}"))
-            echo(f"[{n.name}] manifest written: {url}")
+    if not executor.launches:
+        # Nothing runs here: every stage is written, and applying them in order runs the pipeline.
+        for n in nodes:
+            where = executor.submit(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name)
+            report.append((n.name, f"written {where}"))
+            echo(f"[{n.name}] written: {where}")
         return report
     for n in nodes:
         done, why = assess(run, n, by_name, set())
@@ -251,11 +235,10 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo)
         echo(f"[{n.name}] running {n.stage} on {n.nprocs} process(es): {why}")
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         write_record(run, n, status="running", started=started, error=None, key=None)
-        code = executor.run(n.stage, n.make_config(), n.nprocs, nodes=n.layout.nodes)
-        if code != 0:
-            error = getattr(executor, "last_error", None) or f"exit status {code}"
-            write_record(run, n, status="failed", error=error, finished=None)
-            raise PipelineError(f"stage {n.name} failed ({error}); fix it and rerun `llamarl run` — finished stages are kept")
+        result = executor.run(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name)
+        if not result.ok:
+            write_record(run, n, status="failed", error=result.error, finished=None)
+            raise PipelineError(f"stage {n.name} failed ({result.error}); fix it and rerun `llamarl run` — finished stages are kept")
         write_record(run, n, status="done", key=node_key(n, by_name), output_id=published_id(n.out),
                      external=_fingerprints(n),
                      finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), error=None)

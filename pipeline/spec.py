@@ -28,6 +28,7 @@ import fsspec
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from llamarl.cluster.executor import validate_options
 from llamarl.lib.errors import UserError
 from llamarl.stages.config import (Count, ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, options_model,
                                    validate)
@@ -73,6 +74,15 @@ class ExecutorSpec(_Strict):
                                                             "slurm: partition, account, timeout_min, gpus_per_node, …; "
                                                             "kubernetes: image, namespace, pvc, …), see "
                                                             "docs/pipeline.md.")
+
+    @model_validator(mode="after")
+    def _options_of_the_kind(self):
+        # Checked by the executor's own model now, not when the first stage is submitted.
+        try:
+            validate_options(self.kind, self.options, "options")
+        except UserError as e:
+            raise ValueError(str(e)) from None
+        return self
 
 
 class RunSpec(_Strict):
