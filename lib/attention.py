@@ -1,4 +1,6 @@
-"""Causal self-attention over a batch described either as padded rows or as packed sequences.
+"""Causal self-attention, and the metadata that says how a batch's tokens form sequences.
+
+The attention metadata (``AttentionMetadata``, as vLLM and flash-attn users know it) is one of:
 
 * ``Padded``: tokens are ``batch × seqlen`` rows with a key-padding mask (SDPA with a mask).
 * ``Packed``: the valid tokens of all sequences back to back, delimited by ``cu_seqlens``
@@ -93,43 +95,44 @@ class Decode:
         return len(self.lengths)
 
 
-Layout = Padded | Packed | Prefill | Decode
+AttentionMetadata = Padded | Packed | Prefill | Decode
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, layer: int | None = None) -> torch.Tensor:
-    """``layer`` (the global decoder-layer index) selects the cache of cached layouts."""
-    if isinstance(layout, Padded):
-        return _padded_sdpa(q, k, v, layout)
-    if isinstance(layout, Prefill):
-        layout.cache.k[layer][layout.slot, :, layout.pos] = k
-        layout.cache.v[layer][layout.slot, :, layout.pos] = v
-    if isinstance(layout, Decode):
-        return _decode_attention(q, k, v, layout, layer)
-    return varlen_attention(q, k, v, layout.cu_seqlens, layout.max_seqlen)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+              layer: int | None = None) -> torch.Tensor:
+    """``layer`` (the global decoder-layer index) selects the KV cache of ``Prefill`` and ``Decode``."""
+    if isinstance(meta, Padded):
+        return _padded_sdpa(q, k, v, meta)
+    if isinstance(meta, Prefill):
+        meta.cache.k[layer][meta.slot, :, meta.pos] = k
+        meta.cache.v[layer][meta.slot, :, meta.pos] = v
+    if isinstance(meta, Decode):
+        return _decode_attention(q, k, v, meta, layer)
+    return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen)
 
 
-def _decode_attention(q, k, v, layout: Decode, layer: int) -> torch.Tensor:
+def _decode_attention(q, k, v, meta: Decode, layer: int) -> torch.Tensor:
     """Store the new keys/values, then attend each query over its own slot's cache, in place.
 
     Two batched matmuls over ``[slots, kv_heads, ...]``: the query heads of one kv head are the
     rows of one matrix (GQA without repeating keys), and the keys are read where they lie — no
     gather, no copy. Scores and softmax in fp32, as the fused kernels do."""
-    kc, vc = layout.cache.k[layer], layout.cache.v[layer]
-    slots = torch.arange(len(layout.lengths), device=q.device)
-    kc[slots, :, layout.lengths] = k
-    vc[slots, :, layout.lengths] = v
-    keys, values = kc[:, :, : layout.span], vc[:, :, : layout.span]  # [B, kv, span, d] views
+    kc, vc = meta.cache.k[layer], meta.cache.v[layer]
+    slots = torch.arange(len(meta.lengths), device=q.device)
+    kc[slots, :, meta.lengths] = k
+    vc[slots, :, meta.lengths] = v
+    keys, values = kc[:, :, : meta.span], vc[:, :, : meta.span]  # [B, kv, span, d] views
     b, heads, d = q.shape
     kv = keys.shape[1]
     scores = torch.matmul(q.view(b, kv, heads // kv, d), keys.transpose(-1, -2)).float() * d**-0.5
-    allowed = torch.arange(layout.span, device=q.device)[None, :] <= layout.lengths[:, None]
+    allowed = torch.arange(meta.span, device=q.device)[None, :] <= meta.lengths[:, None]
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     out = torch.matmul(scores.softmax(-1).to(q.dtype), values)  # [B, kv, heads / kv, d]
     return out.reshape(b, heads, d)
 
 
-def _padded_sdpa(q, k, v, layout: Padded) -> torch.Tensor:
-    b, s = layout.mask.shape
+def _padded_sdpa(q, k, v, meta: Padded) -> torch.Tensor:
+    b, s = meta.mask.shape
     n = b * s
 
     def rows(t):  # [n, h, d] -> [b, h, s, d]
@@ -138,7 +141,7 @@ def _padded_sdpa(q, k, v, layout: Padded) -> torch.Tensor:
     causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     # A padding query may see no key at all (left padding): let it see itself, so its (ignored)
     # output stays finite instead of NaN, which would poison gradients through 0 * NaN.
-    allowed = causal & (layout.mask[:, None, None, :] | torch.eye(s, dtype=torch.bool, device=q.device))
+    allowed = causal & (meta.mask[:, None, None, :] | torch.eye(s, dtype=torch.bool, device=q.device))
     out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), attn_mask=allowed, enable_gqa=True)
     out = out.transpose(1, 2).reshape(n, *q.shape[1:])
     if q.shape[0] > n:

@@ -19,7 +19,7 @@ from .attention import Packed, Padded
 class TokenBatch:
     input_ids: torch.Tensor  # [N] long
     positions: torch.Tensor  # [N] long
-    layout: Padded | Packed
+    meta: Padded | Packed  # how the tokens form sequences, for attention
     mask: torch.Tensor  # [B, S] bool, True at real tokens
     valid_index: torch.Tensor | None  # packed: flat index into B*S of each packed token
     num_real: int  # tokens before sequence-parallel padding
@@ -56,17 +56,17 @@ class TokenBatch:
                 # stays finite whatever the backend does with tokens outside cu_seqlens.
                 cu = torch.cat([cu, cu.new_tensor([n + pad])])
                 max_len = max(max_len, pad)
-            layout = Packed(cu, max_len)
+            meta = Packed(cu, max_len)
         else:
             valid_index = None
             ids, pos = input_ids.flatten(), position_ids.flatten()
             n = ids.numel()
             pad = -n % pad_to_multiple
-            layout = Padded(mask)
+            meta = Padded(mask)
         if pad:
             ids = torch.cat([ids, ids.new_zeros(pad)])
             pos = torch.cat([pos, pos.new_zeros(pad)])
-        return cls(ids, pos, layout, mask, valid_index, n)
+        return cls(ids, pos, meta, mask, valid_index, n)
 
     @property
     def num_tokens(self) -> int:
@@ -83,13 +83,13 @@ class TokenBatch:
         pad = self.num_tokens - x.shape[0]
         return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
 
-    def to_padded(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-        """Per-token results ``[N, ...]`` back to ``[B, S, ...]``; padding positions get ``fill``."""
+    def to_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token results ``[N, ...]`` back to ``[B, S, ...]``; padding positions get 0."""
         b, s = self.shape
         x = x[: self.num_real]
         if self.valid_index is None:
             return x.reshape(b, s, *x.shape[1:])
-        out = x.new_full((b * s, *x.shape[1:]), fill)
+        out = x.new_zeros((b * s, *x.shape[1:]))
         out = out.index_copy(0, self.valid_index, x)
         return out.view(b, s, *x.shape[1:])
 
@@ -102,4 +102,4 @@ class TokenBatch:
             raise ValueError("a row of attention_mask has no real token; every sequence needs at least one")
         if self.valid_index is None:
             return torch.arange(b, device=last_col.device) * s + last_col
-        return self.layout.cu_seqlens[1 : b + 1].long() - 1
+        return self.meta.cu_seqlens[1 : b + 1].long() - 1

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
-from . import parallel
 from .attention import Decode, KVCache, Prefill
+from .model import ParallelLlamaForCausalLM
+from .parallel import group_size
 
 
 @dataclass(frozen=True)
@@ -55,16 +57,16 @@ class Completion:
 class _Step:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    layout: Prefill | Decode
+    meta: Prefill | Decode
 
 
-def gather_vocab(local_logits: torch.Tensor) -> torch.Tensor:
+def gather_vocab(local_logits: torch.Tensor, tp_group: ProcessGroup | None) -> torch.Tensor:
     """``[rows, vocab / tp]`` → ``[rows, padded vocab]`` (sampling rows only)."""
-    topo = parallel.topology()
-    if topo.tp == 1:
+    tp = group_size(tp_group)
+    if tp == 1:
         return local_logits
-    parts = [torch.empty_like(local_logits) for _ in range(topo.tp)]
-    dist.all_gather(parts, local_logits.contiguous(), group=parallel.tp_group())
+    parts = [torch.empty_like(local_logits) for _ in range(tp)]
+    dist.all_gather(parts, local_logits.contiguous(), group=tp_group)
     return torch.cat(parts, dim=-1)
 
 
@@ -97,8 +99,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None,
-             *, max_batch: int = 64, on_tokens=None) -> list[Completion]:
+def generate(model: ParallelLlamaForCausalLM, prompts: list[list[int]], params: SamplingParams,
+             generator: torch.Generator | None = None, *, max_batch: int = 64, on_tokens=None) -> list[Completion]:
     """Complete every prompt (a list of token ids). ``on_tokens(n)`` reports progress."""
     params.check()
     out: list[Completion | None] = [None] * len(prompts)
@@ -110,7 +112,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, generator:
     return out
 
 
-def _generate_batch(model, prompts, params, generator, on_tokens, check_every: int = 16) -> list[Completion]:
+def _generate_batch(model: ParallelLlamaForCausalLM, prompts, params, generator, on_tokens,
+                    check_every: int = 16) -> list[Completion]:
     """Every slot decodes every step (static shapes: the steps differ only in their values), and
     tokens, log-probs and stop flags stay on the device: the host looks every ``check_every`` steps
     (progress, all stopped?) and reads the results once at the end. A finished sequence's slot runs
@@ -137,7 +140,7 @@ def _generate_batch(model, prompts, params, generator, on_tokens, check_every: i
     made = torch.zeros(n, dtype=torch.long, device=dev)  # tokens each sequence really generated
     lengths, reported = lens.clone(), 0
     for t in range(max_new):
-        tokens, logps = sample(gather_vocab(logits), params, generator)
+        tokens, logps = sample(gather_vocab(logits, model.tp_group), params, generator)
         out_tokens[:, t], out_logps[:, t] = tokens, logps
         made += live
         live &= ~torch.isin(tokens, stop)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
@@ -182,8 +182,3 @@ def scatter_local(cfg: LlamaConfig, tp: int, tp_rank: int, name: str, local: tor
         stop = min(s.stop, full[s.dim])
         if stop > s.start:
             out[s.hf_name].narrow(s.dim, s.start, stop - s.start).copy_(part.narrow(s.dim, 0, stop - s.start))
-
-
-def hf_names_for(cfg: LlamaConfig, tp: int, names: Iterable[str]) -> set[str]:
-    """The HF tensors that the parameters ``names`` are cut from."""
-    return {s.hf_name for n in names for r in range(tp) for s in param_slices(cfg, tp, r, n)}

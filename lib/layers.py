@@ -7,7 +7,9 @@ scatters them after.
 Why not megatron-core's ColumnParallelLinear/RowParallelLinear: they hard-wire their
 communication (the row layer always all-reduces or, under SP, reduce-scatters into a CUDA
 buffer), so SP would not run on gloo. Ours hold the same shards and call the mappings in
-``mappings.py`` explicitly: one code path for CPU and GPU.
+``mappings.py`` explicitly: one code path for CPU and GPU. Each layer is built with its TP group
+(``tp_group``) and whether tokens are split between blocks (``sequence_parallel``), and passes the
+group to every mapping it calls.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
-from . import mappings, parallel
+from . import mappings
 from .config import LlamaConfig
+from .parallel import group_rank, group_size
 
 
 class ColumnParallelLinear(nn.Module):
@@ -28,21 +32,24 @@ class ColumnParallelLinear(nn.Module):
     Input: replicated tokens (``copy_to_tp``: gradient summed over TP) or, under SP, this rank's
     slice of the tokens (gathered first)."""
 
-    def __init__(self, in_features: int, out_per_rank: int, *, bias: bool, sequence_parallel: bool,
-                 dtype: torch.dtype | None = None):
+    def __init__(self, in_features: int, out_per_rank: int, *, bias: bool, tp_group: ProcessGroup | None,
+                 sequence_parallel: bool, dtype: torch.dtype | None = None):
         super().__init__()
-        self.sequence_parallel = sequence_parallel
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_per_rank, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_per_rank, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(column_input(x, self.sequence_parallel), self.weight, self.bias)
+        return F.linear(self.gather_input(x), self.weight, self.bias)
+
+    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
+        return column_input(x, self.tp_group, self.sequence_parallel)
 
 
-def column_input(x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+def column_input(x: torch.Tensor, tp_group: ProcessGroup | None, sequence_parallel: bool) -> torch.Tensor:
     """The input of column-parallel work: all tokens gathered under SP (gradient
     reduce-scattered), else the replicated tokens (gradient summed over TP)."""
-    return mappings.gather_from_sp(x) if sequence_parallel else mappings.copy_to_tp(x)
+    return mappings.gather_from_sp(x, tp_group) if sequence_parallel else mappings.copy_to_tp(x, tp_group)
 
 
 class RowParallelLinear(nn.Module):
@@ -50,32 +57,37 @@ class RowParallelLinear(nn.Module):
     (or, under SP, reduce-scattered to this rank's tokens). The bias, replicated, is added once
     after the sum."""
 
-    def __init__(self, in_per_rank: int, out_features: int, *, bias: bool, sequence_parallel: bool,
-                 dtype: torch.dtype | None = None):
+    def __init__(self, in_per_rank: int, out_features: int, *, bias: bool, tp_group: ProcessGroup | None,
+                 sequence_parallel: bool, dtype: torch.dtype | None = None):
         super().__init__()
-        self.sequence_parallel = sequence_parallel
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_per_rank, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        y = mappings.reduce_scatter_to_sp(y) if self.sequence_parallel else mappings.reduce_from_tp(y)
+        y = output_reduce(y, self.tp_group, self.sequence_parallel)
         if self.bias is not None:
-            bias = mappings.copy_to_tp(self.bias) if self.sequence_parallel else self.bias
+            bias = mappings.copy_to_tp(self.bias, self.tp_group) if self.sequence_parallel else self.bias
             y = y + bias
         return y
+
+
+def output_reduce(y: torch.Tensor, tp_group: ProcessGroup | None, sequence_parallel: bool) -> torch.Tensor:
+    """Partial sums over TP made whole: reduce-scattered to this rank's tokens under SP, else
+    all-reduced."""
+    return mappings.reduce_scatter_to_sp(y, tp_group) if sequence_parallel else mappings.reduce_from_tp(y, tp_group)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the (padded) vocabulary split into equal contiguous slices over TP."""
 
-    def __init__(self, padded_vocab: int, hidden: int, *, sequence_parallel: bool,
+    def __init__(self, padded_vocab: int, hidden: int, *, tp_group: ProcessGroup | None, sequence_parallel: bool,
                  dtype: torch.dtype | None = None):
         super().__init__()
-        topo = parallel.topology()
-        self.per_rank = padded_vocab // topo.tp
-        self.start = topo.tp_rank * self.per_rank
-        self.sequence_parallel = sequence_parallel
+        self.per_rank = padded_vocab // group_size(tp_group)
+        self.start = group_rank(tp_group) * self.per_rank
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden, dtype=dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -83,21 +95,22 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return mappings.reduce_scatter_to_sp(out) if self.sequence_parallel else mappings.reduce_from_tp(out)
+        return output_reduce(out, self.tp_group, self.sequence_parallel)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, as HF Llama does. Under SP each TP rank sees a slice of the
     tokens, so the weight's gradient is summed over TP."""
 
-    def __init__(self, hidden: int, eps: float, *, sequence_parallel: bool, dtype: torch.dtype | None = None):
+    def __init__(self, hidden: int, eps: float, *, tp_group: ProcessGroup | None, sequence_parallel: bool,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
-        self.sequence_parallel = sequence_parallel
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = mappings.copy_to_tp(self.weight) if self.sequence_parallel else self.weight
+        weight = mappings.copy_to_tp(self.weight, self.tp_group) if self.sequence_parallel else self.weight
         return weight * rms_normalize(x, self.eps)
 
 

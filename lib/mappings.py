@@ -3,129 +3,114 @@
 Each function names what its forward does; its backward is the dual. Activations are 2-D
 ``[tokens, features]`` throughout lib/, so sequence parallelism splits dim 0.
 megatron-core ships the same mappings, but its gather/scatter paths allocate on CUDA; these run
-on gloo and NCCL alike. With TP = 1 every function is the identity.
+on gloo and NCCL alike. Every function takes the TP group it communicates over (a model's
+``tp_group``, resolved when the model was built); with a group of one rank, or None (no process
+groups), it is the identity.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
-from . import parallel
-
+from .parallel import group_rank, group_size
 
 # torch 2.13 renamed these two (the old names warn); torch 2.11 on the GPU image has only the old.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def _tp():
-    return parallel.topology().tp
-
-
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=parallel.tp_group())
+    dist.all_reduce(x, group=group)
     return x
 
 
-def _all_gather(x: torch.Tensor) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
-    out = x.new_empty((x.shape[0] * _tp(), *x.shape[1:]))
-    _all_gather_single(out, x, group=parallel.tp_group())
+    out = x.new_empty((x.shape[0] * group_size(group), *x.shape[1:]))
+    _all_gather_single(out, x, group=group)
     return out
 
 
-def _reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
-    out = x.new_empty((x.shape[0] // _tp(), *x.shape[1:]))
-    _reduce_scatter_single(out, x, group=parallel.tp_group())
+    out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
+    _reduce_scatter_single(out, x, group=group)
     return out
 
 
-def _split(x: torch.Tensor) -> torch.Tensor:
-    n = x.shape[0] // _tp()
-    r = parallel.topology().tp_rank
+def _split(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = x.shape[0] // group_size(group)
+    r = group_rank(group)
     return x[r * n : (r + 1) * n].contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g)
+        return _all_reduce(g, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _all_reduce(x.clone())
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, g):
-        return g
-
-
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _split(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g)
+        return g, None
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, grad_is_partial):
-        ctx.grad_is_partial = grad_is_partial
-        return _all_gather(x)
+    def forward(ctx, x, group, grad_is_partial):
+        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+        return _all_gather(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        return (_reduce_scatter(g) if ctx.grad_is_partial else _split(g)), None
+        return (_reduce_scatter(g, ctx.group) if ctx.grad_is_partial else _split(g, ctx.group)), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _reduce_scatter(x)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g)
+        return _all_gather(g, ctx.group), None
 
 
-def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Identity; the gradient is summed over TP. Used where a replicated tensor feeds TP-sharded
     work (the input of a column-parallel linear), and on a replicated *weight* whose every TP
     rank sees only part of the tokens (norms under sequence parallelism)."""
-    return _CopyToTP.apply(x) if _tp() > 1 else x
+    return _CopyToTP.apply(x, group) if group_size(group) > 1 else x
 
 
-def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum over TP (the output of a row-parallel linear); the gradient passes unchanged."""
-    return _ReduceFromTP.apply(x) if _tp() > 1 else x
+    return _ReduceFromTP.apply(x, group) if group_size(group) > 1 else x
 
 
-def scatter_to_sp(x: torch.Tensor) -> torch.Tensor:
-    """Keep this rank's slice of the tokens; the gradient is gathered."""
-    return _ScatterToSP.apply(x) if _tp() > 1 else x
-
-
-def gather_from_sp(x: torch.Tensor, grad_is_partial: bool = True) -> torch.Tensor:
+def gather_from_sp(x: torch.Tensor, group: ProcessGroup | None, grad_is_partial: bool = True) -> torch.Tensor:
     """All-gather the tokens. The gradient is reduce-scattered when each rank's gradient of the
     full tensor is partial (it feeds TP-sharded work), or simply split when it is replicated."""
-    return _GatherFromSP.apply(x, grad_is_partial) if _tp() > 1 else x
+    return _GatherFromSP.apply(x, group, grad_is_partial) if group_size(group) > 1 else x
 
 
-def reduce_scatter_to_sp(x: torch.Tensor) -> torch.Tensor:
+def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum over TP and keep this rank's slice of the tokens (row-parallel output under SP)."""
-    return _ReduceScatterToSP.apply(x) if _tp() > 1 else x
+    return _ReduceScatterToSP.apply(x, group) if group_size(group) > 1 else x
 
 
 class _SumReplicatedKV(torch.autograd.Function):
@@ -137,19 +122,20 @@ class _SumReplicatedKV(torch.autograd.Function):
     process group (replica groups would have to be created collectively at start-up)."""
 
     @staticmethod
-    def forward(ctx, w, q_rows, kv_head, num_kv_heads):
-        ctx.meta = (q_rows, kv_head, num_kv_heads)
+    def forward(ctx, w, q_rows, kv_head, num_kv_heads, group):
+        ctx.args = (q_rows, kv_head, num_kv_heads, group)
         return w
 
     @staticmethod
     def backward(ctx, g):
-        q_rows, kv_head, num_kv_heads = ctx.meta
+        q_rows, kv_head, num_kv_heads, group = ctx.args
         kv = g[q_rows:]
         buf = kv.new_zeros((num_kv_heads, *kv.shape))
         buf[kv_head] = kv
-        dist.all_reduce(buf, group=parallel.tp_group())
-        return torch.cat([g[:q_rows], buf[kv_head]]), None, None, None
+        dist.all_reduce(buf, group=group)
+        return torch.cat([g[:q_rows], buf[kv_head]]), None, None, None, None
 
 
-def sum_replicated_kv_grad(w: torch.Tensor, q_rows: int, kv_head: int, num_kv_heads: int) -> torch.Tensor:
-    return _SumReplicatedKV.apply(w, q_rows, kv_head, num_kv_heads)
+def sum_replicated_kv_grad(w: torch.Tensor, q_rows: int, kv_head: int, num_kv_heads: int,
+                           group: ProcessGroup) -> torch.Tensor:
+    return _SumReplicatedKV.apply(w, q_rows, kv_head, num_kv_heads, group)

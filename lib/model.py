@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from . import hf_mapping, mappings, parallel
-from .attention import attention
+from .attention import AttentionMetadata, attention
 from .batch import TokenBatch
 from .config import LlamaConfig, ParallelLayout, pad_vocab, split_layers
 from .layers import (
@@ -28,46 +29,51 @@ from .layers import (
     apply_rotary,
     column_input,
 )
+from .parallel import Topology, group_rank, group_size
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, sp: bool, dtype: torch.dtype):
+    def __init__(self, cfg: LlamaConfig, tp_group: ProcessGroup | None, sp: bool, dtype: torch.dtype):
         super().__init__()
-        topo = parallel.topology()
+        tp = group_size(tp_group)
+        self.tp_group = tp_group
         self.head_dim = cfg.head_dim
-        self.heads = cfg.num_heads // topo.tp
-        self.kv_heads = max(cfg.num_kv_heads // topo.tp, 1)
+        self.heads = cfg.num_heads // tp
+        self.kv_heads = max(cfg.num_kv_heads // tp, 1)
         # TP > kv heads: each kv head lives on tp / num_kv_heads ranks, which must sum its grads.
-        self.kv_replicas = max(topo.tp // cfg.num_kv_heads, 1)
-        self.kv_head = topo.tp_rank // self.kv_replicas
+        self.kv_replicas = max(tp // cfg.num_kv_heads, 1)
+        self.kv_head = group_rank(tp_group) // self.kv_replicas
         self.num_kv_heads = cfg.num_kv_heads
         self.q_rows, self.kv_rows = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
         bias = cfg.attention_bias
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_rows + 2 * self.kv_rows, bias=bias,
-                                             sequence_parallel=sp, dtype=dtype)
-        self.o_proj = RowParallelLinear(self.q_rows, cfg.hidden_size, bias=bias, sequence_parallel=sp, dtype=dtype)
+                                             tp_group=tp_group, sequence_parallel=sp, dtype=dtype)
+        self.o_proj = RowParallelLinear(self.q_rows, cfg.hidden_size, bias=bias, tp_group=tp_group,
+                                        sequence_parallel=sp, dtype=dtype)
 
-    def forward(self, x, cos, sin, layout, layer: int):
+    def forward(self, x, cos, sin, meta: AttentionMetadata, layer: int):
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
         if self.kv_replicas > 1:
-            w = mappings.sum_replicated_kv_grad(w, self.q_rows, self.kv_head, self.num_kv_heads)
+            w = mappings.sum_replicated_kv_grad(w, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
             if b is not None:
-                b = mappings.sum_replicated_kv_grad(b, self.q_rows, self.kv_head, self.num_kv_heads)
-        qkv = F.linear(column_input(x, self.qkv_proj.sequence_parallel), w, b)
+                b = mappings.sum_replicated_kv_grad(b, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
+        qkv = F.linear(self.qkv_proj.gather_input(x), w, b)
         q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         q = apply_rotary(q.reshape(-1, self.heads, self.head_dim), cos, sin)
         k = apply_rotary(k.reshape(-1, self.kv_heads, self.head_dim), cos, sin)
         v = v.reshape(-1, self.kv_heads, self.head_dim)
-        out = attention(q, k, v, layout, layer)
+        out = attention(q, k, v, meta, layer)
         return self.o_proj(out.reshape(-1, self.q_rows))
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, sp: bool, dtype: torch.dtype):
+    def __init__(self, cfg: LlamaConfig, tp_group: ProcessGroup | None, sp: bool, dtype: torch.dtype):
         super().__init__()
-        rows = cfg.intermediate_size // parallel.topology().tp
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * rows, bias=cfg.mlp_bias, sequence_parallel=sp, dtype=dtype)
-        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias, sequence_parallel=sp, dtype=dtype)
+        rows = cfg.intermediate_size // group_size(tp_group)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * rows, bias=cfg.mlp_bias, tp_group=tp_group,
+                                                 sequence_parallel=sp, dtype=dtype)
+        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias, tp_group=tp_group,
+                                           sequence_parallel=sp, dtype=dtype)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -75,34 +81,36 @@ class ParallelMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, index: int, sp: bool, dtype: torch.dtype):
+    def __init__(self, cfg: LlamaConfig, index: int, tp_group: ProcessGroup | None, sp: bool, dtype: torch.dtype):
         super().__init__()
         self.index = index  # global layer index: names this layer's KV cache
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype)
-        self.self_attn = ParallelAttention(cfg, sp, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype)
-        self.mlp = ParallelMLP(cfg, sp, dtype)
+        norm = {"tp_group": tp_group, "sequence_parallel": sp, "dtype": dtype}
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
+        self.self_attn = ParallelAttention(cfg, tp_group, sp, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
+        self.mlp = ParallelMLP(cfg, tp_group, sp, dtype)
 
-    def forward(self, x, cos, sin, layout):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, self.index)
+    def forward(self, x, cos, sin, meta: AttentionMetadata):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, self.index)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class ParallelLlamaModel(nn.Module):
     """The decoder stack of one pipeline stage: embedding on the first, final norm on the last."""
 
-    def __init__(self, cfg: LlamaConfig, layout: ParallelLayout, dtype: torch.dtype, layer_split: list[int] | None):
+    def __init__(self, cfg: LlamaConfig, topo: Topology, tp_group: ProcessGroup | None, sp: bool,
+                 dtype: torch.dtype, layer_split: list[int] | None):
         super().__init__()
-        topo = parallel.topology()
-        sp = layout.sequence_parallel
         self.layer_range = split_layers(cfg.num_layers, topo.pp, layer_split)[topo.pp_rank]
         self.embed_tokens = (
-            VocabParallelEmbedding(pad_vocab(cfg.vocab_size, topo.tp), cfg.hidden_size, sequence_parallel=sp, dtype=dtype)
+            VocabParallelEmbedding(pad_vocab(cfg.vocab_size, topo.tp), cfg.hidden_size, tp_group=tp_group,
+                                   sequence_parallel=sp, dtype=dtype)
             if topo.is_first_stage else None
         )
         # Keyed by global layer index, so parameter names do not depend on the pipeline split.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, sp, dtype) for i in self.layer_range})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype) if topo.is_last_stage else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, tp_group, sp, dtype) for i in self.layer_range})
+        self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp_group=tp_group, sequence_parallel=sp, dtype=dtype)
+                     if topo.is_last_stage else None)
         self.rotary = RotaryEmbedding(cfg)
 
     def forward(self, batch: TokenBatch, hidden: torch.Tensor | None) -> torch.Tensor:
@@ -111,14 +119,14 @@ class ParallelLlamaModel(nn.Module):
         # Attention sees all N tokens (SP gathers them inside qkv_proj), so RoPE covers all N.
         cos, sin = self.rotary(batch.positions, hidden.dtype)
         for layer in self.layers.values():
-            hidden = layer(hidden, cos, sin, batch.layout)
+            hidden = layer(hidden, cos, sin, batch.meta)
         return self.norm(hidden) if self.norm is not None else hidden
 
 
 class ParallelLlama(nn.Module):
     """Base of the three models: backbone plus (on the last stage) a head."""
 
-    hf_head = "lm"  # which HF checkpoint layout the head comes from: lm | score
+    hf_head = "lm"  # which HF head the weights come from: lm (LlamaForCausalLM) | score
 
     def __init__(self, cfg: LlamaConfig, layout: ParallelLayout = ParallelLayout(), *,
                  dtype: torch.dtype = torch.float32, layer_split: list[int] | None = None):
@@ -129,7 +137,9 @@ class ParallelLlama(nn.Module):
                              f"process groups tp={topo.tp}, pp={topo.pp}; call lib.parallel.init first")
         layout.check(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, dtype
-        self.model = ParallelLlamaModel(cfg, layout, dtype, layer_split)
+        # The groups this model computes over, fixed now: every layer and collective uses these.
+        self.topology, self.tp_group = topo, parallel.tp_group()
+        self.model = ParallelLlamaModel(cfg, topo, self.tp_group, layout.sequence_parallel, dtype, layer_split)
         if topo.is_last_stage:
             self._build_head()
 
@@ -149,11 +159,11 @@ class ParallelLlama(nn.Module):
     def forward(self, batch: TokenBatch, hidden: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage: hidden states out of an inner stage (this rank's tokens under SP), the
         head's per-token output out of the last. ``batch`` is a ``TokenBatch`` or any object with
-        ``input_ids``, ``positions`` and an attention ``layout`` (generation steps). ``rows``: only
+        ``input_ids``, ``positions`` and attention metadata ``meta`` (generation steps). ``rows``: only
         these tokens go through the head (a prefill needs each prompt's last token, not a
         ``[prompt tokens, vocab]`` block); not with sequence parallelism."""
         hidden = self.model(batch, hidden)
-        if not parallel.topology().is_last_stage:
+        if not self.topology.is_last_stage:
             return hidden
         if rows is not None:
             if self.layout.sequence_parallel:
@@ -175,7 +185,7 @@ class ParallelLlama(nn.Module):
 
     def load_hf(self, read: hf_mapping.SliceReader) -> None:
         """Fill every parameter of this rank from HF tensors (``read`` returns slices of them)."""
-        topo = parallel.topology()
+        topo = self.topology
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(hf_mapping.build_local(self.cfg, topo.tp, topo.tp_rank, name, read, self.hf_head))
@@ -196,7 +206,7 @@ class ParallelLlama(nn.Module):
         """With tied embeddings over PP > 1: this stage's copy of the shared weight (the embedding
         on the first stage, the head on the last), whose gradient is summed over the embedding
         group; None otherwise."""
-        topo = parallel.topology()
+        topo = self.topology
         if not self.tied_head() or topo.pp == 1:
             return None
         if topo.is_first_stage:
@@ -209,17 +219,17 @@ class ParallelLlamaForCausalLM(ParallelLlama):
     (the dtype's minimum), so they never get probability mass."""
 
     def _build_head(self):
-        topo = parallel.topology()
+        topo = self.topology
         padded = pad_vocab(self.cfg.vocab_size, topo.tp)
         self.vocab_start = topo.tp_rank * (padded // topo.tp)
         self.lm_head = None
         if not (self.tied_head() and topo.pp == 1):
-            self.lm_head = ColumnParallelLinear(self.cfg.hidden_size, padded // topo.tp, bias=False,
+            self.lm_head = ColumnParallelLinear(self.cfg.hidden_size, padded // topo.tp, bias=False, tp_group=self.tp_group,
                                                 sequence_parallel=self.layout.sequence_parallel, dtype=self.dtype)
 
     def _head(self, hidden, batch):
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        logits = F.linear(column_input(hidden, self.layout.sequence_parallel), weight)
+        logits = F.linear(column_input(hidden, self.tp_group, self.layout.sequence_parallel), weight)
         valid = self.cfg.vocab_size - self.vocab_start
         if valid < logits.shape[-1]:
             cols = torch.arange(logits.shape[-1], device=logits.device)
@@ -237,10 +247,10 @@ class ParallelLlamaForValue(ParallelLlama):
 
     def _values(self, hidden):
         sp = self.layout.sequence_parallel
-        weight = mappings.copy_to_tp(self.score.weight) if sp else self.score.weight
+        weight = mappings.copy_to_tp(self.score.weight, self.tp_group) if sp else self.score.weight
         values = F.linear(hidden, weight).squeeze(-1)
         # Under SP each rank scored its own tokens; every rank then uses all of them identically.
-        return (mappings.gather_from_sp(values, grad_is_partial=False) if sp else values).float()
+        return (mappings.gather_from_sp(values, self.tp_group, grad_is_partial=False) if sp else values).float()
 
     def _head(self, hidden, batch):
         return self._values(hidden)

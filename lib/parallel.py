@@ -3,6 +3,11 @@
 Everything in llamarl asks this module for ranks and groups; nothing else builds groups.
 NCCL on GPU, gloo on CPU — the same collectives are used on both.
 
+A model asks once, when it is built, and keeps its ``Topology`` and TP group; its layers,
+``schedule`` and ``generate`` pass them to each function that communicates (``mappings``,
+``vocab_parallel``), so the model's code never looks a group up at call time. None stands for
+"no group" (a model built without ``init``): one rank, nothing to communicate.
+
 The grid is megatron-core's default order (tensor fastest, then data, then pipeline):
 ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, and the groups are the ones its
 ``parallel_state`` builds (tests/test_parallel.py checks them against it). They are built here
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,15 @@ class Topology:
     def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
 
+    @property
+    def next_stage_rank(self) -> int:
+        """Global rank of the next pipeline stage at this TP/DP position (after the last: the first)."""
+        return self.rank_of(self.tp_rank, self.dp_rank, (self.pp_rank + 1) % self.pp)
+
+    @property
+    def prev_stage_rank(self) -> int:
+        return self.rank_of(self.tp_rank, self.dp_rank, (self.pp_rank - 1) % self.pp)
+
 
 @dataclass(frozen=True)
 class _Groups:
@@ -50,7 +65,6 @@ class _Groups:
     pp: object
     model_parallel: object  # TP × PP: one copy of the model
     embedding: object | None  # first and last pipeline stage (PP > 1)
-    pp_ranks: tuple[int, ...]  # global ranks of this rank's pipeline, stage order
 
 
 _TOPOLOGY: Topology | None = None
@@ -108,8 +122,7 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None, timeout_s: int
         for t in range(tp):
             for d in range(dp):
                 build("embedding", [grid.rank_of(t, d, 0), grid.rank_of(t, d, pp - 1)])
-    pp_ranks = tuple(grid.rank_of(grid.tp_rank, grid.dp_rank, p) for p in range(pp))
-    _GROUPS = _Groups(mine["tp"], mine["dp"], mine["pp"], mine["model_parallel"], mine.get("embedding"), pp_ranks)
+    _GROUPS = _Groups(mine["tp"], mine["dp"], mine["pp"], mine["model_parallel"], mine.get("embedding"))
     _TOPOLOGY = grid
     return _TOPOLOGY
 
@@ -140,7 +153,7 @@ def topology() -> Topology:
     return _TOPOLOGY or Topology(1, 1, 1, 0, 0, 0)
 
 
-def tp_group():
+def tp_group() -> ProcessGroup | None:
     return _GROUPS.tp if _GROUPS else None
 
 
@@ -162,12 +175,13 @@ def model_parallel_group():
     return _GROUPS.model_parallel if _GROUPS else None
 
 
-def pp_next_rank() -> int:
-    return _GROUPS.pp_ranks[(topology().pp_rank + 1) % topology().pp]
+def group_size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else group.size()
 
 
-def pp_prev_rank() -> int:
-    return _GROUPS.pp_ranks[(topology().pp_rank - 1) % topology().pp]
+def group_rank(group: ProcessGroup | None) -> int:
+    """This rank's index in ``group``; for the TP group, the TP rank."""
+    return 0 if group is None else group.rank()
 
 
 def manual_seed(seed: int) -> torch.Generator:

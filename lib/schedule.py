@@ -12,37 +12,39 @@ on a stage at once, instead of all of them.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import parallel
 from .batch import TokenBatch
+from .model import ParallelLlama
+from .parallel import Topology
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
 
-def _shape(model, batch: TokenBatch) -> tuple[int, int]:
+def _shape(model: ParallelLlama, batch: TokenBatch) -> tuple[int, int]:
     tp = model.layout.tp if model.layout.sequence_parallel else 1
     return batch.num_tokens // tp, model.cfg.hidden_size
 
 
-def _p2p(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
-    """One batch of point-to-point ops; ``recv_*`` are (shape, dtype, device). Returns the
-    received tensors (from the previous stage, from the next stage)."""
+def _p2p(topo: Topology, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
+    """One batch of point-to-point ops with this rank's neighbouring stages; ``recv_*`` are
+    (shape, dtype, device). Returns the received tensors (from the previous stage, from the next)."""
     ops, got_prev, got_next = [], None, None
     if send_next is not None:
-        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), parallel.pp_next_rank()))
+        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), topo.next_stage_rank))
     if send_prev is not None:
-        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), parallel.pp_prev_rank()))
+        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), topo.prev_stage_rank))
     if recv_prev is not None:
         got_prev = torch.empty(recv_prev[0], dtype=recv_prev[1], device=recv_prev[2])
-        ops.append(dist.P2POp(dist.irecv, got_prev, parallel.pp_prev_rank()))
+        ops.append(dist.P2POp(dist.irecv, got_prev, topo.prev_stage_rank))
     if recv_next is not None:
         got_next = torch.empty(recv_next[0], dtype=recv_next[1], device=recv_next[2])
-        ops.append(dist.P2POp(dist.irecv, got_next, parallel.pp_next_rank()))
+        ops.append(dist.P2POp(dist.irecv, got_next, topo.next_stage_rank))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -50,7 +52,7 @@ def _p2p(send_next=None, send_prev=None, recv_prev=None, recv_next=None):
 
 
 def forward_backward(
-    model,
+    model: ParallelLlama,
     batches: Sequence[TokenBatch],
     loss_fn: LossFn | None = None,
     extras: Sequence[Any] | None = None,
@@ -63,7 +65,8 @@ def forward_backward(
     scalar loss, which is back-propagated (scale it by 1 / len(batches) yourself for a mean).
     Returns, on the last stage, the losses (or, with ``forward_only``, the head outputs);
     elsewhere an empty list. Gradients accumulate in ``.grad`` as usual."""
-    topo = parallel.topology()
+    topo = model.topology
+    p2p = functools.partial(_p2p, topo)
     first, last = topo.is_first_stage, topo.is_last_stage
     extras = list(extras) if extras is not None else [None] * len(batches)
     dtype = model.dtype
@@ -98,10 +101,10 @@ def forward_backward(
 
     if forward_only or topo.pp == 1:
         for i in range(n):
-            recv, _ = _p2p(recv_prev=None if first else recv_spec(i))
+            recv, _ = p2p(recv_prev=None if first else recv_spec(i))
             x, out = run_forward(i, recv)
             if not last:
-                _p2p(send_next=out.detach() if not forward_only else out)
+                p2p(send_next=out.detach() if not forward_only else out)
             elif not forward_only:
                 run_backward(x, out, None)
         return results
@@ -109,35 +112,35 @@ def forward_backward(
     warmup = min(topo.pp - topo.pp_rank - 1, n)
     alive: deque = deque()
     for i in range(warmup):
-        recv, _ = _p2p(recv_prev=None if first else recv_spec(i))
+        recv, _ = p2p(recv_prev=None if first else recv_spec(i))
         x, out = run_forward(i, recv)
-        _p2p(send_next=None if last else out.detach())
+        p2p(send_next=None if last else out.detach())
         alive.append((x, out, i))
 
     recv = None
     if warmup < n and not first:
-        recv, _ = _p2p(recv_prev=recv_spec(warmup))
+        recv, _ = p2p(recv_prev=recv_spec(warmup))
     for i in range(warmup, n):
         x, out = run_forward(i, recv)
         alive.append((x, out, i))
         # Send this forward's output and receive the gradient for the oldest alive micro-batch.
-        _, grad_out = _p2p(send_next=None if last else out.detach(),
+        _, grad_out = p2p(send_next=None if last else out.detach(),
                            recv_next=None if last else recv_spec(alive[0][2]))
         x0, out0, _ = alive.popleft()
         grad_in = run_backward(x0, out0, grad_out)
         more = i + 1 < n
-        recv, _ = _p2p(send_prev=None if first else grad_in,
+        recv, _ = p2p(send_prev=None if first else grad_in,
                        recv_prev=recv_spec(i + 1) if (more and not first) else None)
 
     while alive:
         x0, out0, j = alive.popleft()
-        _, grad_out = _p2p(recv_next=None if last else recv_spec(j))
+        _, grad_out = p2p(recv_next=None if last else recv_spec(j))
         grad_in = run_backward(x0, out0, grad_out)
-        _p2p(send_prev=None if first else grad_in)
+        p2p(send_prev=None if first else grad_in)
     return results
 
 
-def forward(model, batches: Sequence[TokenBatch]) -> list[torch.Tensor]:
+def forward(model: ParallelLlama, batches: Sequence[TokenBatch]) -> list[torch.Tensor]:
     """Inference through all stages; the head outputs on the last stage, [] elsewhere."""
     with torch.no_grad():
         return forward_backward(model, batches, forward_only=True)

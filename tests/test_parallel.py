@@ -54,6 +54,22 @@ def test_model_layout_must_match_process_groups(pool2):
     assert msg and "tp=2" in msg and "lib.parallel.init" in msg
 
 
+def sums_over_given_groups() -> tuple[float, float, float]:
+    import torch.distributed as dist
+    from llamarl.lib import mappings
+
+    parallel.init(2, 1)
+    alone = [dist.new_group([r]) for r in range(2)][dist.get_rank()]  # collective: every rank makes both
+    x = torch.tensor([dist.get_rank() + 1.0])
+    return (mappings.reduce_from_tp(x, parallel.tp_group()).item(), mappings.reduce_from_tp(x, alone).item(),
+            mappings.reduce_from_tp(x, None).item())
+
+
+def test_mappings_communicate_over_the_group_they_are_given(pool2):
+    # Not over whatever group is current: a one-rank group (or None, no groups) is the identity.
+    assert pool2.run(sums_over_given_groups) == [(3.0, 1.0, 1.0), (3.0, 2.0, 2.0)]
+
+
 def _groups_ours_and_megatrons(tp, pp):
     import torch.distributed as dist
 
@@ -62,8 +78,8 @@ def _groups_ours_and_megatrons(tp, pp):
 
     topo = parallel.init(tp, pp)
     ours = {"tp": ranks(parallel.tp_group()), "dp": ranks(parallel.dp_group()), "pp": ranks(parallel.pp_group()),
-            "mp": sorted(ranks(parallel.model_parallel_group())), "next": parallel.pp_next_rank(),
-            "prev": parallel.pp_prev_rank(), "coords": (topo.tp_rank, topo.dp_rank, topo.pp_rank),
+            "mp": sorted(ranks(parallel.model_parallel_group())), "next": topo.next_stage_rank,
+            "prev": topo.prev_stage_rank, "coords": (topo.tp_rank, topo.dp_rank, topo.pp_rank),
             "emb": ranks(parallel.embedding_group()) if pp > 1 else None}
     parallel.destroy_model_parallel()
     from megatron.core import parallel_state as ps

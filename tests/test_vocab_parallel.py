@@ -38,8 +38,9 @@ def vocab_ops_errors(tp):
     per = vp // tp
     r = parallel.topology().tp_rank
     local = padded[:, r * per : (r + 1) * per].clone().requires_grad_()
-    lp = vocab_parallel.log_probs(local, labels)
-    ent = vocab_parallel.entropy(local)
+    # The group passed explicitly here, left to default (the current TP group) for the fused op.
+    lp = vocab_parallel.log_probs(local, labels, parallel.tp_group())
+    ent = vocab_parallel.entropy(local, parallel.tp_group())
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     grad = tiny.gather_tp(local.grad)
     fused_in = local.detach().clone().requires_grad_()
