@@ -69,10 +69,10 @@ def load_and_compare(ckpt, src, tp, pp, kind):
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     if pp > 1:
-        from llamarl.lib import pipeline
+        from llamarl.lib import schedule
 
         batch = model.make_batch(ids, mask, pos)
-        outs = pipeline.forward(model, [batch])
+        outs = schedule.forward(model, [batch])
         if not parallel.topology().is_last_stage:
             return None
         out = batch.to_padded(outs[0])
@@ -171,8 +171,8 @@ def _user_error(pool, fn, *args) -> str:
 def test_layout_the_model_cannot_take(pool2, tmp_path):
     src = str(tmp_path / "hf")
     _hf_dir(src, num_attention_heads=4, num_key_value_heads=2)
-    msg = _user_error(pool2, shard.run, ShardConfig(src=src, dst=str(tmp_path / "c"), tp=2, pp=1, dtype="int4"))
-    assert "dtype='int4'" in msg
+    with pytest.raises(UserError, match=r"^options: dtype='int4': Input should be 'bf16', 'fp16' or 'fp32'$"):
+        ShardConfig.parse({"src": src, "dst": str(tmp_path / "c"), "dtype": "int4"}, "options")
     with pytest.raises(Exception, match="pp=5 is larger than num_hidden_layers=3"):
         shard.run(ShardConfig(src=src, dst=str(tmp_path / "c"), tp=1, pp=5))
     assert not (tmp_path / "c").exists()
