@@ -20,9 +20,11 @@ class ConfigError(UserError, ValueError):
 
 _SUPPORTED_ROPE = ("default", "linear", "llama3")
 
-# Stored-dtype names (configs, manifests) → torch dtype names.
+# llamarl's dtype names → torch dtype names, the one table: configs say bf16, manifests and Parquet
+# metadata the torch name (stages/contract.py converts both ways through it); float64 only as a
+# source checkpoint's own dtype, which shard keeps by default.
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}
+          "fp32": "float32", "float32": "float32", "float64": "float64"}
 
 
 def compute_dtype(name: str, device, *, option: str = "dtype"):

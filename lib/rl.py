@@ -75,17 +75,32 @@ def grpo_advantages(scores: torch.Tensor, groups: list, mask: torch.Tensor, eps:
     return adv[:, None] * mask
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: float) -> torch.Tensor:
+def sequence_index(mask: torch.Tensor) -> torch.Tensor:
+    """The row of every masked position of ``[batch, len]``, −1 elsewhere: which sequence a token
+    belongs to, still known once the tokens are packed (flattened) for the model."""
+    rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+    return torch.where(mask.bool(), rows, torch.full_like(rows, -1))
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: float,
+              seq: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of this micro-batch's share of a mini-batch loss.
 
     ``token-mean``: Σ loss·mask / (tokens in the whole mini-batch) — ``denominator``;
     ``seq-mean-token-mean``: Σ_seq mean_tokens(loss) / (sequences in the mini-batch).
-    Summing these over micro-batches and DP ranks gives the mini-batch mean."""
+    Summing these over micro-batches and DP ranks gives the mini-batch mean.
+
+    ``loss`` and ``mask`` are ``[batch, len]``, or packed tokens of any shape with ``seq`` their
+    ``sequence_index`` packed alike."""
     if mode == "token-mean":
         return (loss * mask).sum() / denominator
     if mode == "seq-mean-token-mean":
-        per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        return per_seq.sum() / denominator
+        seq = sequence_index(mask) if seq is None else seq
+        valid = seq >= 0
+        n = int(seq.max()) + 1 if valid.any() else 0
+        sums = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(0, seq[valid], loss[valid])
+        counts = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(0, seq[valid], torch.ones_like(loss[valid]))
+        return (sums / counts.clamp(min=1)).sum() / denominator
     raise ValueError(f"loss aggregation {mode!r}: use token-mean or seq-mean-token-mean")
 
 

@@ -18,12 +18,13 @@ from safetensors.torch import save as st_save
 
 from .errors import UserError
 
-DTYPES = {
+# The format's dtype codes (a header's "dtype"): the file's vocabulary, read here only. What
+# llamarl calls a dtype (configs, manifests) is lib/config.py's table.
+CODES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-NAMES = {v: k for k, v in DTYPES.items()}
 
 # Column slices are read this many source bytes at a time, bounding the extra memory per rank.
 _BLOCK_BYTES = 16 << 20
@@ -62,12 +63,12 @@ class SafetensorsFile:
         size = self.fs.size(self.path)
         self.tensors: dict[str, TensorInfo] = {}
         for name, info in header.items():
-            if info["dtype"] not in DTYPES:
+            if info["dtype"] not in CODES:
                 raise SafetensorsError(f"{url}: tensor {name} has unsupported dtype {info['dtype']}")
             begin, end = (8 + n + o for o in info["data_offsets"])
             if end > size:
                 raise SafetensorsError(f"{url}: truncated ({size} bytes, tensor {name} ends at {end}); re-copy the file")
-            self.tensors[name] = TensorInfo(DTYPES[info["dtype"]], tuple(info["shape"]), begin, end)
+            self.tensors[name] = TensorInfo(CODES[info["dtype"]], tuple(info["shape"]), begin, end)
 
     def _read(self, begin: int, end: int, dtype: torch.dtype, shape) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)

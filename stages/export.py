@@ -14,16 +14,15 @@ from __future__ import annotations
 import json
 import time
 
-import fsspec
 import torch
 import torch.distributed as dist
 
 from llamarl.lib import checkpoint, hf_mapping, job, parallel, publish
-from llamarl.lib.config import DTYPES, LlamaConfig
+from llamarl.lib.config import LlamaConfig
 from llamarl.lib.errors import UserError
-from llamarl.lib.safetensors_io import NAMES, SafetensorsFile, write_file
+from llamarl.lib.safetensors_io import SafetensorsFile, write_file
+from llamarl.stages import contract
 from llamarl.stages.config import ExportConfig
-
 
 
 def plan_files(shapes: dict[str, tuple], itemsize: int, max_bytes: int) -> list[list[str]]:
@@ -51,7 +50,7 @@ def hf_config_for(manifest: dict, head: str, dtype: torch.dtype) -> dict:
     out = {**manifest.get("hf_config", {})}
     out.update(cfg.to_hf("LlamaForCausalLM" if head == "lm" else "LlamaForSequenceClassification"))
     out.pop("rope_parameters", None)  # rope_theta / rope_scaling above are the source of truth
-    out["torch_dtype"] = str(dtype).removeprefix("torch.")
+    out["torch_dtype"] = contract.dtype_name(dtype)
     if head == "score":
         out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return out
@@ -59,7 +58,7 @@ def hf_config_for(manifest: dict, head: str, dtype: torch.dtype) -> dict:
 
 def run(cfg: ExportConfig) -> None:
     src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
-    manifest = publish.require_published(src, kind="checkpoint")
+    manifest = publish.require_published(src, kind=contract.CHECKPOINT)
     model_cfg = LlamaConfig.from_dict(manifest["model_config"])
     head = manifest["head"]
     shapes = hf_mapping.hf_shapes(model_cfg, head)
@@ -72,7 +71,7 @@ def run(cfg: ExportConfig) -> None:
         if tuple(stored[n].size) != tuple(shape):
             raise UserError(f"{src}: {n} is stored with shape {list(stored[n].size)}, its config implies {list(shape)}")
     src_dtype = stored[next(iter(shapes))].properties.dtype
-    out_dtype = getattr(torch, DTYPES[cfg.dtype]) if cfg.dtype else src_dtype
+    out_dtype = contract.torch_dtype(cfg.dtype) if cfg.dtype else src_dtype
 
     parallel.init(1, 1, backend="gloo")  # pure I/O on CPU tensors
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -81,7 +80,7 @@ def run(cfg: ExportConfig) -> None:
     if cfg.verify:
         job.verify_input(src, manifest)
 
-    expect = {"kind": "hf_export", "head": head, "dtype": str(out_dtype).removeprefix("torch."),
+    expect = {"kind": "hf_export", "head": head, "dtype": contract.dtype_name(out_dtype),
               "source": {"url": src, "created": manifest["created"], "files": manifest["files"]}}
     if job.prepare_output(dst, lambda m: all(m.get(k) == v for k, v in expect.items())) == "skip":
         if rank == 0:
@@ -126,17 +125,13 @@ def run(cfg: ExportConfig) -> None:
 
 
 def _write_side_files(src, dst, manifest, head, dtype, groups, names, files) -> None:
-    src_fs, src_path = fsspec.core.url_to_fs(src)
-
     def put(name: str, data: bytes) -> None:
         publish.write_bytes(f"{dst}/{name}", data)
         files[name] = publish.file_entry(f"{dst}/{name}")
 
     put("config.json", json.dumps(hf_config_for(manifest, head, dtype), indent=2).encode())
-    for rel in manifest["files"]:
-        name = rel.removeprefix("hf/")
-        if rel.startswith("hf/") and name != "config.json":
-            put(name, src_fs.cat_file(f"{src_path}/{rel}"))
+    copied = [n for n in contract.hf_side_files(manifest) if n != "config.json"]  # ours says what was exported
+    files.update(contract.copy_side_files(f"{src}/{contract.HF}", copied, dst))
     if "generation_config.json" not in files:
         cfg = manifest["model_config"]
         gen = {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
@@ -163,8 +158,8 @@ def _check_written(dst, shapes, dtype, groups, names) -> None:
                 raise UserError(f"{dst}: {n} written twice ({seen[n]} and {fname}); export failed, nothing published")
             seen[n] = fname
             if tuple(info.shape) != tuple(shapes[n]) or info.dtype != dtype:
-                raise UserError(f"{dst}/{fname}: {n} is {NAMES[info.dtype]} {list(info.shape)}, expected "
-                                f"{NAMES[dtype]} {list(shapes[n])}; export failed, nothing published")
+                raise UserError(f"{dst}/{fname}: {n} is {contract.dtype_name(info.dtype)} {list(info.shape)}, expected "
+                                f"{contract.dtype_name(dtype)} {list(shapes[n])}; export failed, nothing published")
             total += info.end - info.begin
     if set(seen) != set(shapes):
         raise UserError(f"{dst}: {len(set(shapes) - set(seen))} tensors were not written; export failed, nothing published")

@@ -13,14 +13,12 @@ on the number of DP groups or on which chunks ran before it. Formats: docs/forma
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import time
 
 import fsspec
 import pyarrow as pa
 import pyarrow.dataset as pads
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
@@ -29,18 +27,8 @@ from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.lib.generate import SamplingParams, generate
+from llamarl.stages import contract
 from llamarl.stages.config import RolloutConfig
-
-SCHEMA = pa.schema([
-    ("prompt_id", pa.string()),
-    ("sample_index", pa.int32()),
-    ("prompt", pa.string()),
-    ("prompt_token_ids", pa.list_(pa.int32())),
-    ("response", pa.string()),
-    ("response_token_ids", pa.list_(pa.int32())),
-    ("response_logprobs", pa.list_(pa.float32())),
-    ("finish_reason", pa.string()),
-])
 
 
 def open_prompts(url: str) -> pads.Dataset:
@@ -74,10 +62,6 @@ def iter_chunks(ds: pads.Dataset, chunk_size: int, columns: list[str], mine):
                 c, start, pending = c + 1, start + chunk_size, []
     if pending and mine(c):
         yield c, pending, start
-
-
-def part_name(c: int) -> str:
-    return f"part-{c:06d}.parquet"
 
 
 def run(cfg: RolloutConfig) -> None:
@@ -121,28 +105,27 @@ def run(cfg: RolloutConfig) -> None:
         return
     job.verify_input(actor, manifest, "model/")
 
-    fs, out_path = fsspec.core.url_to_fs(out)
-    done = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{out_path}/parts", detail=False)} if fs.exists(f"{out_path}/parts") else set()
+    done = set(contract.published_parts(out))
 
     model = _build_actor(model_cfg, layout, dtype, parallel.device())
     checkpoint.load_model(model, f"{actor}/model")
     model.eval()
 
     meta = {"actor": actor, "actor_id": actor_id, "sampling": json.dumps(s.model_dump()), "seed": str(s.seed),
-            "tp": str(cfg.tp), "dtype": str(dtype).removeprefix("torch.")}
+            "tp": str(cfg.tp), "dtype": contract.dtype_name(dtype)}
     progress = _Progress(enabled=rank == 0)
     stats = {"chunks": 0, "rows": 0, "truncated_prompts": 0, "new_tokens": 0, "skipped_chunks": 0}
     writer = topo.tp_rank == 0
     t0 = time.perf_counter()
-    for c, rows, first in iter_chunks(ds, cfg.chunk_size, columns, lambda c: c % topo.dp == topo.dp_rank):
-        if part_name(c) in done:
+    for chunk, rows, first in iter_chunks(ds, cfg.chunk_size, columns, lambda i: i % topo.dp == topo.dp_rank):
+        if contract.part_name(chunk) in done:
             stats["skipped_chunks"] += 1
             continue
-        table, chunk_stats = _rollout_chunk(model, tok, cfg, params, c, rows, first, progress, room)
+        table, chunk_stats = _rollout_chunk(model, tok, cfg, params, chunk, rows, first, progress, room, meta)
         for k, v in chunk_stats.items():
             stats[k] += v
         if writer:
-            _publish_part(fs, out_path, c, table, meta)
+            contract.write_part(out, contract.part_name(chunk), table)
         stats["chunks"] += 1
     elapsed = time.perf_counter() - t0
     progress.close()
@@ -151,15 +134,15 @@ def run(cfg: RolloutConfig) -> None:
     dist.all_gather_object(all_stats, stats if writer else None)
     dist.barrier()
     if rank == 0:
-        parts = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{out_path}/parts", detail=False) if p.endswith(".parquet"))
+        parts = contract.published_parts(out)
         totals = {k: sum(s_[k] for s_ in all_stats if s_) for k in stats}
         expected = -(-ds.count_rows() // cfg.chunk_size)
         if len(parts) != expected:
             raise RuntimeError(f"{out}: {len(parts)} parts published, {expected} expected")
-        files = {f"parts/{p}": publish.file_entry(f"{out}/parts/{p}") for p in parts}
-        rows = sum(pq.ParquetFile(fs.open(f"{out_path}/parts/{p}")).metadata.num_rows for p in parts)
+        files = contract.part_entries(out, parts)
+        rows = sum(contract.part_rows(out, p) for p in parts)
         publish.publish(out, {"kind": "rollout", "timing": job.timing(), "request": request, "files": files, "rows": rows,
-                              "schema": SCHEMA.names + list(cfg.keep_columns), "stats": totals,
+                              "schema": contract.ROLLOUT_SCHEMA.names + list(cfg.keep_columns), "stats": totals,
                               "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None})
         print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "
               f"{totals['truncated_prompts']} prompts truncated)", flush=True)
@@ -178,8 +161,9 @@ def _chunk_generator(seed: int, chunk: int, device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
-def _rollout_chunk(model, tok, cfg: RolloutConfig, params, c, rows, first, progress, room: int):
-    """``room``: the most prompt tokens that leave max_new_tokens within the actor's positions."""
+def _rollout_chunk(model, tok, cfg: RolloutConfig, params, chunk: int, rows, first, progress, room: int, meta: dict):
+    """Chunk ``chunk``'s part; ``room``: the most prompt tokens that leave max_new_tokens within the
+    actor's positions."""
     s = cfg.sampling
     prompts, truncated = [], 0
     keep = min(cfg.max_prompt_tokens or room, room)
@@ -195,39 +179,25 @@ def _rollout_chunk(model, tok, cfg: RolloutConfig, params, c, rows, first, progr
             raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has an empty prompt; remove it")
         prompts.append(ids)
     expanded = [p for p in prompts for _ in range(s.samples_per_prompt)]
-    gen = _chunk_generator(s.seed, c, parallel.device())
+    gen = _chunk_generator(s.seed, chunk, parallel.device())
     completions = generate(model, expanded, params, gen, max_batch=cfg.max_batch, on_tokens=progress.tokens)
     progress.chunk_done()
-    cols: dict[str, list] = {n: [] for n in SCHEMA.names}
+    cols: dict[str, list] = {n: [] for n in contract.ROLLOUT_SCHEMA.names}
     extra: dict[str, list] = {k: [] for k in cfg.keep_columns}
     for i, comp in enumerate(completions):
         row, k = rows[i // s.samples_per_prompt], i % s.samples_per_prompt
-        cols["prompt_id"].append(str(row[cfg.id_column]) if cfg.id_column else str(first + i // s.samples_per_prompt))
-        cols["sample_index"].append(k)
-        cols["prompt"].append(toklib.render_prompt(row[cfg.prompt_column]))
-        cols["prompt_token_ids"].append(expanded[i])
-        cols["response"].append(tok.decode(comp.tokens, skip_special_tokens=True))
-        cols["response_token_ids"].append(comp.tokens)
-        cols["response_logprobs"].append(comp.logprobs)
-        cols["finish_reason"].append(comp.finish_reason)
+        cols[contract.PROMPT_ID].append(str(row[cfg.id_column]) if cfg.id_column else str(first + i // s.samples_per_prompt))
+        cols[contract.SAMPLE_INDEX].append(k)
+        cols[contract.PROMPT].append(toklib.render_prompt(row[cfg.prompt_column]))
+        cols[contract.PROMPT_TOKEN_IDS].append(expanded[i])
+        cols[contract.RESPONSE].append(tok.decode(comp.tokens, skip_special_tokens=True))
+        cols[contract.RESPONSE_TOKEN_IDS].append(comp.tokens)
+        cols[contract.RESPONSE_LOGPROBS].append(comp.logprobs)
+        cols[contract.FINISH_REASON].append(comp.finish_reason)
         for key in cfg.keep_columns:
             extra[key].append(row[key])
-    table = pa.Table.from_pydict(cols, schema=SCHEMA)
-    for key, values in extra.items():
-        table = table.append_column(key, pa.array(values))
-    return table, {"rows": len(completions), "truncated_prompts": truncated,
+    return contract.rollout_table(cols, extra, meta), {"rows": len(completions), "truncated_prompts": truncated,
                    "new_tokens": sum(len(x.tokens) for x in completions)}
-
-
-def _publish_part(fs, out_path, c, table, meta) -> None:
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **{k.encode(): v.encode() for k, v in meta.items()}})
-    buf = io.BytesIO()
-    pq.write_table(table, buf)
-    final = f"{out_path}/parts/{part_name(c)}"
-    tmp = f"{out_path}/parts/.{part_name(c)}.tmp"
-    fs.makedirs(f"{out_path}/parts", exist_ok=True)
-    fs.pipe_file(tmp, buf.getvalue())
-    fs.mv(tmp, final)  # the part appears whole or not at all
 
 
 class _Progress:

@@ -17,14 +17,11 @@ its part is written. Formats: docs/formats.md.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import numbers
 
 import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
@@ -33,9 +30,11 @@ from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.lib.offload import ParamOffload
+from llamarl.stages import contract
 from llamarl.stages.config import RewardTerm, ScoreConfig
 
-REQUIRED = ("prompt_id", "sample_index", "prompt", "prompt_token_ids", "response_token_ids")
+# The rollout columns score reads (rules may read more: the response, kept columns).
+REQUIRED = (*contract.KEY, contract.PROMPT, contract.PROMPT_TOKEN_IDS, contract.RESPONSE_TOKEN_IDS)
 
 
 # ---- re-tokenization ---------------------------------------------------------------------------
@@ -48,10 +47,10 @@ def rm_inputs(rows: list[dict], actor_tok, rm_tok, max_length: int, chat_templat
     out, truncated = [], 0
     for row in rows:
         if same:
-            prompt, response = list(row["prompt_token_ids"]), list(row["response_token_ids"])
+            prompt, response = list(row[contract.PROMPT_TOKEN_IDS]), list(row[contract.RESPONSE_TOKEN_IDS])
         else:
-            text = actor_tok.decode(row["response_token_ids"], skip_special_tokens=True)
-            prompt, response = _encode_conversation(rm_tok, row["prompt"], text, use_template)
+            text = actor_tok.decode(row[contract.RESPONSE_TOKEN_IDS], skip_special_tokens=True)
+            prompt, response = _encode_conversation(rm_tok, row[contract.PROMPT], text, use_template)
         if len(prompt) + len(response) > max_length:
             truncated += 1
             keep = max(max_length - len(response), 0)
@@ -111,11 +110,6 @@ def score_sequences(model, seqs: list[list[int]], micro_batch: int, padding_side
 # ---- the stage ---------------------------------------------------------------------------------
 
 
-def _read_part(fs, path) -> pa.Table:
-    with fs.open(path, "rb") as f:
-        return pq.read_table(f)
-
-
 def _load_references(url: str) -> dict[str, dict]:
     import pyarrow.dataset as pads
 
@@ -124,30 +118,28 @@ def _load_references(url: str) -> dict[str, dict]:
         raise UserError(f"{url}: no such file; check the references path")
     fmt = "parquet" if path.endswith(".parquet") else "json"
     table = pads.dataset(path, format=fmt, filesystem=fs).to_table()
-    if "prompt_id" not in table.column_names:
-        raise UserError(f"{url}: needs a prompt_id column to be joined with the rollout")
+    if contract.PROMPT_ID not in table.column_names:
+        raise UserError(f"{url}: needs a {contract.PROMPT_ID} column to be joined with the rollout")
     rows = table.to_pylist()
-    return {str(r["prompt_id"]): r for r in rows}
+    return {str(r[contract.PROMPT_ID]): r for r in rows}
 
 
-def _check_inputs(cfg: ScoreConfig, rollout: str, fs, parts: list[str], refs) -> None:
+def _check_inputs(cfg: ScoreConfig, rollout: str, parts: list[str], refs) -> None:
     """Columns, keys and references of every part, before any work (metadata and keys only)."""
     seen: set = set()
     for p in parts:
-        schema = pq.read_schema(fs.open(f"{p}"))
-        missing = [c for c in REQUIRED if c not in schema.names]
+        missing = [c for c in REQUIRED if c not in contract.read_part_schema(rollout, p).names]
         if missing:
-            raise UserError(f"{rollout}/parts/{p.rsplit('/', 1)[-1]}: missing column(s) {', '.join(missing)}; "
+            raise UserError(f"{rollout}/{contract.PARTS}/{p}: missing column(s) {', '.join(missing)}; "
                             "score reads rollout outputs")
-        keys = pq.read_table(fs.open(p), columns=["prompt_id", "sample_index"]).to_pylist()
-        for k in keys:
-            key = (k["prompt_id"], k["sample_index"])
+        for k in contract.read_part(rollout, p, columns=list(contract.KEY)).to_pylist():
+            key = (k[contract.PROMPT_ID], k[contract.SAMPLE_INDEX])
             if key in seen:
                 raise UserError(f"{rollout}: key {key} appears twice; the rollout is inconsistent, rerun it")
             seen.add(key)
-            if refs is not None and k["prompt_id"] not in refs:
-                raise UserError(f"{cfg.references}: no row for prompt_id {k['prompt_id']!r} of the rollout; "
-                                "every rollout prompt needs a reference")
+            if refs is not None and k[contract.PROMPT_ID] not in refs:
+                raise UserError(f"{cfg.references}: no row for {contract.PROMPT_ID} {k[contract.PROMPT_ID]!r} of the "
+                                "rollout; every rollout prompt needs a reference")
 
 
 def _rule_scores(term: RewardTerm, fn, rows: list[dict], refs, where: str) -> tuple[list[float] | None, str | None]:
@@ -155,9 +147,9 @@ def _rule_scores(term: RewardTerm, fn, rows: list[dict], refs, where: str) -> tu
     raised, read a column the row lacks, or returned no number)."""
     out = []
     for row in rows:
-        key = (row["prompt_id"], row["sample_index"])
+        key = (row[contract.PROMPT_ID], row[contract.SAMPLE_INDEX])
         try:
-            value = fn(row.get("response") or "", {**(refs or {}).get(row["prompt_id"], {}), **row}, **term.args)
+            value = fn(row.get(contract.RESPONSE) or "", {**(refs or {}).get(row[contract.PROMPT_ID], {}), **row}, **term.args)
         except KeyError as e:
             return None, (f"{where}: rule {term.name!r} reads column {e} that row {key} does not have; "
                           "bring it with rollout's keep_columns or score's references")
@@ -171,14 +163,13 @@ def _rule_scores(term: RewardTerm, fn, rows: list[dict], refs, where: str) -> tu
 
 def run(cfg: ScoreConfig) -> None:
     rollout, out = cfg.rollout.rstrip("/"), cfg.out.rstrip("/")
-    manifest = publish.require_verified(rollout, "rollout", "parts/")
-    fs, rollout_path = fsspec.core.url_to_fs(rollout)
-    parts = sorted(f"{rollout_path}/{k}" for k in manifest["files"] if k.startswith("parts/"))
+    manifest = publish.require_verified(rollout, "rollout", f"{contract.PARTS}/")
+    parts = contract.manifest_parts(manifest)
     terms = cfg.rewards
     rules = {t.name: rewards.resolve(t.name) for t in terms if t.name != "rm"}
     use_rm = any(t.name == "rm" for t in terms)
     refs = _load_references(cfg.references) if cfg.references else None
-    _check_inputs(cfg, rollout, fs, parts, refs)
+    _check_inputs(cfg, rollout, parts, refs)
 
     rm_cfg = rm_manifest = None
     dtype = compute_dtype(cfg.dtype, parallel.device())
@@ -204,9 +195,7 @@ def run(cfg: ScoreConfig) -> None:
         return
     if use_rm:
         job.verify_input(cfg.reward_model, rm_manifest, "model/")
-    out_fs, out_path = fsspec.core.url_to_fs(out)
-    done = set(out_fs.ls(f"{out_path}/parts", detail=False)) if out_fs.exists(f"{out_path}/parts") else set()
-    done = {d.rsplit("/", 1)[-1] for d in done}
+    done = set(contract.published_parts(out))
 
     model = offload = actor_tok = rm_tok = None
     max_length = None
@@ -229,32 +218,32 @@ def run(cfg: ScoreConfig) -> None:
     for r in range(-(-len(parts) // topo.dp)):
         i = r * topo.dp + topo.dp_rank
         error = None
-        if i < len(parts) and parts[i].rsplit("/", 1)[-1] in done:
+        if i < len(parts) and parts[i] in done:
             stats["skipped_parts"] += 1
         elif i < len(parts):
-            name = parts[i].rsplit("/", 1)[-1]
-            rows = _read_part(fs, parts[i]).to_pylist()
-            columns: dict[str, list[float]] = {}
+            name = parts[i]
+            rows = contract.read_part(rollout, name).to_pylist()
+            columns: dict[str, list[float]] = {}  # by term name
             if use_rm:
                 seqs, truncated = rm_inputs(rows, actor_tok, rm_tok, max_length, cfg.chat_template)
                 offload.to_device()
-                columns["score_rm"] = score_sequences(model, seqs, cfg.micro_batch)
+                columns["rm"] = score_sequences(model, seqs, cfg.micro_batch)
                 if cfg.offload:
                     offload.to_host()
                 stats["truncated"] += truncated
             for t in terms:
                 if t.name != "rm" and error is None:
-                    columns[f"score_{t.name}"], error = _rule_scores(t, rules[t.name], rows, refs, f"{rollout}/parts/{name}")
+                    columns[t.name], error = _rule_scores(t, rules[t.name], rows, refs, f"{rollout}/{contract.PARTS}/{name}")
             if writer and error is None:
-                total = [sum(t.weight * columns[f"score_{t.name}"][j] for t in terms) for j in range(len(rows))]
+                total = [sum(t.weight * columns[t.name][j] for t in terms) for j in range(len(rows))]
                 bad = next((j for j, v in enumerate(total) if not math.isfinite(v)), None)
                 if bad is not None:
-                    key = (rows[bad]["prompt_id"], rows[bad]["sample_index"])
-                    terms_at = {k: v[bad] for k, v in columns.items()}
-                    error = (f"{rollout}/parts/{name}: the score of {key} is {total[bad]} (terms: {terms_at}); "
+                    key = (rows[bad][contract.PROMPT_ID], rows[bad][contract.SAMPLE_INDEX])
+                    terms_at = {contract.term_column(k): v[bad] for k, v in columns.items()}
+                    error = (f"{rollout}/{contract.PARTS}/{name}: the score of {key} is {total[bad]} (terms: {terms_at}); "
                              "nothing was written for this part — check the reward model and rules")
                 else:
-                    _write_part(out_fs, out_path, name, rows, total, columns, rm_id)
+                    contract.write_part(out, name, contract.scores_table(rows, total, columns, rm_id))
                     stats["parts"] += 1
                     stats["rows"] += len(rows)
         job.check(error)
@@ -262,27 +251,15 @@ def run(cfg: ScoreConfig) -> None:
     all_stats: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_stats, stats if writer else None)
     if rank == 0:
-        names = sorted(p.rsplit("/", 1)[-1] for p in out_fs.ls(f"{out_path}/parts", detail=False) if p.endswith(".parquet"))
+        names = contract.published_parts(out)
         if len(names) != len(parts):
             raise RuntimeError(f"{out}: {len(names)} parts written, {len(parts)} expected")
-        files = {f"parts/{n}": publish.file_entry(f"{out}/parts/{n}") for n in names}
+        files = contract.part_entries(out, names)
         totals = {k: sum(s[k] for s in all_stats if s) for k in stats}
         publish.publish(out, {"kind": "scores", "timing": job.timing(), "request": request, "files": files, "rows": manifest["rows"],
                               "terms": [t.model_dump() for t in terms], "rm_id": rm_id, "stats": totals})
         print(f"{out}: scored {manifest['rows']} rows ({totals['truncated']} truncated for the RM)", flush=True)
     dist.barrier()
-
-
-def _write_part(fs, out_path, name, rows, total, columns, rm_id) -> None:
-    data = {"prompt_id": [r["prompt_id"] for r in rows], "sample_index": [r["sample_index"] for r in rows],
-            "score": pa.array(total, pa.float32())}
-    data.update({k: pa.array(v, pa.float32()) for k, v in columns.items()})
-    data["rm_id"] = [rm_id] * len(rows)
-    buf = io.BytesIO()
-    pq.write_table(pa.table(data), buf)
-    fs.makedirs(f"{out_path}/parts", exist_ok=True)
-    fs.pipe_file(f"{out_path}/parts/.{name}.tmp", buf.getvalue())
-    fs.mv(f"{out_path}/parts/.{name}.tmp", f"{out_path}/parts/{name}")
 
 
 if __name__ == "__main__":

@@ -23,16 +23,11 @@ import torch
 import torch.distributed as dist
 
 from llamarl.lib import checkpoint, hf_mapping, job, parallel, publish
-from llamarl.lib.config import DTYPES, LlamaConfig, ParallelLayout
+from llamarl.lib.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import SafetensorsCheckpoint
+from llamarl.stages import contract
 from llamarl.stages.config import ShardConfig
-
-# Files copied from an HF checkpoint next to the weights: what later stages and export need.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-              "chat_template.jinja", "chat_template.json")
-
 
 
 def head_of(hf_config: dict) -> str:
@@ -97,7 +92,7 @@ def run(cfg: ShardConfig) -> None:
     layout.check(model_cfg)
     weights = SafetensorsCheckpoint(src)
     src_dtype = _check_weights(weights, model_cfg, head, src)
-    out_dtype = getattr(torch, DTYPES[cfg.dtype]) if cfg.dtype else src_dtype
+    out_dtype = contract.torch_dtype(cfg.dtype) if cfg.dtype else src_dtype
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world != cfg.tp * cfg.pp:
@@ -107,10 +102,10 @@ def run(cfg: ShardConfig) -> None:
     rank = dist.get_rank()
     t0 = time.perf_counter()  # after start-up (imports, process groups): the work itself
 
-    source_files = sorted(set(weights.where.values()) | {n for n in SIDE_FILES if fs.exists(f"{src_path}/{n}")}
+    source_files = sorted(set(weights.where.values()) | {n for n in contract.SIDE_FILES if fs.exists(f"{src_path}/{n}")}
                           | ({"model.safetensors.index.json"} if fs.exists(f"{src_path}/model.safetensors.index.json") else set()))
     source = {"url": src, "files": job.file_entries(src, source_files)}
-    expect = {"kind": "checkpoint", "head": head, "dtype": str(out_dtype).removeprefix("torch."), "source": source}
+    expect = {"kind": contract.CHECKPOINT, "head": head, "dtype": contract.dtype_name(out_dtype), "source": source}
 
     def is_current(m: dict) -> bool:
         return all(m.get(k) == v for k, v in expect.items())
@@ -146,20 +141,9 @@ def run(cfg: ShardConfig) -> None:
     written = sorted(p.rsplit("/", 1)[-1] for p in fs_dst.ls(f"{dst_path}/model", detail=False))
     files = {f"model/{k}": v for k, v in job.file_entries(f"{dst}/model", written).items()}
     if rank == 0:
-        for name in SIDE_FILES:
-            if fs.exists(f"{src_path}/{name}"):
-                publish.write_bytes(f"{dst}/hf/{name}", fs.cat_file(f"{src_path}/{name}"))
-                files[f"hf/{name}"] = publish.file_entry(f"{dst}/hf/{name}")
-        publish.publish(dst, {
-            **expect,
-            "model_config": model_cfg.to_dict(),
-            "hf_config": hf_config,
-            "written_layout": {"tp": cfg.tp, "pp": cfg.pp},
-            "tensors": {n: list(s) for n, s in shapes.items()},
-            "files": files,
-            "ranks": ranks,
-            "timing": job.timing(),
-        })
+        side = contract.copy_side_files(src, contract.SIDE_FILES, f"{dst}/{contract.HF}")
+        files.update({f"{contract.HF}/{name}": entry for name, entry in side.items()})
+        publish.publish(dst, contract.checkpoint_manifest(model_cfg, head, out_dtype, hf_config, source, files, ranks=ranks))
     dist.barrier()
     total = torch.tensor([nbytes], dtype=torch.float64)
     dist.all_reduce(total)

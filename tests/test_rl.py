@@ -110,3 +110,23 @@ def test_aggregation_modes_over_micro_batches():
     assert torch.allclose(sum(parts), torch.tensor(2.75))
     # a sequence with no response tokens contributes nothing
     assert rl.aggregate(t([5.0, 5.0]), t([0, 0]), "seq-mean-token-mean", 1.0) == 0
+
+
+def test_aggregation_of_packed_tokens_as_ppo_calls_it():
+    # ppo aggregates the model's packed tokens (padding removed, sequences end to end), telling
+    # sequences apart by their sequence_index packed alike: the same means as over padded rows.
+    loss = t([1.0, 2.0, 9.0], [4.0, 9.0, 9.0], [9.0, 5.0, 7.0])
+    mask = t([1, 1, 0], [1, 0, 0], [0, 1, 1])  # response tokens; the 9s are prompt or padding
+    real = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]]).bool()  # what the model sees
+    seq = rl.sequence_index(mask)
+    assert seq.tolist() == [[0, 0, -1], [1, -1, -1], [-1, 2, 2]]
+    packed = {"loss": loss[real], "mask": mask[real], "seq": seq[real]}
+    token_mean = rl.aggregate(packed["loss"], packed["mask"], "token-mean", 5.0, seq=packed["seq"])
+    assert torch.allclose(token_mean, torch.tensor((1 + 2 + 4 + 5 + 7) / 5))
+    seq_mean = rl.aggregate(packed["loss"], packed["mask"], "seq-mean-token-mean", 3.0, seq=packed["seq"])
+    assert torch.allclose(seq_mean, torch.tensor((1.5 + 4 + 6) / 3))
+    for mode, denominator in (("token-mean", 5.0), ("seq-mean-token-mean", 3.0)):
+        padded = rl.aggregate(loss, mask, mode, denominator)
+        assert torch.allclose(padded, rl.aggregate(packed["loss"], packed["mask"], mode, denominator, seq=packed["seq"]))
+    with pytest.raises(ValueError, match="loss aggregation 'sum'"):
+        rl.aggregate(loss, mask, "sum", 1.0)

@@ -103,8 +103,10 @@ def test_bad_inputs_are_clear_errors(actor, prompts, tmp_path):
     (tmp_path / "bad.csv").write_text("a,b\n")
     with pytest.raises(UserError, match="no .parquet, .jsonl or .json files"):
         rollout.run(_cfg(actor, str(tmp_path / "bad.csv"), tmp_path / "x"))
-    with pytest.raises(UserError, match="top_p=1.5"):
-        rollout.run(_cfg(actor, prompts, tmp_path / "x", sampling={"top_p": 1.5}))
+    # A bad value is refused when the config is built, before the stage runs.
+    with pytest.raises(UserError, match=r"^opts.yaml: sampling.top_p=1.5: Input should be less than or equal to 1$"):
+        RolloutConfig.parse({"actor": actor, "prompts": prompts, "out": str(tmp_path / "x"), "sampling": {"top_p": 1.5}},
+                            "opts.yaml")
     assert not (tmp_path / "x").exists()
 
 

@@ -1,0 +1,202 @@
+"""The contract between stages, in one place: what their files hold (docs/formats.md).
+
+- the rollout and scores Parquet columns, each name defined once, and their schemas;
+- Parquet parts: ``parts/part-NNNNNN.parquet``, each published whole by a rename, so a rerun keeps
+  the parts already there and a reader never sees half a part;
+- the checkpoint manifest (shard and ppo write the same kind) and the HF side files next to it;
+- the dtype names manifests use.
+
+Stages import this module and ``stages.config``, never each other.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from llamarl.lib import hf_mapping, job, parallel, publish
+from llamarl.lib.config import DTYPES, LlamaConfig
+
+# ---- rollout columns: one row per (prompt, sample) ----------------------------------------------------
+
+PROMPT_ID = "prompt_id"
+SAMPLE_INDEX = "sample_index"
+PROMPT = "prompt"
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+RESPONSE = "response"
+RESPONSE_TOKEN_IDS = "response_token_ids"
+RESPONSE_LOGPROBS = "response_logprobs"
+FINISH_REASON = "finish_reason"
+
+ROLLOUT_SCHEMA = pa.schema([
+    (PROMPT_ID, pa.string()),
+    (SAMPLE_INDEX, pa.int32()),
+    (PROMPT, pa.string()),
+    (PROMPT_TOKEN_IDS, pa.list_(pa.int32())),
+    (RESPONSE, pa.string()),
+    (RESPONSE_TOKEN_IDS, pa.list_(pa.int32())),
+    (RESPONSE_LOGPROBS, pa.list_(pa.float32())),
+    (FINISH_REASON, pa.string()),
+])
+"""Then the prompts' ``keep_columns``, as they were."""
+
+
+def rollout_table(columns: dict[str, list], keep: dict[str, list], metadata: dict[str, str]) -> pa.Table:
+    """A rollout part: ``columns`` of ``ROLLOUT_SCHEMA``, then the kept prompt columns (their types
+    inferred), with ``metadata`` (actor, sampling, …) in the Parquet schema."""
+    table = pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
+    for name, values in keep.items():
+        table = table.append_column(name, pa.array(values))
+    return table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
+
+
+# ---- scores columns: one row per rollout row -------------------------------------------------------------
+
+SCORE = "score"
+RM_ID = "rm_id"
+KEY = (PROMPT_ID, SAMPLE_INDEX)  # joins a scores row with its rollout row
+
+
+def term_column(term: str) -> str:
+    """The column of one reward term's (unweighted) score: ``score_rm``, ``score_exact_match``, …"""
+    return f"{SCORE}_{term}"
+
+
+def scores_schema(terms: Iterable[str], rm_id: str | None) -> pa.Schema:
+    # sample_index is int64 here (int32 in the rollout) and rm_id has Arrow's null type when there
+    # is no reward model: the format scores parts have always had, kept so old and new parts agree.
+    return pa.schema([(PROMPT_ID, pa.string()), (SAMPLE_INDEX, pa.int64()), (SCORE, pa.float32())]
+                     + [(term_column(t), pa.float32()) for t in terms]
+                     + [(RM_ID, pa.string() if rm_id is not None else pa.null())])
+
+
+def scores_table(rows: list[dict], total: list[float], terms: dict[str, list[float]], rm_id: str | None) -> pa.Table:
+    """A scores part: the key of each rollout row, its ``total`` and each term's score."""
+    data = {PROMPT_ID: [r[PROMPT_ID] for r in rows], SAMPLE_INDEX: [r[SAMPLE_INDEX] for r in rows], SCORE: total,
+            **{term_column(t): v for t, v in terms.items()}, RM_ID: [rm_id] * len(rows)}
+    return pa.Table.from_pydict(data, schema=scores_schema(terms, rm_id))
+
+
+# ---- parts ------------------------------------------------------------------------------------------------
+
+PARTS = "parts"
+
+
+def part_name(index: int) -> str:
+    return f"part-{index:06d}.parquet"
+
+
+def published_parts(root: str) -> list[str]:
+    """Names of the parts already published under ``root`` (none when it has no parts yet)."""
+    fs, path = fsspec.core.url_to_fs(root)
+    if not fs.exists(f"{path}/{PARTS}"):
+        return []
+    return sorted(n for n in (p.rsplit("/", 1)[-1] for p in fs.ls(f"{path}/{PARTS}", detail=False)) if n.endswith(".parquet"))
+
+
+def write_part(root: str, name: str, table: pa.Table) -> None:
+    """Publish one part: written under a temporary name, then renamed, so it appears whole or not at all."""
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    fs, path = fsspec.core.url_to_fs(root)
+    fs.makedirs(f"{path}/{PARTS}", exist_ok=True)
+    tmp = f"{path}/{PARTS}/.{name}.tmp"
+    fs.pipe_file(tmp, buf.getvalue())
+    fs.mv(tmp, f"{path}/{PARTS}/{name}")
+
+
+def manifest_parts(manifest: dict) -> list[str]:
+    """Names of the parts a published output's manifest lists, in order."""
+    return sorted(k.removeprefix(f"{PARTS}/") for k in manifest["files"] if k.startswith(f"{PARTS}/"))
+
+
+def part_entries(root: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    """The manifest's ``files`` entries of these parts."""
+    return {f"{PARTS}/{n}": publish.file_entry(f"{root}/{PARTS}/{n}") for n in names}
+
+
+def read_part(root: str, name: str, columns: list[str] | None = None) -> pa.Table:
+    fs, path = fsspec.core.url_to_fs(root)
+    with fs.open(f"{path}/{PARTS}/{name}", "rb") as f:
+        return pq.read_table(f, columns=columns)
+
+
+def read_part_schema(root: str, name: str) -> pa.Schema:
+    fs, path = fsspec.core.url_to_fs(root)
+    with fs.open(f"{path}/{PARTS}/{name}", "rb") as f:
+        return pq.read_schema(f)
+
+
+def part_rows(root: str, name: str) -> int:
+    fs, path = fsspec.core.url_to_fs(root)
+    with fs.open(f"{path}/{PARTS}/{name}", "rb") as f:
+        return pq.ParquetFile(f).metadata.num_rows
+
+
+def read_rows(root: str, manifest: dict) -> list[dict]:
+    """Every row of a published output's parts, in part order."""
+    return [row for name in manifest_parts(manifest) for row in read_part(root, name).to_pylist()]
+
+
+# ---- dtypes -------------------------------------------------------------------------------------------------
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A config's (``bf16``) or a manifest's (``bfloat16``) dtype name as a torch dtype."""
+    return getattr(torch, DTYPES[name])
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """What manifests and Parquet metadata call a torch dtype: ``bfloat16``, ``float32``, …"""
+    return str(dtype).removeprefix("torch.")
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------
+
+CHECKPOINT = "checkpoint"
+HF = "hf"
+
+# Files copied from an HF checkpoint next to the weights: what later stages and export need.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+              "chat_template.jinja", "chat_template.json")
+
+
+def copy_side_files(src: str, names: Iterable[str], dst: str) -> dict[str, dict[str, Any]]:
+    """Copy ``src/name`` to ``dst/name`` for each name that exists; returns their manifest entries.
+    Rank 0's job: side files are small."""
+    fs, path = fsspec.core.url_to_fs(src)
+    files = {}
+    for name in names:
+        if fs.exists(f"{path}/{name}"):
+            publish.write_bytes(f"{dst}/{name}", fs.cat_file(f"{path}/{name}"))
+            files[name] = publish.file_entry(f"{dst}/{name}")
+    return files
+
+
+def hf_side_files(manifest: dict) -> list[str]:
+    """The names under ``hf/`` of a published checkpoint."""
+    return sorted(k.removeprefix(f"{HF}/") for k in manifest["files"] if k.startswith(f"{HF}/"))
+
+
+def checkpoint_manifest(model_cfg: LlamaConfig, head: str, dtype: torch.dtype, hf_config: dict, source: dict,
+                        files: dict, **extra: Any) -> dict:
+    """The manifest of a checkpoint written by this job (whose topology is the written layout).
+
+    ``source``: ``{url, files}`` of the HF checkpoint the weights come from (ppo's carry their
+    actor's along). ``extra``: what only one writer knows (shard's ``ranks``, ppo's ``train_state``)."""
+    topo = parallel.topology()
+    return {"kind": CHECKPOINT, "head": head, "dtype": dtype_name(dtype), "model_config": model_cfg.to_dict(),
+            "hf_config": hf_config, "written_layout": {"tp": topo.tp, "pp": topo.pp},
+            "tensors": {n: list(s) for n, s in hf_mapping.hf_shapes(model_cfg, head).items()},
+            "source": source, "files": files, "timing": job.timing(), **extra}
+
+
+def has_optimizer_state(manifest: dict) -> bool:
+    return any(k.startswith("optim/") for k in manifest["files"])

@@ -1,0 +1,118 @@
+"""What a PPO run keeps on storage: each role's published checkpoint at the end, and the training
+state saved every ``save_every`` steps under ``OUT/.state`` that an interrupted run resumes from.
+
+A saved state ``OUT/.state/step-NNNNNN`` is complete once its ``done.json`` exists (written last,
+with every file's checksum and the metrics of the steps so far, so a resumed run reports every
+step).
+"""
+
+from __future__ import annotations
+
+import json
+
+import fsspec
+import torch
+import torch.distributed as dist
+
+from llamarl.lib import job, parallel, publish
+from llamarl.lib.errors import UserError
+from llamarl.stages import contract
+from llamarl.stages.ppo_trainer import Trainer
+
+
+def save_checkpoint(root: str, trainer: Trainer, source: str, source_manifest: dict, step: int,
+                    store_dtype: torch.dtype) -> None:
+    """Collective: a published checkpoint (the format shard writes) of ``trainer``'s model as of
+    ``step``, with its optimizer state; config and tokenizer files come from the checkpoint
+    ``source``. ``root`` lies inside our own unpublished output, so whatever an interrupted run
+    left there is ours to replace."""
+    rank = dist.get_rank()
+    if rank == 0:
+        fs, path = fsspec.core.url_to_fs(root)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+        publish.prepare(root, lambda m: False)
+        contract.copy_side_files(f"{source}/{contract.HF}", contract.hf_side_files(source_manifest), f"{root}/{contract.HF}")
+    dist.barrier()
+    trainer.save(root, store_dtype)
+    dist.barrier()
+    fs, path = fsspec.core.url_to_fs(root)
+    names = sorted(f"{sub}/{p.rsplit('/', 1)[-1]}" for sub in ("model", "optim", contract.HF)
+                   for p in fs.ls(f"{path}/{sub}", detail=False))
+    files = job.file_entries(root, names)
+    if rank == 0:
+        model = trainer.model
+        publish.publish(root, contract.checkpoint_manifest(
+            model.cfg, model.hf_head, store_dtype, source_manifest.get("hf_config", {}), source_manifest.get("source", {}),
+            files, train_state={"step": step}))
+    dist.barrier()
+
+
+def metrics_on_rank0(lines: list[dict]) -> list[dict] | None:
+    """Collective: the step metrics (kept on the last stage's first TP/DP rank), on rank 0."""
+    topo = parallel.topology()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, lines if (topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0) else None)
+    return next(g for g in gathered if g is not None) if dist.get_rank() == 0 else None
+
+
+def _state_root(out: str, k: int) -> str:
+    return f"{out}/.state/step-{k:06d}"
+
+
+def save_state(out: str, k: int, trainers: dict[str, Trainer], store_dtype: torch.dtype, metrics: list[dict] | None) -> None:
+    """Collective: the training state after ``k`` steps, and the ``metrics`` of those steps in the
+    marker written last."""
+    root = _state_root(out, k)
+    for name, t in trainers.items():
+        t.save(f"{root}/{name}", store_dtype)
+    dist.barrier()
+    fs, path = fsspec.core.url_to_fs(root)
+    files = job.file_entries(root, sorted(p[len(path) + 1 :] for p in fs.find(path)))
+    if dist.get_rank() == 0:
+        marker = {"step": k, "metrics": metrics, "files": files}
+        publish.write_bytes(f"{root}/done.json", json.dumps(marker).encode())  # written last
+    dist.barrier()
+
+
+def resume(out: str, trainers: dict[str, Trainer], start_step: int) -> tuple[int, list[dict]]:
+    """Collective: the number of optimizer steps an interrupted run already did (0 if none), its
+    state loaded into ``trainers``, and the metrics of those steps (on the rank that keeps them)."""
+    fs, path = fsspec.core.url_to_fs(out)
+    steps = []
+    if fs.exists(f"{path}/.state"):
+        for p in fs.ls(f"{path}/.state", detail=False):
+            if fs.exists(f"{p}/done.json"):
+                steps.append(int(p.rstrip("/").rsplit("-", 1)[-1]))
+    found = [max(steps) if steps else 0, None]
+    error = None
+    if found[0] and dist.get_rank() == 0:
+        done = _state_root(out, found[0])
+        try:
+            found[1] = json.loads(fs.cat_file(f"{path}/.state/step-{found[0]:06d}/done.json"))
+        except json.JSONDecodeError:
+            error = (f"{done}/done.json is not valid JSON: the saved training state is damaged; delete {done} to resume "
+                     "from an earlier step (or the whole output to start over)")
+    job.check(error)
+    dist.broadcast_object_list(found, src=0)
+    k, marker = found
+    metrics = (marker or {}).get("metrics")
+    if k:
+        root = _state_root(out, k)
+        try:
+            job.verify_input(root, {"files": marker.get("files", {})})  # states saved before checksums: none
+        except UserError as e:
+            raise UserError(f"{e.args[0].split('; ')[0]}: the saved training state is damaged; delete {root} to resume "
+                            "from an earlier step (or the whole output to start over)") from None
+        for name, t in trainers.items():
+            t.restore(f"{root}/{name}", start_step + k)
+        if dist.get_rank() == 0:
+            print(f"{out}: resuming after optimizer step {k}", flush=True)
+    return k, list(metrics or [])
+
+
+def clear_state(out: str) -> None:
+    """Drop the saved training state once the outputs are published: it served its purpose."""
+    fs, path = fsspec.core.url_to_fs(out)
+    if fs.exists(f"{path}/.state"):
+        fs.rm(f"{path}/.state", recursive=True)

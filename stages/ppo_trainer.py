@@ -1,0 +1,165 @@
+"""PPO's models at work: the frozen forward passes (reference log-probs, old values) and the update
+step, one ``Trainer`` per role (actor, critic).
+
+Every pass goes through the 1F1B schedule over micro-batches of packed tokens; losses are
+computed on the last pipeline stage, per micro-batch, as its share of the mini-batch mean
+(``rl.aggregate``), so gradient accumulation over micro-batches and DP ranks sums to the mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from llamarl.lib import checkpoint, optim, parallel, rl, schedule, vocab_parallel
+from llamarl.stages.config import PPOConfig
+from llamarl.stages.ppo_data import Sample, micro_batches, padded, response_values
+
+
+class Trainer:
+    """One role's model with its fp32 gradient buffer and ZeRO-1 optimizer; the optimizer state
+    comes from ``optim_url`` (moments, masters) or, for masters, from ``model_url`` at its stored
+    precision."""
+
+    def __init__(self, model, lr: float, cfg: PPOConfig, optim_url: str | None, model_url: str | None, step: int):
+        self.model, self.lr, self.cfg = model, lr, cfg
+        self.grads = optim.GradBuffer(model)
+        self.opt = optim.ShardedAdamW(model, lr, cfg.betas, weight_decay=cfg.weight_decay)
+        self.opt.load_state(optim_url, step, model_url)
+
+    def update(self, batches: list, loss_fn, extras: list, step: int) -> tuple[float, float]:
+        """One optimizer step over the micro-``batches``: accumulate, reduce over DP, clip, step.
+        Returns the gradient norm and the learning rate used."""
+        cfg = self.cfg
+        self.grads.zero()
+        schedule.forward_backward(self.model, batches, loss_fn, extras)
+        self.grads.reduce()
+        grad_norm = optim.clip_grad_norm(self.model, cfg.grad_clip)
+        self.opt.lr = optim.lr_at(step, self.lr, cfg.warmup_steps, cfg.total_steps, cfg.lr_decay)
+        self.opt.step()
+        return grad_norm, self.opt.lr
+
+    def save(self, root: str, store_dtype: torch.dtype) -> None:
+        """Collective: the weights (from the fp32 masters, as ``store_dtype``) under ``root/model``,
+        the optimizer state in fp32 under ``root/optim``."""
+        checkpoint.save(self.opt.model_state(store_dtype), f"{root}/model")
+        checkpoint.save(self.opt.state(), f"{root}/optim")
+
+    def restore(self, root: str, step: int) -> None:
+        """Collective: what ``save`` wrote, as of optimizer step ``step``."""
+        checkpoint.load_model(self.model, f"{root}/model")
+        self.opt.load_state(f"{root}/optim", step, f"{root}/model")
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if temperature == 1.0:
+        return logits  # the vocab-parallel ops upcast to fp32 themselves
+    # In fp32: dividing bf16 logits would round them again. Padded vocabulary sits at the dtype's
+    # minimum; keep it finite after scaling.
+    return (logits.float() / temperature).clamp(min=torch.finfo(torch.float32).min)
+
+
+def token_outputs(model, samples: list[Sample], groups: list[list[int]], temperature: float) -> list[list[float]] | None:
+    """Per-response-token log-probs (CausalLM) or values (Value) for ``groups`` of samples; None
+    off the last pipeline stage. Each micro-batch's head output is reduced as soon as it exists:
+    a whole batch of ``[tokens, vocab]`` logits never lives at once."""
+    dev = next(model.parameters()).device
+    batches, metas = [], []
+    for g in groups:
+        ids, mask, labels, _ = padded([samples[i] for i in g], dev)
+        batch = model.make_batch(ids, mask)
+        batches.append(batch)
+        metas.append((batch, labels))
+
+    def per_token(out, meta):
+        batch, labels = meta
+        if model.hf_head == "lm":
+            out = vocab_parallel.log_probs(_scaled(out, temperature), batch.flat(labels))
+        return batch.to_padded(out)
+
+    with torch.no_grad():
+        outs = schedule.forward_backward(model, batches, per_token, metas, forward_only=True)
+    if not parallel.topology().is_last_stage:
+        return None
+    return [v for g, out in zip(groups, outs) for v in response_values([samples[i] for i in g], out)]
+
+
+def gather_dp(mine: dict[int, list[float]] | None) -> dict[int, list[float]] | None:
+    """Collective over DP: every rank's ``{sample index: values}`` merged (None stays None: off the
+    last stage)."""
+    if mine is None:
+        return None
+    topo = parallel.topology()
+    if topo.dp == 1:
+        return mine
+    parts: list = [None] * topo.dp
+    dist.all_gather_object(parts, mine, group=parallel.dp_group())
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sample], data: dict | None,
+               batch_idx: list[int], step: int, dev) -> dict:
+    """One optimizer step of every role on the mini-batch ``batch_idx``; its metrics (the losses on
+    the last pipeline stage only, where ``data`` — ``ppo_data.advantages`` — lives)."""
+    topo = parallel.topology()
+    actor = trainers["actor"].model
+    mine = batch_idx[topo.dp_rank :: topo.dp]
+    groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
+    tokens = sum(samples[i].response_len for i in batch_idx)
+    denom = float(tokens if cfg.loss_agg == "token-mean" else len(batch_idx))
+    # Metric sums stay on the device (a host read per micro-batch would stall the GPU); read once a step.
+    sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
+            for k in ("policy_loss", "entropy", "approx_kl", "clip_fraction", "value_loss")}
+
+    batches, extras = [], []
+    for g in groups:
+        ids, mask, labels, resp = padded([samples[i] for i in g], dev)
+        batch = actor.make_batch(ids, mask)
+        batches.append(batch)
+        if data is None:
+            extras.append(None)
+            continue
+        rows, width = torch.tensor(g, device=dev), ids.shape[1]
+        mine_of = {k: batch.flat(data[k][rows, :width]) for k in ("old_logp", "ref_logp", "adv", "values", "returns")}
+        extras.append({"labels": batch.flat(labels), "resp": batch.flat(resp), "seq": batch.flat(rl.sequence_index(resp)),
+                       **mine_of})
+
+    def agg(loss, x):
+        return rl.aggregate(loss, x["resp"], cfg.loss_agg, denom, seq=x["seq"])
+
+    def actor_loss(out, x):
+        logp, entropy = vocab_parallel.log_probs_and_entropy(_scaled(out, cfg.temperature), x["labels"])
+        pg, clipped, approx_kl = rl.policy_loss(logp, x["old_logp"], x["adv"], cfg.clip_eps, cfg.dual_clip)
+        loss = agg(pg, x)
+        sums["policy_loss"] += loss.detach()
+        sums["clip_fraction"] += (clipped * x["resp"]).sum().detach() / tokens
+        sums["approx_kl"] += (approx_kl * x["resp"]).sum().detach() / tokens
+        # Entropy is a reported metric every step, and a bonus when entropy_coef > 0.
+        ent_term = agg(entropy, x)
+        sums["entropy"] += ent_term.detach()
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * ent_term
+        if cfg.use_kl_loss:
+            loss = loss + cfg.kl_coef * agg(rl.kl_estimate(logp, x["ref_logp"], cfg.kl_estimator), x)
+        return loss
+
+    def critic_loss(out, x):
+        loss = agg(rl.value_loss(out, x["values"], x["returns"], cfg.value_clip), x)
+        sums["value_loss"] += loss.detach()
+        return loss
+
+    metrics = {}
+    for name, t in trainers.items():
+        metrics[f"{name}_grad_norm"], metrics[f"{name}_lr"] = t.update(
+            batches, actor_loss if name == "actor" else critic_loss, extras, step)
+
+    metrics["tokens"] = sum(len(samples[i].ids) for i in batch_idx)
+    if topo.is_last_stage:
+        reduced = torch.stack(list(sums.values()))
+        if topo.dp > 1:
+            dist.all_reduce(reduced, group=parallel.dp_group())
+        metrics.update(dict(zip(sums, reduced.tolist())))
+        metrics["mean_score"] = sum(samples[i].score for i in batch_idx) / len(batch_idx)
+        metrics["mean_response_length"] = tokens / len(batch_idx)
+        metrics["kl"] = data["kl"]
+    return metrics
