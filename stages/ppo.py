@@ -16,6 +16,9 @@ Run with tp × pp × dp processes (``llamarl stage ppo …``). The recipe:
 Training state is saved every ``save_every`` steps under ``OUT/.state``; a rerun resumes from the
 latest and ends with the same weights as an uninterrupted run (the data order depends only on
 the seed). Mini-batches and micro-batches depend only on the data, never on the layout.
+
+This module is the recipe; the work is in ``ppo_data`` (1, 3 and the batches), ``ppo_trainer``
+(2 and 4: the models, one ``Trainer`` per role) and ``ppo_state`` (5 and the saved state).
 """
 
 from __future__ import annotations
