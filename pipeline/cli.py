@@ -17,6 +17,8 @@ app.add_typer(stage_app, name="stage")
 def run(
     spec: str = typer.Argument(..., help="Run spec (YAML)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print which stages would run and why; run nothing."),
+    show_launch: bool = typer.Option(False, "--show-launch", help="With --dry-run: also print what each stage that "
+                                                                  "would run launches (commands, sbatch, manifests)."),
     apply: bool = typer.Option(False, "--apply", help="Kubernetes: create the Jobs and follow them (default: write YAML)."),
 ):
     """Run (or resume) every stage of a spec that is not done yet."""
@@ -32,7 +34,7 @@ def run(
         loaded = load_spec(spec)
         if apply:
             loaded.executor.options["apply"] = True
-        report = run_spec(loaded, dry_run=dry_run, echo=lambda m: console.print(m, highlight=False, markup=False))
+        report = run_spec(loaded, dry_run=dry_run, show_launch=show_launch, echo=lambda m: console.print(m, highlight=False, markup=False))
     except UserError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)

@@ -192,17 +192,23 @@ def executor_for(spec: RunSpec) -> Executor:
     return make_executor(spec.executor.kind, spec.executor.options, spec.run_dir, f"{spec.source}: executor.options")
 
 
-def run_spec(spec: RunSpec, *, dry_run: bool = False, echo=print) -> list[tuple[str, str]]:
-    """Run every stage that is not done, in order. Returns (node, what happened) pairs."""
+def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
+             echo=print) -> list[tuple[str, str]]:
+    """Run every stage that is not done, in order. Returns (node, what happened) pairs. A dry run
+    plans instead, and with ``show_launch`` echoes what the executor would launch for each stage
+    that would run (``Executor.render``)."""
     run = spec.run_dir
     nodes = check_spec(spec)
     by_name = {n.name: n for n in nodes}
     report, will_run = [], set()
     if dry_run:
+        executor = executor_for(spec) if show_launch else None
         for n in nodes:
             done, why = assess(run, n, by_name, will_run)
             if not done:
                 will_run.add(n.name)
+                if executor is not None:
+                    echo(executor.render(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name))
             report.append((n.name, ("skip: " if done else "run: ") + why))
         return report
 

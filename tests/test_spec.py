@@ -105,3 +105,17 @@ def test_dry_run_of_a_good_spec_plans_without_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "iter-002/ppo" in r.stdout, r.stdout + r.stderr
     assert len(build_dag(parse_spec(_spec(tmp_path), "x"))) == 9
+
+
+def test_dry_run_shows_what_each_stage_would_launch(tmp_path):
+    from llamarl.pipeline.run import run_spec
+
+    spec = parse_spec(_spec(tmp_path, layout={"rollout": {"tp": 2}}, iterations=1,
+                            executor={"kind": "kubernetes", "options": {"image": "llamarl:1", "pvc": "runs"}}), "x")
+    shown: list[str] = []
+    plan = run_spec(spec, dry_run=True, show_launch=True, echo=shown.append)
+    assert [name for name, _ in plan][2] == "iter-001/rollout" and len(shown) == len(plan)  # nothing is done yet
+    rollout = yaml.safe_load_all(shown[2])
+    kinds = [doc["kind"] for doc in rollout if doc]
+    assert "Job" in kinds and "llamarl.stages.rollout" in shown[2]
+    assert not (tmp_path / "t").exists()  # a dry run writes nothing
