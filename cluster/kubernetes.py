@@ -5,8 +5,14 @@ For a stage on N nodes × G processes: ``completionMode: Indexed`` with completi
 named in the pods' ``subdomain`` gives each a DNS name, so rank 0's node is
 ``<job>-0.<service>``. Each pod runs ``torchrun --nnodes=N --node_rank=$JOB_COMPLETION_INDEX
 --nproc_per_node=G --master_addr=<job>-0.<service>``. Storage is a PVC mounted at the same path
-as the run directory. A pod failing with exit status 2 (a user error, already reported) fails
-the Job at once; a pod evicted by a disruption does not count against ``backoffLimitPerIndex``.
+as the run directory; ``/dev/shm`` is a memory-backed volume (the container runtime's 64 MB
+default breaks NCCL and shared-memory tensors); the pods run as a non-root user.
+
+The pods of a stage fail and restart together: one torchrun world cannot take back a single
+restarted pod (its peers have failed, or wait on a world that will not re-form), so the Job has
+``backoffLimit: 0`` and any pod failure fails it; the executor then deletes it and creates it anew,
+whole, up to ``restarts`` times, and the stage resumes from what it had published. A pod failing
+with exit status 2 (a user error, already reported) fails the stage at once, with no restart.
 
 Without ``apply`` nothing runs here: ``submit`` writes the stage's manifests as YAML to
 ``manifests_dir``, numbered in submission order, and the pipeline writes every stage's, to be
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import sys
 import time
 from typing import Any
 
@@ -30,6 +37,9 @@ from .executor import StageResult, per_node, stage_args
 
 NOT_APPLIED = 3
 """``wait``'s code for a stage whose manifests were written, not applied: nothing ran."""
+
+GPU_STAGES = ("rollout", "score", "ppo")
+"""Stages that compute on GPUs: their pods get one GPU per process unless ``gpus_per_node`` says."""
 
 
 def _dns_name(text: str) -> str:
@@ -45,10 +55,17 @@ class KubernetesOptions(BaseModel):
     mount_path: str = Field("/shared", description="Where the PVC is mounted in the pods (storage URLs must point "
                                                    "under it).")
     namespace: str = Field("default", description="Namespace of the Jobs and Services.")
-    gpus_per_node: int = Field(0, ge=0, description="GPUs of each pod (nvidia.com/gpu), one process per GPU.")
+    gpus_per_node: int | None = Field(None, ge=0, description="GPUs of each pod (nvidia.com/gpu). Default: one per "
+                                                             "process for the stages that compute on GPUs (rollout, "
+                                                             "score, ppo), none for shard and export; 0 for none.")
     cpu: str | None = Field(None, description="CPU request of each pod, e.g. 32 or 500m.")
     memory: str | None = Field(None, description="Memory request of each pod, e.g. 256Gi.")
-    backoff_limit_per_index: int = Field(2, ge=0, description="Retries of each node's pod (disruptions not counted).")
+    restarts: int = Field(2, ge=0, description="Times a failed stage's pods are all replaced and the stage resumed "
+                                               "(a user error is never retried).")
+    shm_size: str | None = Field(None, description="Size limit of the memory-backed /dev/shm, e.g. 64Gi (counted "
+                                                   "against the pod's memory); default: no limit of its own.")
+    run_as_user: int = Field(1000, ge=1, description="Non-root user (and group, and fsGroup of the storage) the "
+                                                      "pods run as.")
     master_port: int = Field(29500, ge=1, le=65535, description="torchrun's rendezvous port on the first pod.")
     apply: bool = Field(False, description="Create the objects and follow the Job; otherwise only write the YAML.")
     manifests_dir: str | None = Field(None, description="Where the YAML is written without apply (one file per "
@@ -68,6 +85,7 @@ class KubernetesExecutor:
         self.launches = options.apply
         self._batch_api, self._core_api = batch_api, core_api
         self._written = 0  # manifests written so far: their files are numbered in the order to apply them
+        self._jobs: dict[str, dict] = {}  # submitted Jobs by name, to create again on a restart
 
     # ---- manifests ------------------------------------------------------------------------
 
@@ -81,8 +99,9 @@ class KubernetesExecutor:
                     f"--nproc_per_node={per_node(nprocs, nodes)} --master_addr={job}-0.{svc} "
                     f"--master_port={o.master_port} {args}")
         resources: dict = {}
-        if o.gpus_per_node:
-            resources["limits"] = {"nvidia.com/gpu": o.gpus_per_node}
+        gpus = o.gpus_per_node if o.gpus_per_node is not None else (per_node(nprocs, nodes) if stage in GPU_STAGES else 0)
+        if gpus:
+            resources["limits"] = {"nvidia.com/gpu": gpus}
         requests = {k: v for k, v in (("cpu", o.cpu), ("memory", o.memory)) if v}
         if requests:
             resources["requests"] = requests
@@ -95,15 +114,20 @@ class KubernetesExecutor:
             "spec": {"clusterIP": "None", "selector": {"job-name": job}, "publishNotReadyAddresses": True,
                      "ports": [{"name": "rendezvous", "port": o.master_port}]},
         }
+        shm = {"medium": "Memory", **({"sizeLimit": o.shm_size} if o.shm_size else {})}
         pod_spec = {
             "subdomain": svc,
             "restartPolicy": "Never",
+            "securityContext": {"runAsNonRoot": True, "runAsUser": o.run_as_user, "runAsGroup": o.run_as_user,
+                                "fsGroup": o.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [{
                 "name": "stage", "image": o.image, "command": ["bash", "-c", torchrun], "env": env,
                 "resources": resources,
-                "volumeMounts": [{"name": "storage", "mountPath": o.mount_path}],
+                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                "volumeMounts": [{"name": "storage", "mountPath": o.mount_path}, {"name": "shm", "mountPath": "/dev/shm"}],
             }],
-            "volumes": [{"name": "storage", "persistentVolumeClaim": {"claimName": o.pvc}}],
+            "volumes": [{"name": "storage", "persistentVolumeClaim": {"claimName": o.pvc}},
+                        {"name": "shm", "emptyDir": shm}],
         }
         if o.node_selector:
             pod_spec["nodeSelector"] = dict(o.node_selector)
@@ -112,10 +136,9 @@ class KubernetesExecutor:
             "metadata": {"name": job, "namespace": o.namespace, "labels": labels},
             "spec": {
                 "completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
-                "backoffLimitPerIndex": o.backoff_limit_per_index,
+                "backoffLimit": 0,  # one failed pod fails the Job; `wait` replaces all of them together
                 "podFailurePolicy": {"rules": [
                     {"action": "FailJob", "onExitCodes": {"containerName": "stage", "operator": "In", "values": [EXIT_USER_ERROR]}},
-                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
                 ]},
                 "template": {"metadata": {"labels": labels}, "spec": pod_spec},
             },
@@ -143,23 +166,55 @@ class KubernetesExecutor:
         batch, core = self._apis()
         core.create_namespaced_service(namespace=self.options.namespace, body=service)
         batch.create_namespaced_job(namespace=self.options.namespace, body=job)
+        self._jobs[job["metadata"]["name"]] = job
         return job["metadata"]["name"]
 
     def wait(self, handle: str) -> StageResult:
         """Follow the Job to its Complete or Failed condition. A failure by the pod failure policy
-        is a stage's user error (exit status 2, reported in its pod's log)."""
+        is a stage's user error (exit status 2, reported in its pod's log); any other failure
+        replaces all the stage's pods (the Job deleted and created again, up to ``restarts``
+        times) and the stage resumes."""
         if not self.options.apply:
             return StageResult(NOT_APPLIED, f"manifests written to {handle}: apply them, or set apply: true")
-        batch, _ = self._apis()
+        restarts = 0
         while True:
-            status = batch.read_namespaced_job_status(name=handle, namespace=self.options.namespace).status
-            for cond in status.conditions or []:
-                if cond.status == "True" and cond.type == "Complete":
-                    return StageResult(0)
-                if cond.status == "True" and cond.type == "Failed":
-                    code = EXIT_USER_ERROR if cond.reason == "PodFailurePolicy" else 1
-                    return StageResult(code, f"job {handle} failed: {cond.reason}: {cond.message}")
+            cond = self._ended(handle)
+            if cond is None:
+                time.sleep(self.options.poll_s)
+                continue
+            if cond.type == "Complete":
+                return StageResult(0)
+            if cond.reason == "PodFailurePolicy":
+                return StageResult(EXIT_USER_ERROR, f"job {handle} failed: {cond.reason}: {cond.message}")
+            if restarts == self.options.restarts:
+                tries = f" (and {restarts} restart(s) of all its pods)" if restarts else ""
+                return StageResult(1, f"job {handle} failed{tries}: {cond.reason}: {cond.message}")
+            restarts += 1
+            print(f"job {handle} failed ({cond.reason}: {cond.message}); replacing all its pods, restart {restarts} "
+                  f"of {self.options.restarts}", file=sys.stderr, flush=True)
+            self._recreate(handle)
+
+    def _ended(self, name: str) -> Any:
+        """The Job's Complete or Failed condition; None while it runs."""
+        batch, _ = self._apis()
+        status = batch.read_namespaced_job_status(name=name, namespace=self.options.namespace).status
+        return next((c for c in status.conditions or [] if c.status == "True" and c.type in ("Complete", "Failed")), None)
+
+    def _recreate(self, name: str) -> None:
+        """Delete the Job with its pods, wait until it is gone, create it again: the new pods keep
+        the names (and DNS names) the rendezvous needs."""
+        batch, _ = self._apis()
+        ns = self.options.namespace
+        batch.delete_namespaced_job(name=name, namespace=ns, propagation_policy="Foreground")
+        while True:
+            try:
+                batch.read_namespaced_job_status(name=name, namespace=ns)
+            except Exception as e:  # kubernetes.client.ApiException; 404 once the Job and its pods are gone
+                if getattr(e, "status", None) == 404:
+                    break
+                raise
             time.sleep(self.options.poll_s)
+        batch.create_namespaced_job(namespace=ns, body=self._jobs[name])
 
     def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
         return self.wait(self.submit(stage, config, nprocs, nodes, name=name))

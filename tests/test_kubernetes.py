@@ -59,8 +59,29 @@ def test_rendezvous_and_rank_wiring():
     assert {"name": "NCCL_NVLS_ENABLE", "value": "0"} in pod["containers"][0]["env"]
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "runs"
     rules = spec["podFailurePolicy"]["rules"]
-    assert rules[0]["action"] == "FailJob" and rules[0]["onExitCodes"]["values"] == [2]
-    assert spec["backoffLimitPerIndex"] == 2
+    assert rules == [{"action": "FailJob", "onExitCodes": {"containerName": "stage", "operator": "In", "values": [2]}}]
+    assert spec["backoffLimit"] == 0 and "backoffLimitPerIndex" not in spec  # pods restart together (see wait)
+
+
+def test_pods_have_shared_memory_and_run_as_non_root():
+    _, job = _executor(shm_size="64Gi", run_as_user=4242).manifests("ppo", _config(), nprocs=16, nodes=2)
+    pod = job["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["shm"] == "/dev/shm" and volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 4242
+    assert pod["securityContext"]["fsGroup"] == 4242  # the storage is writable by that user
+    assert pod["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+@pytest.mark.parametrize("stage,gpus", [("ppo", 8), ("rollout", 8), ("score", 8), ("shard", None), ("export", None)])
+def test_gpus_follow_the_layout_unless_set(stage, gpus):
+    options = KubernetesOptions(image="i", pvc="runs", manifests_dir="/unused")
+    _, job = KubernetesExecutor(options).manifests(stage, _config(), nprocs=16, nodes=2)
+    limits = job["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+    assert limits.get("nvidia.com/gpu") == gpus  # one GPU per process where the stage computes on GPUs
+    _, job = KubernetesExecutor(options.model_copy(update={"gpus_per_node": 0})).manifests(stage, _config(), 16, 2)
+    assert "limits" not in job["spec"]["template"]["spec"]["containers"][0]["resources"]
 
 
 def test_uneven_spread_is_a_clear_error():
@@ -69,18 +90,34 @@ def test_uneven_spread_is_a_clear_error():
 
 
 class _FakeBatch:
-    def __init__(self, outcome, reason):
-        self.created, self.reads, self.outcome, self.reason = [], 0, outcome, reason
+    """A Job that ends with ``outcomes[i]`` on its i-th creation (after two reads as running)."""
+
+    def __init__(self, outcome, reason, *more):
+        self.created, self.deleted, self.reads = [], [], 0
+        self.outcomes = [(outcome, reason), *more]
+        self.gone = False
 
     def create_namespaced_job(self, namespace, body):
         self.created.append((namespace, body))
+        self.reads, self.gone = 0, False
+
+    def delete_namespaced_job(self, name, namespace, propagation_policy):
+        self.deleted.append((name, propagation_policy))
+        self.gone = True
 
     def read_namespaced_job_status(self, name, namespace):
+        if self.gone:
+            raise _NotFound()
         self.reads += 1
+        outcome, reason = self.outcomes[min(len(self.created), len(self.outcomes)) - 1]
         conditions = []
         if self.reads >= 3:
-            conditions = [types.SimpleNamespace(type=self.outcome, status="True", reason=self.reason, message="M")]
+            conditions = [types.SimpleNamespace(type=outcome, status="True", reason=reason, message="M")]
         return types.SimpleNamespace(status=types.SimpleNamespace(conditions=conditions))
+
+
+class _NotFound(Exception):
+    status = 404
 
 
 class _FakeCore:
@@ -100,7 +137,7 @@ def test_render_is_the_manifests_yaml():
                                                  ("Failed", "PodFailurePolicy", EXIT_USER_ERROR)])
 def test_apply_creates_service_and_job_and_follows_it(outcome, reason, code):
     batch, core = _FakeBatch(outcome, reason), _FakeCore()
-    ex = _executor(apis=(batch, core), apply=True, namespace="rl", poll_s=0.001)
+    ex = _executor(apis=(batch, core), apply=True, namespace="rl", poll_s=0.001, restarts=0)
     assert ex.launches
     result = ex.run("ppo", _config(), 16, nodes=2, name="iter-001/ppo")
     assert core.created[0][0] == "rl" and core.created[0][1]["kind"] == "Service"
@@ -133,3 +170,23 @@ def test_pipeline_renders_every_stage_without_apply(tmp_path):
     for _, what in report:
         for obj in yaml.safe_load_all(open(what.split(" ", 1)[1])):
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_a_failed_pod_restarts_the_whole_stage_and_a_user_error_does_not(capsys):
+    # Two failures (a pod lost, say) then success: the Job is deleted with its pods and created
+    # again, whole, twice; the same names keep the rendezvous address valid.
+    batch = _FakeBatch("Failed", "BackoffLimitExceeded", ("Failed", "BackoffLimitExceeded"), ("Complete", None))
+    ex = _executor(apis=(batch, _FakeCore()), apply=True, poll_s=0.001, restarts=2)
+    assert ex.run("ppo", _config(), 16, nodes=2, name="iter-001/ppo").code == 0
+    name = batch.created[0][1]["metadata"]["name"]
+    assert [b["metadata"]["name"] for _, b in batch.created] == [name] * 3
+    assert batch.deleted == [(name, "Foreground")] * 2
+    assert "replacing all its pods, restart 2 of 2" in capsys.readouterr().err
+    # Out of restarts: the stage fails, saying how often it was tried.
+    batch = _FakeBatch("Failed", "BackoffLimitExceeded")
+    result = _executor(apis=(batch, _FakeCore()), apply=True, poll_s=0.001, restarts=1).run("ppo", _config(), 16, 2)
+    assert result.code == 1 and "(and 1 restart(s) of all its pods)" in result.error and len(batch.created) == 2
+    # A user error (exit 2 through the pod failure policy) is never retried.
+    batch = _FakeBatch("Failed", "PodFailurePolicy")
+    result = _executor(apis=(batch, _FakeCore()), apply=True, poll_s=0.001, restarts=3).run("ppo", _config(), 16, 2)
+    assert result.code == EXIT_USER_ERROR and len(batch.created) == 1 and batch.deleted == []
