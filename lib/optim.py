@@ -7,9 +7,12 @@ master weights AdamW updates, and its moments.
 
 * ``GradBuffer``: every parameter's gradient accumulates into ``p.main_grad``, an fp32 view into
   one flat buffer, so the data-parallel reduction is one fp32 all-reduce, not one per tensor.
-* ``clip_grad_norm``: the norm of the *whole* model's gradient, whatever the layout: each TP/PP
+* ``GradBuffer.clip``: the norm of the *whole* model's gradient, whatever the layout: each TP/PP
   rank adds its shards, and pieces held by several ranks (replicated norms, kv heads replicated
   over TP, tied embeddings on two pipeline stages) are counted once.
+
+Both take the parallel topology from the model they are built for (``model.topology``) and resolve
+the process groups they reduce over once, when they are built.
 * ``ShardedAdamW``: ZeRO-1 — each DP rank keeps fp32 master weights and AdamW moments for its
   share of the parameters, updates those, writes them back into the model and broadcasts them.
   Written here rather than taken from torch's ``ZeroRedundancyOptimizer`` because checkpoints need
@@ -43,6 +46,11 @@ class GradBuffer:
 
     def __init__(self, model):
         self.model = model
+        self.topo = model.topology
+        self.dp_group = parallel.dp_group() if self.topo.dp > 1 else None
+        self.model_parallel_group = parallel.model_parallel_group() if self.topo.tp * self.topo.pp > 1 else None
+        self.embedding_group = parallel.embedding_group() if model.tied_copy() is not None else None
+        self._shares = None  # per parameter, for the norm: depends only on the model and layout
         self.params = [p for p in model.parameters() if p.requires_grad]
         dev = self.params[0].device
         self.buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=dev)
@@ -61,18 +69,37 @@ class GradBuffer:
     def reduce(self) -> None:
         """Sum the gradients over data-parallel replicas (each rank's loss is its share of the mean),
         and the tied embedding's two copies over the first and last pipeline stage."""
-        if parallel.topology().dp > 1:
-            dist.all_reduce(self.buffer, group=parallel.dp_group())
+        if self.dp_group is not None:
+            dist.all_reduce(self.buffer, group=self.dp_group)
         tied = self.model.tied_copy()
         if tied is not None:
-            dist.all_reduce(tied.main_grad, group=parallel.embedding_group())
+            dist.all_reduce(tied.main_grad, group=self.embedding_group)
+
+    def clip(self, max_norm: float | None) -> float:
+        """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm
+        before. One fused norm over all pieces (``torch._foreach_norm``, what torch's own
+        ``clip_grad_norm_`` uses), in fp32, summed in fp64 with each piece's share weight."""
+        if self._shares is None:
+            self._shares = _share_weights(self.model, self.topo)
+        pieces, shares = [], []
+        for name, p in self.model.named_parameters():
+            dim, sizes, share = self._shares[name]
+            pieces += list(p.main_grad.split(sizes, dim)) if len(sizes) > 1 else [p.main_grad]
+            shares += share
+        share = torch.tensor(shares, dtype=torch.float64, device=pieces[0].device)
+        total = (torch.stack(torch._foreach_norm(pieces)).double().square() * share).sum()
+        if self.model_parallel_group is not None:
+            dist.all_reduce(total, group=self.model_parallel_group)
+        norm = float(total.sqrt())
+        if max_norm is not None and norm > max_norm:
+            torch._foreach_mul_([p.main_grad for p in self.model.parameters()], max_norm / (norm + 1e-6))
+        return norm
 
 
-def _share_weights(model) -> dict[str, tuple[int, list[int], list[float]]]:
+def _share_weights(model, topo: parallel.Topology) -> dict[str, tuple[int, list[int], list[float]]]:
     """For each parameter: the dim and sizes of its HF slices, and for each slice 1 / (number of
     ranks in its TP group holding the same slice). Per slice, not per parameter: at tp > kv heads a
     fused qkv weight holds its own query rows but key/value rows that other ranks hold too."""
-    topo = parallel.topology()
 
     def key(s):
         return s.hf_name, s.start, s.stop
@@ -88,29 +115,6 @@ def _share_weights(model) -> dict[str, tuple[int, list[int], list[float]]]:
     return weights
 
 
-def clip_grad_norm(model, max_norm: float | None) -> float:
-    """Scale the (``GradBuffer``) gradients so their global L2 norm is at most ``max_norm``; returns
-    the norm before. One fused norm over all pieces (``torch._foreach_norm``, what torch's own
-    ``clip_grad_norm_`` uses), in fp32, summed in fp64 with each piece's share weight."""
-    weights = getattr(model, "_grad_norm_weights", None)
-    if weights is None:  # depends only on the model and layout: computed once, not every step
-        weights = model._grad_norm_weights = _share_weights(model)
-    pieces, shares = [], []
-    for name, p in model.named_parameters():
-        dim, sizes, share = weights[name]
-        pieces += list(p.main_grad.split(sizes, dim)) if len(sizes) > 1 else [p.main_grad]
-        shares += share
-    dev = pieces[0].device
-    share = torch.tensor(shares, dtype=torch.float64, device=dev)
-    total = (torch.stack(torch._foreach_norm(pieces)).double().square() * share).sum()
-    if parallel.topology().tp * parallel.topology().pp > 1:
-        dist.all_reduce(total, group=parallel.model_parallel_group())
-    norm = float(total.sqrt())
-    if max_norm is not None and norm > max_norm:
-        torch._foreach_mul_([p.main_grad for p in model.parameters()], max_norm / (norm + 1e-6))
-    return norm
-
-
 class ShardedAdamW:
     """AdamW with fp32 master weights and moments sharded over DP (ZeRO-1).
 
@@ -119,7 +123,8 @@ class ShardedAdamW:
     broadcasts them to the other DP ranks. An fp32 parameter is its own master."""
 
     def __init__(self, model, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
-        topo = parallel.topology()
+        topo = self.topo = model.topology
+        self.dp_group = parallel.dp_group() if topo.dp > 1 else None
         self.model = model
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Largest first onto the least loaded rank: balanced, and the same on every DP rank.
@@ -160,12 +165,10 @@ class ShardedAdamW:
             for n, m in self.master.items():
                 if m is not self.params[n]:
                     self.params[n].copy_(m)
-        topo = parallel.topology()
-        if topo.dp > 1:
-            group = parallel.dp_group()
-            ranks = dist.get_process_group_ranks(group)
+        if self.dp_group is not None:
+            ranks = dist.get_process_group_ranks(self.dp_group)
             for n, p in self.params.items():
-                dist.broadcast(p.data, src=ranks[self.owner[n]], group=group)
+                dist.broadcast(p.data, src=ranks[self.owner[n]], group=self.dp_group)
 
     # ---- checkpoint ------------------------------------------------------------------------
 

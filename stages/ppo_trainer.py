@@ -34,7 +34,7 @@ class Trainer:
         self.grads.zero()
         schedule.forward_backward(self.model, batches, loss_fn, extras)
         self.grads.reduce()
-        grad_norm = optim.clip_grad_norm(self.model, cfg.grad_clip)
+        grad_norm = self.grads.clip(cfg.grad_clip)
         self.opt.lr = optim.lr_at(step, self.lr, cfg.warmup_steps, cfg.total_steps, cfg.lr_decay)
         self.opt.step()
         return grad_norm, self.opt.lr
@@ -74,12 +74,12 @@ def token_outputs(model, samples: list[Sample], groups: list[list[int]], tempera
     def per_token(out, meta):
         batch, labels = meta
         if model.hf_head == "lm":
-            out = vocab_parallel.log_probs(_scaled(out, temperature), batch.flat(labels))
+            out = vocab_parallel.log_probs(_scaled(out, temperature), batch.flat(labels), model.tp_group)
         return batch.to_padded(out)
 
     with torch.no_grad():
         outs = schedule.forward_backward(model, batches, per_token, metas, forward_only=True)
-    if not parallel.topology().is_last_stage:
+    if not model.topology.is_last_stage:
         return None
     return [v for g, out in zip(groups, outs) for v in response_values([samples[i] for i in g], out)]
 
@@ -101,8 +101,8 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
                batch_idx: list[int], step: int, dev) -> dict:
     """One optimizer step of every role on the mini-batch ``batch_idx``; its metrics (the losses on
     the last pipeline stage only, where ``data`` — ``ppo_data.advantages`` — lives)."""
-    topo = parallel.topology()
     actor = trainers["actor"].model
+    topo = actor.topology
     mine = batch_idx[topo.dp_rank :: topo.dp]
     groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
     tokens = sum(samples[i].response_len for i in batch_idx)
@@ -128,7 +128,8 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
         return rl.aggregate(loss, x["resp"], cfg.loss_agg, denom, seq=x["seq"])
 
     def actor_loss(out, x):
-        logp, entropy = vocab_parallel.log_probs_and_entropy(_scaled(out, cfg.temperature), x["labels"])
+        logp, entropy = vocab_parallel.log_probs_and_entropy(_scaled(out, cfg.temperature), x["labels"],
+                                                             actor.tp_group)
         pg, clipped, approx_kl = rl.policy_loss(logp, x["old_logp"], x["adv"], cfg.clip_eps, cfg.dual_clip)
         loss = agg(pg, x)
         sums["policy_loss"] += loss.detach()
