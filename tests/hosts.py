@@ -93,10 +93,8 @@ class Hosts:
             _remove(host.netns)
 
 
-def make_hosts(n: int = 2) -> Hosts:
-    """``n`` hosts joined by one link: a veth pair for two, a bridge in a namespace of its own for more."""
-    if n != 2:
-        raise NotImplementedError("only the two-host case (one veth pair) is built so far")
+def make_two_hosts() -> Hosts:
+    """Two hosts joined by a veth pair (more would need a bridge in a namespace of its own)."""
     _remove_stale()
     pid = os.getpid()
     hosts = Hosts([Host(f"host{i}-{pid}", f"{PREFIX}{pid}-h{i}", f"{SUBNET}.{i}") for i in (1, 2)])
@@ -143,7 +141,7 @@ def two_hosts():
     reason = unavailable()
     if reason:
         pytest.skip(reason)
-    hosts = make_hosts(2)
+    hosts = make_two_hosts()
     yield hosts
     hosts.close()
 
