@@ -62,6 +62,11 @@ C = TypeVar("C", bound="StageConfig")
 class StageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
+    collective_timeout_s: int = placement(
+        600, "Seconds a collective (all-reduce, barrier, ...) may wait for a peer before the stage fails with the "
+             "lost rank named; bounds how long a job hangs after a host dies. Raise it for steps that are slow "
+             "on one rank only (e.g. rank 0 writing a large file while the others wait).")
+
     @classmethod
     def parse(cls: type[C], data: Any, source: str) -> C:
         """Build from a mapping (YAML / JSON), or raise a one-line ``UserError`` naming ``source``
