@@ -54,6 +54,13 @@ class Executor(Protocol):
         ...
 
 
+class ExecutorBase:
+    """What every executor does the same way on top of its own ``submit`` and ``wait``."""
+
+    def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
+        return self.wait(self.submit(stage, config, nprocs, nodes, name=name))
+
+
 def stage_args(stage: str, config: Any) -> list[str]:
     """The Python arguments of a stage process: ``-m llamarl.stages.STAGE --config-json JSON``."""
     return ["-m", f"llamarl.stages.{stage}", "--config-json", json.dumps(config.to_json())]

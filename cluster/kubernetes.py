@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llamarl.lib.errors import EXIT_USER_ERROR, UserError
 
-from .executor import StageResult, per_node, stage_args
+from .executor import ExecutorBase, StageResult, per_node, stage_args
 
 NOT_APPLIED = 3
 """``wait``'s code for a stage whose manifests were written, not applied: nothing ran."""
@@ -75,7 +75,7 @@ class KubernetesOptions(BaseModel):
     poll_s: float = Field(5.0, gt=0, description="Seconds between reads of a Job's status.")
 
 
-class KubernetesExecutor:
+class KubernetesExecutor(ExecutorBase):
     def __init__(self, options: KubernetesOptions, *, batch_api: Any = None, core_api: Any = None):
         """``batch_api`` / ``core_api``: kubernetes clients (BatchV1Api, CoreV1Api); by default
         built from the in-cluster or kubeconfig credentials on first use."""
@@ -216,8 +216,6 @@ class KubernetesExecutor:
             time.sleep(self.options.poll_s)
         batch.create_namespaced_job(namespace=ns, body=self._jobs[name])
 
-    def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
-        return self.wait(self.submit(stage, config, nprocs, nodes, name=name))
 
     def _apis(self) -> tuple[Any, Any]:
         if self._batch_api is None or self._core_api is None:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llamarl.lib.errors import EXIT_USER_ERROR, UserError
 
-from .executor import StageResult, per_node, stage_command
+from .executor import ExecutorBase, StageResult, per_node, stage_command
 
 
 def free_port() -> int:
@@ -48,7 +48,7 @@ class LocalRun:
     error: str | None = None  # the stage's one-line error, once a process printed it
 
 
-class LocalExecutor:
+class LocalExecutor(ExecutorBase):
     launches = True
 
     def __init__(self, options: LocalOptions | None = None):
@@ -107,8 +107,6 @@ class LocalExecutor:
             return StageResult(0)
         return StageResult(code, handle.error or f"exit status {code}")
 
-    def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
-        return self.wait(self.submit(stage, config, nprocs, nodes, name=name))
 
     def _wait(self, procs: list[subprocess.Popen]) -> int:
         failed_at = None

@@ -25,9 +25,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from llamarl.lib.errors import EXIT_USER_ERROR, UserError
+from llamarl.lib.errors import UserError
 
-from .executor import StageResult, per_node, stage_args
+from .executor import ExecutorBase, StageResult, per_node, stage_args
 
 PORT_WAIT_S = 300.0
 """How long tasks wait for rank 0's port: Slurm starts a job's tasks together, so only a rank 0
@@ -92,8 +92,8 @@ class StageTask:
         # and where name service is slow (IPv6 lookups timing out) that adds minutes.
         os.environ["MASTER_ADDR"] = socket.gethostbyname(os.environ["MASTER_ADDR"])
         module = importlib.import_module(f"llamarl.stages.{self.stage}")
-        error = job.execute(STAGES[self.stage], module.run, ["--config-json", json.dumps(self.config)])
-        return StageResult(EXIT_USER_ERROR, error) if error is not None else StageResult(0)
+        failure = job.execute(STAGES[self.stage], module.run, ["--config-json", json.dumps(self.config)])
+        return StageResult(failure.code, failure.error) if failure is not None else StageResult(0)
 
     def checkpoint(self, *args, **kwargs):
         import submitit
@@ -118,7 +118,7 @@ class SlurmOptions(BaseModel):
                                                                "environment activation).")
 
 
-class SlurmExecutor:
+class SlurmExecutor(ExecutorBase):
     launches = True
 
     def __init__(self, options: SlurmOptions):
@@ -168,5 +168,3 @@ class SlurmExecutor:
             return StageResult(0)
         return StageResult(failed.code, f"slurm job {handle.job_id}: {failed.error}")
 
-    def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
-        return self.wait(self.submit(stage, config, nprocs, nodes, name=name))

@@ -2,8 +2,11 @@
 
 ``python -m llamarl.stages.NAME --config CONFIG.json`` (or ``--config-json '{...}'``) validates the
 stage's config (a model of ``llamarl.stages.config``) and runs it. A ``UserError`` on any rank
-becomes one line on stderr (from the lowest failing rank) and exit status 2; anything else is a bug and keeps its traceback. Ranks
-agree on failure before they exit, so nobody is left waiting in a collective.
+becomes one line on stderr (from the lowest failing rank) and exit status 2 (``EXIT_USER_ERROR``);
+ranks agree on it before they exit, so nobody is left waiting in a collective. A peer lost
+mid-stage (a host gone, a rendezvous never complete) becomes one line naming the lost rank and
+host (``liveness``) and exit status 3 (``EXIT_PEER_LOST``), within the stage's
+``collective_timeout_s``. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -11,13 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import socket
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from .errors import EXIT_USER_ERROR, UserError
+from .errors import EXIT_PEER_LOST, EXIT_USER_ERROR, UserError
 
 C = TypeVar("C")
 
@@ -57,10 +63,19 @@ def agree(error: str | None) -> str | None:
     return next((e for e in errors if e is not None), None)
 
 
-def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> str | None:
-    """Load the stage's config from ``argv`` and run it in this process (one rank): its one-line
-    user error (printed by rank 0 as ``error: …``), or None. The process group is gone afterwards,
+@dataclass(frozen=True)
+class Failure:
+    code: int  # EXIT_USER_ERROR or EXIT_PEER_LOST
+    error: str  # one line
+
+
+def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> Failure | None:
+    """Load the stage's config from ``argv`` and run it in this process (one rank); a ``Failure``
+    for a user error (printed by rank 0 as ``error: …``) or a lost peer (printed by every rank
+    that saw it), None when done. Bugs keep their traceback. The process group is gone afterwards,
     either way. The one path into a stage: ``main`` for processes, ``cluster.slurm``'s tasks."""
+    from . import liveness
+
     try:
         run(_load(cls, argv))
     except UserError as e:
@@ -68,22 +83,57 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
         # `check`), so rank 0 alone reports.
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
-        return str(e)
+        return Failure(EXIT_USER_ERROR, str(e))
+    except Exception as e:
+        if not _lost_peer(e):
+            raise
+        error = _peer_error(e)
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return Failure(EXIT_PEER_LOST, error)
     finally:
+        liveness.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
     return None
 
 
+_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+               "waiting for clients", "client socket has timed out", "Connection refused")
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """Did ``e`` come from a collective or the rendezvous losing another process (not a bug here)?"""
+    dist_error = getattr(dist, "DistError", ())
+    return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_SIGNS))
+
+
+def _peer_error(e: BaseException) -> str:
+    from . import liveness
+
+    text = " ".join(str(e).split())
+    text = re.sub(r"^\[[^\]]*\] ", "", text)  # gloo prefixes its source file and line
+    text = text.split(" This is typically caused")[0][:200]  # and may add advice meant for its own bug tracker
+    me = f"rank {os.environ.get('RANK', '0')} on {socket.gethostname()}"
+    master = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if not dist.is_initialized() or "waiting for clients" in text or "client socket has timed out" in text:
+        return (f"{me}: the stage's processes did not all join the rendezvous at {master} within "
+                f"collective_timeout_s ({text}); check that every node started and can reach {master}")
+    lost = liveness.lost_ranks()
+    who = f"lost {lost}" if lost else "lost a peer"
+    return (f"{me}: {who} ({text}); the stage stopped, nothing unfinished is published: rerun it to resume")
+
+
 def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> None:
-    """A stage process's ``__main__``: ``execute``, then exit status ``EXIT_USER_ERROR`` on a user error."""
-    if execute(cls, run, argv) is not None:
-        # Leave without the interpreter's teardown: native threads (pyarrow's, torch's) still
-        # winding down have aborted it now and then ("terminate called…", status -6), which would
-        # turn a reported user error into a crash. Everything the stage writes is already closed.
+    """A stage process's ``__main__``: ``execute``, then the failure's exit status
+    (``EXIT_USER_ERROR``, ``EXIT_PEER_LOST``)."""
+    failure = execute(cls, run, argv)
+    if failure is not None:
+        # Leave without the interpreter's teardown: native threads (pyarrow's, torch's, gloo's)
+        # still winding down have aborted it now and then ("terminate called…", status -6), which
+        # would turn a reported failure into a crash. Everything the stage writes is already closed.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_USER_ERROR)
+        os._exit(failure.code)
 
 
 def check(error: str | None) -> None:

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from . import liveness
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -93,6 +95,7 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None, timeout_s: int
             dist.init_process_group(backend, timeout=timeout)
         else:  # started by hand, not by torchrun or an executor: a job of one process
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        liveness.start()  # so that a rank whose collective fails can name the peer that was lost
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp}*{pp}; launch tp*pp*dp processes")
