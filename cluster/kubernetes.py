@@ -35,8 +35,9 @@ from llamarl.lib.errors import EXIT_USER_ERROR, UserError
 
 from .executor import ExecutorBase, StageResult, per_node, stage_args
 
-NOT_APPLIED = 3
-"""``wait``'s code for a stage whose manifests were written, not applied: nothing ran."""
+NOT_APPLIED = 4
+"""``wait``'s code for a stage whose manifests were written, not applied: nothing ran (not a stage's
+exit status: 2 and 3 are taken by ``EXIT_USER_ERROR`` and ``EXIT_PEER_LOST``)."""
 
 GPU_STAGES = ("rollout", "score", "ppo")
 """Stages that compute on GPUs: their pods get one GPU per process unless ``gpus_per_node`` says."""
@@ -97,7 +98,7 @@ class KubernetesExecutor(ExecutorBase):
         args = shlex.join(stage_args(stage, config))
         torchrun = (f"exec torchrun --nnodes={nodes} --node_rank=${{JOB_COMPLETION_INDEX}} "
                     f"--nproc_per_node={per_node(nprocs, nodes)} --master_addr={job}-0.{svc} "
-                    f"--master_port={o.master_port} {args}")
+                    f"--master_port={o.master_port} --rdzv-conf=timeout={config.collective_timeout_s} {args}")
         resources: dict = {}
         gpus = o.gpus_per_node if o.gpus_per_node is not None else (per_node(nprocs, nodes) if stage in GPU_STAGES else 0)
         if gpus:

@@ -70,6 +70,13 @@ class Hosts:
             raise RuntimeError(f"{argv} on {host.hostname}: exit status {proc.returncode}: {err.strip()}")
         return out
 
+    def add_names(self, names: dict[str, Host]) -> None:
+        """Make every host resolve each name to the given host's address (as a cluster's DNS
+        would, e.g. a Kubernetes headless service's pod names)."""
+        for h in self.hosts:
+            with open(os.path.join(NETNS_ETC, h.netns, "hosts"), "a") as f:
+                f.write("".join(f"{target.ip} {name}\n" for name, target in names.items()))
+
     def free_port(self, host: Host) -> int:
         """A TCP port nobody listens on in ``host``'s namespace (the kernel's choice, as torchrun's)."""
         code = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
