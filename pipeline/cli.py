@@ -20,6 +20,9 @@ def run(
     show_launch: bool = typer.Option(False, "--show-launch", help="With --dry-run: also print what each stage that "
                                                                   "would run launches (commands, sbatch, manifests)."),
     apply: bool = typer.Option(False, "--apply", help="Kubernetes: create the Jobs and follow them (default: write YAML)."),
+    detach: bool = typer.Option(False, "--detach", help="Submit and return: Slurm gets every stage that is not done "
+                                                        "at once, chained with --dependency=afterok; follow it with "
+                                                        "`llamarl status RUN`."),
 ):
     """Run (or resume) every stage of a spec that is not done yet."""
     from rich.console import Console
@@ -34,7 +37,8 @@ def run(
         loaded = load_spec(spec)
         if apply:
             loaded.executor.options["apply"] = True
-        report = run_spec(loaded, dry_run=dry_run, show_launch=show_launch, echo=lambda m: console.print(m, highlight=False, markup=False))
+        report = run_spec(loaded, dry_run=dry_run, show_launch=show_launch, detach=detach and not dry_run,
+                          echo=lambda m: console.print(m, highlight=False, markup=False))
     except UserError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
@@ -45,6 +49,9 @@ def run(
         for name, what in report:
             table.add_row(name, what)
         console.print(table)
+        return
+    if detach:
+        console.print(f"submitted; follow it with `llamarl status {loaded.run_dir}`", highlight=False)
         return
     _print_metrics(console, loaded.run_dir, loaded.iterations)
 
