@@ -116,4 +116,6 @@ def make_executor(kind: str, options: dict, run_dir: str, source: str) -> Execut
     defaults = {"slurm": {"folder": f"{run_dir}/pipeline/slurm"},
                 "kubernetes": {"manifests_dir": f"{run_dir}/pipeline/k8s"}}.get(kind, {})
     unset = {k: v for k, v in defaults.items() if getattr(checked, k) is None}
+    if kind == "kubernetes":
+        return executor_class(checked.model_copy(update=unset), run_dir=run_dir)
     return executor_class(checked.model_copy(update=unset))

@@ -43,6 +43,13 @@ GPU_STAGES = ("rollout", "score", "ppo")
 """Stages that compute on GPUs: their pods get one GPU per process unless ``gpus_per_node`` says."""
 
 
+def _run_label(run_dir: str) -> str:
+    """A label value (≤ 63 characters) that names the run directory."""
+    import hashlib
+
+    return hashlib.sha256(run_dir.rstrip("/").encode()).hexdigest()[:16]
+
+
 def _dns_name(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:50]
 
@@ -74,26 +81,34 @@ class KubernetesOptions(BaseModel):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the pods.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="nodeSelector of the pods.")
     poll_s: float = Field(5.0, gt=0, description="Seconds between reads of a Job's status.")
+    driver_restarts: int = Field(10, ge=0, description="`llamarl run --detach`: times the driver pod (which runs the "
+                                                       "resumable `llamarl run` in the cluster) is restarted after a "
+                                                       "failure.")
 
 
 class KubernetesExecutor(ExecutorBase):
-    def __init__(self, options: KubernetesOptions, *, batch_api: Any = None, core_api: Any = None):
-        """``batch_api`` / ``core_api``: kubernetes clients (BatchV1Api, CoreV1Api); by default
+    def __init__(self, options: KubernetesOptions, *, run_dir: str | None = None, batch_api: Any = None,
+                 core_api: Any = None):
+        """``run_dir``: the run whose stages this executor starts (its Jobs are labelled with it, so
+        that a restarted driver follows a stage's running Job instead of starting a second one).
+        ``batch_api`` / ``core_api``: kubernetes clients (BatchV1Api, CoreV1Api); by default
         built from the in-cluster or kubeconfig credentials on first use."""
         if not options.apply and not options.manifests_dir:
             raise UserError("kubernetes executor: set manifests_dir, or apply: true")
         self.options = options
         self.launches = options.apply
         self._batch_api, self._core_api = batch_api, core_api
+        self.run_label = _run_label(run_dir) if run_dir else None
         self._written = 0  # manifests written so far: their files are numbered in the order to apply them
         self._jobs: dict[str, dict] = {}  # submitted Jobs by name, to create again on a restart
 
     # ---- manifests ------------------------------------------------------------------------
 
-    def manifests(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> list[dict]:
-        """The stage's headless Service and Indexed Job."""
+    def manifests(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None,
+                  job_name: str | None = None) -> list[dict]:
+        """The stage's headless Service and Indexed Job (named ``job_name``, default from ``name``)."""
         o = self.options
-        job = _dns_name(f"llamarl-{name or stage}")
+        job = job_name or _dns_name(f"llamarl-{name or stage}")
         svc = f"{job}-svc"
         args = shlex.join(stage_args(stage, config))
         torchrun = (f"exec torchrun --nnodes={nodes} --node_rank=${{JOB_COMPLETION_INDEX}} "
@@ -108,7 +123,9 @@ class KubernetesExecutor(ExecutorBase):
             resources["requests"] = requests
         env = [{"name": "NCCL_NVLS_ENABLE", "value": "0"}, {"name": "PYTHONUNBUFFERED", "value": "1"}]
         env += [{"name": k, "value": v} for k, v in o.env.items()]
-        labels = {"app.kubernetes.io/part-of": "llamarl", "llamarl/stage": stage}
+        labels = {"app.kubernetes.io/part-of": "llamarl", "llamarl/stage": stage, "llamarl/node": _dns_name(name or stage)}
+        if self.run_label:
+            labels["llamarl/run"] = self.run_label
         service = {
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"name": svc, "namespace": o.namespace, "labels": labels},
@@ -162,9 +179,15 @@ class KubernetesExecutor(ExecutorBase):
             publish.write_bytes(url, self.render(stage, config, nprocs, nodes, name=name).encode())
             self._written += 1
             return url
-        # Job names must be unique in the namespace while an earlier run's Job is kept.
-        service, job = self.manifests(stage, config, nprocs, nodes, name=f"{name or stage}-{int(time.time())}")
         batch, core = self._apis()
+        running = self._running_job(name or stage)
+        if running is not None:  # started by an earlier driver that was restarted: follow it
+            print(f"following {name or stage}'s Job {running}, still running", file=sys.stderr, flush=True)
+            self._jobs[running] = self.manifests(stage, config, nprocs, nodes, name=name, job_name=running)[1]
+            return running
+        # Job names must be unique in the namespace while an earlier run's Job is kept.
+        job_name = _dns_name(f"llamarl-{name or stage}-{int(time.time())}")
+        service, job = self.manifests(stage, config, nprocs, nodes, name=name, job_name=job_name)
         core.create_namespaced_service(namespace=self.options.namespace, body=service)
         batch.create_namespaced_job(namespace=self.options.namespace, body=job)
         self._jobs[job["metadata"]["name"]] = job
@@ -194,6 +217,83 @@ class KubernetesExecutor(ExecutorBase):
             print(f"job {handle} failed ({cond.reason}: {cond.message}); replacing all its pods, restart {restarts} "
                   f"of {self.options.restarts}", file=sys.stderr, flush=True)
             self._recreate(handle)
+
+    def _running_job(self, node: str) -> str | None:
+        """The name of this run's Job of ``node`` that has not ended, if there is one."""
+        if not self.run_label:
+            return None
+        batch, _ = self._apis()
+        selector = f"llamarl/run={self.run_label},llamarl/node={_dns_name(node)}"
+        for job in batch.list_namespaced_job(namespace=self.options.namespace, label_selector=selector).items:
+            conditions = job.status.conditions or []
+            if not any(c.status == "True" and c.type in ("Complete", "Failed") for c in conditions):
+                return job.metadata.name
+        return None
+
+    # ---- detached runs ---------------------------------------------------------------------
+
+    def driver_manifests(self, spec_url: str, run_name: str) -> list[dict]:
+        """What runs a whole run inside the cluster: a Job (restartPolicy OnFailure) whose pod runs
+        the resumable ``llamarl run SPEC --apply``, and the ServiceAccount, Role and RoleBinding that
+        let it create and follow the stages' Jobs and Services."""
+        o = self.options
+        name = _dns_name(f"llamarl-driver-{run_name}")
+        meta = {"name": name, "namespace": o.namespace, "labels": {"app.kubernetes.io/part-of": "llamarl"}}
+        account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
+        role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": [
+            {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "list", "watch", "delete"]},
+            {"apiGroups": ["batch"], "resources": ["jobs/status"], "verbs": ["get"]},
+            {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "get", "list", "delete"]},
+        ]}
+        binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+                   "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": o.namespace}]}
+        pod = {
+            "serviceAccountName": name,
+            "restartPolicy": "OnFailure",  # a lost driver pod starts again and resumes the run
+            "securityContext": {"runAsNonRoot": True, "runAsUser": o.run_as_user, "runAsGroup": o.run_as_user,
+                                "fsGroup": o.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{
+                "name": "driver", "image": o.image, "command": ["llamarl", "run", spec_url, "--apply"],
+                "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}] + [{"name": k, "value": v} for k, v in o.env.items()],
+                "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                "volumeMounts": [{"name": "storage", "mountPath": o.mount_path}],
+            }],
+            "volumes": [{"name": "storage", "persistentVolumeClaim": {"claimName": o.pvc}}],
+        }
+        if o.node_selector:
+            pod["nodeSelector"] = dict(o.node_selector)
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
+               "spec": {"backoffLimit": o.driver_restarts, "template": {"metadata": {"labels": meta["labels"]},
+                                                                        "spec": pod}}}
+        return [account, role, binding, job]
+
+    def start_driver(self, spec_url: str, run_name: str) -> str:
+        """``llamarl run --detach``: with ``apply``, create the driver's objects (those that exist
+        already are kept) and return the driver Job's name; without, write them to
+        ``manifests_dir/driver.yaml`` and return that URL."""
+        objects = self.driver_manifests(spec_url, run_name)
+        if not self.options.apply:
+            from llamarl.lib import publish
+
+            url = f"{self.options.manifests_dir.rstrip('/')}/driver.yaml"
+            publish.write_bytes(url, yaml.safe_dump_all(objects, sort_keys=False).encode())
+            return url
+        from kubernetes import utils
+
+        batch, core = self._apis()
+        for obj in objects:
+            try:
+                utils.create_from_dict(core.api_client, obj, namespace=self.options.namespace)
+            except utils.FailToCreateError as e:
+                if not all(getattr(x, "status", None) == 409 for x in e.api_exceptions):
+                    raise UserError(f"kubernetes: cannot create {obj['kind']} {obj['metadata']['name']}: "
+                                    f"{e.api_exceptions[0].reason}") from None
+                if obj["kind"] == "Job":
+                    raise UserError(f"kubernetes: the driver Job {obj['metadata']['name']} exists already: the run is "
+                                    f"being driven (or delete the Job to start it again)") from None
+        return objects[-1]["metadata"]["name"]
 
     def _ended(self, name: str) -> Any:
         """The Job's Complete or Failed condition; None while it runs."""

@@ -70,10 +70,15 @@ def agree_on_port(folder: str, rank: int, attempt: str, timeout_s: float = PORT_
 
 
 class StageTask:
-    """Run one stage in a Slurm task (picklable; resubmitted as is on preemption)."""
+    """Run one stage in a Slurm task (picklable; resubmitted as is on preemption).
 
-    def __init__(self, stage: str, config: dict):
-        self.stage, self.config = stage, config
+    ``recorder`` (a detached run's, see ``SlurmExecutor.submit``): an object with ``started(job_id)``
+    and ``ended(result)``, called on rank 0 around the stage, so the run's records are kept with no
+    ``llamarl run`` waiting; a failed stage then also fails its job, so that Slurm cancels the jobs
+    that depend on it (``--kill-on-invalid-dep``)."""
+
+    def __init__(self, stage: str, config: dict, recorder: Any = None):
+        self.stage, self.config, self.recorder = stage, config, recorder
 
     def __call__(self) -> StageResult:
         import importlib
@@ -92,13 +97,31 @@ class StageTask:
         # and where name service is slow (IPv6 lookups timing out) that adds minutes.
         os.environ["MASTER_ADDR"] = socket.gethostbyname(os.environ["MASTER_ADDR"])
         module = importlib.import_module(f"llamarl.stages.{self.stage}")
-        failure = job.execute(STAGES[self.stage], module.run, ["--config-json", json.dumps(self.config)])
-        return StageResult(failure.code, failure.error) if failure is not None else StageResult(0)
+        if self.recorder is not None and task.global_rank == 0:
+            self.recorder.started(str(task.job_id))
+        try:
+            failure = job.execute(STAGES[self.stage], module.run, ["--config-json", json.dumps(self.config)])
+        except Exception as e:  # a bug: its traceback goes to the job's log, its one line to the record
+            if self.recorder is not None and task.global_rank == 0:
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                self.recorder.ended(StageResult(1, f"{type(e).__name__}: {first} (log: {task.paths.stderr})"))
+            raise
+        result = StageResult(failure.code, failure.error) if failure is not None else StageResult(0)
+        if self.recorder is not None:
+            if task.global_rank == 0:
+                self.recorder.ended(result)
+            if not result.ok:
+                raise StageFailed(result.error)
+        return result
 
     def checkpoint(self, *args, **kwargs):
         import submitit
 
-        return submitit.helpers.DelayedSubmission(StageTask(self.stage, self.config))
+        return submitit.helpers.DelayedSubmission(StageTask(self.stage, self.config, self.recorder))
+
+
+class StageFailed(RuntimeError):
+    """A detached stage's failure, raised so that Slurm marks its job failed."""
 
 
 class SlurmOptions(BaseModel):
@@ -126,10 +149,13 @@ class SlurmExecutor(ExecutorBase):
             raise UserError("slurm executor: set folder (where submitit keeps its files, on shared storage)")
         self.options = options
 
-    def _parameters(self, stage: str, nprocs: int, nodes: int, name: str | None) -> dict[str, Any]:
-        """The parameters of submitit's ``update_parameters`` for one stage."""
+    def _parameters(self, stage: str, nprocs: int, nodes: int, name: str | None, after: list[str] = ()) -> dict[str, Any]:
+        """The parameters of submitit's ``update_parameters`` for one stage; ``after``: the jobs it
+        waits for (``--dependency=afterok``); it is cancelled if one of them fails."""
         o = self.options
         additional = dict(o.additional) | ({"account": o.account} if o.account else {})
+        if after:
+            additional |= {"dependency": "afterok:" + ":".join(after), "kill_on_invalid_dep": "yes"}
         params: dict[str, Any] = dict(nodes=nodes, tasks_per_node=per_node(nprocs, nodes), cpus_per_task=o.cpus_per_task,
                                       timeout_min=o.timeout_min, name=f"llamarl-{(name or stage).replace('/', '-')}",
                                       slurm_setup=list(o.setup), slurm_additional_parameters=additional)
@@ -147,14 +173,37 @@ class SlurmExecutor(ExecutorBase):
                 + f"# each of its {nprocs} tasks runs, in torch.distributed's environment:\n"
                 + shlex.join(["python", *stage_args(stage, config)]))
 
-    def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None):
-        """Submit the stage's job; the submitit ``Job``."""
+    def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None,
+               after: list[str] = (), recorder: Any = None):
+        """Submit the stage's job; the submitit ``Job``. A detached run passes ``after`` (job ids
+        this one waits for) and a ``recorder`` (see ``StageTask``)."""
         import submitit
 
         ex = submitit.AutoExecutor(folder=os.path.join(self.options.folder, "%j"),
                                    slurm_max_num_timeout=self.options.max_num_timeout)
-        ex.update_parameters(**self._parameters(stage, nprocs, nodes, name))
-        return ex.submit(StageTask(stage, config.to_json()))
+        ex.update_parameters(**self._parameters(stage, nprocs, nodes, name, list(after)))
+        return ex.submit(StageTask(stage, config.to_json(), recorder))
+
+    def submit_detached(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None,
+                        after: list[str] = (), recorder: Any = None) -> str:
+        """``submit`` for a detached run: the job id, for the jobs after it and for ``job_state``."""
+        return str(self.submit(stage, config, nprocs, nodes, name=name, after=after, recorder=recorder).job_id)
+
+    @staticmethod
+    def job_state(job_id: str) -> str | None:
+        """What Slurm says of a job still in its queue, e.g. ``PENDING (Dependency)`` or ``RUNNING``;
+        None once it has left the queue (ended, cancelled)."""
+        import subprocess
+
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True,
+                                 timeout=60).stdout.split()
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise UserError(f"cannot ask Slurm about job {job_id} (squeue: {e}); run this where Slurm's commands work") from None
+        if not out or out[0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"):
+            return None
+        reason = out[1] if len(out) > 1 and out[1] not in ("None", "(null)") else None
+        return f"{out[0]} ({reason})" if reason else out[0]
 
     def wait(self, handle) -> StageResult:
         """The first failed task's result (by rank), or success."""

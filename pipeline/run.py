@@ -171,7 +171,10 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
     if record.get("status") == "failed":
         return False, f"failed: {record.get('error')}"
     if record.get("status") == "running":
-        return False, f"running or interrupted (started {record.get('started')})"
+        job = f" as job {record['job']}" if record.get("job") else ""
+        return False, f"running{job} or interrupted (started {record.get('started')})"
+    if record.get("status") == "submitted":
+        return False, f"submitted as job {record.get('job')} ({record.get('submitted')})"
     if out_id is None:
         return False, "its output is missing"
     if record.get("key") != key:
@@ -192,7 +195,7 @@ def executor_for(spec: RunSpec) -> Executor:
     return make_executor(spec.executor.kind, spec.executor.options, spec.run_dir, f"{spec.source}: executor.options")
 
 
-def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
+def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False, detach: bool = False,
              echo=print) -> list[tuple[str, str]]:
     """Run every stage that is not done, in order. Returns (node, what happened) pairs. A dry run
     plans instead, and with ``show_launch`` echoes what the executor would launch for each stage
@@ -215,13 +218,114 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
     from .lock import RunLock
 
     with RunLock(run, echo=echo):  # one `llamarl run` at a time per run directory
-        return _run_nodes(spec, nodes, by_name, echo)
+        executor = executor_for(spec)
+        in_flight = _jobs_in_flight(run, nodes, executor)
+        if in_flight:
+            listed = ", ".join(f"{n} (job {j}: {state})" for n, j, state in in_flight[:3])
+            raise PipelineError(f"{run}: stages of a detached run are still queued or running: {listed}"
+                                f"{' …' if len(in_flight) > 3 else ''}; follow them with `llamarl status {run}`, "
+                                f"or cancel them (scancel) before running it again")
+        if detach:
+            return _submit_nodes(spec, nodes, by_name, executor, echo)
+        return _run_nodes(spec, nodes, by_name, executor, echo)
 
 
-def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo) -> list[tuple[str, str]]:
+def _jobs_in_flight(run: str, nodes: list[Node], executor) -> list[tuple[str, str, str]]:
+    """(node, job id, state) of the detached jobs of ``run`` still in the cluster's queue."""
+    job_state = getattr(executor, "job_state", None)
+    found = []
+    for n in nodes:
+        record = read_record(run, n) or {}
+        if record.get("job") and record.get("status") in ("submitted", "running"):
+            state = job_state(record["job"]) if job_state else None
+            if state is not None:
+                found.append((n.name, record["job"], state))
+    return found
+
+
+@dataclass(frozen=True)
+class NodeRecorder:
+    """A detached stage's record, kept from inside its job (rank 0) since no `llamarl run` waits on
+    it: "running" when the job starts (again, after a requeue), "done" with its key or "failed" with
+    the error when the stage ends. Picklable: it travels with the job."""
+
+    run_dir: str
+    node: str
+
+    def _node(self) -> tuple[Node, dict[str, Node], RunSpec]:
+        from .spec import load_spec
+
+        spec = load_spec(f"{self.run_dir}/pipeline/spec.yaml")
+        by_name = {n.name: n for n in build_dag(spec)}
+        return by_name[self.node], by_name, spec
+
+    def started(self, job_id: str) -> None:
+        node, _, _ = self._node()
+        write_record(self.run_dir, node, status="running", job=job_id, started=_now(), error=None)
+
+    def ended(self, result) -> None:
+        node, by_name, spec = self._node()
+        if not result.ok:
+            write_record(self.run_dir, node, status="failed", error=result.error, finished=None)
+            return
+        _record_done(self.run_dir, node, by_name)
+        if node.stage == "ppo":
+            from .metrics import update_metrics
+
+            update_metrics(self.run_dir, spec.iterations)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _record_done(run: str, n: Node, by_name: dict[str, Node]) -> None:
+    write_record(run, n, status="done", key=node_key(n, by_name), output_id=published_id(n.out),
+                 external=_fingerprints(n), finished=_now(), error=None)
+
+
+def _remove_stale(n: Node) -> None:
+    """A published output whose config or inputs changed: removed before its stage runs again."""
+    if published_id(n.out) is not None:
+        fs, path = fsspec.core.url_to_fs(n.out)
+        fs.rm(path, recursive=True)
+
+
+def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor, echo) -> list[tuple[str, str]]:
+    """``--detach``: submit every stage that is not done at once, each job after the jobs of its
+    inputs (Slurm: ``--dependency=afterok``); return without waiting."""
+    run, report = spec.run_dir, []
+    if not hasattr(executor, "submit_detached") and not hasattr(executor, "start_driver"):
+        raise PipelineError(f"{spec.source}: --detach needs a cluster executor (slurm or kubernetes); the local "
+                            f"executor runs in the foreground")
+    publish.write_bytes(f"{run}/pipeline/spec.yaml", spec.to_yaml().encode())
+    if not hasattr(executor, "submit_detached"):
+        # Kubernetes: a driver Job runs this same resumable `llamarl run` inside the cluster.
+        where = executor.start_driver(f"{run}/pipeline/spec.yaml", spec.name)
+        echo(f"driver: {where}" + ("" if executor.launches else " (apply it: kubectl apply -f)"))
+        return [("driver", where)]
+    jobs: dict[str, str] = {}
+    for n in nodes:
+        done, why = assess(run, n, by_name, set(jobs))
+        if done:
+            report.append((n.name, "skipped (done)"))
+            echo(f"[{n.name}] done, skipped")
+            continue
+        _remove_stale(n)
+        after = [jobs[i] for i in n.inputs if i in jobs]
+        job = executor.submit_detached(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name, after=after,
+                                       recorder=NodeRecorder(run, n.name))
+        jobs[n.name] = job
+        write_record(run, n, status="submitted", job=job, after=after, submitted=_now(), started=None, error=None,
+                     key=None)
+        report.append((n.name, f"submitted as job {job}"))
+        echo(f"[{n.name}] submitted as job {job}" + (f", after {', '.join(after)}" if after else "") + f": {why}")
+    return report
+
+
+def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor, echo) -> list[tuple[str, str]]:
     run, report = spec.run_dir, []
     publish.write_bytes(f"{run}/pipeline/spec.yaml", spec.to_yaml().encode())
-    executor = executor_for(spec)
     if not executor.launches:
         # Nothing runs here: every stage is written, and applying them in order runs the pipeline.
         for n in nodes:
@@ -235,19 +339,14 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo)
             report.append((n.name, "skipped (done)"))
             echo(f"[{n.name}] done, skipped")
             continue
-        if published_id(n.out) is not None:  # stale: its config or inputs changed
-            fs, path = fsspec.core.url_to_fs(n.out)
-            fs.rm(path, recursive=True)
+        _remove_stale(n)
         echo(f"[{n.name}] running {n.stage} on {n.nprocs} process(es): {why}")
-        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        write_record(run, n, status="running", started=started, error=None, key=None)
+        write_record(run, n, status="running", started=_now(), error=None, key=None, job=None)
         result = executor.run(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name)
         if not result.ok:
             write_record(run, n, status="failed", error=result.error, finished=None)
             raise PipelineError(f"stage {n.name} failed ({result.error}); fix it and rerun `llamarl run` — finished stages are kept")
-        write_record(run, n, status="done", key=node_key(n, by_name), output_id=published_id(n.out),
-                     external=_fingerprints(n),
-                     finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), error=None)
+        _record_done(run, n, by_name)
         report.append((n.name, "ran"))
         if n.stage == "ppo":
             from .metrics import update_metrics
@@ -266,12 +365,24 @@ def status(run: str) -> list[tuple[str, str, str]]:
     spec = load_spec(f"{run.rstrip('/')}/pipeline/spec.yaml")
     nodes = build_dag(spec)
     by_name = {n.name: n for n in nodes}
+    records = {n.name: read_record(spec.run_dir, n) or {} for n in nodes}
+    job_state = getattr(executor_for(spec), "job_state", None)
     rows = []
     for n in nodes:
-        record = read_record(spec.run_dir, n) or {}
+        record = records[n.name]
         done, why = assess(spec.run_dir, n, by_name, set())
         state = "done" if done else record.get("status", "pending")
         if state == "done" and not done:
             state = "stale"
+        if state in ("submitted", "running") and record.get("job") and job_state is not None:
+            queued = job_state(record["job"])
+            if queued is not None:
+                why = f"job {record['job']}: {queued}"
+            else:  # left the queue without a record of its end: cancelled with a failed input, or lost
+                failed = next((i for i in n.inputs if records[i].get("status") in ("failed", "cancelled", "lost")), None)
+                state, why = (("cancelled", f"{failed} {records[failed]['status']}") if failed else
+                              ("lost", f"job {record['job']} ended without reporting; see its log in "
+                                       f"{spec.run_dir}/pipeline/slurm/{record['job']}"))
+                record["status"] = state  # for the stages after it
         rows.append((n.name, state, why))
     return rows

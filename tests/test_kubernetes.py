@@ -190,3 +190,68 @@ def test_a_failed_pod_restarts_the_whole_stage_and_a_user_error_does_not(capsys)
     batch = _FakeBatch("Failed", "PodFailurePolicy")
     result = _executor(apis=(batch, _FakeCore()), apply=True, poll_s=0.001, restarts=3).run("ppo", _config(), 16, 2)
     assert result.code == EXIT_USER_ERROR and len(batch.created) == 1 and batch.deleted == []
+
+
+def test_detach_writes_a_driver_that_runs_the_resumable_run_in_the_cluster(tmp_path):
+    spec_path = demo.make_inputs(str(tmp_path))
+    data = yaml.safe_load(open(spec_path))
+    data["executor"] = {"kind": "kubernetes", "options": {"image": "llamarl:dev", "pvc": "runs", "driver_restarts": 7}}
+    (tmp_path / "k8s.yaml").write_text(yaml.safe_dump(data))
+    spec = load_spec(str(tmp_path / "k8s.yaml"))
+    report = run_spec(spec, detach=True, echo=lambda m: None)
+    assert report == [("driver", f"{spec.run_dir}/pipeline/k8s/driver.yaml")]
+    objects = list(yaml.safe_load_all(open(f"{spec.run_dir}/pipeline/k8s/driver.yaml")))
+    assert [o["kind"] for o in objects] == ["ServiceAccount", "Role", "RoleBinding", "Job"]
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    job = objects[-1]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "OnFailure" and job["spec"]["backoffLimit"] == 7
+    assert pod["containers"][0]["command"] == ["llamarl", "run", f"{spec.run_dir}/pipeline/spec.yaml", "--apply"]
+    assert pod["serviceAccountName"] == objects[0]["metadata"]["name"] == objects[2]["subjects"][0]["name"]
+    assert load_spec(f"{spec.run_dir}/pipeline/spec.yaml").name == spec.name  # what the driver will read
+    rules = {(g, r): set(v) for rule in objects[1]["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+             for v in [rule["verbs"]]}
+    assert {"create", "get", "delete"} <= rules[("batch", "jobs")] and "create" in rules[("", "services")]
+
+
+def test_detach_with_the_local_executor_is_refused(tmp_path):
+    spec = load_spec(demo.make_inputs(str(tmp_path)))
+    with pytest.raises(UserError, match="--detach needs a cluster executor"):
+        run_spec(spec, detach=True, echo=lambda m: None)
+
+
+class _ListingBatch(_FakeBatch):
+    """A namespace that already holds Jobs: ``jobs`` maps name → ended (True/False)."""
+
+    def __init__(self, jobs: dict[str, bool], labels: dict[str, str]):
+        super().__init__("Complete", None)
+        self.jobs, self.labels, self.selectors = jobs, labels, []
+
+    def list_namespaced_job(self, namespace, label_selector):
+        self.selectors.append(label_selector)
+        wanted = dict(kv.split("=") for kv in label_selector.split(","))
+        if any(self.labels.get(k) != v for k, v in wanted.items()):
+            return types.SimpleNamespace(items=[])
+        items = []
+        for name, ended in self.jobs.items():
+            cond = [types.SimpleNamespace(type="Complete", status="True")] if ended else []
+            items.append(types.SimpleNamespace(metadata=types.SimpleNamespace(name=name),
+                                               status=types.SimpleNamespace(conditions=cond)))
+        return types.SimpleNamespace(items=items)
+
+
+def test_a_restarted_driver_follows_the_stages_running_job_instead_of_starting_another():
+    options = KubernetesOptions(image="llamarl:1", pvc="runs", apply=True, poll_s=0.001)
+    probe = KubernetesExecutor(options, run_dir="/shared/runs/a")
+    labels = probe.manifests("ppo", _config(), 16, 2, name="iter-001/ppo")[1]["metadata"]["labels"]
+    assert labels["llamarl/node"] == "iter-001-ppo" and len(labels["llamarl/run"]) == 16
+
+    batch = _ListingBatch({"llamarl-iter-001-ppo-100": True, "llamarl-iter-001-ppo-200": False}, labels)
+    ex = KubernetesExecutor(options, run_dir="/shared/runs/a", batch_api=batch, core_api=_FakeCore())
+    assert ex.run("ppo", _config(), 16, 2, name="iter-001/ppo").code == 0
+    assert batch.created == []  # followed llamarl-iter-001-ppo-200, created nothing
+    # Another run's Jobs (another run directory) are not this run's: a new Job is created.
+    other = KubernetesExecutor(options, run_dir="/shared/runs/b", batch_api=batch, core_api=_FakeCore())
+    assert other.run("ppo", _config(), 16, 2, name="iter-001/ppo").code == 0
+    assert len(batch.created) == 1 and batch.created[0][1]["metadata"]["labels"]["llamarl/run"] != labels["llamarl/run"]
