@@ -133,3 +133,61 @@ def test_pipeline_through_submitit_with_a_requeued_stage(cluster, tmp_path):
     assert record["status"] == "done"
     assert publish.require_published(os.path.join(run_dir, "export"), "hf_export")
     assert os.path.isdir(os.path.join(run_dir, "pipeline", "slurm", job_id))
+
+
+def _wait_until_queue_empty(cluster, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h", "-o", "%i"], env=cluster.env, capture_output=True, text=True).stdout
+        if not out.strip():
+            return
+        time.sleep(1)
+    pytest.fail(f"jobs still queued after {timeout_s:.0f} s:\n{out}" + cluster.logs())
+
+
+def _status(env, run_dir) -> dict[str, tuple[str, str]]:
+    proc = subprocess.run([sys.executable, "-c", "from llamarl.pipeline.run import status; import json, sys; "
+                           "print(json.dumps(status(sys.argv[1])))", run_dir], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return {name: (state, why) for name, state, why in json.loads(proc.stdout)}
+
+
+def test_detached_run_chains_the_dag_cancels_after_a_failure_and_a_rerun_submits_the_rest(cluster, tmp_path):
+    path = demo.make_inputs(str(tmp_path))
+    data = yaml.safe_load(open(path))
+    data.update(name="detached", iterations=1, executor={"kind": "slurm", "options": {"timeout_min": 20}})
+    data["score"]["rewards"] = [{"name": "rules_for_tests:raises"}]
+    spec = tmp_path / "detached.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    run_dir = load_spec(str(spec)).run_dir
+    # The jobs import the reward rule from tests/, as a user's own module on their PYTHONPATH.
+    env = {**cluster.env, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(spec), "--detach"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert time.monotonic() - started < 60, "--detach waited for the jobs"
+    assert proc.stdout.count("submitted as job") == 6, proc.stdout  # 2 shards, rollout, scores, ppo, export
+    rerun = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(spec)], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 2 and "still queued or running" in rerun.stdout, rerun.stdout  # no second copy
+    # The login side is gone: only Slurm moves the run on.
+    _wait_until_queue_empty(cluster, 600)
+    st = _status(env, run_dir)
+    assert st["shard/actor"][0] == st["shard/rm"][0] == st["iter-001/rollout"][0] == "done", st
+    assert st["iter-001/scores"][0] == "failed" and "ValueError" in st["iter-001/scores"][1], st
+    assert st["iter-001/ppo"] == ("cancelled", "iter-001/scores failed"), st
+    assert st["export"] == ("cancelled", "iter-001/ppo cancelled"), st
+
+    data["score"]["rewards"] = [{"name": "llamarl.pipeline.demo:vowel_ratio"}]
+    spec.write_text(yaml.safe_dump(data))
+    proc = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(spec), "--detach"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("submitted as job") == 3 and proc.stdout.count("done, skipped") == 3, proc.stdout
+    _wait_until_queue_empty(cluster, 600)
+    st = _status(env, run_dir)
+    assert {state for state, _ in st.values()} == {"done"}, st
+    assert publish.require_published(os.path.join(run_dir, "export"), "hf_export")
+    assert os.path.exists(os.path.join(run_dir, "metrics.jsonl"))  # ppo's recorder updated the run's metrics
