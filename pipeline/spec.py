@@ -14,24 +14,28 @@
     executor: {kind: local}          # local | slurm | kubernetes, with their options
 
 Stage options are those of each stage's config (``llamarl.stages.config``) except inputs, outputs
-and layout, which the pipeline fills in. The whole spec — every stage of every iteration — is
-validated when it is loaded, so a wrong value fails ``llamarl run`` (and ``--dry-run``) in one line
-before any stage starts.
+and layout, which the pipeline fills in. Each stage's ``layout`` takes only the counts that stage
+uses (shard: tp, pp; rollout: tp, dp; score and ppo: tp, pp, dp; export: procs; all: nodes).
+``parse_spec`` checks the whole spec — every stage of every iteration built whole, the executor's
+options, and each stage's layout against the actor's and reward model's ``config.json`` where they
+exist — so a wrong value fails ``llamarl run`` (and ``--dry-run``) in one line before any stage
+starts, without importing torch.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
 
 import fsspec
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
 
 from llamarl.cluster.executor import validate_options
 from llamarl.lib.errors import UserError
-from llamarl.stages.config import (Count, ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, options_model,
-                                   validate)
+from llamarl.stages.config import (INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RolloutConfig, ScoreConfig,
+                                   ShardConfig, Source, StageConfig, kind_of, options_model, validate)
 
 RolloutOptions = options_model(RolloutConfig)
 ScoreOptions = options_model(ScoreConfig)
@@ -43,29 +47,64 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Placement(_Strict):
-    """How many processes a stage runs on, and how they split the work (the spec's `layout:`)."""
+def _nodes():
+    return Field(1, description="Nodes of a cluster job (slurm, kubernetes); the processes are spread evenly over "
+                                "them, so nodes must divide their number.")
 
-    tp: Count = Field(1, description="Tensor-parallel size.")
-    pp: Count = Field(1, description="Pipeline-parallel size (score, ppo, shard).")
-    dp: Count = Field(1, description="Data-parallel groups (rollout, score, ppo).")
-    procs: Count = Field(1, description="Processes for export (parallel file writers).")
-    nodes: Count = Field(1, description="Nodes of a cluster job (slurm, kubernetes); processes are spread evenly "
-                                        "over them.")
+
+class StageLayout(_Strict):
+    """How many processes one stage runs on, on how many nodes, and how they split the work: one
+    entry of the spec's ``layout:``. Each stage's own model (``layout_model``) has the counts it
+    takes, then ``nodes``."""
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        """The stage's processes: the product of its counts."""
+        return math.prod(value for name, value in self if name != "nodes")
+
+    @model_validator(mode="after")
+    def _spread_evenly(self):
+        if self.world % self.nodes:
+            counts = " × ".join(name for name in type(self).model_fields if name != "nodes")
+            raise ValueError(f"{self.world} processes ({counts}) do not spread evenly over nodes={self.nodes}; use "
+                             f"nodes that divide {self.world}")
+        return self
 
 
-class Placements(_Strict):
-    """The spec's `layout:`, one entry per stage."""
+def layout_model(cls: type[StageConfig]) -> type[StageLayout]:
+    """The layout of the stage whose config is ``cls``: its layout counts (the same fields, so
+    the two never disagree) and ``nodes``."""
+    counts = {name: (f.annotation, f) for name, f in cls.model_fields.items() if kind_of(f) == LAYOUT}
+    counts["nodes"] = (Count, _nodes())
+    return create_model(f"{cls.__name__.removesuffix('Config')}Layout", __base__=StageLayout,
+                        __doc__=f"The layout of the {cls.__name__.removesuffix('Config').lower()} stage.", **counts)
 
-    shard: Placement = Field(default_factory=Placement)
-    rollout: Placement = Field(default_factory=Placement)
-    score: Placement = Field(default_factory=Placement)
-    ppo: Placement = Field(default_factory=Placement)
-    export: Placement = Field(default_factory=Placement)
+
+ShardLayout = layout_model(ShardConfig)
+RolloutLayout = layout_model(RolloutConfig)
+ScoreLayout = layout_model(ScoreConfig)
+PPOLayout = layout_model(PPOConfig)
+
+
+class ExportLayout(StageLayout):
+    """The layout of the export stage: parallel file writers, no model parallelism."""
+
+    procs: Count = Field(1, description="Processes writing files in parallel.")
+    nodes: Count = _nodes()
+
+
+# The name pipeline/run.py imports for Node.layout's annotation; drop it once run.py says StageLayout.
+Placement = StageLayout
+
+
+class Layouts(_Strict):
+    """The spec's ``layout:``, one entry per stage, each taking only the counts its stage uses."""
+
+    shard: ShardLayout = Field(default_factory=ShardLayout)
+    rollout: RolloutLayout = Field(default_factory=RolloutLayout)
+    score: ScoreLayout = Field(default_factory=ScoreLayout)
+    ppo: PPOLayout = Field(default_factory=PPOLayout)
+    export: ExportLayout = Field(default_factory=ExportLayout)
 
 
 class ExecutorSpec(_Strict):
@@ -73,16 +112,7 @@ class ExecutorSpec(_Strict):
     options: dict = Field(default_factory=dict, description="Options of that executor (local: threads_per_process; "
                                                             "slurm: partition, account, timeout_min, gpus_per_node, …; "
                                                             "kubernetes: image, namespace, pvc, …), see "
-                                                            "docs/pipeline.md.")
-
-    @model_validator(mode="after")
-    def _options_of_the_kind(self):
-        # Checked by the executor's own model now, not when the first stage is submitted.
-        try:
-            validate_options(self.kind, self.options, "options")
-        except UserError as e:
-            raise ValueError(str(e)) from None
-        return self
+                                                            "docs/pipeline.md; checked by parse_spec.")
 
 
 class RunSpec(_Strict):
@@ -93,7 +123,7 @@ class RunSpec(_Strict):
     reward_model: str | None = Field(None, description="HF reward model (LlamaForSequenceClassification, one label); "
                                                        "needed by an 'rm' reward term.")
     iterations: Count = Field(1, description="PPO iterations (rollout → score → ppo).")
-    layout: Placements = Field(default_factory=Placements, description="Processes of each stage.")
+    layout: Layouts = Field(default_factory=Layouts, description="Processes of each stage.")
     rollout: RolloutOptions = Field(default_factory=RolloutOptions, description="Options of the rollout stage.")
     score: ScoreOptions = Field(default_factory=ScoreOptions, description="Options of the score stage.")
     ppo: PPOOptions = Field(default_factory=PPOOptions, description="Options of the ppo stage.")
@@ -110,15 +140,20 @@ class RunSpec(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if any(t.name == "rm" for t in self.score.rewards) and not self.reward_model:
-            raise ValueError("score.rewards has an 'rm' term but no reward_model is given; set reward_model or "
-                             "give score.rewards without 'rm'")
+        # Only checks between stages (or between a stage and the executor) live here; a stage's
+        # own checks run when parse_spec builds its config.
         t_roll, t_ppo = self.rollout.sampling.temperature, self.ppo.temperature
         if t_roll > 0 and t_roll != t_ppo:
             raise ValueError(f"ppo.temperature={t_ppo} differs from rollout.sampling.temperature={t_roll}: the "
                              "log-probs ppo trains on are of the rollout's temperature; set them equal")
-        if self.ppo.sequence_parallel and self.layout.ppo.tp == 1:
-            raise ValueError("ppo.sequence_parallel needs layout.ppo.tp > 1")
+        if self.ppo.advantage == "grpo" and self.rollout.sampling.samples_per_prompt < 2:
+            raise ValueError(f"ppo.advantage='grpo' needs rollout.sampling.samples_per_prompt >= 2 (it is "
+                             f"{self.rollout.sampling.samples_per_prompt}): the baseline is the mean score of a "
+                             "prompt's samples; draw more, or use advantage 'gae'")
+        spread = next(((name, lay.nodes) for name, lay in self.layout if lay.nodes > 1), None)
+        if spread and self.executor.kind == "local":
+            raise ValueError(f"layout.{spread[0]}.nodes={spread[1]} needs a cluster executor: the local executor runs "
+                             "on this machine only; set executor.kind to slurm or kubernetes, or nodes to 1")
         return self
 
     @property
@@ -131,18 +166,74 @@ class RunSpec(_Strict):
         return self._source
 
     def stage_config(self, cls, options: BaseModel | dict, where: str, **wired):
-        """A stage's config: the spec's options for it and what the pipeline wires in."""
+        """A stage's config: the spec's options for it and what the pipeline wires in. An error
+        names fields as the spec does: ``ppo.sequence_parallel``, ``layout.ppo.tp``, ``reward_model``."""
         values = options.model_dump() if isinstance(options, BaseModel) else dict(options)
-        return validate(cls, values | wired, f"{self._source}: {where}")
+        names = {name: f"layout.{where}.{name}" for name, f in cls.model_fields.items() if kind_of(f) == LAYOUT}
+        names |= {name: name for name, f in cls.model_fields.items()
+                  if kind_of(f) == INPUT and name in RunSpec.model_fields}
+        return validate(cls, values | wired, Source(self._source, at=where, names=names))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
 def parse_spec(data, source: str) -> RunSpec:
+    """The spec in ``data`` (read from ``source``), checked whole: its fields, the executor's
+    options, every stage's config of every iteration, and the layouts against the models."""
     spec = validate(RunSpec, data if data is not None else {}, source)
     spec._source = source
+    validate_options(spec.executor.kind, spec.executor.options, Source(source, at="executor.options"))
+    from .run import check_spec  # run.py builds the stages from a spec: one wiring, used here to check it
+
+    check_spec(spec)
+    check_models(spec)
     return spec
+
+
+def check_models(spec: RunSpec) -> None:
+    """Each stage's tp and pp against the model it runs — heads, kv heads, MLP width, layers —
+    read from the ``config.json`` of the spec's actor and reward model where they exist (plain HF
+    checkpoint folders): the very check (lib/config.py, torch-free) a stage makes when it starts,
+    hours later. Also the rollout's ``max_new_tokens`` against the actor's context."""
+    L = spec.layout
+    uses_rm = any(t.name == "rm" for t in spec.score.rewards)
+    models = {"actor": (spec.actor, [("shard", L.shard.tp, L.shard.pp, False), ("rollout", L.rollout.tp, 1, False),
+                                     ("ppo", L.ppo.tp, L.ppo.pp, spec.ppo.sequence_parallel)]),
+              "reward_model": (spec.reward_model, [("shard", L.shard.tp, L.shard.pp, False)]
+                               + ([("score", L.score.tp, L.score.pp, False)] if uses_rm else []))}
+    for key, (url, stages) in models.items():
+        if not url:
+            continue
+        config_url = f"{url.rstrip('/')}/config.json"
+        fs, path = fsspec.core.url_to_fs(config_url)
+        if not fs.exists(path):
+            continue  # not there yet (or not an HF folder): shard checks it when it starts
+        from llamarl.lib.config import ConfigError, LlamaConfig, ParallelLayout
+
+        try:
+            model = LlamaConfig.from_json(config_url)
+        except ConfigError as e:
+            raise UserError(f"{spec.source}: {key}: {e}") from None
+        for stage, tp, pp, sp in stages:
+            try:
+                ParallelLayout(tp=tp, pp=pp, sequence_parallel=sp).check(model)
+            except ConfigError as e:
+                raise UserError(f"{spec.source}: layout.{stage}: {e} (the {key.replace('_', ' ')}: {config_url})") from None
+        if key == "actor":
+            new = spec.rollout.sampling.max_new_tokens
+            if new >= model.max_position_embeddings:
+                raise UserError(f"{spec.source}: rollout.sampling.max_new_tokens={new} leaves no room for a prompt "
+                                f"within the actor's max_position_embeddings={model.max_position_embeddings} "
+                                f"({config_url}); lower max_new_tokens")
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML syntax error in a few words, with its line and column where yaml knows them."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:  # nearly every syntax error
+        mark = e.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {e.problem or e.context}"
+    return str(e).splitlines()[0]
 
 
 def load_spec(path: str) -> RunSpec:
@@ -152,5 +243,5 @@ def load_spec(path: str) -> RunSpec:
     except FileNotFoundError:
         raise UserError(f"{path}: no such run spec") from None
     except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise UserError(f"{path}: not valid YAML ({yaml_problem(e)})") from None
     return parse_spec(data, path)

@@ -4,25 +4,31 @@ Every field is one of four kinds, marked once here and read everywhere else:
 
 - an **input** or **output** path: the pipeline fills it in (a run spec may not set it);
 - a **layout** count (tp, pp, dp): the pipeline fills it in from the spec's ``layout``;
-- a **placement** option: how a stage runs, not what it computes (``score.offload``);
+- a **placement** option: how a stage runs, not what it computes (``score.offload``,
+  ``ppo.save_every``, ``ppo.sequence_parallel``);
 - an ordinary **option**: what the stage computes.
 
 A stage's *identity* (what names its output: the pipeline's keys, the outputs' ``request``) is its
-config with outputs, layout and placement blanked, so moving a stage to another layout or flipping
-an offload never makes a finished output stale.
+config without outputs, layout and placement, so moving a stage to another layout or flipping an
+offload never makes a finished output stale, and adding a placement option changes no key.
 
 Values are checked when a config is built, each error one line naming the field and the fix; so
-``llamarl run`` refuses a bad value in any iteration's stage before the first stage starts.
+``llamarl run`` refuses a bad value in any iteration's stage before the first stage starts. A check
+across fields lives once, in the stage's model (a ``FieldsError`` naming its fields as ``{field}``),
+and reads in the caller's words: ``layout.ppo.tp`` in a run spec, ``--tp`` on a stage's command line.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Mapping, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, create_model,
+                      field_validator, model_validator)
 
 from llamarl.lib.errors import UserError
+from llamarl.lib.rewards import BUILTIN
 
 ComputeDtype = Literal["auto", "bf16", "fp16", "fp32"]
 """What a stage computes in: auto is bf16 on a GPU and fp32 on CPU; fp16 runs on GPUs only."""
@@ -48,8 +54,8 @@ def layout(doc: str) -> Any:
     return Field(1, ge=1, description=doc, **_kind(LAYOUT))
 
 
-def placement(default: Any, doc: str) -> Any:
-    return Field(default, description=doc, **_kind(PLACEMENT))
+def placement(default: Any, doc: str, **constraints: Any) -> Any:
+    return Field(default, description=doc, **constraints, **_kind(PLACEMENT))
 
 
 def kind_of(field) -> str:
@@ -74,25 +80,63 @@ class StageConfig(BaseModel):
         return validate(cls, data, source)
 
     def identity(self) -> dict:
-        """The config as it identifies the stage's output: outputs, layout and placement blanked."""
-        values = self.model_dump(mode="json")
-        return values | {k: None for k, f in type(self).model_fields.items() if kind_of(f) in NOT_IDENTITY}
+        """The config as it identifies the stage's output: its inputs and options. Outputs, layout
+        and placement are left out, not blanked, so adding a placement option changes no key."""
+        fields = type(self).model_fields
+        return {k: v for k, v in self.model_dump(mode="json").items() if kind_of(fields[k]) not in NOT_IDENTITY}
 
     def to_json(self) -> dict:
         """What travels to the stage's processes (``--config-json``)."""
         return self.model_dump(mode="json")
 
 
-def _where(loc: tuple) -> str:
-    return ".".join(str(x) for x in loc if not str(x).startswith("function-"))
+class Source(str):
+    """Where validated values come from, for error messages: the file (the string itself, may be
+    empty), the field path of the values inside it (``at``, e.g. ``executor.options``), and how
+    the user spells some fields elsewhere (``names``: ``tp`` → ``layout.ppo.tp`` in a run spec,
+    ``--tp`` on a stage's command line)."""
+
+    at: str
+    names: dict[str, str]
+
+    def __new__(cls, file: str, at: str = "", names: Mapping[str, str] | None = None) -> Source:
+        self = super().__new__(cls, file)
+        self.at, self.names = at, dict(names or {})
+        return self
+
+    @classmethod
+    def of(cls, source: str) -> Source:
+        return source if isinstance(source, Source) else cls(source)
+
+    def name(self, loc: tuple) -> str:
+        """A field's name as the user writes it."""
+        parts = [str(x) for x in loc if not str(x).startswith("function-")]
+        if not parts:
+            return self.at
+        head = self.names.get(parts[0]) or ".".join(p for p in (self.at, parts[0]) if p)
+        return ".".join([head, *parts[1:]])
+
+    def line(self, text: str) -> str:
+        return f"{self}: {text}" if self else text
+
+
+class FieldsError(ValueError):
+    """A check across fields: its message names each field as ``{field}``, rendered the way the
+    caller's user sets it (``Source.name``)."""
+
+    def render(self, source: Source) -> str:
+        return re.sub(r"\{(\w+)\}", lambda m: source.name((m.group(1),)), str(self))
 
 
 def one_line(error: ValidationError, source: str, model: type[BaseModel] | None = None) -> str:
     """A pydantic error as one line: ``SOURCE: FIELD: what is wrong`` (+ how many more)."""
-    errors = error.errors(include_url=False)
+    source = Source.of(source)
+    # An unknown option first: a misspelt one is also a missing one, and the unknown one lists the valid.
+    errors = sorted(error.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
-    where = _where(first["loc"])
-    missing = [_where(e["loc"]) for e in errors if e["type"] == "missing"]
+    where = source.name(first["loc"])
+    missing = [source.name(e["loc"]) for e in errors if e["type"] == "missing"]
+    cause = (first.get("ctx") or {}).get("error")
     if first["type"] == "missing":
         errors = [e for e in errors if e["type"] != "missing"] + [first]  # counted once below
         text = f"{', '.join(missing)}: required, not given"
@@ -100,13 +144,21 @@ def one_line(error: ValidationError, source: str, model: type[BaseModel] | None 
         parent = _model_at(model, first["loc"][:-1]) if model else None
         valid = f"; valid options: {', '.join(parent.model_fields)}" if parent else ""
         text = f"{where}: unknown option{valid}"
+    elif first["type"] == "model_type":  # pydantic's message names our classes
+        parent = _model_at(model, first["loc"]) if model else None
+        valid = f" ({', '.join(parent.model_fields)})" if parent else ""
+        text = f"{where}={first.get('input')!r}: expected a mapping of options{valid}"
+    elif isinstance(cause, FieldsError):
+        text = cause.render(source)
+        if first["loc"]:  # a nested model's check: say which one
+            text = f"{where}: {text}"
     else:
         msg = first["msg"].removeprefix("Value error, ")
         value = first.get("input")
-        shown = f"={value!r}" if where and not isinstance(value, dict) else ""
+        shown = f"={value!r}" if first["loc"] and not isinstance(value, dict) else ""
         text = f"{where}{shown}: {msg}" if where else msg
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{source}: {text}{more}"
+    return source.line(f"{text}{more}")
 
 
 def _model_at(model, loc) -> type[BaseModel] | None:
@@ -124,10 +176,14 @@ def _model_at(model, loc) -> type[BaseModel] | None:
 
 
 def validate(cls: type[C], data: Any, source: str) -> C:
+    """``data`` as a ``cls``, or a one-line ``UserError`` naming ``source`` (a file, or a ``Source``
+    that also says where in it the data sits and how its user names fields) and the field."""
+    source = Source.of(source)
     if not isinstance(data, dict):
-        raise UserError(f"{source}: expected a mapping of options, got {type(data).__name__}")
+        where = f"{source.at}: " if source.at else ""
+        raise UserError(source.line(f"{where}expected a mapping of options, got {type(data).__name__}"))
     try:
-        return cls.model_validate(data)
+        return cls.model_validate(data, context={"names": source.names})
     except ValidationError as e:
         raise UserError(one_line(e, source, cls)) from None
 
@@ -167,7 +223,8 @@ class Sampling(BaseModel):
     max_new_tokens: Count = Field(256, description="Longest response.")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list,
                                                               description="Stop tokens besides the checkpoint's EOS.")
-    seed: int = Field(0, description="Sampling seed (mixed with each chunk's index).")
+    seed: int = Field(0, description="Sampling seed, mixed with each chunk's index: the samples drawn depend on the "
+                                     "seed and chunk_size, never on the layout.")
 
 
 class RolloutConfig(StageConfig):
@@ -191,7 +248,8 @@ class RolloutConfig(StageConfig):
     sampling: Sampling = Field(default_factory=Sampling, description="How responses are drawn.")
     tp: int = layout("Tensor-parallel size; processes = tp × dp.")
     dp: int = layout("Data-parallel groups, each taking every dp-th chunk.")
-    chunk_size: Count = Field(64, description="Prompts per part file (the unit of resumption).")
+    chunk_size: Count = Field(64, description="Prompts per part file (the unit of resumption). Sampling is seeded per "
+                                              "chunk, so changing it changes which samples are drawn.")
     max_batch: Count = Field(64, description="Sequences decoded together.")
     dtype: ComputeDtype = Field("auto", description="Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | "
                                                     "fp16 (GPU only) | fp32.")
@@ -199,24 +257,63 @@ class RolloutConfig(StageConfig):
 
 # ---- score ------------------------------------------------------------------------------------------------
 
-BUILTIN_RULES = ("exact_match", "contains", "regex", "length")  # lib/rewards.py's
+def _rule_inputs(fn) -> tuple[inspect.Signature, list[inspect.Parameter]]:
+    """A rule's signature, and the parameters that ``args`` set (after the response and the row,
+    which score passes)."""
+    sig = inspect.signature(fn, eval_str=True)
+    return sig, list(sig.parameters.values())[2:]
+
+
+def describe_rules() -> list[str]:
+    """One line per built-in rule of lib/rewards.py: ``name(args): what it scores``."""
+    lines = []
+    for name, fn in BUILTIN.items():
+        _, params = _rule_inputs(fn)
+        doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
+        lines.append(f"{name}({', '.join(map(str, params))}): {doc}")
+    return lines
 
 
 class RewardTerm(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_default=True)  # no args is checked too (regex needs some)
 
-    name: str = Field(description="rm (the reward model), a built-in rule (exact_match, contains, regex, length) "
-                                  "or module:function.")
+    name: str = Field(description=f"rm (the reward model), a built-in rule ({', '.join(BUILTIN)}) or "
+                                  "module:function.")
     weight: float = Field(1.0, description="Weight of this term in the total score.")
     args: dict = Field(default_factory=dict, description="Options of the rule, e.g. {column: answer} or "
-                                                         "{pattern: '^yes'}.")
+                                                         "{pattern: '^yes'}; a built-in rule's are checked against "
+                                                         "its signature.")
 
     @field_validator("name")
     @classmethod
     def _known(cls, name: str) -> str:
-        if name != "rm" and name not in BUILTIN_RULES and not re.fullmatch(r"[\w.]+:\w+", name):
-            raise ValueError(f"use rm, one of {', '.join(BUILTIN_RULES)}, or module:function")
+        if name != "rm" and name not in BUILTIN and not re.fullmatch(r"[\w.]+:\w+", name):
+            raise ValueError(f"use rm, one of {', '.join(BUILTIN)}, or module:function")
         return name
+
+    @field_validator("args")
+    @classmethod
+    def _fit_the_rule(cls, args: dict, info: ValidationInfo) -> dict:
+        # A module:function rule is imported only by the stage (it may need anything); a built-in
+        # one is bound here, so a misspelt or missing argument fails before the rollout it scores.
+        name = info.data.get("name")
+        if name == "rm" and args:
+            raise ValueError("the reward model takes no args; remove them")
+        if name not in BUILTIN:
+            return args
+        sig, params = _rule_inputs(BUILTIN[name])
+        takes = f"{name} takes {', '.join(map(str, params))}"
+        try:
+            sig.bind("", {}, **args)
+        except TypeError as e:
+            raise ValueError(f"{e}; {takes}") from None
+        for p in params:
+            if p.name in args and p.annotation is not inspect.Parameter.empty:
+                try:
+                    TypeAdapter(p.annotation).validate_python(args[p.name], strict=True)
+                except ValidationError as e:
+                    raise ValueError(f"{p.name}={args[p.name]!r}: {e.errors()[0]['msg']}; {takes}") from None
+        return args
 
 
 class ScoreConfig(StageConfig):
@@ -240,10 +337,23 @@ class ScoreConfig(StageConfig):
     dtype: ComputeDtype = Field("auto", description="Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | "
                                                     "fp16 (GPU only) | fp32.")
 
+    @field_validator("rewards")
+    @classmethod
+    def _one_term_per_name(cls, rewards: list[RewardTerm]) -> list[RewardTerm]:
+        # score keeps one column per term name and sums weight × that column: a second term of
+        # the same name would silently take the first one's values.
+        names = [t.name for t in rewards]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice:
+            raise FieldsError(f"{twice!r} is given twice; each term names its own column in the scores, so give it "
+                              "once (a module:function rule can wrap it with other args)")
+        return rewards
+
     @model_validator(mode="after")
     def _rm_given(self):
         if any(t.name == "rm" for t in self.rewards) and not self.reward_model:
-            raise ValueError("a reward term is 'rm' but no reward_model is given; give one or drop the term")
+            raise FieldsError("{rewards} has an 'rm' term but no {reward_model} is given; set {reward_model} or drop "
+                              "the 'rm' term")
         return self
 
 
@@ -262,8 +372,8 @@ class PPOConfig(StageConfig):
     tp: int = layout("Tensor-parallel size; processes = tp × pp × dp.")
     pp: int = layout("Pipeline-parallel size (1F1B schedule).")
     dp: int = layout("Data-parallel groups; the optimizer state is sharded over them (ZeRO-1).")
-    sequence_parallel: bool = Field(False, description="Split activations along tokens between TP ranks outside "
-                                                       "attention and MLP (needs tp > 1).")
+    sequence_parallel: bool = placement(False, "Split activations along tokens between TP ranks outside attention "
+                                               "and MLP (needs tp > 1): less activation memory, the same update up to rounding.")
     advantage: Literal["gae", "grpo"] = Field("gae", description="gae | grpo (group-normalised scores; no critic).")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ.")
@@ -291,8 +401,10 @@ class PPOConfig(StageConfig):
         (0.9, 0.999), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up, in optimizer steps counted across iterations.")
     lr_decay: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="constant | linear | cosine, over total_steps (counted across iterations).")
-    total_steps: Count | None = Field(None, description="Steps over which lr_decay decays (null: no decay).")
+        "constant", description="constant | linear | cosine (to 0 at total_steps, after the warm-up; needs "
+                                "total_steps).")
+    total_steps: Count | None = Field(None, description="The optimizer step (counted across iterations) at which "
+                                                        "lr_decay reaches 0; larger than warmup_steps.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm (the same at every "
                                                            "layout); null to disable.")
     temperature: float = Field(1.0, gt=0, description="Must equal the rollout's: log-probs are of "
@@ -301,8 +413,8 @@ class PPOConfig(StageConfig):
                                                 "(its recorded log-probs are then another policy's); by default that "
                                                 "is refused as a mix-up.")
     seed: int = Field(0, description="Seed of the mini-batch order (the same at every layout).")
-    save_every: int = Field(0, ge=0, description="Save resumable training state every N optimizer steps (0: only "
-                                                 "at the end).")
+    save_every: int = placement(0, "Save resumable training state every N optimizer steps (0: only at the end); "
+                                   "a resumed run ends bit-identical, so this changes no result.", ge=0)
     dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Parameters and activations: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32 (fp16 would "
                             "need loss scaling). Gradients are accumulated and reduced, and master weights and Adam "
@@ -312,7 +424,14 @@ class PPOConfig(StageConfig):
     @model_validator(mode="after")
     def _consistent(self):
         if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel needs tp > 1; set tp or drop sequence_parallel")
+            raise FieldsError("{sequence_parallel} needs {tp} > 1; raise {tp} or turn {sequence_parallel} off")
+        if self.lr_decay != "constant" and self.total_steps is None:
+            raise FieldsError(f"{{lr_decay}}={self.lr_decay!r} decays over {{total_steps}}, which is not set; set "
+                              "{total_steps}, or set {lr_decay} to 'constant'")
+        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
+            raise FieldsError(f"{{total_steps}}={self.total_steps} must be larger than {{warmup_steps}}="
+                              f"{self.warmup_steps} (the decay follows the warm-up); raise {{total_steps}} or lower "
+                              "{warmup_steps}")
         return self
 
 
@@ -321,20 +440,30 @@ STAGES: dict[str, type[StageConfig]] = {"shard": ShardConfig, "rollout": Rollout
 
 
 def options_model(cls: type[StageConfig]) -> type[BaseModel]:
-    """The part of a stage's config a run spec sets: everything but inputs, outputs and layout
-    (the pipeline fills those in)."""
+    """The part of a stage's config a run spec (or a stage command's ``--config``) sets: everything
+    but inputs, outputs and layout, which the pipeline (or the command's arguments) fill in.
+
+    It checks each value; the checks across fields stay in ``cls`` alone, since they may involve
+    the wired fields: a spec is checked by building every stage's whole config when it is loaded."""
+    stage = next(name for name, c in STAGES.items() if c is cls)
     fields = {name: (f.annotation, f) for name, f in cls.model_fields.items() if kind_of(f) not in WIRED}
     wired = [name for name, f in cls.model_fields.items() if kind_of(f) in WIRED]
 
-    def not_wired(data: Any) -> Any:
+    def not_wired(data: Any, info: ValidationInfo) -> Any:
         given = [k for k in wired if isinstance(data, dict) and k in data]
-        if given:
-            raise ValueError(f"{given[0]} is filled in by the pipeline (from the spec's inputs and layout); "
-                             "remove it here")
-        return data
+        if not given:
+            return data
+        key = given[0]
+        flag = ((info.context or {}).get("names") or {}).get(key)
+        if flag:
+            raise ValueError(f"{key} is given by {flag} on the command line; remove it from this file")
+        if kind_of(cls.model_fields[key]) == LAYOUT:
+            raise ValueError(f"{key} is set in layout.{stage}.{key}, not here; move it there")
+        raise ValueError(f"{key} is filled in by the pipeline (from the spec's actor, prompts, reward_model and the "
+                         "stages before); remove it here")
 
     return create_model(f"{cls.__name__.removesuffix('Config')}Options", __config__=ConfigDict(extra="forbid"),
-                        __doc__=f"Options of the {cls.__name__} a run spec sets.",
+                        __doc__=f"Options of the {stage} stage that a run spec sets.",
                         __validators__={"_not_wired": model_validator(mode="before")(not_wired)}, **fields)
 
 

@@ -93,13 +93,13 @@ def test_zero_processes_is_refused_everywhere(tmp_path):
     import sys
 
     from llamarl.lib.errors import UserError
-    from llamarl.pipeline.spec import Placements
-    from llamarl.stages.config import PPOConfig, ShardConfig, validate
+    from llamarl.pipeline.spec import Layouts
+    from llamarl.stages.config import PPOConfig, ShardConfig, Source, validate
 
-    with pytest.raises(UserError, match=r"^spec: layout: rollout.tp=0: Input should be greater than or equal to 1$"):
-        validate(Placements, {"rollout": {"tp": 0}}, "spec: layout")
+    with pytest.raises(UserError, match=r"^spec: layout.rollout.tp=0: Input should be greater than or equal to 1$"):
+        validate(Layouts, {"rollout": {"tp": 0}}, Source("spec", at="layout"))
     with pytest.raises(UserError, match=r"export.procs=0"):
-        validate(Placements, {"export": {"procs": 0}}, "spec: layout")
+        validate(Layouts, {"export": {"procs": 0}}, "spec: layout")
     with pytest.raises(UserError, match=r"^spec: ppo: dp=0: "):
         PPOConfig.parse(dict(rollout="r", scores="s", actor="a", out="o", dp=0), "spec: ppo")
     with pytest.raises(UserError, match=r"pp=-1"):

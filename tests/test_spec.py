@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -10,9 +11,10 @@ import pytest
 import yaml
 
 from llamarl.lib.errors import UserError
-from llamarl.pipeline.run import build_dag, check_spec
-from llamarl.pipeline.spec import parse_spec
-from llamarl.stages.config import PPOConfig, ScoreConfig, StageConfig
+from llamarl.pipeline.run import Node, build_dag, check_spec, node_key
+from llamarl.pipeline.spec import Layouts, load_spec, parse_spec
+from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
+                                   options_model)
 
 
 def _spec(tmp_path, **changes) -> dict:
@@ -23,6 +25,16 @@ def _spec(tmp_path, **changes) -> dict:
     return spec
 
 
+def _hf_model(folder, **changes) -> str:
+    """An HF checkpoint folder with only its config.json: all the spec check reads."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 251,
+              "max_position_embeddings": 512} | changes
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
 @pytest.mark.parametrize("changes,needle", [
     ({"ppo": {"advantage": "gea"}}, "spec.yaml: ppo.advantage='gea': Input should be 'gae' or 'grpo'"),
     ({"score": {"dtype": "fp8"}}, "spec.yaml: score.dtype='fp8': Input should be 'auto', 'bf16', 'fp16' or 'fp32'"),
@@ -31,6 +43,9 @@ def _spec(tmp_path, **changes) -> dict:
                                                      "options: samples_per_prompt, temperature"),
     ({"ppo": {"dual_clip": 0.5}}, "spec.yaml: ppo.dual_clip=0.5: Input should be greater than 1"),
     ({"ppo": {"actor": "/elsewhere"}}, "spec.yaml: ppo: actor is filled in by the pipeline"),
+    ({"ppo": {"tp": 2}}, "spec.yaml: ppo: tp is set in layout.ppo.tp, not here; move it there"),
+    ({"ppo": 5}, "spec.yaml: ppo=5: expected a mapping of options (collective_timeout_s, "),
+    ({"layout": {"ppo": 3}}, "spec.yaml: layout.ppo=3: expected a mapping of options (tp, pp, dp, nodes)"),
     ({"layout": {"ppo": {"dp": 0}}}, "spec.yaml: layout.ppo.dp=0: Input should be greater than or equal to 1"),
     ({"iterations": 0}, "spec.yaml: iterations=0: Input should be greater than or equal to 1"),
     ({"name": "a/b"}, "spec.yaml: name='a/b': use letters, digits"),
@@ -39,7 +54,40 @@ def _spec(tmp_path, **changes) -> dict:
     ({"score": {"rewards": [{"name": "nosuchrule"}]}}, "score.rewards.0.name='nosuchrule': use rm, one of exact_match"),
     ({"score": {"rewards": []}}, "spec.yaml: score.rewards=[]: List should have at least 1 item"),
     ({"ppo": {"temperature": 0.7}}, "ppo.temperature=0.7 differs from rollout.sampling.temperature=1.0"),
-    ({"ppo": {"sequence_parallel": True}}, "ppo.sequence_parallel needs layout.ppo.tp > 1"),
+    ({"ppo": {"sequence_parallel": True}}, "spec.yaml: ppo.sequence_parallel needs layout.ppo.tp > 1; raise "
+                                           "layout.ppo.tp or turn ppo.sequence_parallel off"),
+    # Each stage's layout takes only the counts that stage uses.
+    ({"layout": {"rollout": {"pp": 2}}}, "spec.yaml: layout.rollout.pp: unknown option; valid options: tp, dp, nodes"),
+    ({"layout": {"shard": {"dp": 2}}}, "spec.yaml: layout.shard.dp: unknown option; valid options: tp, pp, nodes"),
+    ({"layout": {"export": {"tp": 2}}}, "spec.yaml: layout.export.tp: unknown option; valid options: procs, nodes"),
+    ({"layout": {"ppo": {"tp": 2, "dp": 3, "nodes": 4}}},
+     "spec.yaml: layout.ppo: 6 processes (tp × pp × dp) do not spread evenly over nodes=4; use nodes that divide 6"),
+    ({"layout": {"export": {"procs": 3, "nodes": 2}}}, "layout.export: 3 processes (procs) do not spread evenly"),
+    ({"layout": {"ppo": {"dp": 2, "nodes": 2}}}, "spec.yaml: layout.ppo.nodes=2 needs a cluster executor: the local "
+                                                 "executor runs on this machine only; set executor.kind to slurm or "
+                                                 "kubernetes"),
+    ({"ppo": {"advantage": "grpo"}}, "spec.yaml: ppo.advantage='grpo' needs rollout.sampling.samples_per_prompt >= 2"),
+    ({"ppo": {"lr_decay": "cosine"}}, "spec.yaml: ppo.lr_decay='cosine' decays over ppo.total_steps, which is not "
+                                      "set; set ppo.total_steps, or set ppo.lr_decay to 'constant'"),
+    ({"ppo": {"lr_decay": "linear", "warmup_steps": 10, "total_steps": 10}},
+     "spec.yaml: ppo.total_steps=10 must be larger than ppo.warmup_steps=10"),
+    ({"ppo": {"save_every": -1}}, "spec.yaml: ppo.save_every=-1: Input should be greater than or equal to 0"),
+    # A built-in rule's args are bound against its signature (after the response and the row).
+    ({"score": {"rewards": [{"name": "regex"}]}},
+     "spec.yaml: score.rewards.0.args: missing a required argument: 'pattern'; regex takes pattern: str, full: bool"),
+    ({"score": {"rewards": [{"name": "contains", "args": {"colum": "answer"}}]}},
+     "spec.yaml: score.rewards.0.args: got an unexpected keyword argument 'colum'; contains takes column: str"),
+    ({"score": {"rewards": [{"name": "length", "args": {"target": "64"}}]}},
+     "spec.yaml: score.rewards.0.args: target='64': Input should be a valid integer; length takes target: int = 64"),
+    ({"score": {"rewards": [{"name": "rm", "args": {"scale": 2}}]}},
+     "spec.yaml: score.rewards.0.args: the reward model takes no args"),
+    ({"score": {"rewards": [{"name": "contains"}, {"name": "contains", "args": {"column": "b"}}]}},
+     "spec.yaml: score.rewards: 'contains' is given twice"),
+    # The executor's options, named as the spec nests them (no "executor: options:").
+    ({"executor": {"kind": "kubernetes", "options": {"imag": "x", "pvc": "runs"}}},
+     "spec.yaml: executor.options.imag: unknown option; valid options: image, pvc"),
+    ({"executor": {"kind": "slurm", "options": {"timeout_min": "soon"}}},
+     "spec.yaml: executor.options.timeout_min='soon': Input should be a valid integer"),
 ])
 def test_a_wrong_value_anywhere_is_one_line_naming_the_field(tmp_path, changes, needle):
     with pytest.raises(UserError) as e:
@@ -50,14 +98,74 @@ def test_a_wrong_value_anywhere_is_one_line_naming_the_field(tmp_path, changes, 
 def test_an_rm_term_needs_a_reward_model(tmp_path):
     spec = _spec(tmp_path)
     del spec["reward_model"]
-    with pytest.raises(UserError, match="score.rewards has an 'rm' term but no reward_model is given"):
+    with pytest.raises(UserError, match=r"^spec.yaml: score.rewards has an 'rm' term but no reward_model is given; "
+                                        r"set reward_model or drop the 'rm' term$"):
         parse_spec(spec, "spec.yaml")
     parse_spec({**spec, "score": {"rewards": [{"name": "length"}]}}, "spec.yaml")  # rules alone need none
 
 
+def test_what_the_checks_allow_still_loads(tmp_path):
+    spec = parse_spec(_spec(tmp_path, layout={"ppo": {"tp": 2, "dp": 2, "nodes": 2}, "export": {"procs": 4, "nodes": 2}},
+                            executor={"kind": "slurm", "options": {"partition": "gpu"}},
+                            rollout={"sampling": {"samples_per_prompt": 2}},
+                            ppo={"advantage": "grpo", "lr_decay": "cosine", "warmup_steps": 2, "total_steps": 3},
+                            score={"rewards": [{"name": "regex", "args": {"pattern": "^yes", "full": True}},
+                                               {"name": "length", "args": {"scale": 8}}]}), "spec.yaml")
+    assert spec.layout.ppo.world == 4 and spec.layout.export.world == 4
+
+
+def test_cross_field_checks_live_in_the_stage_config_alone():
+    # The spec's options model has the stage's fields but none of its checks across fields: the
+    # spec reaches those by building the whole stage config (check_spec), so each is written once.
+    for cls in (ScoreConfig, PPOConfig):
+        assert not options_model(cls).__pydantic_decorators__.model_validators.keys() - {"_not_wired"}
+    with pytest.raises(UserError, match=r"^x: sequence_parallel needs tp > 1; raise tp or turn sequence_parallel off$"):
+        PPOConfig.parse({"rollout": "r", "scores": "s", "actor": "a", "out": "o", "sequence_parallel": True}, "x")
+
+
+@pytest.mark.parametrize("layout,model,needle", [
+    ({"ppo": {"tp": 3}}, {}, "spec.yaml: layout.ppo: tp=3 does not divide num_attention_heads=4; use a tp in [1, 2, 4] "
+                             "(the actor: "),
+    ({"rollout": {"tp": 2}}, {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3},
+     "spec.yaml: layout.rollout: tp=2 and num_key_value_heads=3: one must divide the other"),
+    ({"shard": {"pp": 4}}, {}, "spec.yaml: layout.shard: pp=4 is larger than num_hidden_layers=3; use pp <= 3"),
+    ({"ppo": {"tp": 2}}, {"intermediate_size": 99}, "layout.ppo: tp=2 does not divide intermediate_size=99"),
+])
+def test_layouts_are_checked_against_the_actors_config(tmp_path, layout, model, needle):
+    actor = _hf_model(tmp_path / "actor", **model)
+    with pytest.raises(UserError) as e:
+        parse_spec(_spec(tmp_path, layout=layout, actor=actor), "spec.yaml")
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_reward_models_config_is_checked_against_score_and_shard(tmp_path):
+    actor = _hf_model(tmp_path / "actor")
+    rm = _hf_model(tmp_path / "rm", num_attention_heads=2, num_key_value_heads=2, hidden_size=32,
+                   architectures=["LlamaForSequenceClassification"])
+    with pytest.raises(UserError, match=r"^spec.yaml: layout.score: tp=4 does not divide num_attention_heads=2; .*"
+                                        r"\(the reward model: .*rm/config.json\)$"):
+        parse_spec(_spec(tmp_path, actor=actor, reward_model=rm, layout={"score": {"tp": 4}}), "spec.yaml")
+    # Rules alone never load the reward model in score: its layout there is not checked.
+    parse_spec(_spec(tmp_path, actor=actor, reward_model=rm, layout={"score": {"tp": 4}},
+                     score={"rewards": [{"name": "length"}]}), "spec.yaml")
+    with pytest.raises(UserError, match=r"^spec.yaml: layout.shard: tp=4 does not divide num_attention_heads=2"):
+        parse_spec(_spec(tmp_path, actor=actor, reward_model=rm, layout={"shard": {"tp": 4}}), "spec.yaml")
+
+
+def test_a_bad_model_config_and_a_long_response_fail_at_load(tmp_path):
+    gpt2 = _hf_model(tmp_path / "gpt2", model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(UserError, match=r"^spec.yaml: actor: .*gpt2/config.json: model_type='gpt2' is not a Llama"):
+        parse_spec(_spec(tmp_path, actor=gpt2), "spec.yaml")
+    short = _hf_model(tmp_path / "short", max_position_embeddings=256)
+    with pytest.raises(UserError, match=r"^spec.yaml: rollout.sampling.max_new_tokens=256 leaves no room for a prompt "
+                                        r"within the actor's max_position_embeddings=256"):
+        parse_spec(_spec(tmp_path, actor=short), "spec.yaml")
+    parse_spec(_spec(tmp_path, actor=_hf_model(tmp_path / "fine"), layout={"ppo": {"tp": 4, "pp": 3}}), "spec.yaml")
+
+
 def test_every_stage_of_every_iteration_is_built_before_anything_runs(tmp_path):
-    spec = parse_spec(_spec(tmp_path, layout={"ppo": {"tp": 2}}, ppo={"sequence_parallel": True, "advantage": "grpo"}),
-                      "spec.yaml")
+    spec = parse_spec(_spec(tmp_path, layout={"ppo": {"tp": 2}}, ppo={"sequence_parallel": True, "advantage": "grpo"},
+                            rollout={"sampling": {"samples_per_prompt": 4}}), "spec.yaml")
     nodes = check_spec(spec)
     assert [n.name for n in nodes] == ["shard/actor", "shard/rm", "iter-001/rollout", "iter-001/scores", "iter-001/ppo",
                                        "iter-002/rollout", "iter-002/scores", "iter-002/ppo", "export"]
@@ -66,12 +174,51 @@ def test_every_stage_of_every_iteration_is_built_before_anything_runs(tmp_path):
     assert ppo2.critic is None  # grpo trains no critic, so iteration 2 starts none
 
 
-def test_identity_blanks_outputs_layout_and_placement_only():
+def test_identity_leaves_out_outputs_layout_and_placement_only():
     a = ScoreConfig.parse({"rollout": "r", "out": "o1", "reward_model": "rm", "tp": 1, "offload": True}, "x")
-    b = ScoreConfig.parse({"rollout": "r", "out": "o2", "reward_model": "rm", "tp": 4, "dp": 2, "offload": False}, "x")
+    b = ScoreConfig.parse({"rollout": "r", "out": "o2", "reward_model": "rm", "tp": 4, "dp": 2, "offload": False,
+                           "collective_timeout_s": 60}, "x")
     c = ScoreConfig.parse({"rollout": "r", "out": "o1", "reward_model": "rm", "micro_batch": 4}, "x")
     assert a.identity() == b.identity() != c.identity()
     assert a.identity()["rollout"] == "r"  # inputs identify the output
+    assert not {"out", "tp", "pp", "dp", "offload", "collective_timeout_s"} & a.identity().keys()
+
+
+def test_how_ppo_runs_is_no_part_of_its_identity_but_rollout_chunks_are():
+    # sequence_parallel gives the same update (tests/test_ppo.py: tp2-sp against tp1) and
+    # save_every only how often a resumable state is saved (a resumed run is bit-identical).
+    ppo = {"rollout": "r", "scores": "s", "actor": "a", "out": "o"}
+    plain = PPOConfig.parse(ppo | {"tp": 1}, "x").identity()
+    assert PPOConfig.parse(ppo | {"tp": 2, "sequence_parallel": True, "save_every": 5}, "x").identity() == plain
+    # Sampling is seeded per chunk: chunk_size changes which samples are drawn.
+    rollout = {"actor": "a", "prompts": "p", "out": "o"}
+    assert (RolloutConfig.parse(rollout | {"chunk_size": 32}, "x").identity()
+            != RolloutConfig.parse(rollout, "x").identity())
+    assert "changes which samples are drawn" in RolloutConfig.model_fields["chunk_size"].description
+
+
+# The pipeline's key of each stage's default config (fixed paths, no inputs published, nothing
+# outside the run): a change to any stage's identity — a new option, a new default, an option
+# changing kind — changes these. Make it on purpose: update the constant, and say under
+# "Upgrading" in docs/pipeline.md which stages an older run reruns.
+GOLDEN_KEYS = {
+    "shard": "e297a2b650ef9ef1",
+    "rollout": "ad7428a75bd11f8d",
+    "score": "c61100ef0a15e5cb",
+    "ppo": "127695e343cd5eb3",
+    "export": "9da24f69a4590439",
+}
+
+
+def test_each_stages_identity_key_is_deliberate():
+    defaults = {"shard": ShardConfig(src="SRC", dst="DST"),
+                "rollout": RolloutConfig(actor="ACTOR", prompts="PROMPTS", out="OUT"),
+                "score": ScoreConfig(rollout="ROLLOUT", out="OUT", reward_model="RM"),
+                "ppo": PPOConfig(rollout="ROLLOUT", scores="SCORES", actor="ACTOR", out="OUT"),
+                "export": ExportConfig(src="SRC", dst="DST")}
+    keys = {stage: node_key(Node(stage, stage, "OUT", [], getattr(Layouts(), stage), lambda c=cfg: c), {})
+            for stage, cfg in defaults.items()}
+    assert keys == GOLDEN_KEYS
 
 
 def test_configs_round_trip_through_json():
@@ -81,23 +228,50 @@ def test_configs_round_trip_through_json():
     assert all(issubclass(c, StageConfig) for c in (PPOConfig, ScoreConfig))
 
 
-def test_dry_run_refuses_a_bad_spec_fast_in_one_line(tmp_path):
+@pytest.mark.parametrize("changes,needle", [
+    ({"ppo": {"advantage": "gea"}}, "ppo.advantage='gea'"),
+    ({"layout": {"ppo": {"tp": 3}}}, "layout.ppo: tp=3 does not divide num_attention_heads=4"),  # read from config.json
+    ({"score": {"rewards": [{"name": "regex", "args": {"patern": "x"}}]}}, "score.rewards.0.args: "),
+], ids=["option", "model", "rule-args"])
+def test_dry_run_refuses_a_bad_spec_fast_in_one_line(tmp_path, changes, needle):
     # `llamarl run --dry-run` validates without importing torch: a typo costs seconds, not GPU hours.
     path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(_spec(tmp_path, ppo={"advantage": "gea"})))
+    path.write_text(yaml.safe_dump(_spec(tmp_path, actor=_hf_model(tmp_path / "actor"), **changes)))
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(path), "--dry-run"], capture_output=True,
                        text=True, env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"})
     seconds = time.perf_counter() - t0
+    print(f"llamarl run --dry-run refused {needle!r} in {seconds:.2f} s")
     lines = (r.stdout + r.stderr).strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and "ppo.advantage='gea'" in lines[0], r.stdout + r.stderr
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stdout + r.stderr
     assert seconds < 3.0, f"{seconds:.1f} s"  # the goal is < 2 s; some slack for a loaded CI machine
     assert not (tmp_path / "t").exists()  # nothing written
 
 
-def test_dry_run_of_a_good_spec_plans_without_torch(tmp_path):
+def test_apply_needs_the_kubernetes_executor(tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(_spec(tmp_path)))
+    r = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(path), "--apply"], capture_output=True,
+                       text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and lines == [f"error: {path}: --apply creates Kubernetes Jobs, but executor.kind is "
+                                           "'local'; drop --apply, or use executor.kind: kubernetes"], lines
+    assert not (tmp_path / "t").exists()  # refused before anything ran
+
+
+def test_a_yaml_syntax_error_names_its_line(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text("name: t\nstorage: /s\nppo: {advantage: gae\nexport: {}\n")
+    with pytest.raises(UserError, match=rf"^{path}: not valid YAML \(line 4, column 7: expected ',' or '}}', but got "
+                                        r"':'\)$"):
+        load_spec(str(path))
+
+
+def test_dry_run_of_a_good_spec_plans_without_torch(tmp_path):
+    # The actor's and the reward model's config.json are read and checked, still without torch.
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(_spec(tmp_path, actor=_hf_model(tmp_path / "actor"),
+                                         reward_model=_hf_model(tmp_path / "rm"))))
     code = ("import sys; from llamarl.pipeline.cli import app; "
             f"sys.argv = ['llamarl', 'run', {str(path)!r}, '--dry-run']\n"
             "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
