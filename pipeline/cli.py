@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig
+from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
 
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -36,6 +36,9 @@ def run(
     try:
         loaded = load_spec(spec)
         if apply:
+            if loaded.executor.kind != "kubernetes":
+                raise UserError(f"{spec}: --apply creates Kubernetes Jobs, but executor.kind is "
+                                f"{loaded.executor.kind!r}; drop --apply, or use executor.kind: kubernetes")
             loaded.executor.options["apply"] = True
         report = run_spec(loaded, dry_run=dry_run, show_launch=show_launch, detach=detach and not dry_run,
                           echo=lambda m: console.print(m, highlight=False, markup=False))
@@ -120,7 +123,8 @@ def shard(
 ):
     """HF checkpoint → sharded checkpoint (loadable at any TP×PP)."""
 
-    _run_local("shard", _config(ShardConfig, {"src": src, "dst": dst, "tp": tp, "pp": pp, "dtype": dtype}, "options"), tp * pp)
+    _run_local("shard", _config(ShardConfig, None, {"src": src, "dst": dst, "tp": tp, "pp": pp, "dtype": dtype},
+                                ("src", "dst")), tp * pp)
     typer.echo(dst)
 
 
@@ -131,11 +135,13 @@ def export(
     dtype: str = typer.Option(None, help="Output dtype: bf16 | fp16 | fp32 (default: the checkpoint's)."),
     max_shard_gb: float = typer.Option(2.0, help="Largest safetensors file, in GB."),
     procs: int = typer.Option(2, min=1, help="Processes writing files in parallel."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Check the checkpoint's files against their "
+                                                                    "checksums before reading."),
 ):
     """Sharded checkpoint → HF safetensors directory (transformers loads it)."""
 
-    _run_local("export", _config(ExportConfig, {"src": src, "dst": dst, "dtype": dtype, "max_shard_gb": max_shard_gb},
-                                 "options"), procs)
+    given = {"src": src, "dst": dst, "dtype": dtype, "max_shard_gb": max_shard_gb, "verify": verify}
+    _run_local("export", _config(ExportConfig, None, given, ("src", "dst")), procs)
     typer.echo(dst)
 
 
@@ -144,11 +150,11 @@ def _fail(message: str):
     raise typer.Exit(2)
 
 
-def _options(config: str | None) -> dict:
+def _options(config: str) -> dict:
     """The options file of a stage command, or a one-line error."""
-    if not config:
-        return {}
     import yaml
+
+    from llamarl.pipeline.spec import yaml_problem
 
     try:
         with open(config) as f:
@@ -156,29 +162,45 @@ def _options(config: str | None) -> dict:
     except FileNotFoundError:
         _fail(f"{config}: no such options file; check the --config path")
     except yaml.YAMLError as e:
-        _fail(f"{config}: not valid YAML ({str(e).splitlines()[0]})")
-    if not isinstance(data, dict):
-        _fail(f"{config}: expected a mapping of options, got {type(data).__name__}")
+        _fail(f"{config}: not valid YAML ({yaml_problem(e)})")
     return data
 
 
-def _config(cls, options: dict, source: str):
+def _config(cls: type[StageConfig], config: str | None, given: dict, arguments: tuple[str, ...], **flags: str):
+    """A stage's config from its ``--config`` file and its command line (``given``: the fields its
+    arguments and flags set); a bad value is one line naming the file's field, the flag (``--tp``;
+    ``flags`` where it is not the field's name) or the argument (``SRC``)."""
     from llamarl.lib.errors import UserError
+    from llamarl.stages.config import Source, options_model, validate
 
+    names = {k: k.upper() if k in arguments else flags.get(k, "--" + k.replace("_", "-")) for k in given}
     try:
-        return cls.parse(options, source)
+        # The file first, on its own: it may not set what the command line sets (which would
+        # silently win), and its errors name the file.
+        options = {}
+        if config:
+            options = validate(options_model(cls), _options(config), Source(config, names=names)).model_dump()
+        return validate(cls, options | given, Source("", names=names))
     except UserError as e:
         _fail(str(e))
 
 
-def epilog(cls, skip: tuple[str, ...]) -> str:
-    """The YAML options of a stage command (those its arguments do not set), for ``--help``."""
-    from llamarl.stages.config import describe
+def epilog(cls: type[StageConfig], *more: str) -> str:
+    """The YAML options of a stage command (those the command line does not set), for ``--help``."""
+    from llamarl.stages.config import WIRED, describe, kind_of
 
-    return "Options for --config (YAML):\n\n" + "\n\n".join(describe(cls, skip))
+    wired = tuple(name for name, f in cls.model_fields.items() if kind_of(f) in WIRED)
+    return "\n\n".join(["Options for --config (YAML):", *describe(cls, wired), *more])
 
 
-@stage_app.command("rollout", epilog=epilog(RolloutConfig, ("actor", "prompts", "out", "tp", "dp")))
+def _rules_epilog() -> str:
+    from llamarl.stages.config import describe_rules
+
+    return "\n\n".join(["Built-in rules, as rewards: [{name: NAME, weight: W, args: {ARG: VALUE}}] (the response and "
+                         "its row are passed first):", *describe_rules()])
+
+
+@stage_app.command("rollout", epilog=epilog(RolloutConfig))
 def rollout(
     actor: str = typer.Argument(..., help="Published actor checkpoint."),
     prompts: str = typer.Argument(..., help="Parquet or JSONL prompts (file or folder, any fsspec URL)."),
@@ -189,13 +211,13 @@ def rollout(
 ):
     """Actor + prompts → responses with log-probs (Parquet parts, resumable)."""
 
-    cfg = _config(RolloutConfig, {**_options(config), "actor": actor, "prompts": prompts, "out": out, "tp": tp, "dp": dp},
-                  config or "options")
+    cfg = _config(RolloutConfig, config, {"actor": actor, "prompts": prompts, "out": out, "tp": tp, "dp": dp},
+                  ("actor", "prompts", "out"))
     _run_local("rollout", cfg, tp * dp)
     typer.echo(out)
 
 
-@stage_app.command("score", epilog=epilog(ScoreConfig, ("rollout", "out", "reward_model", "tp", "pp", "dp")))
+@stage_app.command("score", epilog=epilog(ScoreConfig, _rules_epilog()))
 def score(
     rollout: str = typer.Argument(..., help="Published rollout folder."),
     out: str = typer.Argument(..., help="Output folder for the scores."),
@@ -207,14 +229,12 @@ def score(
 ):
     """Rollout → scores from a reward model and/or rule-based rewards (Parquet, resumable)."""
 
-    opts = {**_options(config), "rollout": rollout, "out": out, "tp": tp, "pp": pp, "dp": dp}
-    if rm:
-        opts["reward_model"] = rm
-    _run_local("score", _config(ScoreConfig, opts, config or "options"), tp * pp * dp)
+    given = {"rollout": rollout, "out": out, "reward_model": rm, "tp": tp, "pp": pp, "dp": dp}
+    _run_local("score", _config(ScoreConfig, config, given, ("rollout", "out"), reward_model="--rm"), tp * pp * dp)
     typer.echo(out)
 
 
-@stage_app.command("ppo", epilog=epilog(PPOConfig, ("rollout", "scores", "actor", "out", "critic", "reference", "tp", "pp", "dp")))
+@stage_app.command("ppo", epilog=epilog(PPOConfig))
 def ppo(
     rollout: str = typer.Argument(..., help="Published rollout folder."),
     scores: str = typer.Argument(..., help="Published scores of that rollout."),
@@ -229,9 +249,9 @@ def ppo(
 ):
     """Rollout + scores → updated actor and critic (one PPO iteration, resumable)."""
 
-    opts = {**_options(config), "rollout": rollout, "scores": scores, "actor": actor, "out": out,
-            "critic": critic, "reference": reference, "tp": tp, "pp": pp, "dp": dp}
-    _run_local("ppo", _config(PPOConfig, opts, config or "options"), tp * pp * dp)
+    given = {"rollout": rollout, "scores": scores, "actor": actor, "out": out, "critic": critic, "reference": reference,
+             "tp": tp, "pp": pp, "dp": dp}
+    _run_local("ppo", _config(PPOConfig, config, given, ("rollout", "scores", "actor", "out")), tp * pp * dp)
     typer.echo(out)
 
 

@@ -158,6 +158,60 @@ def test_the_tp_hint_lists_only_sizes_that_work():
         ParallelLayout(tp=tp).check(cfg)
 
 
+def _cli(*args, **env):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "stage", *args], capture_output=True, text=True,
+                          env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", **env})
+
+
+@pytest.mark.parametrize("stage,args,options,needle", [
+    ("rollout", ["A", "P", "OUT"], "tp: 2\n", "error: {config}: tp is given by --tp on the command line; remove it from "
+                                               "this file"),
+    ("rollout", ["A", "P", "OUT"], "actor: elsewhere\n", "error: {config}: actor is given by ACTOR on the command line"),
+    ("score", ["R", "OUT"], "reward_model: rm\n", "error: {config}: reward_model is given by --rm on the command line"),
+    ("ppo", ["R", "S", "A", "OUT"], "critic: c\n", "error: {config}: critic is given by --critic on the command line"),
+])
+def test_a_stage_commands_config_file_cannot_set_what_its_arguments_set(tmp_path, stage, args, options, needle):
+    # Once, the command line silently won over the file's value.
+    config = tmp_path / "opts.yaml"
+    config.write_text(options)
+    r = _cli(stage, *[str(tmp_path / a) if a == "OUT" else a for a in args], "--config", str(config))
+    assert r.returncode == 2 and r.stderr.strip() == r.stderr.strip().splitlines()[0], r.stderr
+    assert r.stderr.startswith(needle.format(config=config)), r.stderr
+    assert not (tmp_path / "OUT").exists()
+
+
+def test_stage_command_errors_name_the_flag_or_the_file(tmp_path):
+    r = _cli("shard", "SRC", str(tmp_path / "d"), "--dtype", "fp8")
+    assert r.returncode == 2 and r.stderr == "error: --dtype='fp8': Input should be 'bf16', 'fp16' or 'fp32'\n", r.stderr
+    (tmp_path / "sp.yaml").write_text("sequence_parallel: true\n")
+    r = _cli("ppo", "R", "S", "A", str(tmp_path / "o"), "--config", str(tmp_path / "sp.yaml"))
+    assert r.stderr == "error: sequence_parallel needs --tp > 1; raise --tp or turn sequence_parallel off\n", r.stderr
+    r = _cli("score", "R", str(tmp_path / "o"))  # the default rewards are [rm]
+    assert r.stderr == "error: rewards has an 'rm' term but no --rm is given; set --rm or drop the 'rm' term\n", r.stderr
+    (tmp_path / "bad.yaml").write_text("rewards:\n  - {name: length\n")
+    r = _cli("score", "R", str(tmp_path / "o"), "--config", str(tmp_path / "bad.yaml"))
+    assert r.stderr.startswith(f"error: {tmp_path / 'bad.yaml'}: not valid YAML (line 3, column 1: "), r.stderr
+    (tmp_path / "mb.yaml").write_text("micro_batch: 0\n")
+    r = _cli("score", "R", str(tmp_path / "o"), "--rm", "RM", "--config", str(tmp_path / "mb.yaml"))
+    assert r.stderr == f"error: {tmp_path / 'mb.yaml'}: micro_batch=0: Input should be greater than or equal to 1\n"
+
+
+def test_export_verify_has_a_flag(monkeypatch):
+    from typer.testing import CliRunner
+
+    from llamarl.pipeline import cli
+
+    ran = []
+    monkeypatch.setattr(cli, "_run_local", lambda stage, config, nprocs: ran.append(config))
+    for flags, verify in (([], True), (["--no-verify"], False)):
+        result = CliRunner().invoke(cli.app, ["stage", "export", "CK", "OUT", *flags])
+        assert result.exit_code == 0, result.output
+        assert ran.pop().verify is verify
+
+
 def test_stage_help_lists_the_yaml_options():
     import subprocess
     import sys
@@ -169,3 +223,9 @@ def test_stage_help_lists_the_yaml_options():
     out = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "stage", "rollout", "--help"], capture_output=True,
                          text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"}).stdout
     assert "sampling.temperature = 1.0" in out and "keep_columns = []" in out
+    assert "actor = " not in out and "tp = " not in out  # set by arguments and flags, not by --config
+    out = _cli("score", "--help").stdout
+    for line in ("regex(pattern: str, full: bool = False): 1 if the response matches",
+                 "length(target: int = 64, scale: float = 64.0, unit: str = 'tokens')",
+                 "exact_match(column: str = 'answer', normalize: bool = True)", "contains(column: str = 'answer')"):
+        assert line in out, line
