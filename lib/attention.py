@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ class Packed:
 class KVCache:
     """Preallocated keys and values, per decoder layer ``[slots, kv_heads, max_len, head_dim]``
     (this rank's kv heads). A slot holds one sequence being generated; with the length axis third,
-    a slot's first ``span`` keys are a strided view that batched matmuls read in place."""
+    a slot's first ``span`` keys are a strided view that attention reads in place."""
 
     k: dict[int, torch.Tensor]
     v: dict[int, torch.Tensor]
@@ -62,6 +62,19 @@ class KVCache:
         shape = (slots, kv_heads, max_len, head_dim)
         return cls({i: torch.zeros(shape, dtype=dtype, device=device) for i in layers},
                    {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers})
+
+    def copy_prefix(self, src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
+        """Slot ``dst[i]`` gets slot ``src[i]``'s key and value at position ``pos[i]``, every layer
+        (a prompt prefilled once, copied to the slots of its other samples)."""
+        for cache in (self.k, self.v):
+            for t in cache.values():
+                t[dst, :, pos] = t[src, :, pos]
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slot ``dst[i]`` becomes a copy of slot ``src[i]`` (whole rows; compacts live sequences)."""
+        for cache in (self.k, self.v):
+            for t in cache.values():
+                t[dst] = t[src]
 
 
 @dataclass(frozen=True)
@@ -82,13 +95,21 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Decode:
-    """One new token for every slot of ``cache``, in slot order. Slot i already holds
-    ``lengths[i]`` tokens, none more than ``span - 1``: ``span`` is known on the host, so no step
-    waits on the device to size its attention."""
+    """One new token for each of the first ``len(lengths)`` slots of ``cache``, in slot order. Slot
+    i already holds ``lengths[i]`` tokens, none more than ``span - 1``. ``span`` is fixed on the
+    host (a CUDA graph is captured per span): every slot attends over ``span`` positions, those
+    past its own length masked out by ``bias``, which is built once per step, not per layer."""
 
     cache: KVCache
     lengths: torch.Tensor  # [slots]
     span: int
+    bias: torch.Tensor = field(init=False, repr=False)  # [slots, 1, 1, span]: 0 or -inf
+
+    def __post_init__(self):
+        dtype = next(iter(self.cache.k.values())).dtype
+        allowed = torch.arange(self.span, device=self.lengths.device)[None, :] <= self.lengths[:, None]
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        object.__setattr__(self, "bias", bias[:, None, None, :])
 
     @property
     def num_tokens(self) -> int:
@@ -114,20 +135,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
 def _decode_attention(q, k, v, meta: Decode, layer: int) -> torch.Tensor:
     """Store the new keys/values, then attend each query over its own slot's cache, in place.
 
-    Two batched matmuls over ``[slots, kv_heads, ...]``: the query heads of one kv head are the
-    rows of one matrix (GQA without repeating keys), and the keys are read where they lie — no
-    gather, no copy. Scores and softmax in fp32, as the fused kernels do."""
-    kc, vc = meta.cache.k[layer], meta.cache.v[layer]
-    slots = torch.arange(len(meta.lengths), device=q.device)
+    The query heads of one kv head are the rows of one attention problem (``[slots, kv_heads,
+    heads / kv_heads, d]`` against ``[slots, kv_heads, span, d]``: GQA without repeating keys), and
+    the keys are read where they lie — a strided view, no gather, no copy. One SDPA call with the
+    step's length mask: on CUDA a fused kernel (scores and softmax in fp32), captured in the
+    decode graph like everything else (static shapes, no host sync)."""
+    b, heads, d = q.shape
+    kc, vc = meta.cache.k[layer][:b], meta.cache.v[layer][:b]
+    slots = torch.arange(b, device=q.device)
     kc[slots, :, meta.lengths] = k
     vc[slots, :, meta.lengths] = v
     keys, values = kc[:, :, : meta.span], vc[:, :, : meta.span]  # [B, kv, span, d] views
-    b, heads, d = q.shape
     kv = keys.shape[1]
-    scores = torch.matmul(q.view(b, kv, heads // kv, d), keys.transpose(-1, -2)).float() * d**-0.5
-    allowed = torch.arange(meta.span, device=q.device)[None, :] <= meta.lengths[:, None]
-    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(q.dtype), values)  # [B, kv, heads / kv, d]
+    out = F.scaled_dot_product_attention(q.view(b, kv, heads // kv, d), keys, values, attn_mask=meta.bias)
     return out.reshape(b, heads, d)
 
 

@@ -6,13 +6,15 @@ chunks of ``chunk_size`` rows; chunk c goes to data-parallel group c mod dp. Eac
 one part file, published atomically (written under a temporary name, then renamed), so a rerun
 skips the chunks already published and nobody ever reads a partial part. The manifest comes last.
 
-Sampling is seeded per chunk (``seed`` and the chunk's index), so a chunk's samples do not depend
-on the number of DP groups or on which chunks ran before it. Formats: docs/formats.md.
+Sampling is keyed per response: sample k of the prompt in row r draws from its own random stream,
+a function of (``seed``, r, k) only (lib/sampling.py). So a response does not depend on the number
+of DP groups, on TP, on ``chunk_size``, on which chunks ran before it, nor on ``max_batch`` (how
+many sequences one engine decodes together), which only trades memory for speed.
+Formats: docs/formats.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 
@@ -26,7 +28,7 @@ from llamarl.lib import checkpoint, job, parallel, publish
 from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
-from llamarl.lib.generate import SamplingParams, generate
+from llamarl.lib.generate import Engine, SamplingParams
 from llamarl.stages import contract
 from llamarl.stages.config import RolloutConfig
 
@@ -111,6 +113,8 @@ def run(cfg: RolloutConfig) -> None:
     checkpoint.load_model(model, f"{actor}/model")
     model.eval()
 
+    # One engine for all chunks: its KV cache and captured decode steps are reused.
+    engine = Engine(model, params, max_batch=cfg.max_batch)
     meta = {"actor": actor, "actor_id": actor_id, "sampling": json.dumps(s.model_dump()), "seed": str(s.seed),
             "tp": str(cfg.tp), "dtype": contract.dtype_name(dtype)}
     progress = _Progress(enabled=rank == 0)
@@ -121,7 +125,7 @@ def run(cfg: RolloutConfig) -> None:
         if contract.part_name(chunk) in done:
             stats["skipped_chunks"] += 1
             continue
-        table, chunk_stats = _rollout_chunk(model, tok, cfg, params, chunk, rows, first, progress, room, meta)
+        table, chunk_stats = _rollout_chunk(engine, tok, cfg, rows, first, progress, room, meta)
         for k, v in chunk_stats.items():
             stats[k] += v
         if writer:
@@ -156,14 +160,9 @@ def _build_actor(model_cfg, layout, dtype, device):
         return ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
 
 
-def _chunk_generator(seed: int, chunk: int, device) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}:{chunk}".encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-
-
-def _rollout_chunk(model, tok, cfg: RolloutConfig, params, chunk: int, rows, first, progress, room: int, meta: dict):
-    """Chunk ``chunk``'s part; ``room``: the most prompt tokens that leave max_new_tokens within the
-    actor's positions."""
+def _rollout_chunk(engine: Engine, tok, cfg: RolloutConfig, rows, first, progress, room: int, meta: dict):
+    """The part of the chunk whose rows start at row ``first``; ``room``: the most prompt tokens
+    that leave max_new_tokens within the actor's positions."""
     s = cfg.sampling
     prompts, truncated = [], 0
     keep = min(cfg.max_prompt_tokens or room, room)
@@ -179,8 +178,10 @@ def _rollout_chunk(model, tok, cfg: RolloutConfig, params, chunk: int, rows, fir
             raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has an empty prompt; remove it")
         prompts.append(ids)
     expanded = [p for p in prompts for _ in range(s.samples_per_prompt)]
-    gen = _chunk_generator(s.seed, chunk, parallel.device())
-    completions = generate(model, expanded, params, gen, max_batch=cfg.max_batch, on_tokens=progress.tokens)
+    # Row numbers key the random streams: the same prompt row draws the same responses wherever
+    # and with whatever it runs.
+    completions = engine.generate(prompts, seed=s.seed, keys=list(range(first, first + len(prompts))),
+                                  samples_per_prompt=s.samples_per_prompt, on_tokens=progress.tokens)
     progress.chunk_done()
     cols: dict[str, list] = {n: [] for n in contract.ROLLOUT_SCHEMA.names}
     extra: dict[str, list] = {k: [] for k in cfg.keep_columns}

@@ -1,4 +1,5 @@
-"""The generation engine: HF parity (greedy), log-probs, seeding, and the sampler's definitions."""
+"""The generation engine: HF parity (greedy), log-probs, keyed sampling (the same responses at any
+batch size and TP), continuous batching, and the sampler's definitions."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 import tiny
 from llamarl.lib import parallel, vocab_parallel
 from llamarl.lib.config import ParallelLayout
-from llamarl.lib.generate import SamplingParams, generate, sample
+from llamarl.lib.generate import SamplingParams, generate
+from llamarl.lib.sampling import sample, sequence_keys
 from llamarl.lib.model import ParallelLlamaForCausalLM
 
 EOS = 2
@@ -23,12 +25,13 @@ def _model(tp):
     return hf, model
 
 
-def greedy_vs_hf(tp, max_batch):
+def greedy_vs_hf(tp, max_batch, samples):
     hf, model = _model(tp)
     params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(EOS,))
-    ours = generate(model, PROMPTS, params, max_batch=max_batch)
+    ours = generate(model, PROMPTS, params, max_batch=max_batch, samples_per_prompt=samples)
     mismatches = []
-    for p, c in zip(PROMPTS, ours):
+    for i, c in enumerate(ours):
+        p = PROMPTS[i // samples]
         ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, eos_token_id=EOS, pad_token_id=0)
         ref = ref[0, len(p):].tolist()
         if ref != c.tokens:
@@ -38,17 +41,19 @@ def greedy_vs_hf(tp, max_batch):
     return mismatches
 
 
-@pytest.mark.parametrize("tp,max_batch", [(1, 64), (2, 64), (2, 2)], ids=["tp1", "tp2", "tp2-small-batches"])
-def test_greedy_matches_hf_generate(pool2, tp, max_batch):
-    for mismatches in pool2.run(greedy_vs_hf, tp, max_batch):
+# tp2-small-batches: 2 slots for 8 sequences, so slots are refilled as sequences finish and the
+# second sample of each prompt gets its KV prefix copied from the first's prefill.
+@pytest.mark.parametrize("tp,max_batch,samples", [(1, 64, 1), (2, 64, 1), (2, 2, 2)],
+                         ids=["tp1", "tp2", "tp2-small-batches"])
+def test_greedy_matches_hf_generate(pool2, tp, max_batch, samples):
+    for mismatches in pool2.run(greedy_vs_hf, tp, max_batch, samples):
         assert not mismatches, mismatches
 
 
 def logprobs_vs_teacher_forcing(tp, seed):
     _, model = _model(tp)
-    gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_token_ids=(EOS,))
-    completions = generate(model, PROMPTS, params, gen)
+    completions = generate(model, PROMPTS, params, seed=seed)
     worst = 0.0
     for p, c in zip(PROMPTS, completions):
         seq = torch.tensor([p + c.tokens])
@@ -75,8 +80,7 @@ N = 100_000
 
 
 def _freqs(params, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tokens, logp = sample(LOGITS.expand(N, -1), params, gen)
+    tokens, logp = sample(LOGITS.expand(N, -1), params, sequence_keys(seed, range(N)))
     return torch.bincount(tokens, minlength=5).float() / N, logp
 
 
@@ -103,14 +107,13 @@ def test_top_p_keeps_the_smallest_nucleus_reaching_p():
 
 
 def test_greedy_is_argmax_and_logprob_is_at_temperature_one():
-    tokens, logp = sample(LOGITS.expand(3, -1), SamplingParams(temperature=0), None)
+    tokens, logp = sample(LOGITS.expand(3, -1), SamplingParams(temperature=0), sequence_keys(0, range(3)))
     assert tokens.tolist() == [0, 0, 0]
     assert torch.allclose(logp, torch.log(torch.tensor(0.4)).expand(3), atol=1e-6)
 
 
 def test_reported_logprob_is_of_the_drawn_token():
-    gen = torch.Generator().manual_seed(1)
-    tokens, logp = sample(LOGITS.expand(1000, -1), SamplingParams(temperature=0.7, top_k=3), gen)
+    tokens, logp = sample(LOGITS.expand(1000, -1), SamplingParams(temperature=0.7, top_k=3), sequence_keys(1, range(1000)))
     assert torch.allclose(logp, torch.log_softmax(LOGITS / 0.7, -1)[tokens])
 
 
@@ -140,3 +143,87 @@ def widest_logits_in_generate() -> tuple[int, int]:
 def test_prefill_runs_the_head_on_each_prompts_last_token_only(pool1):
     widest, sequences = pool1.run(widest_logits_in_generate)[0]
     assert widest == sequences  # [3, vocab] logits, never [98, vocab]
+
+
+# ---- keyed sampling: a response depends on its key only ------------------------------------
+
+STOPS = tuple(range(40, 70))  # ~12 % of the tiny vocabulary: sequences stop at random lengths
+
+
+def responses(tp, max_batch, check_every=16):
+    _, model = _model(tp)
+    prompts = [[5, 17, 33, 9], [101, 7], [44, 45, 46, 47, 48, 49, 50, 51, 52], [200], [9, 8, 7, 6, 5, 4], [77, 78]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=STOPS)
+    out = generate(model, prompts, params, seed=5, keys=[10 * i for i in range(len(prompts))], samples_per_prompt=3,
+                   max_batch=max_batch, check_every=check_every)
+    return [(c.tokens, c.logprobs, c.finish_reason) for c in out]
+
+
+def _same_responses(a, b):
+    assert [r[0] for r in a] == [r[0] for r in b]
+    assert [r[2] for r in a] == [r[2] for r in b]
+    worst = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra[1], rb[1]))
+    assert worst < 1e-5, worst
+
+
+def test_responses_do_not_depend_on_batch_size_or_tp(pool1, pool2):
+    # 4 slots for 18 sequences, checked every 3 steps: slots are refilled as sequences stop,
+    # sequences run in another order and next to others than with 64 slots.
+    small, = pool1.run(responses, 1, 4, 3)
+    big, = pool1.run(responses, 1, 64)
+    _same_responses(small, big)
+    reasons = [r[2] for r in big]
+    assert "stop" in reasons and "length" in reasons  # random stop lengths, and some ran to the end
+    assert len({tuple(r[0]) for r in big[:3]}) > 1  # a prompt's samples are different draws
+    for tp2 in pool2.run(responses, 2, 4, 3):
+        _same_responses(tp2, big)
+
+
+def sampler_tp2_vs_tp1(params, seed):
+    parallel.init(2, 1)
+    group, rank = parallel.tp_group(), parallel.topology().tp_rank
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(64, 250, generator=g) * 3
+    keys = sequence_keys(seed, range(64))
+    steps = torch.arange(64) % 7
+    local = logits[:, rank * 125 : (rank + 1) * 125]
+    ours = sample(local, params, keys, steps, vocab_start=rank * 125, group=group)
+    whole = sample(logits, params, keys, steps)
+    return ours, whole
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.6, top_k=5),
+                                    SamplingParams(top_p=0.8), SamplingParams(temperature=1.3, top_k=40, top_p=0.9),
+                                    SamplingParams(temperature=0)], ids=["plain", "top_k", "top_p", "k_and_p", "greedy"])
+def test_vocab_parallel_sampler_draws_what_the_whole_vocabulary_draws(pool2, params):
+    for (tok, lp), (tok1, lp1) in pool2.run(sampler_tp2_vs_tp1, params, 3):
+        assert torch.equal(tok, tok1)
+        assert torch.allclose(lp, lp1, atol=1e-5)
+
+
+def test_top_p_threshold_by_bisection_equals_the_sorted_definition():
+    from llamarl.lib.sampling import _threshold
+
+    g = torch.Generator().manual_seed(0)
+    for t, p in ((1.0, 0.9), (0.5, 0.3), (2.0, 0.99)):
+        x = torch.randn(32, 500, generator=g) * 2
+        lo = _threshold(x, SamplingParams(temperature=t, top_p=p), None)
+        s, _ = (x / t).sort(-1, descending=True)
+        probs = s.softmax(-1)
+        kept = ((probs.cumsum(-1) - probs) < p).sum(-1)  # tokens whose predecessors' mass is below p
+        assert torch.equal((x >= lo[:, None]).sum(-1), kept)
+
+
+def full_vocab_tensors_in_tp2_generate():
+    from test_vocab_parallel import _ShapeRecorder
+
+    _, model = _model(2)
+    with _ShapeRecorder() as rec:
+        generate(model, PROMPTS, SamplingParams(temperature=0.8, top_k=7, max_new_tokens=3), samples_per_prompt=2)
+    vocab, padded, local = model.cfg.vocab_size, model.lm_head.weight.shape[0] * 2, model.lm_head.weight.shape[0]
+    return [s for _, s in rec.shapes if vocab in s or padded in s], any(local in s for _, s in rec.shapes)
+
+
+def test_tp_sampling_never_holds_the_whole_vocabulary(pool2):
+    for offending, local_seen in pool2.run(full_vocab_tensors_in_tp2_generate):
+        assert local_seen and not offending, offending[:5]

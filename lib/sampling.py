@@ -1,0 +1,237 @@
+"""Sampling from vocab-parallel logits, each sequence drawing from its own random stream.
+
+**Keyed streams.** A response is identified by ``(seed, prompt key, sample index)``
+(``sequence_keys``). Its t-th token uses uniforms that are a pure function of that key, t and the
+global vocabulary index — a counter-based generator (an integer hash in torch ops, computed where
+the logits are), not a stateful ``torch.Generator``. So a response does not depend on which
+sequences share its batch, on the batch size, on DP, on the order continuous batching runs
+sequences in, nor on TP (every shard hashes the global indices of its own slice).
+
+**Gumbel-max.** ``argmax_j (x_j + g_j)`` with ``g_j = -log(-log u_j)`` i.i.d. Gumbel draws token j
+with probability ``softmax(x)_j``: exactly the categorical distribution ``multinomial`` samples,
+without a cumulative sum over the vocabulary. Top-k / top-p set ``x_j = -inf`` outside the kept
+set first, which renormalises over it (the same distribution as sampling ``softmax`` of the
+filtered logits). The uniforms have 24 bits (``(h + 0.5) / 2^24``), so probabilities are exact to
+about 1e-7 — far below what any sample size could detect.
+
+**Under TP no rank gathers ``[batch, vocab]``.** The argmax of a maximum over disjoint slices is
+the argmax of the slice whose maximum is largest, so each shard reduces its slice to five numbers
+per row (its best perturbed logit and that token, its logit max, its sum of exps, the best token's
+logit) and one all-gather of ``[tp, batch, 5]`` finishes the draw and the log-prob (a
+vocab-parallel logsumexp). The winner, and with it the token, is the same on every rank. Top-k
+gathers each shard's k best logits (``[batch, tp·k]``); top-p alone finds its threshold by
+bisection with an all-reduced ``[batch]`` mass per step (``_nucleus_threshold``).
+
+The log-prob returned is under ``softmax(logits / temperature)`` (temperature 1 for greedy),
+without top-k / top-p truncation: the distribution PPO trains.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .parallel import group_size
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()  # EOS and any other stop tokens
+
+    def check(self) -> None:
+        from .errors import UserError
+
+        if self.temperature < 0:
+            raise UserError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise UserError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# ---- the random streams ----------------------------------------------------------------------
+
+def _mix(x):
+    """A 32-bit integer finaliser (Wellons' lowbias32, hash-prospector constants), on Python ints
+    or int64 tensors holding values below 2^32. Both multipliers are below 2^31, so no product
+    reaches 2^63: no overflow anywhere, the same bits on every device and in compiled code."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def sequence_key(seed: int, key: int, sample: int) -> tuple[int, int]:
+    """Two 32-bit words naming the random stream of response ``sample`` of prompt ``key``."""
+    digest = hashlib.sha256(f"{seed}:{key}:{sample}".encode()).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")
+
+
+def sequence_keys(seed: int, keys, samples: int = 1, device=None) -> torch.Tensor:
+    """``[len(keys) * samples, 2]`` int64 stream keys, prompt-major (key 0's samples first)."""
+    words = [sequence_key(seed, k, s) for k in keys for s in range(samples)]
+    return torch.tensor(words, dtype=torch.int64, device=device).reshape(-1, 2)
+
+
+def _step_words(keys: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, two words for token index ``steps`` of the stream ``keys [rows, 2]``."""
+    s = steps & _M32
+    return _mix(keys[:, 0] ^ _mix(s)), _mix(keys[:, 1] ^ _mix(s ^ 0x5BD1E995))
+
+
+def uniforms(keys: torch.Tensor, steps: torch.Tensor, vocab_index: torch.Tensor) -> torch.Tensor:
+    """fp32 uniforms in (0, 1), ``[rows, len(vocab_index)]``: row r's stream at token index
+    ``steps[r]``, one per global vocabulary index. Two rounds with two 32-bit row words, so two
+    rows never share a (shifted) run of values."""
+    r1, r2 = _step_words(keys, steps)
+    h = _mix(_mix(vocab_index[None, :] ^ r1[:, None]) ^ r2[:, None])
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+# ---- the draw --------------------------------------------------------------------------------
+
+def _row_stats(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, lo: torch.Tensor,
+               vocab_start: int, temperature: float) -> torch.Tensor:
+    """This shard's part of the draw: ``[rows, 5]`` fp64 — best perturbed logit, its global token
+    id, max logit, sum of ``exp(logit - max)``, the best token's logit; logits at
+    ``temperature`` (1 when greedy, then unperturbed). Tokens whose logit is below ``lo`` are not
+    drawn. One pass over the slice (fused into one kernel when compiled)."""
+    raw = logits.float()
+    greedy = temperature == 0
+    x = raw if greedy else raw / temperature
+    if greedy:
+        y = x
+    else:
+        idx = torch.arange(x.shape[-1], device=x.device) + vocab_start
+        y = x - torch.log(-torch.log(uniforms(keys, steps, idx)))
+    y = torch.where(raw >= lo[:, None], y, float("-inf"))
+    best, arg = y.max(-1)
+    m = x.max(-1).values
+    s = torch.exp(x - m[:, None]).sum(-1)
+    xa = x.gather(-1, arg[:, None]).squeeze(-1)
+    return torch.stack([best.double(), (arg + vocab_start).double(), m.double(), s.double(), xa.double()], -1)
+
+
+@functools.cache
+def _compiled_row_stats():
+    # Fuses the hash, the Gumbel transform and the four reductions into one pass over the
+    # [rows, vocab] logits; eager torch would make ~20 passes over int64 [rows, vocab] temporaries.
+    return torch.compile(_row_stats, dynamic=True)
+
+
+# torch 2.13 renamed it (the old name warns); torch 2.11 on the GPU image has only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _all_gather(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``[tp, *x.shape]``."""
+    tp = group_size(group)
+    if tp == 1:
+        return x[None]
+    out = x.new_empty(tp * x.shape[0], *x.shape[1:])
+    _all_gather_single(out, x.contiguous(), group=group)
+    return out.view(tp, *x.shape)
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _ordered(f: torch.Tensor) -> torch.Tensor:
+    """fp32 → int64 with the same order (negative floats' magnitude bits reversed)."""
+    b = f.view(torch.int32).long()
+    return torch.where(b < 0, -(b & 0x7FFFFFFF) - 1, b)
+
+
+def _unordered(o: torch.Tensor) -> torch.Tensor:
+    b = torch.where(o < 0, (-o - 1) | 0x80000000, o)
+    return torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
+
+
+def _nucleus_threshold(x: torch.Tensor, temperature: float, top_p: float, group: ProcessGroup | None) -> torch.Tensor:
+    """Per row, the smallest logit top-p keeps, over vocab-parallel ``x [rows, vocab / tp]``.
+
+    Token j is kept when the mass (under ``softmax(x / temperature)``) of the tokens above it is
+    below ``top_p`` (the sorted definition: the first token always stays). That mass falls as the
+    threshold rises, so the smallest kept logit is found by bisection over the 2^32 fp32 values in
+    order: 33 steps, each one pass over the slice and an all-reduce of ``[rows]`` — never a gather
+    or a global sort."""
+    m = _all_reduce(x.max(-1).values, group, dist.ReduceOp.MAX)
+    p = torch.exp((x - m[:, None]) / temperature)
+    p = p / _all_reduce(p.sum(-1), group)[:, None]
+    lo = _ordered(torch.full_like(m, float("-inf")))  # mass above it ≈ 1: not kept (top_p < 1)
+    hi = _ordered(m)  # nothing above the maximum: kept
+    for _ in range(33):
+        mid = (lo + hi) // 2
+        mass = _all_reduce((p * (x > _unordered(mid)[:, None])).sum(-1), group)
+        keep = mass < top_p
+        hi, lo = torch.where(keep, mid, hi), torch.where(keep, lo, mid)
+    return _unordered(hi)
+
+
+def _threshold(x: torch.Tensor, params: SamplingParams, group: ProcessGroup | None) -> torch.Tensor | None:
+    """Per row, the smallest *unscaled* logit top-k / top-p keep (None: no filter). Thresholds on
+    the fp32 logits as they come, not divided by the temperature, so that the shard pass, compiled
+    or not, compares the very same numbers (a compiled division may round differently)."""
+    t = params.temperature
+    if params.top_k:
+        k = min(params.top_k, x.shape[-1])
+        cand = _all_gather(x.topk(k, dim=-1).values, group)  # [tp, rows, k]: the only candidates
+        cand = cand.permute(1, 0, 2).reshape(x.shape[0], -1)
+        cand = cand.topk(min(params.top_k, cand.shape[-1]), dim=-1).values  # sorted, descending
+        lo = cand[:, -1]
+        if params.top_p < 1.0:
+            # Top-p over the top-k set, renormalised: the mass of the tokens before each candidate.
+            probs = torch.softmax(cand / t, dim=-1)
+            kept = ((probs.cumsum(-1) - probs) < params.top_p).sum(-1)
+            lo = cand.gather(-1, (kept - 1)[:, None]).squeeze(-1)
+        return lo
+    if params.top_p < 1.0:
+        return _nucleus_threshold(x, t, params.top_p, group)
+    return None
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, steps: torch.Tensor | int = 0, *,
+           vocab_start: int = 0, group: ProcessGroup | None = None, compiled: bool = False,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of this rank's vocabulary slice ``logits [rows, vocab / tp]`` (which
+    starts at global id ``vocab_start``; pass the model's TP group): ``keys [rows, 2]``
+    (``sequence_keys``), ``steps`` each row's token index in its response. Returns (global token
+    ids, fp32 log-probs), identical on every TP rank. ``compiled``: the per-shard pass through
+    ``torch.compile`` (CUDA)."""
+    rows = logits.shape[0]
+    if not torch.is_tensor(steps):
+        steps = torch.full((rows,), steps, dtype=torch.int64, device=logits.device)
+    lo = None
+    if not params.greedy and (params.top_k or params.top_p < 1.0):
+        lo = _threshold(logits.float(), params, group)
+    if lo is None:
+        lo = torch.full((rows,), float("-inf"), device=logits.device)
+    stats = (_compiled_row_stats() if compiled else _row_stats)(logits, keys, steps, lo, vocab_start,
+                                                                params.temperature)
+    parts = _all_gather(stats, group)  # [tp, rows, 5]
+    win = parts[..., 0].argmax(0)  # the first shard holding the largest: the global argmax's
+    best = parts.gather(0, win[None, :, None].expand(1, rows, 5))[0]
+    top = parts[..., 2].max(0).values
+    lse = top + torch.log((parts[..., 3] * torch.exp(parts[..., 2] - top)).sum(0))
+    return best[:, 1].long(), (best[:, 4] - lse).float()
