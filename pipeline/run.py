@@ -33,7 +33,7 @@ from llamarl.lib import publish
 from llamarl.lib.errors import UserError
 from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
 
-from .spec import Placement, RunSpec
+from .spec import RunSpec, StageLayout
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Node:
     stage: str  # module under llamarl.stages
     out: str
     inputs: list[str]  # upstream node names
-    layout: Placement
+    layout: StageLayout
     make_config: Callable[[], StageConfig]
     external: list[str] = dataclasses.field(default_factory=list)  # inputs from outside the run (HF dirs, prompts)
 

@@ -93,10 +93,6 @@ class ExportLayout(StageLayout):
     nodes: Count = _nodes()
 
 
-# The name pipeline/run.py imports for Node.layout's annotation; drop it once run.py says StageLayout.
-Placement = StageLayout
-
-
 class Layouts(_Strict):
     """The spec's ``layout:``, one entry per stage, each taking only the counts its stage uses."""
 
