@@ -7,11 +7,13 @@ the daemons' logs: the Slurm tests fail loudly rather than skip.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 
@@ -31,24 +33,35 @@ class Cluster:
         self.env = {**os.environ, "SLURM_CONF": self.conf}
         self.pids: list[str] = []
 
-    def _write_conf(self) -> None:
-        for d in ("state", "spool", "log", "run"):
+    def _write_conf(self, controller: tuple[str, str] | None = None, nodes: list[tuple[str, str]] | None = None,
+                    ports: tuple[int, int] | None = None, spool: str | None = None) -> None:
+        """``controller``/``nodes``: (name, address) pairs; default this host on 127.0.0.1.
+        ``spool``: the slurmds' folder (default under the root; its unix sockets' paths must stay short)."""
+        controller = controller or (self.host, "127.0.0.1")
+        nodes = nodes or [controller]
+        spool = spool or os.path.join(self.root, "spool")
+        for d in ("state", "log", "run"):
             os.makedirs(os.path.join(self.root, d), exist_ok=True)
+        for name, _ in nodes:
+            os.makedirs(os.path.join(spool, name), exist_ok=True)
         cpus = os.cpu_count() or 1
         r = self.root
+        ctld_port, slurmd_port = ports or (_free_port(), _free_port())
+        node_lines = "".join(f"NodeName={name} NodeAddr={addr} CPUs={cpus} RealMemory=8000 State=UNKNOWN\n"
+                             for name, addr in nodes)
         conf = f"""ClusterName=llamarl-test
-SlurmctldHost={self.host}(127.0.0.1)
+SlurmctldHost={controller[0]}({controller[1]})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
+SlurmdSpoolDir={spool}/%n
 SlurmctldPidFile={r}/run/slurmctld.pid
-SlurmdPidFile={r}/run/slurmd.pid
+SlurmdPidFile={r}/run/slurmd.%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmdLogFile={r}/log/slurmd.%n.log
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -57,45 +70,40 @@ ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 SchedulerType=sched/backfill
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=8000 State=UNKNOWN
-PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+{node_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
         with open(self.conf, "w") as f:
             f.write(conf)
 
-    def start(self) -> Cluster:
+    def _check_tools(self) -> None:
         for tool in ("slurmctld", "slurmd", "munged", "sinfo"):
             if shutil.which(tool) is None:
                 raise SlurmError(f"{tool} not found: install Debian's slurm-wlm and munge (.ci/run does)")
+
+    def start(self) -> Cluster:
+        self._check_tools()
         self._write_conf()
-        if _run("pgrep", "-x", "munged").returncode != 0:
-            if not os.path.exists("/etc/munge/munge.key"):
-                _run("mungekey", "-c")
-            os.makedirs("/run/munge", exist_ok=True)
-            _run("chown", "-R", "munge:munge", "/etc/munge", "/run/munge", "/var/lib/munge", "/var/log/munge")
-            started = _run("runuser", "-u", "munge", "--", "munged")
-            if started.returncode != 0:
-                started = _run("munged", "--force")
-            if started.returncode != 0:
-                raise SlurmError(f"munged did not start: {started.stderr}")
+        _start_munge()
         for daemon in ("slurmctld", "slurmd"):
             res = _run(daemon, env=self.env)
             if res.returncode != 0:
                 raise SlurmError(f"{daemon} did not start: {res.stderr}{self.logs()}")
-        deadline = time.monotonic() + 60
+        self._wait_idle(1, lambda: _run("sinfo", "-h", "-N", "-o", "%T", env=self.env).stdout)
+        return self
+
+    def _wait_idle(self, n: int, sinfo) -> None:
+        deadline, out = time.monotonic() + 60, ""
         while time.monotonic() < deadline:
-            out = _run("sinfo", "-h", "-o", "%T", env=self.env).stdout.strip()
-            if out in ("idle", "mixed"):
-                return self
+            out = sinfo()
+            if sum(state in ("idle", "mixed") for state in out.split()) == n:
+                return
             time.sleep(0.5)
-        raise SlurmError(f"the node never became idle (sinfo: {out!r}){self.logs()}")
+        raise SlurmError(f"the nodes never became idle (sinfo: {out!r}){self.logs()}")
 
     def logs(self) -> str:
         text = ""
-        for name in ("slurmctld.log", "slurmd.log"):
-            p = os.path.join(self.root, "log", name)
-            if os.path.exists(p):
-                text += f"\n--- {name}\n" + "".join(open(p).readlines()[-20:])
+        for p in sorted(glob.glob(os.path.join(self.root, "log", "*.log"))):
+            text += f"\n--- {os.path.basename(p)}\n" + "".join(open(p).readlines()[-20:])
         return text
 
     def stop(self) -> None:
@@ -105,13 +113,72 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
         while time.monotonic() < deadline and _run("pgrep", "-f", "slurmstepd").returncode == 0:
             time.sleep(0.2)
         _run("pkill", "-9", "-f", "slurmstepd")  # it ignores SIGTERM
-        for name in ("slurmd.pid", "slurmctld.pid"):
-            p = os.path.join(self.root, "run", name)
-            if os.path.exists(p):
-                try:
-                    os.kill(int(open(p).read().strip()), signal.SIGTERM)
-                except (ProcessLookupError, ValueError):
-                    pass
+        for p in glob.glob(os.path.join(self.root, "run", "*.pid")):
+            try:
+                os.kill(int(open(p).read().strip()), signal.SIGTERM)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+class TwoHostCluster(Cluster):
+    """Slurm over the two hosts of ``tests/hosts.py``: slurmctld and a slurmd on host 1, a slurmd on
+    host 2, each daemon in its host's network namespace with its hostname, so a two-node job's
+    tasks run on two machines as far as Slurm, torch and the network can tell.
+
+    Slurm's commands must run on a host too (the controller listens on host 1's address): ``run``.
+    slurmd enters only its host's network (``nsenter``), not ``ip netns exec``'s fresh /sys, so the
+    cgroup hierarchy it needs stays mounted; it gets the host's name table bound on /etc/hosts."""
+
+    def __init__(self, root: str, hosts):
+        super().__init__(root)
+        self.hosts = hosts
+
+    def start(self) -> TwoHostCluster:
+        self._check_tools()
+        h1 = self.hosts[0]
+        self.spool = tempfile.mkdtemp(prefix="slurmd-", dir="/tmp")  # a pytest tmp path is too long for a socket
+        self._write_conf(controller=(h1.hostname, h1.ip), nodes=[(h.hostname, h.ip) for h in self.hosts.hosts],
+                         ports=(6817, 6818), spool=self.spool)  # each host has its own ports: no clash outside
+        _start_munge()
+        self.hosts.start(h1, ["slurmctld", "-D"], {"SLURM_CONF": self.conf}, stderr=subprocess.DEVNULL)
+        for h in self.hosts.hosts:
+            script = f'mount --bind /etc/netns/{h.netns}/hosts /etc/hosts && hostname {h.hostname} && exec "$@"'
+            proc = subprocess.Popen(["nsenter", f"--net=/run/netns/{h.netns}", "unshare", "--mount", "--uts",
+                                     "--propagation", "private", "sh", "-c", script, "sh", "slurmd", "-D", "-N",
+                                     h.hostname], env=self.env, stderr=subprocess.DEVNULL, start_new_session=True)
+            self.hosts.procs.append(proc)  # ended with the hosts
+        self._wait_idle(2, lambda: self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout)
+        return self
+
+    def run(self, argv: list[str], check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+        """``argv`` on host 1 (where the controller's address is), in the cluster's environment."""
+        res = subprocess.run(["ip", "netns", "exec", self.hosts[0].netns, *argv], env={**self.env, **kw.pop("env", {})},
+                             capture_output=True, text=True, timeout=timeout, **kw)
+        if check and res.returncode:
+            raise SlurmError(f"{argv}: {res.stderr.strip()}{self.logs()}")
+        return res
+
+    def stop(self) -> None:
+        self.run(["scancel", "--user", "root"], check=False)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _run("pgrep", "-f", "slurmstepd").returncode == 0:
+            time.sleep(0.2)
+        _run("pkill", "-9", "-f", "slurmstepd")
+        self.hosts.close()  # the daemons run as the hosts' processes
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+
+def _start_munge() -> None:
+    if _run("pgrep", "-x", "munged").returncode != 0:
+        if not os.path.exists("/etc/munge/munge.key"):
+            _run("mungekey", "-c")
+        os.makedirs("/run/munge", exist_ok=True)
+        _run("chown", "-R", "munge:munge", "/etc/munge", "/run/munge", "/var/lib/munge", "/var/log/munge")
+        started = _run("runuser", "-u", "munge", "--", "munged")
+        if started.returncode != 0:
+            started = _run("munged", "--force")
+        if started.returncode != 0:
+            raise SlurmError(f"munged did not start: {started.stderr}")
 
 
 def _free_port() -> int:

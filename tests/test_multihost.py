@@ -28,6 +28,7 @@ from llamarl.cluster.local import LocalExecutor, LocalOptions
 from llamarl.lib import checkpoint, hf_mapping, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.lib.errors import EXIT_PEER_LOST
+from llamarl.pipeline import toy
 from llamarl.stages.config import PPOConfig, RolloutConfig, Sampling
 
 pytestmark = pytest.mark.slow
@@ -216,3 +217,58 @@ def _error_line(stderr: str) -> str:
     lines = [x for x in stderr.splitlines() if x.startswith("error: ")]
     assert len(lines) == 1, stderr[-3000:]
     return lines[0]
+
+
+@pytest.fixture
+def slurm_on_two_hosts(two_hosts, tmp_path):
+    import slurm_cluster
+
+    cluster = slurm_cluster.TwoHostCluster(str(tmp_path / "slurm"), two_hosts).start()
+    yield cluster
+    cluster.stop()
+
+
+_SUBMIT = """
+import json, sys
+from llamarl.cluster.executor import make_executor
+from llamarl.stages.config import RolloutConfig
+cfg = RolloutConfig.model_validate_json(sys.argv[1])
+result = make_executor("slurm", {"timeout_min": 10}, sys.argv[2], "test").run("rollout", cfg, 2, nodes=2)
+print(json.dumps([result.code, result.error]))
+"""
+
+
+def test_slurm_job_spans_two_hosts_rendezvous_works_and_a_requeue_resumes(slurm_on_two_hosts, iteration, tmp_path):
+    """Submitted through submitit from host 1: one task on each host (SLURM_NNODES=2), rank 0's
+    address found by name; `scontrol requeue` mid-stage starts both tasks again, and they resume."""
+    cluster = slurm_on_two_hosts
+    prompts = toy.make_prompts(str(tmp_path / "prompts.jsonl"), n=24)
+    cfg = RolloutConfig(actor=str(iteration / "actor"), prompts=prompts, out=str(tmp_path / "two"), id_column="id",
+                        chunk_size=1, dp=2, sampling=Sampling(samples_per_prompt=2, max_new_tokens=24, seed=3))
+    submit = subprocess.Popen(["ip", "netns", "exec", cluster.hosts[0].netns, sys.executable, "-c", _SUBMIT,
+                               cfg.model_dump_json(), str(tmp_path / "run")], env=cluster.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    parts_dir = tmp_path / "two" / "parts"
+    deadline, job_id = time.monotonic() + STAGE_TIMEOUT_S, None
+    while time.monotonic() < deadline and submit.poll() is None and job_id is None:
+        queue = cluster.run(["squeue", "-h", "-o", "%i %T"]).stdout.split()
+        if "RUNNING" in queue and len(list(parts_dir.glob("part-*.parquet"))) >= 2:
+            job_id = queue[0]
+            cluster.run(["scontrol", "requeue", job_id])
+        time.sleep(0.1)
+    assert job_id is not None, "never caught the job running with parts published" + cluster.logs()
+    published_before = {p.name: p.stat().st_mtime_ns for p in parts_dir.glob("part-*.parquet")}
+    out, err = submit.communicate(timeout=STAGE_TIMEOUT_S)
+    assert json.loads(out.strip().splitlines()[-1]) == [0, None], out + err + cluster.logs()
+
+    logs = tmp_path / "run" / "pipeline" / "slurm" / job_id
+    task1 = (logs / f"{job_id}_1_log.out").read_text()
+    assert f"hostname={cluster.hosts[1].hostname}" in task1 and "node=1(2)" in task1, task1[-2000:]
+    manifest = publish.require_published(str(tmp_path / "two"), "rollout")
+    assert manifest["stats"]["skipped_chunks"] >= 2  # the requeued job resumed
+    for name, mtime in published_before.items():
+        assert (parts_dir / name).stat().st_mtime_ns == mtime, name
+
+    run_on_one_host("rollout", cfg.model_copy(update={"out": str(tmp_path / "one")}), 2)
+    for part in sorted(p.name for p in parts_dir.glob("part-*.parquet")):
+        assert pq.read_table(parts_dir / part).equals(pq.read_table(tmp_path / "one" / "parts" / part)), part
