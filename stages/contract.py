@@ -3,7 +3,9 @@
 - the rollout and scores Parquet columns, each name defined once, and their schemas;
 - Parquet parts: ``parts/part-NNNNNN.parquet``, each published whole by a rename, so a rerun keeps
   the parts already there and a reader never sees half a part;
-- the checkpoint manifest (shard and ppo write the same kind) and the HF side files next to it;
+- what each stage publishes (its manifest's ``kind``), and when a published output is current;
+- the checkpoint manifest (shard and ppo write the same kind), its folders and the HF side files
+  next to it, and the outputs of ppo;
 - the dtype names manifests use.
 
 Stages import this module and ``stages.config``, never each other.
@@ -19,9 +21,31 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 
 from llamarl.lib import hf_mapping, job, parallel, publish
 from llamarl.lib.config import DTYPES, LlamaConfig
+from llamarl.lib.errors import UserError
+
+# ---- what each stage publishes: the manifest's kind ------------------------------------------------------
+
+CHECKPOINT = "checkpoint"  # shard, and each role ppo updates
+ROLLOUT = "rollout"
+SCORES = "scores"
+PPO = "ppo"
+HF_EXPORT = "hf_export"
+
+
+def skip_if_current(out: str, expect: dict, done: str, request: dict | None = None) -> bool:
+    """Collective: True when ``out`` already holds a published output whose manifest has every
+    field of ``expect`` (rank 0 says so: ``done``, "nothing to do"). Otherwise ``out`` is made ready
+    for this run: resumed when it holds our unfinished output of the same ``request``, else emptied."""
+    if job.prepare_output(out, lambda m: all(m.get(k) == v for k, v in expect.items()), request) != "skip":
+        return False
+    if dist.get_rank() == 0:
+        print(f"{out}: {done}, nothing to do", flush=True)
+    return True
+
 
 # ---- rollout columns: one row per (prompt, sample) ----------------------------------------------------
 
@@ -159,7 +183,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 # ---- checkpoints ------------------------------------------------------------------------------------------
 
-CHECKPOINT = "checkpoint"
+MODEL = "model"  # the weights, a DCP checkpoint of HF-named tensors
+OPTIM = "optim"  # the optimizer state (fp32 masters and moments), in checkpoints ppo writes
 HF = "hf"
 
 # Files copied from an HF checkpoint next to the weights: what later stages and export need.
@@ -178,6 +203,20 @@ def copy_side_files(src: str, names: Iterable[str], dst: str) -> dict[str, dict[
             publish.write_bytes(f"{dst}/{name}", fs.cat_file(f"{path}/{name}"))
             files[name] = publish.file_entry(f"{dst}/{name}")
     return files
+
+
+# What one role's checkpoint must hold to serve it: its head, and what the message offers as the fix.
+HEADS = {"lm": "a causal LM (an HF LlamaForCausalLM, sharded)",
+         "score": "a score head (an HF LlamaForSequenceClassification with num_labels=1, sharded)"}
+
+
+def require_checkpoint(url: str, head: str, role: str) -> dict:
+    """The manifest of the published checkpoint ``url``; refused in one line unless its head is
+    ``head``, what ``role`` (the actor, a reward model, …) needs."""
+    manifest = publish.require_published(url, CHECKPOINT)
+    if manifest["head"] != head:
+        raise UserError(f"{url} has a {manifest['head']!r} head; {role} needs {HEADS[head]}")
+    return manifest
 
 
 def hf_side_files(manifest: dict) -> list[str]:
@@ -199,4 +238,11 @@ def checkpoint_manifest(model_cfg: LlamaConfig, head: str, dtype: torch.dtype, h
 
 
 def has_optimizer_state(manifest: dict) -> bool:
-    return any(k.startswith("optim/") for k in manifest["files"])
+    return any(k.startswith(f"{OPTIM}/") for k in manifest["files"])
+
+
+# ---- ppo's output: one checkpoint per role, and the step metrics --------------------------------------------
+
+ACTOR = "actor"
+CRITIC = "critic"
+METRICS = "metrics.jsonl"

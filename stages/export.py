@@ -62,7 +62,7 @@ def run(cfg: ExportConfig) -> None:
     model_cfg = LlamaConfig.from_dict(manifest["model_config"])
     head = manifest["head"]
     shapes = hf_mapping.hf_shapes(model_cfg, head)
-    stored = checkpoint.read_metadata(f"{src}/model").state_dict_metadata
+    stored = checkpoint.read_metadata(f"{src}/{contract.MODEL}").state_dict_metadata
     missing = [n for n in shapes if n not in stored]
     if missing:
         raise UserError(f"{src}: the checkpoint lacks {len(missing)} tensors of its model (first: {missing[0]}); "
@@ -80,11 +80,9 @@ def run(cfg: ExportConfig) -> None:
     if cfg.verify:
         job.verify_input(src, manifest)
 
-    expect = {"kind": "hf_export", "head": head, "dtype": contract.dtype_name(out_dtype),
+    expect = {"kind": contract.HF_EXPORT, "head": head, "dtype": contract.dtype_name(out_dtype),
               "source": {"url": src, "created": manifest["created"], "files": manifest["files"]}}
-    if job.prepare_output(dst, lambda m: all(m.get(k) == v for k, v in expect.items())) == "skip":
-        if rank == 0:
-            print(f"{dst}: already exported from this checkpoint, nothing to do", flush=True)
+    if contract.skip_if_current(dst, expect, "already exported from this checkpoint"):
         return
 
     itemsize = torch.empty((), dtype=out_dtype).element_size()
@@ -96,7 +94,7 @@ def run(cfg: ExportConfig) -> None:
     for r in range(-(-len(groups) // world)):
         i = r * world + rank
         tensors = {n: torch.empty(shapes[n], dtype=stored[n].properties.dtype) for n in groups[i]} if i < len(groups) else {}
-        checkpoint.load(tensors, f"{src}/model")
+        checkpoint.load(tensors, f"{src}/{contract.MODEL}")
         if tensors:
             out = {n: t.to(out_dtype) for n, t in tensors.items()}
             url = f"{dst}/{names[i]}"

@@ -48,9 +48,7 @@ from llamarl.stages.ppo_trainer import Trainer, gather_dp, token_outputs, train_
 def run(cfg: PPOConfig) -> None:
     # 0. inputs checked before any process group or weights
     dtype = compute_dtype(cfg.dtype, parallel.device())
-    actor_m = publish.require_published(cfg.actor, contract.CHECKPOINT)
-    if actor_m["head"] != "lm":
-        raise UserError(f"{cfg.actor} is a {actor_m['head']} model; the actor must be a causal LM")
+    actor_m = contract.require_checkpoint(cfg.actor, "lm", "the actor")
     model_cfg = LlamaConfig.from_dict(actor_m["model_config"])
     layout = ParallelLayout(tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sequence_parallel, remove_padding=True)
     layout.check(model_cfg)
@@ -62,24 +60,18 @@ def run(cfg: PPOConfig) -> None:
                         "off_policy: true")
     reference = cfg.reference or cfg.actor
     use_critic = cfg.advantage == "gae"
-    critic_m = None
-    if cfg.critic and use_critic:
-        critic_m = publish.require_published(cfg.critic, contract.CHECKPOINT)
-        if critic_m["head"] != "score":
-            raise UserError(f"{cfg.critic} has head {critic_m['head']!r}; a critic has a value (score) head")
+    critic_m = contract.require_checkpoint(cfg.critic, "score", "a critic") if cfg.critic and use_critic else None
 
     topo = parallel.init(cfg.tp, cfg.pp)
     if topo.dp != cfg.dp:
         raise UserError(f"ppo runs with tp*pp*dp = {cfg.tp * cfg.pp * cfg.dp} processes, not {dist.get_world_size()}")
     rank = dist.get_rank()
     out = cfg.out.rstrip("/")
-    request = {"kind": "ppo", "actor_id": publish.output_id(cfg.actor), "rollout_id": publish.output_id(cfg.rollout),
+    request = {"kind": contract.PPO, "actor_id": publish.output_id(cfg.actor), "rollout_id": publish.output_id(cfg.rollout),
                "scores_id": publish.output_id(cfg.scores), "reference_id": publish.output_id(reference),
                "critic_id": publish.output_id(cfg.critic) if critic_m else None,
                "config": cfg.identity()}
-    if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
-        if rank == 0:
-            print(f"{out}: this PPO iteration is already done, nothing to do", flush=True)
+    if contract.skip_if_current(out, {"request": request}, "this PPO iteration is already done", request):
         return
     for root in dict.fromkeys(filter(None, (cfg.actor, reference, cfg.critic if critic_m else None))):
         job.verify_input(root, publish.require_published(root, contract.CHECKPOINT), "")  # weights and training state
@@ -92,7 +84,7 @@ def run(cfg: PPOConfig) -> None:
     store_dtype = contract.torch_dtype(actor_m["dtype"])  # checkpoints keep the actor's stored dtype
     with torch.device(dev):
         actor = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
-    checkpoint.load_model(actor, f"{cfg.actor}/model")
+    checkpoint.load_model(actor, f"{cfg.actor}/{contract.MODEL}")
     critic = None
     if use_critic:
         with torch.device(dev):
@@ -106,7 +98,7 @@ def run(cfg: PPOConfig) -> None:
     groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
     with torch.device(dev):
         ref = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
-    checkpoint.load_model(ref, f"{reference}/model")
+    checkpoint.load_model(ref, f"{reference}/{contract.MODEL}")
     ref.eval()
     ref_logp = token_outputs(ref, samples, groups, cfg.temperature)
     del ref  # used once per iteration: free its memory for training rather than park it on the host
@@ -122,12 +114,11 @@ def run(cfg: PPOConfig) -> None:
     clock.lap("reference")
 
     # 4. the epochs: one trainer per role (the critic only for GAE)
-    trainers = {"actor": Trainer(actor, cfg.actor_lr, cfg, f"{cfg.actor}/optim" if contract.has_optimizer_state(actor_m) else None,
-                                 f"{cfg.actor}/model", start_step)}
+    trainers = {contract.ACTOR: Trainer(actor, cfg.actor_lr, cfg, _optim_url(cfg.actor, actor_m),
+                                        f"{cfg.actor}/{contract.MODEL}", start_step)}
     if critic is not None:
-        trainers["critic"] = Trainer(critic, cfg.critic_lr, cfg,
-                                     f"{cfg.critic}/optim" if critic_m and contract.has_optimizer_state(critic_m) else None,
-                                     f"{cfg.critic}/model" if critic_m else None, start_step)
+        trainers[contract.CRITIC] = Trainer(critic, cfg.critic_lr, cfg, _optim_url(cfg.critic, critic_m),
+                                            f"{cfg.critic}/{contract.MODEL}" if critic_m else None, start_step)
     total = cfg.ppo_epochs * -(-len(samples) // cfg.mini_batch_size)
     done, metrics_lines = resume(out, trainers, start_step)
     clock.lap("load")
@@ -153,16 +144,17 @@ def run(cfg: PPOConfig) -> None:
     clock.lap("save")
     lines = metrics_on_rank0(metrics_lines)
     if rank == 0:
-        publish.write_bytes(f"{out}/metrics.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode())
-        files = {"metrics.jsonl": publish.file_entry(f"{out}/metrics.jsonl")}
+        publish.write_bytes(f"{out}/{contract.METRICS}", "".join(json.dumps(x) + "\n" for x in lines).encode())
+        files = {contract.METRICS: publish.file_entry(f"{out}/{contract.METRICS}")}
         summary = {"steps": total, "seconds": clock.laps, "dtype": contract.dtype_name(dtype),
                    # Tokens through the actor's forward and backward, over all DP ranks.
                    "update_tokens": update_tokens,
                    "update_tokens_per_s": update_tokens / max(clock.laps["update"], 1e-9),
                    "mean_score": sum(s.score for s in samples) / len(samples),
                    "mean_response_length": sum(s.response_len for s in samples) / len(samples)}
-        publish.publish(out, {"kind": "ppo", "timing": job.timing(), "request": request, "files": files,
-                              "summary": summary, "actor": "actor", "critic": "critic" if critic is not None else None,
+        publish.publish(out, {"kind": contract.PPO, "timing": job.timing(), "request": request, "files": files,
+                              "summary": summary, "actor": contract.ACTOR,
+                              "critic": contract.CRITIC if critic is not None else None,
                               "final_step": final})
         clear_state(out)
         print(f"{out}: {total} PPO steps, mean score {summary['mean_score']:.4f}, update "
@@ -186,16 +178,21 @@ class _Clock:
         self._t = now
 
 
+def _optim_url(root: str | None, manifest: dict | None) -> str | None:
+    """Where the optimizer state of the checkpoint ``root`` is, if it has one (shard's have none)."""
+    return f"{root}/{contract.OPTIM}" if manifest and contract.has_optimizer_state(manifest) else None
+
+
 def _load_critic(critic, cfg: PPOConfig) -> None:
     if cfg.critic:
-        checkpoint.load_model(critic, f"{cfg.critic}/model")
+        checkpoint.load_model(critic, f"{cfg.critic}/{contract.MODEL}")
         return
     # A fresh critic: the actor's backbone and a zero value head.
     with torch.no_grad():
         for p in critic.parameters():
             p.zero_()
     state = {k: v for k, v in checkpoint.model_state(critic).items() if k != "score.weight"}
-    checkpoint.load(state, f"{cfg.actor}/model")
+    checkpoint.load(state, f"{cfg.actor}/{contract.MODEL}")
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ class Sample:
 def load_samples(rollout: str, scores: str) -> list[Sample]:
     """The rollout's responses with their scores, both verified against their manifests, and the
     scores checked to be of this very rollout."""
-    rollout_m = publish.require_verified(rollout, "rollout", f"{contract.PARTS}/")
-    scores_m = publish.require_verified(scores, "scores", f"{contract.PARTS}/")
+    rollout_m = publish.require_verified(rollout, contract.ROLLOUT, f"{contract.PARTS}/")
+    scores_m = publish.require_verified(scores, contract.SCORES, f"{contract.PARTS}/")
     scored = scores_m.get("request", {}).get("rollout_id")
     if scored != publish.output_id(rollout):
         raise UserError(f"{scores} scores another rollout (id {scored}) than {rollout} (id {publish.output_id(rollout)}); "

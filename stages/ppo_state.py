@@ -37,7 +37,7 @@ def save_checkpoint(root: str, trainer: Trainer, source: str, source_manifest: d
     trainer.save(root, store_dtype)
     dist.barrier()
     fs, path = fsspec.core.url_to_fs(root)
-    names = sorted(f"{sub}/{p.rsplit('/', 1)[-1]}" for sub in ("model", "optim", contract.HF)
+    names = sorted(f"{sub}/{p.rsplit('/', 1)[-1]}" for sub in (contract.MODEL, contract.OPTIM, contract.HF)
                    for p in fs.ls(f"{path}/{sub}", detail=False))
     files = job.file_entries(root, names)
     if rank == 0:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.lib import checkpoint, optim, parallel, rl, schedule, vocab_parallel
+from llamarl.stages import contract
 from llamarl.stages.config import PPOConfig
 from llamarl.stages.ppo_data import Sample, micro_batches, padded, response_values
 
@@ -42,13 +43,13 @@ class Trainer:
     def save(self, root: str, store_dtype: torch.dtype) -> None:
         """Collective: the weights (from the fp32 masters, as ``store_dtype``) under ``root/model``,
         the optimizer state in fp32 under ``root/optim``."""
-        checkpoint.save(self.opt.model_state(store_dtype), f"{root}/model")
-        checkpoint.save(self.opt.state(), f"{root}/optim")
+        checkpoint.save(self.opt.model_state(store_dtype), f"{root}/{contract.MODEL}")
+        checkpoint.save(self.opt.state(), f"{root}/{contract.OPTIM}")
 
     def restore(self, root: str, step: int) -> None:
         """Collective: what ``save`` wrote, as of optimizer step ``step``."""
-        checkpoint.load_model(self.model, f"{root}/model")
-        self.opt.load_state(f"{root}/optim", step, f"{root}/model")
+        checkpoint.load_model(self.model, f"{root}/{contract.MODEL}")
+        self.opt.load_state(f"{root}/{contract.OPTIM}", step, f"{root}/{contract.MODEL}")
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -101,7 +102,7 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
                batch_idx: list[int], step: int, dev) -> dict:
     """One optimizer step of every role on the mini-batch ``batch_idx``; its metrics (the losses on
     the last pipeline stage only, where ``data`` — ``ppo_data.advantages`` — lives)."""
-    actor = trainers["actor"].model
+    actor = trainers[contract.ACTOR].model
     topo = actor.topology
     mine = batch_idx[topo.dp_rank :: topo.dp]
     groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
@@ -152,7 +153,7 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
     metrics = {}
     for name, t in trainers.items():
         metrics[f"{name}_grad_norm"], metrics[f"{name}_lr"] = t.update(
-            batches, actor_loss if name == "actor" else critic_loss, extras, step)
+            batches, actor_loss if name == contract.ACTOR else critic_loss, extras, step)
 
     metrics["tokens"] = sum(len(samples[i].ids) for i in batch_idx)
     if topo.is_last_stage:

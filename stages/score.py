@@ -163,7 +163,7 @@ def _rule_scores(term: RewardTerm, fn, rows: list[dict], refs, where: str) -> tu
 
 def run(cfg: ScoreConfig) -> None:
     rollout, out = cfg.rollout.rstrip("/"), cfg.out.rstrip("/")
-    manifest = publish.require_verified(rollout, "rollout", f"{contract.PARTS}/")
+    manifest = publish.require_verified(rollout, contract.ROLLOUT, f"{contract.PARTS}/")
     parts = contract.manifest_parts(manifest)
     terms = cfg.rewards
     rules = {t.name: rewards.resolve(t.name) for t in terms if t.name != "rm"}
@@ -174,10 +174,7 @@ def run(cfg: ScoreConfig) -> None:
     rm_cfg = rm_manifest = None
     dtype = compute_dtype(cfg.dtype, parallel.device())
     if use_rm:
-        rm_manifest = publish.require_published(cfg.reward_model, "checkpoint")
-        if rm_manifest["head"] != "score":
-            raise UserError(f"{cfg.reward_model} is a {rm_manifest['head']} model; a reward model has a score head "
-                            "(shard an HF LlamaForSequenceClassification with num_labels=1)")
+        rm_manifest = contract.require_checkpoint(cfg.reward_model, "score", "a reward model")
         rm_cfg = LlamaConfig.from_dict(rm_manifest["model_config"])
         ParallelLayout(tp=cfg.tp, pp=cfg.pp).check(rm_cfg)
 
@@ -186,15 +183,13 @@ def run(cfg: ScoreConfig) -> None:
         raise UserError(f"score runs with tp*pp*dp = {cfg.tp * cfg.pp * cfg.dp} processes, not {dist.get_world_size()}")
     rank = dist.get_rank()
     rm_id = publish.output_id(cfg.reward_model) if use_rm else None
-    request = {"kind": "scores", "rollout_id": publish.output_id(rollout), "rm_id": rm_id,
+    request = {"kind": contract.SCORES, "rollout_id": publish.output_id(rollout), "rm_id": rm_id,
                "config": cfg.identity()}
-
-    if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
-        if rank == 0:
-            print(f"{out}: already scored with this rollout, reward model and config, nothing to do", flush=True)
+    if contract.skip_if_current(out, {"request": request}, "already scored with this rollout, reward model and config",
+                                request):
         return
     if use_rm:
-        job.verify_input(cfg.reward_model, rm_manifest, "model/")
+        job.verify_input(cfg.reward_model, rm_manifest, f"{contract.MODEL}/")
     done = set(contract.published_parts(out))
 
     model = offload = actor_tok = rm_tok = None
@@ -204,7 +199,7 @@ def run(cfg: ScoreConfig) -> None:
 
         with torch.device(parallel.device()):
             model = ParallelLlamaForScore(rm_cfg, ParallelLayout(tp=cfg.tp, pp=cfg.pp, remove_padding=True), dtype=dtype)
-        checkpoint.load_model(model, f"{cfg.reward_model}/model")
+        checkpoint.load_model(model, f"{cfg.reward_model}/{contract.MODEL}")
         model.eval()
         offload = ParamOffload(model, parallel.device())
         actor_tok = toklib.load(manifest["request"]["actor"])
@@ -256,7 +251,7 @@ def run(cfg: ScoreConfig) -> None:
             raise RuntimeError(f"{out}: {len(names)} parts written, {len(parts)} expected")
         files = contract.part_entries(out, names)
         totals = {k: sum(s[k] for s in all_stats if s) for k in stats}
-        publish.publish(out, {"kind": "scores", "timing": job.timing(), "request": request, "files": files, "rows": manifest["rows"],
+        publish.publish(out, {"kind": contract.SCORES, "timing": job.timing(), "request": request, "files": files, "rows": manifest["rows"],
                               "terms": [t.model_dump() for t in terms], "rm_id": rm_id, "stats": totals})
         print(f"{out}: scored {manifest['rows']} rows ({totals['truncated']} truncated for the RM)", flush=True)
     dist.barrier()

@@ -106,13 +106,7 @@ def run(cfg: ShardConfig) -> None:
                           | ({"model.safetensors.index.json"} if fs.exists(f"{src_path}/model.safetensors.index.json") else set()))
     source = {"url": src, "files": job.file_entries(src, source_files)}
     expect = {"kind": contract.CHECKPOINT, "head": head, "dtype": contract.dtype_name(out_dtype), "source": source}
-
-    def is_current(m: dict) -> bool:
-        return all(m.get(k) == v for k, v in expect.items())
-
-    if job.prepare_output(dst, is_current) == "skip":
-        if rank == 0:
-            print(f"{dst}: already sharded from this source, nothing to do", flush=True)
+    if contract.skip_if_current(dst, expect, "already sharded from this source"):
         return
 
     # This rank's slices, read straight from the source files.
@@ -131,15 +125,15 @@ def run(cfg: ShardConfig) -> None:
             chunks = state.setdefault(s.hf_name, checkpoint.Chunks(shapes[s.hf_name], {}))
             chunks.pieces[tuple(off)] = piece
             nbytes += piece.numel() * piece.element_size()
-    checkpoint.save(state, f"{dst}/model")
+    checkpoint.save(state, f"{dst}/{contract.MODEL}")
     del state
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,
                                    "peak_rss_bytes": _peak_rss_bytes()})
 
     fs_dst, dst_path = fsspec.core.url_to_fs(dst)
-    written = sorted(p.rsplit("/", 1)[-1] for p in fs_dst.ls(f"{dst_path}/model", detail=False))
-    files = {f"model/{k}": v for k, v in job.file_entries(f"{dst}/model", written).items()}
+    written = sorted(p.rsplit("/", 1)[-1] for p in fs_dst.ls(f"{dst_path}/{contract.MODEL}", detail=False))
+    files = {f"{contract.MODEL}/{k}": v for k, v in job.file_entries(f"{dst}/{contract.MODEL}", written).items()}
     if rank == 0:
         side = contract.copy_side_files(src, contract.SIDE_FILES, f"{dst}/{contract.HF}")
         files.update({f"{contract.HF}/{name}": entry for name, entry in side.items()})
