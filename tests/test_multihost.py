@@ -272,3 +272,19 @@ def test_slurm_job_spans_two_hosts_rendezvous_works_and_a_requeue_resumes(slurm_
     run_on_one_host("rollout", cfg.model_copy(update={"out": str(tmp_path / "one")}), 2)
     for part in sorted(p.name for p in parts_dir.glob("part-*.parquet")):
         assert pq.read_table(parts_dir / part).equals(pq.read_table(tmp_path / "one" / "parts" / part)), part
+
+
+def test_the_local_executor_reports_a_frozen_rank_in_one_line(iteration, tmp_path):
+    """What `llamarl status` shows of such a stage: the executor's result error, the lost rank's line."""
+    out = tmp_path / "run"
+    ex = LocalExecutor(LocalOptions(grace_s=1))
+    run = ex.submit("ppo", _ppo(iteration, out, save_every=1, collective_timeout_s=5), 2)
+    first_step = out / ".state" / "step-000001" / "done.json"
+    deadline = time.monotonic() + STAGE_TIMEOUT_S
+    while not first_step.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    run.procs[1].send_signal(signal.SIGSTOP)
+    result = ex.wait(run)
+    assert result.code == EXIT_PEER_LOST, result
+    assert result.error.startswith("rank 0 on ") and " lost rank 1 on " in result.error, result.error
+    assert publish.read_manifest(str(out)) is None
