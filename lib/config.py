@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .dtypes import torch_dtype
 from .errors import UserError
 
 
@@ -19,12 +20,6 @@ class ConfigError(UserError, ValueError):
 
 
 _SUPPORTED_ROPE = ("default", "linear", "llama3")
-
-# llamarl's dtype names → torch dtype names, the one table: configs say bf16, manifests and Parquet
-# metadata the torch name (stages/contract.py converts both ways through it); float64 only as a
-# source checkpoint's own dtype, which shard keeps by default.
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32", "float64": "float64"}
 
 
 def compute_dtype(name: str, device, *, option: str = "dtype"):
@@ -41,7 +36,7 @@ def compute_dtype(name: str, device, *, option: str = "dtype"):
         return torch.bfloat16 if cuda else torch.float32
     if name == "fp16" and not cuda:
         raise UserError(f"{option}=fp16 does not run on CPU; use bf16 or fp32 (or auto: fp32 on CPU, bf16 on GPU)")
-    return getattr(torch, DTYPES[name])
+    return torch_dtype(name)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,15 +16,11 @@ import fsspec
 import torch
 from safetensors.torch import save as st_save
 
+from .dtypes import SAFETENSORS_CODES
 from .errors import UserError
 
-# The format's dtype codes (a header's "dtype"): the file's vocabulary, read here only. What
-# llamarl calls a dtype (configs, manifests) is lib/config.py's table.
-CODES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+# A header's dtype code ("BF16") → torch dtype, from lib/dtypes.py's table.
+CODES = {code: getattr(torch, name) for code, name in SAFETENSORS_CODES.items()}
 
 # Column slices are read this many source bytes at a time, bounding the extra memory per rank.
 _BLOCK_BYTES = 16 << 20

@@ -5,10 +5,10 @@
   the parts already there and a reader never sees half a part;
 - what each stage publishes (its manifest's ``kind``), and when a published output is current;
 - the checkpoint manifest (shard and ppo write the same kind), its folders and the HF side files
-  next to it, and the outputs of ppo;
-- the dtype names manifests use.
+  next to it, and the outputs of ppo.
 
-Stages import this module and ``stages.config``, never each other.
+Dtype names (manifests say torch's own: ``bfloat16``) are lib/dtypes.py's. Stages import this
+module and ``stages.config``, never each other.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import hf_mapping, job, parallel, publish
-from llamarl.lib.config import DTYPES, LlamaConfig
+from llamarl.lib import dtypes, hf_mapping, job, parallel, publish
+from llamarl.lib.config import LlamaConfig
 from llamarl.lib.errors import UserError
 
 # ---- what each stage publishes: the manifest's kind ------------------------------------------------------
@@ -168,17 +168,8 @@ def read_rows(root: str, manifest: dict) -> list[dict]:
     return [row for name in manifest_parts(manifest) for row in read_part(root, name).to_pylist()]
 
 
-# ---- dtypes -------------------------------------------------------------------------------------------------
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """A config's (``bf16``) or a manifest's (``bfloat16``) dtype name as a torch dtype."""
-    return getattr(torch, DTYPES[name])
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """What manifests and Parquet metadata call a torch dtype: ``bfloat16``, ``float32``, …"""
-    return str(dtype).removeprefix("torch.")
+# rollout (being rewritten by its owner) still names its dtype through here; the others use lib.dtypes.
+dtype_name = dtypes.name
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------------
@@ -231,7 +222,7 @@ def checkpoint_manifest(model_cfg: LlamaConfig, head: str, dtype: torch.dtype, h
     ``source``: ``{url, files}`` of the HF checkpoint the weights come from (ppo's carry their
     actor's along). ``extra``: what only one writer knows (shard's ``ranks``, ppo's ``train_state``)."""
     topo = parallel.topology()
-    return {"kind": CHECKPOINT, "head": head, "dtype": dtype_name(dtype), "model_config": model_cfg.to_dict(),
+    return {"kind": CHECKPOINT, "head": head, "dtype": dtypes.name(dtype), "model_config": model_cfg.to_dict(),
             "hf_config": hf_config, "written_layout": {"tp": topo.tp, "pp": topo.pp},
             "tensors": {n: list(s) for n, s in hf_mapping.hf_shapes(model_cfg, head).items()},
             "source": source, "files": files, "timing": job.timing(), **extra}

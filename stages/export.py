@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, hf_mapping, job, parallel, publish
+from llamarl.lib import checkpoint, dtypes, hf_mapping, job, parallel, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import SafetensorsFile, write_file
@@ -50,7 +50,7 @@ def hf_config_for(manifest: dict, head: str, dtype: torch.dtype) -> dict:
     out = {**manifest.get("hf_config", {})}
     out.update(cfg.to_hf("LlamaForCausalLM" if head == "lm" else "LlamaForSequenceClassification"))
     out.pop("rope_parameters", None)  # rope_theta / rope_scaling above are the source of truth
-    out["torch_dtype"] = contract.dtype_name(dtype)
+    out["torch_dtype"] = dtypes.name(dtype)
     if head == "score":
         out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return out
@@ -71,7 +71,7 @@ def run(cfg: ExportConfig) -> None:
         if tuple(stored[n].size) != tuple(shape):
             raise UserError(f"{src}: {n} is stored with shape {list(stored[n].size)}, its config implies {list(shape)}")
     src_dtype = stored[next(iter(shapes))].properties.dtype
-    out_dtype = contract.torch_dtype(cfg.dtype) if cfg.dtype else src_dtype
+    out_dtype = dtypes.torch_dtype(cfg.dtype) if cfg.dtype else src_dtype
 
     parallel.init(1, 1, backend="gloo")  # pure I/O on CPU tensors
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -80,7 +80,7 @@ def run(cfg: ExportConfig) -> None:
     if cfg.verify:
         job.verify_input(src, manifest)
 
-    expect = {"kind": contract.HF_EXPORT, "head": head, "dtype": contract.dtype_name(out_dtype),
+    expect = {"kind": contract.HF_EXPORT, "head": head, "dtype": dtypes.name(out_dtype),
               "source": {"url": src, "created": manifest["created"], "files": manifest["files"]}}
     if contract.skip_if_current(dst, expect, "already exported from this checkpoint"):
         return
@@ -156,8 +156,8 @@ def _check_written(dst, shapes, dtype, groups, names) -> None:
                 raise UserError(f"{dst}: {n} written twice ({seen[n]} and {fname}); export failed, nothing published")
             seen[n] = fname
             if tuple(info.shape) != tuple(shapes[n]) or info.dtype != dtype:
-                raise UserError(f"{dst}/{fname}: {n} is {contract.dtype_name(info.dtype)} {list(info.shape)}, expected "
-                                f"{contract.dtype_name(dtype)} {list(shapes[n])}; export failed, nothing published")
+                raise UserError(f"{dst}/{fname}: {n} is {dtypes.name(info.dtype)} {list(info.shape)}, expected "
+                                f"{dtypes.name(dtype)} {list(shapes[n])}; export failed, nothing published")
             total += info.end - info.begin
     if set(seen) != set(shapes):
         raise UserError(f"{dst}: {len(set(shapes) - set(seen))} tensors were not written; export failed, nothing published")

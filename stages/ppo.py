@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, job, parallel, publish
+from llamarl.lib import checkpoint, dtypes, job, parallel, publish
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.stages import contract
@@ -81,7 +81,7 @@ def run(cfg: PPOConfig) -> None:
 
     clock = _Clock()
     dev = parallel.device()
-    store_dtype = contract.torch_dtype(actor_m["dtype"])  # checkpoints keep the actor's stored dtype
+    store_dtype = dtypes.torch_dtype(actor_m["dtype"])  # checkpoints keep the actor's stored dtype
     with torch.device(dev):
         actor = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
     checkpoint.load_model(actor, f"{cfg.actor}/{contract.MODEL}")
@@ -146,7 +146,7 @@ def run(cfg: PPOConfig) -> None:
     if rank == 0:
         publish.write_bytes(f"{out}/{contract.METRICS}", "".join(json.dumps(x) + "\n" for x in lines).encode())
         files = {contract.METRICS: publish.file_entry(f"{out}/{contract.METRICS}")}
-        summary = {"steps": total, "seconds": clock.laps, "dtype": contract.dtype_name(dtype),
+        summary = {"steps": total, "seconds": clock.laps, "dtype": dtypes.name(dtype),
                    # Tokens through the actor's forward and backward, over all DP ranks.
                    "update_tokens": update_tokens,
                    "update_tokens_per_s": update_tokens / max(clock.laps["update"], 1e-9),

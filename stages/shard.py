@@ -22,7 +22,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, hf_mapping, job, parallel, publish
+from llamarl.lib import checkpoint, dtypes, hf_mapping, job, parallel, publish
 from llamarl.lib.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import SafetensorsCheckpoint
@@ -92,7 +92,7 @@ def run(cfg: ShardConfig) -> None:
     layout.check(model_cfg)
     weights = SafetensorsCheckpoint(src)
     src_dtype = _check_weights(weights, model_cfg, head, src)
-    out_dtype = contract.torch_dtype(cfg.dtype) if cfg.dtype else src_dtype
+    out_dtype = dtypes.torch_dtype(cfg.dtype) if cfg.dtype else src_dtype
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world != cfg.tp * cfg.pp:
@@ -105,7 +105,7 @@ def run(cfg: ShardConfig) -> None:
     source_files = sorted(set(weights.where.values()) | {n for n in contract.SIDE_FILES if fs.exists(f"{src_path}/{n}")}
                           | ({"model.safetensors.index.json"} if fs.exists(f"{src_path}/model.safetensors.index.json") else set()))
     source = {"url": src, "files": job.file_entries(src, source_files)}
-    expect = {"kind": contract.CHECKPOINT, "head": head, "dtype": contract.dtype_name(out_dtype), "source": source}
+    expect = {"kind": contract.CHECKPOINT, "head": head, "dtype": dtypes.name(out_dtype), "source": source}
     if contract.skip_if_current(dst, expect, "already sharded from this source"):
         return
 

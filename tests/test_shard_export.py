@@ -215,6 +215,20 @@ def test_missing_or_corrupt_shard_file(pool2, tmp_path):
     assert not (tmp_path / "out").exists() and (ckpt / "model" / "__0_0.distcp").exists()
 
 
+def test_dtype_names_are_one_table(tmp_path):
+    # A config's name, a manifest's and a safetensors header's all name the same torch dtype.
+    from llamarl.lib import dtypes
+    from llamarl.lib.safetensors_io import SafetensorsFile, write_file
+
+    for short, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        assert dtypes.torch_dtype(short) == dtype and dtypes.torch_dtype(dtypes.name(dtype)) == dtype
+    written = {str(d): torch.zeros(2, dtype=d) for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64,
+                                                          torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
+    write_file(str(tmp_path / "t.safetensors"), written)
+    assert {n: t.dtype for n, t in SafetensorsFile(str(tmp_path / "t.safetensors")).tensors.items()} == \
+        {n: t.dtype for n, t in written.items()}
+
+
 def test_unpublished_checkpoint_is_refused(tmp_path):
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / publish.INCOMPLETE).write_text("")

@@ -1,0 +1,43 @@
+"""Dtype names, in one table: what configs, manifests and safetensors headers call a dtype.
+
+A config says ``bf16``; a manifest, Parquet metadata and an HF ``config.json`` say torch's own
+name, ``bfloat16``; a safetensors header says ``BF16``. Names only, so importing this (and
+lib/config.py, which does) costs no torch import; torch is imported when a dtype is asked for.
+"""
+
+from __future__ import annotations
+
+# torch's name: (a config's name, the safetensors code). Configs choose among the dtypes with a
+# config name; float64 is only ever a source checkpoint's own dtype (shard keeps it by default);
+# the integer and bool codes are there to read any safetensors header.
+TABLE: dict[str, tuple[str | None, str]] = {
+    "bfloat16": ("bf16", "BF16"),
+    "float16": ("fp16", "F16"),
+    "float32": ("fp32", "F32"),
+    "float64": (None, "F64"),
+    "int64": (None, "I64"),
+    "int32": (None, "I32"),
+    "int16": (None, "I16"),
+    "int8": (None, "I8"),
+    "uint8": (None, "U8"),
+    "bool": (None, "BOOL"),
+}
+
+# What ``torch_dtype`` reads: a config's name or a manifest's name of a floating dtype.
+_FLOATS = {**{short: name for name, (short, _) in TABLE.items() if short},
+           **{name: name for name in TABLE if name.startswith(("float", "bfloat"))}}
+
+SAFETENSORS_CODES = {code: name for name, (_, code) in TABLE.items()}
+"""A safetensors header's dtype code → torch's name."""
+
+
+def torch_dtype(name: str):
+    """A config's (``bf16``) or a manifest's (``bfloat16``) name of a floating dtype as a torch dtype."""
+    import torch
+
+    return getattr(torch, _FLOATS[name])
+
+
+def name(dtype) -> str:
+    """What manifests and Parquet metadata call a torch dtype: torch's own name (``bfloat16``)."""
+    return str(dtype).removeprefix("torch.")
