@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import liveness
+from .errors import UserError
 
 
 @dataclass(frozen=True)
@@ -79,34 +80,42 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init(tp: int = 1, pp: int = 1, *, backend: str | None = None, timeout_s: int = 600) -> Topology:
+def init(tp: int = 1, pp: int = 1, *, dp: int | None = None, backend: str | None = None, timeout_s: int = 600,
+         stage: str | None = None) -> Topology:
     """Join the job's process group (from torchrun's environment) and build the TP/PP/DP groups.
 
+    ``dp``, when given, is the data-parallel size the job was launched for: any other number of
+    processes is a one-line ``UserError`` naming ``stage``, before the rendezvous. ``timeout_s``
+    bounds every collective, over the job's process group and over each group built here.
     May be called again with another layout after ``destroy_model_parallel()``; the global
     process group is kept."""
     global _TOPOLOGY, _GROUPS
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if dp is not None and world != tp * pp * dp:
+        raise UserError(f"{stage or 'this job'} runs with tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} processes, not "
+                        f"{world}; launch it through `llamarl stage` or `llamarl run`, which start that many")
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp}*{pp}; launch tp*pp*dp processes")
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:  # started by hand, not by torchrun or an executor: a job of one process
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         liveness.start()  # so that a rank whose collective fails can name the peer that was lost
-    world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp}*{pp}; launch tp*pp*dp processes")
     destroy_model_parallel()
     dp, rank = world // (tp * pp), dist.get_rank()
     grid = Topology(tp, pp, dp, rank % tp, rank // (tp * dp), (rank // tp) % dp)
     mine: dict[str, object] = {}
 
     def build(kind: str, ranks: list[int]) -> None:
-        # Every rank creates every group, in the same order (new_group is collective).
-        group = dist.new_group(ranks)
+        # Every rank creates every group, in the same order (new_group is collective). A group
+        # does not take the job's timeout from the global group: it is given here.
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine[kind] = group
 

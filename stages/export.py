@@ -73,7 +73,8 @@ def run(cfg: ExportConfig) -> None:
     src_dtype = stored[next(iter(shapes))].properties.dtype
     out_dtype = dtypes.torch_dtype(cfg.dtype) if cfg.dtype else src_dtype
 
-    parallel.init(1, 1, backend="gloo")  # pure I/O on CPU tensors
+    # Pure I/O on CPU tensors; any number of processes, each writing whole files.
+    parallel.init(1, 1, backend="gloo", timeout_s=cfg.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()  # after start-up (imports, process groups): the work itself
 

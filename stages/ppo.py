@@ -62,9 +62,7 @@ def run(cfg: PPOConfig) -> None:
     use_critic = cfg.advantage == "gae"
     critic_m = contract.require_checkpoint(cfg.critic, "score", "a critic") if cfg.critic and use_critic else None
 
-    topo = parallel.init(cfg.tp, cfg.pp)
-    if topo.dp != cfg.dp:
-        raise UserError(f"ppo runs with tp*pp*dp = {cfg.tp * cfg.pp * cfg.dp} processes, not {dist.get_world_size()}")
+    topo = parallel.init(cfg.tp, cfg.pp, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="ppo")
     rank = dist.get_rank()
     out = cfg.out.rstrip("/")
     request = {"kind": contract.PPO, "actor_id": publish.output_id(cfg.actor), "rollout_id": publish.output_id(cfg.rollout),

@@ -178,9 +178,7 @@ def run(cfg: ScoreConfig) -> None:
         rm_cfg = LlamaConfig.from_dict(rm_manifest["model_config"])
         ParallelLayout(tp=cfg.tp, pp=cfg.pp).check(rm_cfg)
 
-    topo = parallel.init(cfg.tp, cfg.pp)
-    if topo.dp != cfg.dp:
-        raise UserError(f"score runs with tp*pp*dp = {cfg.tp * cfg.pp * cfg.dp} processes, not {dist.get_world_size()}")
+    topo = parallel.init(cfg.tp, cfg.pp, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="score")
     rank = dist.get_rank()
     rm_id = publish.output_id(cfg.reward_model) if use_rm else None
     request = {"kind": contract.SCORES, "rollout_id": publish.output_id(rollout), "rm_id": rm_id,

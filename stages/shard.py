@@ -94,11 +94,8 @@ def run(cfg: ShardConfig) -> None:
     src_dtype = _check_weights(weights, model_cfg, head, src)
     out_dtype = dtypes.torch_dtype(cfg.dtype) if cfg.dtype else src_dtype
 
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world != cfg.tp * cfg.pp:
-        raise UserError(f"shard runs with tp*pp = {cfg.tp * cfg.pp} processes, not {world}; launch it through `llamarl stage shard`")
     # Pure I/O on CPU tensors: gloo even where GPUs are present.
-    topo = parallel.init(cfg.tp, cfg.pp, backend="gloo")
+    topo = parallel.init(cfg.tp, cfg.pp, dp=1, backend="gloo", timeout_s=cfg.collective_timeout_s, stage="shard")
     rank = dist.get_rank()
     t0 = time.perf_counter()  # after start-up (imports, process groups): the work itself
 

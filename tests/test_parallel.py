@@ -54,6 +54,36 @@ def test_model_layout_must_match_process_groups(pool2):
     assert msg and "tp=2" in msg and "lib.parallel.init" in msg
 
 
+def wrong_number_of_processes() -> str | None:
+    from llamarl.lib.errors import UserError
+
+    try:
+        parallel.init(2, 1, dp=2, stage="score")
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def test_a_job_launched_with_another_number_of_processes_is_one_line_naming_the_stage(pool2):
+    assert pool2.run(wrong_number_of_processes) == [
+        "score runs with tp*pp*dp = 2*1*2 = 4 processes, not 2; launch it through `llamarl stage` or `llamarl run`, "
+        "which start that many"] * 2
+
+
+def group_timeouts(seconds: int) -> list[float]:
+    parallel.init(2, 1, dp=1, timeout_s=seconds)
+    groups = (parallel.tp_group(), parallel.dp_group(), parallel.pp_group(), parallel.model_parallel_group())
+    out = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+    parallel.destroy_model_parallel()
+    return out
+
+
+def test_the_collective_timeout_bounds_every_group(pool2):
+    # A lost peer shows first in a TP or DP collective: those groups must not keep torch's default
+    # (30 minutes on gloo, 10 on NCCL) when a stage asked for collective_timeout_s.
+    assert pool2.run(group_timeouts, 45) == [[45.0] * 4] * 2
+
+
 def sums_over_given_groups() -> tuple[float, float, float]:
     import torch.distributed as dist
     from llamarl.lib import mappings

@@ -178,6 +178,14 @@ def test_layout_the_model_cannot_take(pool2, tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_a_job_of_another_size_than_the_layout_is_refused(pool2, tmp_path):
+    src = str(tmp_path / "hf")
+    _hf_dir(src)
+    msg = _user_error(pool2, shard.run, ShardConfig(src=src, dst=str(tmp_path / "c"), tp=1, pp=1))
+    assert "shard runs with tp*pp*dp = 1*1*1 = 1 processes, not 2" in msg
+    assert not (tmp_path / "c").exists()
+
+
 def test_config_that_does_not_match_weights(tmp_path):
     src = tmp_path / "hf"
     _hf_dir(str(src))
