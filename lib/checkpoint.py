@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from . import hf_mapping, parallel
+from . import hf_mapping
 
 
 class Chunks:
@@ -110,8 +110,9 @@ def chunks_of(cfg, tp: int, tp_rank: int, name: str, local: torch.Tensor, head: 
 
 def model_state(model, tensors: dict[str, torch.Tensor] | None = None, suffix: str = "") -> dict[str, Chunks]:
     """The DCP state of ``model``'s parameters (or of per-parameter ``tensors`` such as optimizer
-    moments, keyed like ``named_parameters``), under HF names plus ``suffix``."""
-    topo = parallel.topology()
+    moments, keyed like ``named_parameters``), under HF names plus ``suffix``; split as the model's
+    topology splits it."""
+    topo = model.topology
     shapes = hf_mapping.hf_shapes(model.cfg, model.hf_head)
     pieces: dict[str, dict] = defaultdict(dict)
     source = tensors if tensors is not None else dict(model.named_parameters())

@@ -23,9 +23,10 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import dtypes, hf_mapping, job, parallel, publish
+from llamarl.lib import dtypes, hf_mapping, job, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.lib.errors import UserError
+from llamarl.lib.parallel import Topology
 
 # ---- what each stage publishes: the manifest's kind ------------------------------------------------------
 
@@ -216,12 +217,11 @@ def hf_side_files(manifest: dict) -> list[str]:
 
 
 def checkpoint_manifest(model_cfg: LlamaConfig, head: str, dtype: torch.dtype, hf_config: dict, source: dict,
-                        files: dict, **extra: Any) -> dict:
-    """The manifest of a checkpoint written by this job (whose topology is the written layout).
+                        files: dict, topo: Topology, **extra: Any) -> dict:
+    """The manifest of a checkpoint written by a job of topology ``topo`` (the written layout).
 
     ``source``: ``{url, files}`` of the HF checkpoint the weights come from (ppo's carry their
     actor's along). ``extra``: what only one writer knows (shard's ``ranks``, ppo's ``train_state``)."""
-    topo = parallel.topology()
     return {"kind": CHECKPOINT, "head": head, "dtype": dtypes.name(dtype), "model_config": model_cfg.to_dict(),
             "hf_config": hf_config, "written_layout": {"tp": topo.tp, "pp": topo.pp},
             "tensors": {n: list(s) for n, s in hf_mapping.hf_shapes(model_cfg, head).items()},

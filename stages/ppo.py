@@ -104,8 +104,8 @@ def run(cfg: PPOConfig) -> None:
         torch.cuda.empty_cache()
     old_values = token_outputs(critic, samples, groups, 1.0) if use_critic else None
     order = [i for g in groups for i in g]
-    ref_logp = gather_dp(dict(zip(order, ref_logp)) if ref_logp is not None else None)
-    old_values = gather_dp(dict(zip(order, old_values)) if old_values is not None else None)
+    ref_logp = gather_dp(dict(zip(order, ref_logp)) if ref_logp is not None else None, topo)
+    old_values = gather_dp(dict(zip(order, old_values)) if old_values is not None else None, topo)
 
     # 3. rewards and advantages (on the last stage, where losses are computed)
     data = advantages(cfg, samples, ref_logp, old_values, dev) if topo.is_last_stage else None
@@ -131,7 +131,7 @@ def run(cfg: PPOConfig) -> None:
         metrics_lines.append(m)
         if cfg.save_every and (k + 1) % cfg.save_every == 0 and k + 1 < total:
             clock.lap("update")
-            save_state(out, k + 1, trainers, store_dtype, metrics_on_rank0(metrics_lines))
+            save_state(out, k + 1, trainers, store_dtype, metrics_on_rank0(metrics_lines, topo))
             clock.lap("save")
     clock.lap("update")
 
@@ -140,7 +140,7 @@ def run(cfg: PPOConfig) -> None:
     for name, trainer in trainers.items():
         save_checkpoint(f"{out}/{name}", trainer, cfg.actor, actor_m, final, store_dtype)
     clock.lap("save")
-    lines = metrics_on_rank0(metrics_lines)
+    lines = metrics_on_rank0(metrics_lines, topo)
     if rank == 0:
         publish.write_bytes(f"{out}/{contract.METRICS}", "".join(json.dumps(x) + "\n" for x in lines).encode())
         files = {contract.METRICS: publish.file_entry(f"{out}/{contract.METRICS}")}

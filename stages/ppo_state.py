@@ -14,8 +14,9 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import job, parallel, publish
+from llamarl.lib import job, publish
 from llamarl.lib.errors import UserError
+from llamarl.lib.parallel import Topology
 from llamarl.stages import contract
 from llamarl.stages.ppo_trainer import Trainer
 
@@ -44,13 +45,12 @@ def save_checkpoint(root: str, trainer: Trainer, source: str, source_manifest: d
         model = trainer.model
         publish.publish(root, contract.checkpoint_manifest(
             model.cfg, model.hf_head, store_dtype, source_manifest.get("hf_config", {}), source_manifest.get("source", {}),
-            files, train_state={"step": step}))
+            files, model.topology, train_state={"step": step}))
     dist.barrier()
 
 
-def metrics_on_rank0(lines: list[dict]) -> list[dict] | None:
-    """Collective: the step metrics (kept on the last stage's first TP/DP rank), on rank 0."""
-    topo = parallel.topology()
+def metrics_on_rank0(lines: list[dict], topo: Topology) -> list[dict] | None:
+    """Collective: the step metrics (kept on the last stage's first TP/DP rank of ``topo``), on rank 0."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, lines if (topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0) else None)
     return next(g for g in gathered if g is not None) if dist.get_rank() == 0 else None

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.lib import checkpoint, optim, parallel, rl, schedule, vocab_parallel
+from llamarl.lib.parallel import Topology
 from llamarl.stages import contract
 from llamarl.stages.config import PPOConfig
 from llamarl.stages.ppo_data import Sample, micro_batches, padded, response_values
@@ -85,12 +86,11 @@ def token_outputs(model, samples: list[Sample], groups: list[list[int]], tempera
     return [v for g, out in zip(groups, outs) for v in response_values([samples[i] for i in g], out)]
 
 
-def gather_dp(mine: dict[int, list[float]] | None) -> dict[int, list[float]] | None:
+def gather_dp(mine: dict[int, list[float]] | None, topo: Topology) -> dict[int, list[float]] | None:
     """Collective over DP: every rank's ``{sample index: values}`` merged (None stays None: off the
     last stage)."""
     if mine is None:
         return None
-    topo = parallel.topology()
     if topo.dp == 1:
         return mine
     parts: list = [None] * topo.dp

@@ -102,7 +102,7 @@ def score_sequences(model, seqs: list[list[int]], micro_batch: int, padding_side
             ids[j, sl], mask[j, sl] = torch.tensor(s), 1
         batches.append(model.make_batch(ids.to(dev), mask.to(dev)))
     outs = schedule.forward(model, batches)
-    if not parallel.topology().is_last_stage:
+    if not model.topology.is_last_stage:
         return None
     return [float(x) for o in outs for x in o.float().cpu()]
 

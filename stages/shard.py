@@ -134,7 +134,8 @@ def run(cfg: ShardConfig) -> None:
     if rank == 0:
         side = contract.copy_side_files(src, contract.SIDE_FILES, f"{dst}/{contract.HF}")
         files.update({f"{contract.HF}/{name}": entry for name, entry in side.items()})
-        publish.publish(dst, contract.checkpoint_manifest(model_cfg, head, out_dtype, hf_config, source, files, ranks=ranks))
+        publish.publish(dst, contract.checkpoint_manifest(model_cfg, head, out_dtype, hf_config, source, files, topo,
+                                                          ranks=ranks))
     dist.barrier()
     total = torch.tensor([nbytes], dtype=torch.float64)
     dist.all_reduce(total)
