@@ -83,7 +83,7 @@ def sequence_index(mask: torch.Tensor) -> torch.Tensor:
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: float,
-              seq: torch.Tensor | None = None) -> torch.Tensor:
+              seq: torch.Tensor | None = None, sequences: int | None = None) -> torch.Tensor:
     """Sum of this micro-batch's share of a mini-batch loss.
 
     ``token-mean``: Σ loss·mask / (tokens in the whole mini-batch) — ``denominator``;
@@ -91,15 +91,23 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: fl
     Summing these over micro-batches and DP ranks gives the mini-batch mean.
 
     ``loss`` and ``mask`` are ``[batch, len]``, or packed tokens of any shape with ``seq`` their
-    ``sequence_index`` packed alike."""
+    ``sequence_index`` packed alike and ``sequences`` the micro-batch's rows. The caller knows
+    that number on the host: reading it off ``seq`` would stall the GPU once per micro-batch."""
     if mode == "token-mean":
         return (loss * mask).sum() / denominator
     if mode == "seq-mean-token-mean":
-        seq = sequence_index(mask) if seq is None else seq
-        valid = seq >= 0
-        n = int(seq.max()) + 1 if valid.any() else 0
-        sums = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(0, seq[valid], loss[valid])
-        counts = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(0, seq[valid], torch.ones_like(loss[valid]))
+        if seq is None:
+            seq, sequences = sequence_index(mask), mask.shape[0]
+        elif sequences is None:
+            raise ValueError("seq-mean-token-mean over packed tokens needs their number of sequences")
+        # Tokens outside the mask go to one bin past the last, dropped: a fixed-size scatter with
+        # no boolean indexing (which would wait for the device to count the selected tokens). The
+        # mask decides, not only ``seq``: packing pads ``seq`` with 0 (sequence-parallel padding).
+        bins = torch.where(mask.bool() & (seq >= 0), seq, sequences).reshape(-1)
+        loss = loss.reshape(-1)
+        zeros = torch.zeros(sequences + 1, dtype=loss.dtype, device=loss.device)
+        sums = zeros.index_add(0, bins, loss)[:sequences]
+        counts = zeros.index_add(0, bins, torch.ones_like(loss))[:sequences]
         return (sums / counts.clamp(min=1)).sum() / denominator
     raise ValueError(f"loss aggregation {mode!r}: use token-mean or seq-mean-token-mean")
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.lib import checkpoint, optim, parallel, rl, schedule, vocab_parallel
+from llamarl.lib.batch import TokenBatch
 from llamarl.lib.parallel import Topology
 from llamarl.stages import contract
 from llamarl.stages.config import PPOConfig
@@ -98,6 +99,26 @@ def gather_dp(mine: dict[int, list[float]] | None, topo: Topology) -> dict[int, 
     return {k: v for p in parts for k, v in p.items()}
 
 
+class Aggregation:
+    """A mini-batch's loss from the per-token losses of its micro-batches (``loss_agg``): each
+    micro-batch's share (``rl.aggregate``), so the shares summed over micro-batches and DP ranks
+    are the mini-batch's mean."""
+
+    def __init__(self, mode: str, response_lens: list[int]):
+        self.mode = mode
+        self.tokens = sum(response_lens)
+        self.denominator = float(self.tokens if mode == "token-mean" else len(response_lens))
+
+    @staticmethod
+    def packed(batch: TokenBatch, resp: torch.Tensor) -> dict:
+        """What a micro-batch's share reads, in ``batch``'s token order: the response mask ``resp``,
+        each token's sequence, and the number of sequences (the rows, known here on the host)."""
+        return {"resp": batch.flat(resp), "seq": batch.flat(rl.sequence_index(resp)), "sequences": resp.shape[0]}
+
+    def __call__(self, loss: torch.Tensor, x: dict) -> torch.Tensor:
+        return rl.aggregate(loss, x["resp"], self.mode, self.denominator, seq=x["seq"], sequences=x["sequences"])
+
+
 def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sample], data: dict | None,
                batch_idx: list[int], step: int, dev) -> dict:
     """One optimizer step of every role on the mini-batch ``batch_idx``; its metrics (the losses on
@@ -106,8 +127,8 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
     topo = actor.topology
     mine = batch_idx[topo.dp_rank :: topo.dp]
     groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
-    tokens = sum(samples[i].response_len for i in batch_idx)
-    denom = float(tokens if cfg.loss_agg == "token-mean" else len(batch_idx))
+    agg = Aggregation(cfg.loss_agg, [samples[i].response_len for i in batch_idx])
+    tokens = agg.tokens
     # Metric sums stay on the device (a host read per micro-batch would stall the GPU); read once a step.
     sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
             for k in ("policy_loss", "entropy", "approx_kl", "clip_fraction", "value_loss")}
@@ -122,11 +143,7 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
             continue
         rows, width = torch.tensor(g, device=dev), ids.shape[1]
         mine_of = {k: batch.flat(data[k][rows, :width]) for k in ("old_logp", "ref_logp", "adv", "values", "returns")}
-        extras.append({"labels": batch.flat(labels), "resp": batch.flat(resp), "seq": batch.flat(rl.sequence_index(resp)),
-                       **mine_of})
-
-    def agg(loss, x):
-        return rl.aggregate(loss, x["resp"], cfg.loss_agg, denom, seq=x["seq"])
+        extras.append({"labels": batch.flat(labels), **agg.packed(batch, resp), **mine_of})
 
     def actor_loss(out, x):
         logp, entropy = vocab_parallel.log_probs_and_entropy(_scaled(out, cfg.temperature), x["labels"],

@@ -97,10 +97,85 @@ def test_next_iteration_continues_optimizer_state(pool1, iteration, reference_ru
     assert publish.require_published(str(tmp_path / "it2" / "actor"))["train_state"]["step"] == 9
 
 
-def test_grpo_and_kl_loss_variants_run(pool2, iteration, tmp_path):
-    pool2.run(ppo.run, _cfg(iteration, tmp_path / "grpo", tp=2, advantage="grpo", use_kl_loss=True,
-                            kl_estimator="low_var_kl", loss_agg="seq-mean-token-mean"))
+# ---- loss aggregation against hand-computed means ----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
+def test_aggregation_of_micro_batches_is_the_hand_computed_mean(mode):
+    # ppo's own path: samples cut into micro-batches by the token budget, right-padded, packed as
+    # under TP2 sequence parallelism (a micro-batch of an odd token count gets a padding token, whose
+    # loss is whatever the model computed there), each micro-batch's share summed.
+    from llamarl.lib.batch import TokenBatch
+    from llamarl.stages.ppo_data import Sample, micro_batches, padded
+    from llamarl.stages.ppo_trainer import Aggregation
+
+    lens = [(3, 2), (2, 4), (4, 2), (1, 2)]  # (prompt, response) tokens: micro-batches [0, 1] and [2, 3], 11 and 9 tokens
+    losses = [[1.0, 3.0], [2.0, 4.0, 6.0, 8.0], [3.0, 5.0], [7.0, 0.5]]  # each response token's loss
+    samples = [Sample(list(range(5, 5 + p + r)), p, [0.0] * r, 0.0, str(i)) for i, (p, r) in enumerate(lens)]
+    if mode == "seq-mean-token-mean":  # each sequence's mean, then the mean over sequences
+        expected = (2.0 + 5.0 + 4.0 + 3.75) / 4
+    else:  # the mean over all response tokens
+        expected = 39.5 / 10
+
+    agg = Aggregation(mode, [s.response_len for s in samples])
+    groups = micro_batches(list(range(4)), samples, budget=12)
+    assert groups == [[0, 1], [2, 3]]
+    total = torch.zeros(())
+    for g in groups:
+        ids, mask, _, resp = padded([samples[i] for i in g], "cpu")
+        batch = TokenBatch.from_padded(ids, mask, pad_to_multiple=2)
+        assert batch.num_tokens == batch.num_real + 1
+        per_position = torch.full(ids.shape, 99.0)  # prompt tokens and right padding: no response
+        for row, i in enumerate(g):
+            start = samples[i].prompt_len - 1  # label space: position t holds token t + 1's loss
+            per_position[row, start : start + len(losses[i])] = torch.tensor(losses[i])
+        loss = batch.flat(per_position)
+        loss[batch.num_real :] = 99.0
+        total += agg(loss, agg.packed(batch, resp))
+    assert total.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_seq_mean_policy_loss_is_minus_the_mean_advantage_of_the_sequences(pool2, iteration, tmp_path):
+    # The stage end to end: GRPO with a KL loss at TP2 with sequence parallelism, on responses of
+    # varied lengths (a fifth of the vocabulary stops them) and scores (their share of vowels). At
+    # the first step the policy is the one that sampled (ratio 1), so each token's clipped surrogate
+    # is −A of its sequence, and the step's policy loss, seq-mean-token-mean, is minus the mean of
+    # the mini-batch's advantages: each sequence counted once, whatever its length.
+    import statistics
+    from collections import defaultdict
+
+    from llamarl.stages.ppo_data import load_samples, mini_batch
+
+    pool2.run(rollout.run, RolloutConfig(
+        actor=str(iteration / "actor"), prompts=str(iteration / "prompts.jsonl"), out=str(tmp_path / "rollout"),
+        id_column="id", chunk_size=3, tp=2,
+        sampling=Sampling(samples_per_prompt=2, max_new_tokens=8, seed=5, stop_token_ids=list(range(3, 301, 5)))))
+    pool2.run(score.run, ScoreConfig(rollout=str(tmp_path / "rollout"), out=str(tmp_path / "scores"), tp=2,
+                                     rewards=[RewardTerm(name="llamarl.pipeline.demo:vowel_ratio")]))
+    samples = load_samples(str(tmp_path / "rollout"), str(tmp_path / "scores"))
+    by_prompt = defaultdict(list)
+    for i, s in enumerate(samples):
+        by_prompt[s.group].append(i)
+    adv = {}
+    for members in by_prompt.values():  # GRPO: each score normalised within its prompt's samples
+        scores = [samples[i].score for i in members]
+        for i in members:
+            adv[i] = (samples[i].score - statistics.mean(scores)) / (statistics.stdev(scores) + 1e-6) if len(members) > 1 else 0.0
+
+    def policy_losses(seed: int) -> tuple[float, float]:
+        """(seq-mean, token-mean) of −A over the first mini-batch that ``seed`` draws."""
+        _, first = mini_batch(_cfg(iteration, tmp_path / "grpo", seed=seed), len(samples), 0)
+        return (-sum(adv[i] for i in first) / len(first),
+                -sum(adv[i] * samples[i].response_len for i in first) / sum(samples[i].response_len for i in first))
+
+    # A first mini-batch whose advantages neither cancel out nor weigh the same per token.
+    seed = next(s for s in range(100) if abs(policy_losses(s)[0]) > 0.2 and abs(policy_losses(s)[0] - policy_losses(s)[1]) > 0.05)
+    cfg = _cfg(iteration, tmp_path / "grpo", rollout=str(tmp_path / "rollout"), scores=str(tmp_path / "scores"), tp=2,
+               sequence_parallel=True, advantage="grpo", use_kl_loss=True, kl_estimator="low_var_kl",
+               loss_agg="seq-mean-token-mean", seed=seed)
+    pool2.run(ppo.run, cfg)
     lines = [json.loads(x) for x in open(tmp_path / "grpo" / "metrics.jsonl")]
+    assert lines[0]["policy_loss"] == pytest.approx(policy_losses(seed)[0], abs=1e-4)
     assert all(torch.isfinite(torch.tensor(x["policy_loss"])) for x in lines)
 
 
@@ -192,7 +267,7 @@ def _masters_round_trip(actor: str, tmp: str) -> bool:
     cfg = LlamaConfig.from_dict(publish.require_published(actor, "checkpoint")["model_config"])
     model = ParallelLlamaForCausalLM(cfg, dtype=torch.bfloat16)
     checkpoint.load_model(model, f"{actor}/model")
-    grads = optim.GradBuffer(model)
+    optim.GradBuffer(model)  # its hooks on the parameters accumulate every backward into main_grad
     opt = optim.ShardedAdamW(model, lr=1e-2)
     opt.load_state(None, 0, f"{actor}/model")
     ids = torch.randint(3, cfg.vocab_size, (2, 9))

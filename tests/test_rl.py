@@ -121,12 +121,45 @@ def test_aggregation_of_packed_tokens_as_ppo_calls_it():
     seq = rl.sequence_index(mask)
     assert seq.tolist() == [[0, 0, -1], [1, -1, -1], [-1, 2, 2]]
     packed = {"loss": loss[real], "mask": mask[real], "seq": seq[real]}
-    token_mean = rl.aggregate(packed["loss"], packed["mask"], "token-mean", 5.0, seq=packed["seq"])
+    token_mean = rl.aggregate(packed["loss"], packed["mask"], "token-mean", 5.0, seq=packed["seq"], sequences=3)
     assert torch.allclose(token_mean, torch.tensor((1 + 2 + 4 + 5 + 7) / 5))
-    seq_mean = rl.aggregate(packed["loss"], packed["mask"], "seq-mean-token-mean", 3.0, seq=packed["seq"])
+    seq_mean = rl.aggregate(packed["loss"], packed["mask"], "seq-mean-token-mean", 3.0, seq=packed["seq"], sequences=3)
     assert torch.allclose(seq_mean, torch.tensor((1.5 + 4 + 6) / 3))
     for mode, denominator in (("token-mean", 5.0), ("seq-mean-token-mean", 3.0)):
         padded = rl.aggregate(loss, mask, mode, denominator)
-        assert torch.allclose(padded, rl.aggregate(packed["loss"], packed["mask"], mode, denominator, seq=packed["seq"]))
+        assert torch.allclose(padded, rl.aggregate(packed["loss"], packed["mask"], mode, denominator, seq=packed["seq"],
+                                                   sequences=3))
+    with pytest.raises(ValueError, match="needs their number of sequences"):
+        rl.aggregate(packed["loss"], packed["mask"], "seq-mean-token-mean", 3.0, seq=packed["seq"])
     with pytest.raises(ValueError, match="loss aggregation 'sum'"):
         rl.aggregate(loss, mask, "sum", 1.0)
+
+
+def test_aggregation_reads_nothing_back_from_the_device():
+    # ppo aggregates every micro-batch: a value read back to the host there (.item(), int(), a
+    # tensor's truth, a boolean mask's count) would stall the GPU each time. On CPU the reads show
+    # as the operators that make them.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    reads = (aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.is_nonzero.default)
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            boolean_index = func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1])
+            if func in reads or boolean_index:
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    loss = t([1.0, 2.0, 9.0], [4.0, 9.0, 9.0], [9.0, 5.0, 7.0]).requires_grad_()
+    mask = t([1, 1, 0], [1, 0, 0], [0, 1, 1])
+    seq = rl.sequence_index(mask)
+    with Reads() as mode:
+        out = rl.aggregate(loss.flatten(), mask.flatten(), "seq-mean-token-mean", 3.0, seq=seq.flatten(), sequences=3)
+        out.backward()
+    assert mode.seen == [], mode.seen
+    assert torch.allclose(out, torch.tensor((1.5 + 4 + 6) / 3))
