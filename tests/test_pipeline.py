@@ -62,6 +62,23 @@ def test_rerun_redoes_nothing(demo_run):
     assert _records(run_dir) == before
 
 
+def test_flipping_placement_options_reruns_nothing(demo_run, tmp_path):
+    # Placement says how a stage runs, not what it computes: a finished run stays finished.
+    spec, run_dir, _ = demo_run
+    before = _records(run_dir)
+    data = yaml.safe_load(open(spec))
+    data["score"]["offload"] = not data["score"].get("offload", True)
+    data["export"]["verify"] = not data["export"].get("verify", True)
+    for stage in ("rollout", "score", "ppo", "export"):
+        data[stage]["collective_timeout_s"] = 123
+    flipped = tmp_path / "flipped.yaml"
+    flipped.write_text(yaml.safe_dump(data))
+    proc = _cli("run", str(flipped))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("done, skipped") == 12 and "running" not in proc.stdout, proc.stdout
+    assert _records(run_dir) == before
+
+
 def test_status_and_dry_run_after_a_config_change(demo_run, tmp_path):
     spec, run_dir, _ = demo_run
     status = _cli("status", run_dir)
