@@ -64,6 +64,9 @@ def main():
     ap.add_argument("--batches", default="64,256,512")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel table of a few eager decode steps")
+    ap.add_argument("--profile-host", action="store_true",
+                    help="cProfile of the random-stops workload: where the host spends its time")
+    ap.add_argument("--only-cb", action="store_true", help="the continuous-batching workloads only")
     ap.add_argument("--out")
     args = ap.parse_args()
     from transformers import LlamaConfig as HFConfig
@@ -112,7 +115,7 @@ def main():
     compiled = res["sampler_compiled"]
 
     fixed = {}
-    for bs in batches:
+    for bs in [] if args.only_cb else batches:
         params = SamplingParams(temperature=1.0, max_new_tokens=new)
         engine = Engine(ours, params, max_batch=bs, compiled=compiled)
         out, secs = timed(lambda: engine.generate(prompts[:bs], seed=1), dev)
@@ -121,27 +124,42 @@ def main():
         # the weights once more.
         kv = bs * sum(plen + j for j in range(1, new)) * kv_token_bytes
         bound = (new * weight_bytes + kv) / bw if bw else None
-        fixed[bs] = {"new_tok_s": made / secs, "seconds": secs, "tokens": made, "decode_steps": engine.steps // 2,
+        fixed[bs] = {"new_tok_s": made / secs, "seconds": secs, "tokens": made, "engine": engine.stats,
                      "graphs": len(engine._graphs), "bandwidth_bound_s": bound,
                      "fraction_of_bandwidth_bound": bound / secs if bound else None}
         print(json.dumps({"batch": bs, **fixed[bs]}), flush=True)
-        if args.profile and bs == batches[0]:
-            res["profile"] = _profile(engine, bs, dev)
-    res["fixed"] = fixed
+        res["fixed"] = fixed
+        if args.profile and bs in (batches[0], batches[-1]):
+            res.setdefault("profile", {})[bs] = prof = _profile(engine, bs, dev)
+            print(json.dumps(prof, indent=1), flush=True)
+        _save(res, args.out)
 
     # Continuous batching: random stop lengths against fixed lengths, same slots and prompts.
-    cb = {}
-    for name, stops in (("fixed_length", ()), ("random_stops", tuple(range(3, 3 + stop_tokens)))):
-        params = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=stops)
-        engine = Engine(ours, params, max_batch=cb_slots, compiled=compiled)
-        out, secs = timed(lambda: engine.generate(prompts[:cb_prompts], seed=2), dev)
-        made = sum(len(c.tokens) for c in out)
-        cb[name] = {"new_tok_s": made / secs, "seconds": secs, "tokens": made, "mean_len": made / len(out),
-                    "stopped": sum(c.finish_reason == "stop" for c in out)}
-        print(json.dumps({name: cb[name]}), flush=True)
-    cb["slots"], cb["prompts"], cb["stop_tokens"] = cb_slots, cb_prompts, stop_tokens
-    cb["ratio_stops_over_fixed"] = cb["random_stops"]["new_tok_s"] / cb["fixed_length"]["new_tok_s"]
-    res["continuous_batching"] = cb
+    cb = {"slots": cb_slots, "prompts": cb_prompts, "stop_tokens": stop_tokens}
+    for every in (4, 8, 16):
+        for name, stops in (("fixed_length", ()), ("random_stops", tuple(range(3, 3 + stop_tokens)))):
+            params = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=stops)
+            engine = Engine(ours, params, max_batch=cb_slots, compiled=compiled, check_every=every)
+            out, secs = timed(lambda: engine.generate(prompts[:cb_prompts], seed=2), dev)
+            made = sum(len(c.tokens) for c in out)
+            if args.profile_host and stops and every == 4:
+                import cProfile
+                import io
+                import pstats
+
+                prof = cProfile.Profile()
+                prof.runcall(engine.generate, prompts[:cb_prompts], seed=2)
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+                print(text.getvalue(), flush=True)
+            cb[f"{name}_every{every}"] = r = {
+                "new_tok_s": made / secs, "seconds": secs, "tokens": made, "mean_len": made / len(out),
+                "stopped": sum(c.finish_reason == "stop" for c in out), "engine": engine.stats,
+                "slot_utilisation": (made - len(out)) / engine.stats["slot_steps"]}  # decode-made tokens per slot-step
+            print(json.dumps({f"{name}_every{every}": r}), flush=True)
+        cb[f"ratio_every{every}"] = cb[f"random_stops_every{every}"]["new_tok_s"] / cb[f"fixed_length_every{every}"]["new_tok_s"]
+        res["continuous_batching"] = cb
+        _save(res, args.out)
     engine = ours = None  # free the cache and weights before HF's model
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -160,11 +178,15 @@ def main():
         res[key] = {"batch": bs, "new_tok_s": bs * new / secs, "seconds": secs}
         res["ratio_llamarl_over_hf"] = fixed[bs]["new_tok_s"] / res[key]["new_tok_s"]
     parallel.shutdown()
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print(json.dumps(res, indent=1))
+    _save(res, args.out)
+
+
+def _save(res: dict, path: str | None) -> None:
+    """Written after every workload, so a failure later keeps what was measured."""
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(res, indent=1) + "\n")
 
 
 def _check_compiled_sampler(dev, res) -> bool:
@@ -184,6 +206,7 @@ def _check_compiled_sampler(dev, res) -> bool:
     return bool((a[0] == b[0]).float().mean() >= 0.95)
 
 
+@torch.no_grad()
 def _profile(engine, bs, dev) -> dict:
     """The decode step at batch ``bs``: graph replay time, eager time, and the eager step's kernels."""
     from torch.profiler import ProfilerActivity, profile

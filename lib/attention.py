@@ -63,12 +63,13 @@ class KVCache:
         return cls({i: torch.zeros(shape, dtype=dtype, device=device) for i in layers},
                    {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers})
 
-    def copy_prefix(self, src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
-        """Slot ``dst[i]`` gets slot ``src[i]``'s key and value at position ``pos[i]``, every layer
-        (a prompt prefilled once, copied to the slots of its other samples)."""
-        for cache in (self.k, self.v):
-            for t in cache.values():
-                t[dst, :, pos] = t[src, :, pos]
+    def copy_rows(self, src_cache: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slot ``dst[i]`` gets the first ``src_cache``-length positions of ``src_cache``'s slot
+        ``src[i]``, every layer (a prompt prefilled once, copied to each of its samples' slots)."""
+        for mine, theirs in ((self.k, src_cache.k), (self.v, src_cache.v)):
+            for i, t in mine.items():
+                rows = theirs[i][src]
+                t[dst, :, : rows.shape[2]] = rows
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slot ``dst[i]`` becomes a copy of slot ``src[i]`` (whole rows; compacts live sequences)."""
