@@ -37,6 +37,12 @@ class LocalOptions(BaseModel):
 
     threads_per_process: int = Field(1, ge=1, description="OMP/intra-op threads each process may use (CPU runs).")
     grace_s: float = Field(30.0, ge=0, description="Seconds the other processes get to exit after one has failed.")
+    max_concurrent_stages: int = Field(1, ge=1, description="Stages that may run at once when the DAG allows it "
+                                                            "(max_staleness > 0: a rollout beside a ppo).")
+    gpus: int = Field(0, ge=0, description="GPUs of this machine the stages share, one per process (0: none, or "
+                                           "every stage takes GPUs 0..n-1). With gpus, a stage gets GPUs no "
+                                           "running stage holds (CUDA_VISIBLE_DEVICES) and waits until enough "
+                                           "are free.")
 
 
 @dataclass
@@ -46,6 +52,7 @@ class LocalRun:
     procs: list[subprocess.Popen] = field(default_factory=list)
     readers: list[threading.Thread] = field(default_factory=list)
     error: str | None = None  # the stage's one-line error, once a process printed it
+    gpus: list[int] = field(default_factory=list)  # held while it runs
 
 
 class LocalExecutor(ExecutorBase):
@@ -53,6 +60,32 @@ class LocalExecutor(ExecutorBase):
 
     def __init__(self, options: LocalOptions | None = None):
         self.options = options or LocalOptions()
+        self.concurrency = self.options.max_concurrent_stages
+        self._free_gpus = list(range(self.options.gpus))
+        self._gpus_changed = threading.Condition()
+        self._runs: list[LocalRun] = []  # started and not yet waited for
+
+    def _take_gpus(self, n: int) -> list[int]:
+        if not self.options.gpus:
+            return []
+        if n > self.options.gpus:
+            raise UserError(f"a stage of {n} processes needs {n} GPUs; the local executor has gpus={self.options.gpus}")
+        with self._gpus_changed:
+            self._gpus_changed.wait_for(lambda: len(self._free_gpus) >= n)
+            taken, self._free_gpus = self._free_gpus[:n], self._free_gpus[n:]
+        return taken
+
+    def _give_back(self, gpus: list[int]) -> None:
+        with self._gpus_changed:
+            self._free_gpus = sorted(self._free_gpus + gpus)
+            self._gpus_changed.notify_all()
+
+    def stop_all(self) -> None:
+        """Kill every process this executor started that still runs (the pipeline was interrupted)."""
+        for run in list(self._runs):
+            for p in run.procs:
+                if p.poll() is None:
+                    p.kill()
 
     def command(self, stage: str, config: Any) -> list[str]:
         """The command line of every process of the stage (only their environments differ)."""
@@ -82,10 +115,13 @@ class LocalExecutor(ExecutorBase):
     def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> LocalRun:
         """Start ``llamarl.stages.<stage>`` as ``nprocs`` processes."""
         self._check(nprocs, nodes)
+        run = LocalRun(gpus=self._take_gpus(nprocs))
+        devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, run.gpus))} if run.gpus else {}
         port = free_port()
-        run = LocalRun()
+        self._runs.append(run)
         for rank in range(nprocs):
-            proc = subprocess.Popen(self.command(stage, config), env={**os.environ, **self._env(rank, nprocs, port)},
+            proc = subprocess.Popen(self.command(stage, config),
+                                    env={**os.environ, **self._env(rank, nprocs, port), **devices},
                                     stderr=subprocess.PIPE, text=True, bufsize=1)
             reader = threading.Thread(target=_forward, args=(proc.stderr, run), daemon=True)
             reader.start()
@@ -100,6 +136,10 @@ class LocalExecutor(ExecutorBase):
             for p in handle.procs:
                 p.kill()
             raise
+        finally:
+            self._give_back(handle.gpus)
+            if handle in self._runs:
+                self._runs.remove(handle)
         # The error line may still sit in a pipe after its process has gone: read them to the end.
         for reader in handle.readers:
             reader.join(timeout=10)

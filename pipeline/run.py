@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,27 +70,35 @@ def build_dag(spec: RunSpec) -> list[Node]:
         nodes.append(Node("shard/rm", "shard", f"{run}/shard/rm", [], L.shard,
                           cfg(ShardConfig, {}, "shard", src=spec.reward_model, dst=f"{run}/shard/rm", tp=L.shard.tp, pp=L.shard.pp),
                           external=[spec.reward_model]))
+    def actor_dir(node: str) -> str:
+        return f"{run}/{node}" if node == "shard/actor" else f"{run}/{node}/actor"
+
     actor, critic = "shard/actor", None
+    trained = ["shard/actor"]  # trained[k]: the actor after k ppo updates
     for i in range(1, spec.iterations + 1):
         it = f"iter-{i:03d}"
         ro, sc, po = f"{it}/rollout", f"{it}/scores", f"{it}/ppo"
-        actor_dir = f"{run}/{actor}" if actor == "shard/actor" else f"{run}/{actor}/actor"
-        nodes.append(Node(ro, "rollout", f"{run}/{ro}", [actor], L.rollout,
-                          cfg(RolloutConfig, spec.rollout, "rollout", actor=actor_dir, prompts=spec.prompts,
+        # With staleness s, rollout i samples from the actor of ppo i-1-s, so it need not wait for
+        # ppo i-1 … i-s: those run while it does.
+        sampler = trained[max(0, i - 1 - spec.max_staleness)]
+        nodes.append(Node(ro, "rollout", f"{run}/{ro}", [sampler], L.rollout,
+                          cfg(RolloutConfig, spec.rollout, "rollout", actor=actor_dir(sampler), prompts=spec.prompts,
                               out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp), external=[spec.prompts]))
         rm = {"reward_model": f"{run}/shard/rm"} if spec.reward_model else {}
         nodes.append(Node(sc, "score", f"{run}/{sc}", [ro] + (["shard/rm"] if spec.reward_model else []), L.score,
                           cfg(ScoreConfig, spec.score, "score", rollout=f"{run}/{ro}", out=f"{run}/{sc}",
                               tp=L.score.tp, pp=L.score.pp, dp=L.score.dp, **rm)))
         critic_dir = f"{run}/{critic}/critic" if critic else None
+        stale = {"off_policy": True} if sampler != actor else {}  # its samples are an older actor's
         nodes.append(Node(po, "ppo", f"{run}/{po}", [ro, sc, actor, "shard/actor"] + ([critic] if critic else []), L.ppo,
-                          cfg(PPOConfig, spec.ppo, "ppo", rollout=f"{run}/{ro}", scores=f"{run}/{sc}", actor=actor_dir,
-                              reference=f"{run}/shard/actor", critic=critic_dir, out=f"{run}/{po}",
-                              tp=L.ppo.tp, pp=L.ppo.pp, dp=L.ppo.dp)))
+                          cfg(PPOConfig, spec.ppo, "ppo", rollout=f"{run}/{ro}", scores=f"{run}/{sc}",
+                              actor=actor_dir(actor), reference=f"{run}/shard/actor", critic=critic_dir,
+                              out=f"{run}/{po}", tp=L.ppo.tp, pp=L.ppo.pp, dp=L.ppo.dp, **stale)))
         # GRPO trains no critic: the next iteration starts its own only if it needs one.
         actor, critic = po, (po if spec.ppo.advantage == "gae" else None)
+        trained.append(po)
     nodes.append(Node("export", "export", f"{run}/export", [actor], L.export,
-                      cfg(ExportConfig, spec.export, "export", src=f"{run}/{actor}/actor", dst=f"{run}/export")))
+                      cfg(ExportConfig, spec.export, "export", src=actor_dir(actor), dst=f"{run}/export")))
     return nodes
 
 
@@ -191,6 +200,18 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
 # ---- running ---------------------------------------------------------------------------------------------
 
 
+def _beside(nodes: list[Node], by_name: dict[str, Node]) -> dict[str, list[str]]:
+    """For each stage, the stages it may run at the same time with: neither needs the other's
+    output, directly or not (with max_staleness > 0: a rollout and the ppo before it). The shards,
+    which everything needs, are left out."""
+    upstream: dict[str, set[str]] = {}
+    for n in nodes:  # in DAG order: a node's inputs come first
+        upstream[n.name] = set(n.inputs).union(*(upstream[i] for i in n.inputs))
+    return {n.name: [m.name for m in nodes if m is not n and "shard" not in (m.stage, n.stage)
+                     and m.name not in upstream[n.name] and n.name not in upstream[m.name]]
+            for n in nodes}
+
+
 def executor_for(spec: RunSpec) -> Executor:
     return make_executor(spec.executor.kind, spec.executor.options, spec.run_dir, f"{spec.source}: executor.options")
 
@@ -206,12 +227,15 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
     report, will_run = [], set()
     if dry_run:
         executor = executor_for(spec) if show_launch else None
+        beside = _beside(nodes, by_name)
         for n in nodes:
             done, why = assess(run, n, by_name, will_run)
             if not done:
                 will_run.add(n.name)
                 if executor is not None:
                     echo(executor.render(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name))
+                if beside[n.name]:
+                    why += f"; may run beside {', '.join(beside[n.name])}"
             report.append((n.name, ("skip: " if done else "run: ") + why))
         return report
 
@@ -333,25 +357,56 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
             report.append((n.name, f"written {where}"))
             echo(f"[{n.name}] written: {where}")
         return report
-    for n in nodes:
-        done, why = assess(run, n, by_name, set())
-        if done:
-            report.append((n.name, "skipped (done)"))
-            echo(f"[{n.name}] done, skipped")
-            continue
-        _remove_stale(n)
-        echo(f"[{n.name}] running {n.stage} on {n.nprocs} process(es): {why}")
-        write_record(run, n, status="running", started=_now(), error=None, key=None, job=None)
-        result = executor.run(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name)
-        if not result.ok:
-            write_record(run, n, status="failed", error=result.error, finished=None)
-            raise PipelineError(f"stage {n.name} failed ({result.error}); fix it and rerun `llamarl run` — finished stages are kept")
-        _record_done(run, n, by_name)
-        report.append((n.name, "ran"))
-        if n.stage == "ppo":
-            from .metrics import update_metrics
+    # Every stage whose inputs are done starts, up to the executor's concurrency (the local
+    # executor's max_concurrent_stages; a cluster queues what it cannot run yet): with
+    # max_staleness > 0 a rollout runs beside the ppo before it.
+    limit = getattr(executor, "concurrency", None) or len(nodes)
+    waiting, finished, running, failure = list(nodes), set(), {}, None
+    with ThreadPoolExecutor(max_workers=min(limit, len(nodes)), thread_name_prefix="stage") as pool:
+        try:
+            while waiting or running:
+                for n in list(waiting) if failure is None else []:
+                    if len(running) >= limit:
+                        break
+                    if not all(i in finished for i in n.inputs):
+                        continue
+                    waiting.remove(n)
+                    done, why = assess(run, n, by_name, set())
+                    if done:
+                        finished.add(n.name)
+                        report.append((n.name, "skipped (done)"))
+                        echo(f"[{n.name}] done, skipped")
+                        continue
+                    _remove_stale(n)
+                    beside = f" (beside {', '.join(m.name for m in running.values())})" if running else ""
+                    echo(f"[{n.name}] running {n.stage} on {n.nprocs} process(es): {why}{beside}")
+                    write_record(run, n, status="running", started=_now(), error=None, key=None, job=None)
+                    running[pool.submit(executor.run, n.stage, n.make_config(), n.nprocs, n.layout.nodes,
+                                        name=n.name)] = n
+                if not running:
+                    if failure is not None or not waiting:
+                        break
+                    continue  # skipped stages made others ready
+                ended, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in ended:
+                    n, result = running.pop(future), future.result()
+                    if not result.ok:
+                        write_record(run, n, status="failed", error=result.error, finished=None)
+                        failure = failure or (n, result)
+                        continue
+                    _record_done(run, n, by_name)
+                    finished.add(n.name)
+                    report.append((n.name, "ran"))
+                    if n.stage == "ppo":
+                        from .metrics import update_metrics
 
-            update_metrics(run, spec.iterations)
+                        update_metrics(run, spec.iterations)
+        except BaseException:  # interrupted: the stages' processes must not outlive us
+            getattr(executor, "stop_all", lambda: None)()
+            raise
+    if failure is not None:
+        n, result = failure
+        raise PipelineError(f"stage {n.name} failed ({result.error}); fix it and rerun `llamarl run` — finished stages are kept")
     return report
 
 

@@ -119,6 +119,12 @@ class RunSpec(_Strict):
     reward_model: str | None = Field(None, description="HF reward model (LlamaForSequenceClassification, one label); "
                                                        "needed by an 'rm' reward term.")
     iterations: Count = Field(1, description="PPO iterations (rollout → score → ppo).")
+    max_staleness: int = Field(0, ge=0, description="How many ppo updates the actor a rollout samples from may lag "
+                                                    "behind the one ppo trains: 0 = on-policy, every rollout waits "
+                                                    "for the previous ppo; 1 = rollout k+1 samples from the actor "
+                                                    "of ppo k-1 and runs while ppo k trains (ppo then takes its "
+                                                    "samples off-policy). See docs/pipeline.md, Overlapped "
+                                                    "iterations.")
     layout: Layouts = Field(default_factory=Layouts, description="Processes of each stage.")
     rollout: RolloutOptions = Field(default_factory=RolloutOptions, description="Options of the rollout stage.")
     score: ScoreOptions = Field(default_factory=ScoreOptions, description="Options of the score stage.")
