@@ -136,7 +136,7 @@ def main():
 
     # Continuous batching: random stop lengths against fixed lengths, same slots and prompts.
     cb = {"slots": cb_slots, "prompts": cb_prompts, "stop_tokens": stop_tokens}
-    for every in (4, 8, 16):
+    for every in (1, 2, 4, 16):
         for name, stops in (("fixed_length", ()), ("random_stops", tuple(range(3, 3 + stop_tokens)))):
             params = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=stops)
             engine = Engine(ours, params, max_batch=cb_slots, compiled=compiled, check_every=every)

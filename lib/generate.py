@@ -78,11 +78,13 @@ class Engine:
     across calls (the stage does, chunk after chunk) to keep the cache and the graphs.
 
     ``cuda_graphs`` / ``compiled`` (the sampler's per-shard pass through ``torch.compile``) default
-    to on for CUDA and off elsewhere; ``check_every``: decode steps between host checks;
+    to on for CUDA and off elsewhere; ``check_every``: decode steps between host checks (a
+    finished sequence's slot idles about 1.5 windows before its next sequence starts; small
+    windows are cheap since the host runs behind the device);
     ``prefill_tokens``: prompt tokens per prefill forward (bounds its activations)."""
 
     def __init__(self, model: ParallelLlamaForCausalLM, params: SamplingParams, *, max_batch: int = 64,
-                 check_every: int = 16, cuda_graphs: bool | None = None, compiled: bool | None = None,
+                 check_every: int = 4, cuda_graphs: bool | None = None, compiled: bool | None = None,
                  prefill_tokens: int = 16384):
         params.check()
         if max_batch < 1 or check_every < 1:
