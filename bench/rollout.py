@@ -67,6 +67,8 @@ def main():
     ap.add_argument("--profile-host", action="store_true",
                     help="cProfile of the random-stops workload: where the host spends its time")
     ap.add_argument("--only-cb", action="store_true", help="the continuous-batching workloads only")
+    ap.add_argument("--cb-prompts", type=int, help="prompts of the continuous-batching workloads (default 512)")
+    ap.add_argument("--cb-every", default="1,2,4,16", help="check_every values to compare")
     ap.add_argument("--out")
     args = ap.parse_args()
     from transformers import LlamaConfig as HFConfig
@@ -88,6 +90,7 @@ def main():
         shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256)
         plen, new, cb_slots, cb_prompts, stop_tokens = 128, 256, 64, 512, 1000
+    cb_prompts = args.cb_prompts or cb_prompts
     hf_cfg = HFConfig(**shape, max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0)
     hf_cfg._attn_implementation = "sdpa"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -136,7 +139,7 @@ def main():
 
     # Continuous batching: random stop lengths against fixed lengths, same slots and prompts.
     cb = {"slots": cb_slots, "prompts": cb_prompts, "stop_tokens": stop_tokens}
-    for every in (1, 2, 4, 16):
+    for every in [int(e) for e in args.cb_every.split(",")]:
         for name, stops in (("fixed_length", ()), ("random_stops", tuple(range(3, 3 + stop_tokens)))):
             params = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=stops)
             engine = Engine(ours, params, max_batch=cb_slots, compiled=compiled, check_every=every)
