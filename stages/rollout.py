@@ -93,9 +93,7 @@ def run(cfg: RolloutConfig) -> None:
     if ds.count_rows() == 0:
         raise UserError(f"{cfg.prompts}: no prompts (0 rows); point at a file with at least one")
 
-    topo = parallel.init(cfg.tp, 1)
-    if topo.dp != cfg.dp:
-        raise UserError(f"rollout runs with tp*dp = {cfg.tp * cfg.dp} processes, not {dist.get_world_size()}")
+    topo = parallel.init(cfg.tp, 1, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="rollout")
     rank = dist.get_rank()
     actor_id = publish.output_id(actor)
     request = {"kind": "rollout", "actor": actor, "actor_id": actor_id, "prompts": cfg.prompts,
