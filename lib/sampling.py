@@ -40,6 +40,10 @@ from .parallel import group_size
 
 _M32 = 0xFFFFFFFF
 
+# Names the draw algorithm (hash, uniforms, Gumbel-max): recorded with every rollout, so a change
+# to any of them redoes old rollouts instead of mixing two algorithms' rows. Bump it with them.
+SAMPLER = "keyed-gumbel-1"
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -223,8 +223,8 @@ class Sampling(BaseModel):
     max_new_tokens: Count = Field(256, description="Longest response.")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list,
                                                               description="Stop tokens besides the checkpoint's EOS.")
-    seed: int = Field(0, description="Sampling seed, mixed with each chunk's index: the samples drawn depend on the "
-                                     "seed and chunk_size, never on the layout.")
+    seed: int = Field(0, description="Sampling seed. Sample k of prompt row r draws from its own random stream, keyed by "
+                                     "(seed, r, k): responses depend on nothing else (not layout, batch or chunks).")
 
 
 class RolloutConfig(StageConfig):
@@ -248,9 +248,10 @@ class RolloutConfig(StageConfig):
     sampling: Sampling = Field(default_factory=Sampling, description="How responses are drawn.")
     tp: int = layout("Tensor-parallel size; processes = tp × dp.")
     dp: int = layout("Data-parallel groups, each taking every dp-th chunk.")
-    chunk_size: Count = Field(64, description="Prompts per part file (the unit of resumption). Sampling is seeded per "
-                                              "chunk, so changing it changes which samples are drawn.")
-    max_batch: Count = Field(64, description="Sequences decoded together.")
+    chunk_size: Count = Field(64, description="Prompts per part file (the unit of resumption). It decides the output's "
+                                              "part files, though not the rows in them.")
+    max_batch: Count = placement(64, "Sequences decoded together (engine slots): speed and memory only; the responses "
+                                     "do not depend on it.")
     dtype: ComputeDtype = Field("auto", description="Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | "
                                                     "fp16 (GPU only) | fp32.")
 

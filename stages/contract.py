@@ -169,10 +169,6 @@ def read_rows(root: str, manifest: dict) -> list[dict]:
     return [row for name in manifest_parts(manifest) for row in read_part(root, name).to_pylist()]
 
 
-# rollout (being rewritten by its owner) still names its dtype through here; the others use lib.dtypes.
-dtype_name = dtypes.name
-
-
 # ---- checkpoints ------------------------------------------------------------------------------------------
 
 MODEL = "model"  # the weights, a DCP checkpoint of HF-named tensors

@@ -24,7 +24,7 @@ import pyarrow.dataset as pads
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, job, parallel, publish
+from llamarl.lib import checkpoint, dtypes, job, parallel, publish, sampling
 from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
@@ -69,9 +69,7 @@ def iter_chunks(ds: pads.Dataset, chunk_size: int, columns: list[str], mine):
 def run(cfg: RolloutConfig) -> None:
     actor = cfg.actor.rstrip("/")
     out = cfg.out.rstrip("/")
-    manifest = publish.require_published(actor, "checkpoint")
-    if manifest["head"] != "lm":
-        raise UserError(f"{actor} is a {manifest['head']} model; rollout needs a causal LM actor")
+    manifest = contract.require_checkpoint(actor, "lm", "rollout's actor")
     model_cfg = LlamaConfig.from_dict(manifest["model_config"])
     layout = ParallelLayout(tp=cfg.tp, pp=1, remove_padding=True)
     layout.check(model_cfg)
@@ -96,25 +94,24 @@ def run(cfg: RolloutConfig) -> None:
     topo = parallel.init(cfg.tp, 1, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="rollout")
     rank = dist.get_rank()
     actor_id = publish.output_id(actor)
-    request = {"kind": "rollout", "actor": actor, "actor_id": actor_id, "prompts": cfg.prompts,
-               "config": cfg.identity()}
+    # The sampler's version is part of what the rows are: a new draw algorithm redoes old rollouts.
+    request = {"kind": contract.ROLLOUT, "actor": actor, "actor_id": actor_id, "prompts": cfg.prompts,
+               "sampler": sampling.SAMPLER, "config": cfg.identity()}
 
-    if job.prepare_output(out, lambda m: m.get("request") == request, request) == "skip":
-        if rank == 0:
-            print(f"{out}: already rolled out with this actor and config, nothing to do", flush=True)
+    if contract.skip_if_current(out, {"request": request}, "already rolled out with this actor and config", request):
         return
-    job.verify_input(actor, manifest, "model/")
+    job.verify_input(actor, manifest, f"{contract.MODEL}/")
 
     done = set(contract.published_parts(out))
 
     model = _build_actor(model_cfg, layout, dtype, parallel.device())
-    checkpoint.load_model(model, f"{actor}/model")
+    checkpoint.load_model(model, f"{actor}/{contract.MODEL}")
     model.eval()
 
     # One engine for all chunks: its KV cache and captured decode steps are reused.
     engine = Engine(model, params, max_batch=cfg.max_batch)
     meta = {"actor": actor, "actor_id": actor_id, "sampling": json.dumps(s.model_dump()), "seed": str(s.seed),
-            "tp": str(cfg.tp), "dtype": contract.dtype_name(dtype)}
+            "sampler": sampling.SAMPLER, "tp": str(cfg.tp), "dtype": dtypes.name(dtype)}
     progress = _Progress(enabled=rank == 0)
     stats = {"chunks": 0, "rows": 0, "truncated_prompts": 0, "new_tokens": 0, "skipped_chunks": 0}
     writer = topo.tp_rank == 0
@@ -143,7 +140,7 @@ def run(cfg: RolloutConfig) -> None:
             raise RuntimeError(f"{out}: {len(parts)} parts published, {expected} expected")
         files = contract.part_entries(out, parts)
         rows = sum(contract.part_rows(out, p) for p in parts)
-        publish.publish(out, {"kind": "rollout", "timing": job.timing(), "request": request, "files": files, "rows": rows,
+        publish.publish(out, {"kind": contract.ROLLOUT, "timing": job.timing(), "request": request, "files": files, "rows": rows,
                               "schema": contract.ROLLOUT_SCHEMA.names + list(cfg.keep_columns), "stats": totals,
                               "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None})
         print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "

@@ -184,17 +184,18 @@ def test_identity_leaves_out_outputs_layout_and_placement_only():
     assert not {"out", "tp", "pp", "dp", "offload", "collective_timeout_s"} & a.identity().keys()
 
 
-def test_how_ppo_runs_is_no_part_of_its_identity_but_rollout_chunks_are():
+def test_how_ppo_and_rollout_run_is_no_part_of_their_identity_but_rollout_chunks_are():
     # sequence_parallel gives the same update (tests/test_ppo.py: tp2-sp against tp1) and
     # save_every only how often a resumable state is saved (a resumed run is bit-identical).
     ppo = {"rollout": "r", "scores": "s", "actor": "a", "out": "o"}
     plain = PPOConfig.parse(ppo | {"tp": 1}, "x").identity()
     assert PPOConfig.parse(ppo | {"tp": 2, "sequence_parallel": True, "save_every": 5}, "x").identity() == plain
-    # Sampling is seeded per chunk: chunk_size changes which samples are drawn.
+    # Sampling is keyed per (seed, row, sample), so max_batch (engine slots) draws the same rows
+    # (tests/test_rollout.py); chunk_size still decides the part files a rerun resumes from.
     rollout = {"actor": "a", "prompts": "p", "out": "o"}
-    assert (RolloutConfig.parse(rollout | {"chunk_size": 32}, "x").identity()
-            != RolloutConfig.parse(rollout, "x").identity())
-    assert "changes which samples are drawn" in RolloutConfig.model_fields["chunk_size"].description
+    default = RolloutConfig.parse(rollout, "x").identity()
+    assert RolloutConfig.parse(rollout | {"max_batch": 4}, "x").identity() == default
+    assert RolloutConfig.parse(rollout | {"chunk_size": 32}, "x").identity() != default
 
 
 # The pipeline's key of each stage's default config (fixed paths, no inputs published, nothing
@@ -203,7 +204,7 @@ def test_how_ppo_runs_is_no_part_of_its_identity_but_rollout_chunks_are():
 # "Upgrading" in docs/pipeline.md which stages an older run reruns.
 GOLDEN_KEYS = {
     "shard": "e297a2b650ef9ef1",
-    "rollout": "ad7428a75bd11f8d",
+    "rollout": "d4dd6eb639158a02",
     "score": "c61100ef0a15e5cb",
     "ppo": "127695e343cd5eb3",
     "export": "9da24f69a4590439",
