@@ -69,8 +69,11 @@ def test_layout_does_not_change_the_update(pool2, iteration, reference_run, tmp_
     ref_actor, actor = _weights(str(reference_run / "actor")), _weights(str(tmp_path / "run" / "actor"))
     moved = max(((ref_actor[k] - before[k]).norm() / before[k].norm()).item() for k in before)
     assert moved > 1e-3  # the update did something
-    assert _rel_diff(actor, ref_actor) < 1e-5
-    assert _rel_diff(_weights(str(tmp_path / "run" / "critic")), _weights(str(reference_run / "critic"))) < 1e-5
+    # fp32 reduction order differs between layouts (step-1 gradients agree to 7e-8); Adam divides
+    # by sqrt(v), which lifts that to ~1.4e-5 of the weights at lr 1e-3 (1.4e-6 at lr 1e-4), flat
+    # over epochs. A wrong split or a missed all-reduce moves them by 1e-3 or more.
+    assert _rel_diff(actor, ref_actor) < 5e-5
+    assert _rel_diff(_weights(str(tmp_path / "run" / "critic")), _weights(str(reference_run / "critic"))) < 5e-5
 
 
 def test_outputs_metrics_and_checkpoint_format(reference_run, iteration):
