@@ -1,4 +1,7 @@
-"""PPO arithmetic: KL estimators, token rewards, GAE, advantage normalisation, the losses.
+"""PPO arithmetic: KL estimators, token rewards, the advantage estimators (GAE, GRPO, RLOO,
+REINFORCE++ with or without a group baseline), advantage normalisation, truncated importance
+weights, the losses and their aggregation. docs/rl.md gives the formulas and which options give
+which peer's algorithm.
 
 Tensors are ``[batch, response_len]`` with a 0/1 ``mask`` over real response tokens (right
 padding). Pure functions, no communication except where a ``group`` is passed for DP-global
@@ -65,14 +68,72 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, group=None, eps: float = 1e-8) -
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def grpo_advantages(scores: torch.Tensor, groups: list, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: each response's score normalised within its prompt's group of samples, on every token."""
+def _groups(groups: list) -> list[list[int]]:
+    """The rows of each group, groups in order of first appearance."""
+    rows: dict = {}
+    for i, g in enumerate(groups):
+        rows.setdefault(g, []).append(i)
+    return list(rows.values())
+
+
+def grpo_advantages(scores: torch.Tensor, groups: list, mask: torch.Tensor, eps: float = 1e-6,
+                    norm_by_std: bool = True) -> torch.Tensor:
+    """GRPO: each response's score minus its prompt's mean score, divided by the group's standard
+    deviation (+ ``eps``) unless ``norm_by_std`` is off (Dr. GRPO), on every token. A group of one
+    sample has no baseline: 0."""
     adv = torch.zeros_like(scores)
-    for g in set(groups):
-        idx = torch.tensor([i for i, x in enumerate(groups) if x == g])
+    for idx in map(torch.tensor, _groups(groups)):
+        if len(idx) < 2:
+            continue
         s = scores[idx]
-        adv[idx] = (s - s.mean()) / (s.std(unbiased=len(idx) > 1) + eps) if len(idx) > 1 else torch.zeros_like(s)
+        adv[idx] = (s - s.mean()) / (s.std() + eps) if norm_by_std else s - s.mean()
     return adv[:, None] * mask
+
+
+def group_baseline(scores: torch.Tensor, groups: list, kind: str) -> torch.Tensor:
+    """Per response, the baseline its score is compared with: ``mean``, the mean score of its
+    prompt's group (REINFORCE++-baseline); ``loo``, the mean of the *other* samples of the group
+    (RLOO's leave-one-out). A group of one sample is its own baseline (advantage 0)."""
+    base = scores.clone()
+    for idx in map(torch.tensor, _groups(groups)):
+        n = len(idx)
+        if n < 2:
+            continue
+        total = scores[idx].sum()
+        if kind == "mean":
+            base[idx] = total / n
+        elif kind == "loo":
+            base[idx] = (total - scores[idx]) / (n - 1)
+        else:
+            raise ValueError(f"group baseline {kind!r}: use mean or loo")
+    return base
+
+
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + γ·G_{t+1} within each response (0 outside it): REINFORCE's advantage."""
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        out[:, t] = running
+    return out
+
+
+def equal_score_groups(scores: list[float], groups: list) -> set:
+    """The groups (their names in ``groups``) whose scores are all equal, a single sample's
+    included: no comparison within them, so no signal for a group baseline (DAPO drops them)."""
+    by: dict = {}
+    for g, s in zip(groups, scores):
+        by.setdefault(g, []).append(s)
+    return {g for g, s in by.items() if max(s) == min(s)}
+
+
+def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling: per token w = min(π_old / π_rollout, ``cap``), the policy
+    the update starts from over the one that sampled the token; and where the cap truncated it.
+    Equal log-probs give exactly 1 (for cap ≥ 1): the loss is then unchanged."""
+    ratio = (old_logp - rollout_logp).exp()
+    return ratio.clamp(max=cap), (ratio > cap).float()
 
 
 def sequence_index(mask: torch.Tensor) -> torch.Tensor:
@@ -87,13 +148,15 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: fl
     """Sum of this micro-batch's share of a mini-batch loss.
 
     ``token-mean``: Σ loss·mask / (tokens in the whole mini-batch) — ``denominator``;
-    ``seq-mean-token-mean``: Σ_seq mean_tokens(loss) / (sequences in the mini-batch).
-    Summing these over micro-batches and DP ranks gives the mini-batch mean.
+    ``seq-mean-token-mean``: Σ_seq mean_tokens(loss) / (sequences in the mini-batch);
+    ``seq-mean-token-sum-norm`` (Dr. GRPO): Σ loss·mask / (sequences in the mini-batch × a
+    constant number of tokens), so a token weighs the same whatever its response's length.
+    Summing these over micro-batches and DP ranks gives the mini-batch's loss.
 
     ``loss`` and ``mask`` are ``[batch, len]``, or packed tokens of any shape with ``seq`` their
     ``sequence_index`` packed alike and ``sequences`` the micro-batch's rows. The caller knows
     that number on the host: reading it off ``seq`` would stall the GPU once per micro-batch."""
-    if mode == "token-mean":
+    if mode in ("token-mean", "seq-mean-token-sum-norm"):
         return (loss * mask).sum() / denominator
     if mode == "seq-mean-token-mean":
         if seq is None:
@@ -109,15 +172,20 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: fl
         sums = zeros.index_add(0, bins, loss)[:sequences]
         counts = zeros.index_add(0, bins, torch.ones_like(loss))[:sequences]
         return (sums / counts.clamp(min=1)).sum() / denominator
-    raise ValueError(f"loss aggregation {mode!r}: use token-mean or seq-mean-token-mean")
+    raise ValueError(f"loss aggregation {mode!r}: use token-mean, seq-mean-token-mean or "
+                     "seq-mean-token-sum-norm")
 
 
-def policy_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float | None = None):
-    """Per-token clipped surrogate (with dual clip ``c`` for negative advantages); also returns the
-    per-token clipped indicator and the approximate KL (old − new)."""
+def policy_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float | None = None,
+                clip_eps_high: float | None = None):
+    """Per-token clipped surrogate: max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high)) with r = π/π_old,
+    ε_low = ``clip_eps`` and ε_high = ``clip_eps_high`` (clip-higher; default ε_low), then for
+    negative advantages at most −A·c (dual clip ``c``). Also returns the per-token clipped
+    indicator and the approximate KL (old − new)."""
     ratio = (logp - old_logp).exp()
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + high)
     loss = torch.maximum(unclipped, clipped)
     was_clipped = (clipped > unclipped).float()
     if dual_clip is not None:

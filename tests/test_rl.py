@@ -163,3 +163,88 @@ def test_aggregation_reads_nothing_back_from_the_device():
         out.backward()
     assert mode.seen == [], mode.seen
     assert torch.allclose(out, torch.tensor((1.5 + 4 + 6) / 3))
+
+
+# ---- estimators: Dr. GRPO, RLOO, REINFORCE++ ------------------------------------------------------------
+
+
+def test_grpo_without_std_is_dr_grpo():
+    scores = torch.tensor([1.0, 3.0, 5.0, 5.0, 4.0])
+    adv = rl.grpo_advantages(scores, ["a", "a", "b", "b", "c"], torch.ones(5, 2), norm_by_std=False)
+    # score minus its group's mean, not divided by std; a group of one sample has no baseline
+    assert torch.equal(adv, t([-1.0, -1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]))
+
+
+def test_group_baselines_mean_and_leave_one_out():
+    scores = torch.tensor([1.0, 2.0, 6.0, 4.0])
+    groups = ["a", "a", "a", "b"]
+    assert torch.allclose(rl.group_baseline(scores, groups, "mean"), torch.tensor([3.0, 3.0, 3.0, 4.0]))
+    # RLOO: the mean of the other samples, (2+6)/2, (1+6)/2, (1+2)/2; alone: itself (advantage 0)
+    loo = rl.group_baseline(scores, groups, "loo")
+    assert torch.allclose(loo, torch.tensor([4.0, 3.5, 1.5, 4.0]))
+    # the known identity: s − loo = n/(n−1)·(s − mean)
+    assert torch.allclose((scores - loo)[:3], 1.5 * (scores[:3] - 3.0))
+    with pytest.raises(ValueError, match="group baseline 'median'"):
+        rl.group_baseline(scores, groups, "median")
+
+
+def test_returns_to_go_hand_computed():
+    rewards = t([0.1, 0.2, 1.0, 9.0], [9.0, 0.5, -1.0, 9.0])
+    mask = t([1, 1, 1, 0], [0, 1, 1, 0])  # row 2 starts late (label space); 9s are outside the responses
+    g = rl.returns_to_go(rewards, mask, gamma=0.5)
+    # row 1: G2 = 1, G1 = 0.2 + 0.5·1, G0 = 0.1 + 0.5·0.7; row 2: G2 = −1, G1 = 0.5 − 0.5
+    assert torch.allclose(g, t([0.45, 0.7, 1.0, 0.0], [0.0, 0.0, -1.0, 0.0]))
+    # the same as GAE with no critic and λ = 1
+    assert torch.allclose(g, rl.gae(rewards * mask, torch.zeros_like(rewards), mask, gamma=0.5, lam=1.0)[0])
+
+
+def test_equal_score_groups():
+    groups = ["a", "a", "b", "b", "c", "c", "d"]
+    assert rl.equal_score_groups([1.0, 1.0, 2.0, 3.0, 5.0, 5.0, 7.0], groups) == {"a", "c", "d"}
+
+
+# ---- clip-higher and truncated importance sampling ----------------------------------------------------
+
+
+def test_policy_loss_clip_higher():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.25, 1.5, 0.7, 0.7]))
+    adv = torch.tensor([1.0, 1.0, -1.0, 1.0])
+    loss, clipped, _ = rl.policy_loss(logp, old, adv, clip_eps=0.2, dual_clip=None, clip_eps_high=0.28)
+    # r=1.25, A=1: within 1.28, −1.25; r=1.5: clipped at 1.28; r=0.7, A=−1: max(0.7, 0.8) = 0.8
+    # (the low bound stays 0.8); r=0.7, A=1: max(−0.7, −0.8) = −0.7, not clipped
+    assert torch.allclose(loss, torch.tensor([-1.25, -1.28, 0.8, -0.7]))
+    assert clipped.tolist() == [0.0, 1.0, 1.0, 0.0]
+    symmetric, _, _ = rl.policy_loss(logp, old, adv, clip_eps=0.2, dual_clip=None)
+    assert torch.allclose(symmetric, torch.tensor([-1.2, -1.2, 0.8, -0.7]))
+
+
+def test_tis_weights_hand_computed():
+    old, rollout = torch.tensor([-1.0, -1.0, -2.0]), torch.tensor([-1.0, -2.0, -1.0])
+    w, cut = rl.tis_weights(old, rollout, cap=2.0)
+    # π_old/π_rollout = 1, e (truncated to 2), 1/e
+    assert torch.allclose(w, torch.tensor([1.0, 2.0, math.exp(-1)]))
+    assert cut.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_tis_with_equal_logprobs_is_exactly_the_unweighted_loss():
+    g = torch.Generator().manual_seed(0)
+    logp, old, adv = (torch.randn(3, 7, generator=g) for _ in range(3))
+    mask = (torch.rand(3, 7, generator=g) > 0.3).float()
+    w, cut = rl.tis_weights(old, old.clone(), cap=1.0)
+    assert torch.equal(w, torch.ones_like(w)) and not cut.any()
+    pg, _, _ = rl.policy_loss(logp, old, adv, 0.2, 3.0, 0.28)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        assert torch.equal(rl.aggregate(pg * w, mask, mode, 11.0), rl.aggregate(pg, mask, mode, 11.0))
+
+
+def test_aggregation_seq_mean_token_sum_norm():
+    # Dr. GRPO: Σ loss / (sequences × a constant length), here 4 tokens per sequence, 2 sequences
+    loss = t([1.0, 2.0, 0.0], [4.0, 0.0, 0.0])
+    mask = t([1, 1, 0], [1, 0, 0])
+    parts = [rl.aggregate(loss[i : i + 1], mask[i : i + 1], "seq-mean-token-sum-norm", 2 * 4.0) for i in range(2)]
+    assert torch.allclose(sum(parts), torch.tensor(7.0 / 8))
+    # packed alike
+    seq = rl.sequence_index(mask)
+    assert torch.allclose(rl.aggregate(loss.flatten(), mask.flatten(), "seq-mean-token-sum-norm", 8.0, seq=seq.flatten(),
+                                       sequences=2), torch.tensor(7.0 / 8))
