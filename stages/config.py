@@ -375,23 +375,37 @@ class PPOConfig(StageConfig):
     dp: int = layout("Data-parallel groups; the optimizer state is sharded over them (ZeRO-1).")
     sequence_parallel: bool = placement(False, "Split activations along tokens between TP ranks outside attention "
                                                "and MLP (needs tp > 1): less activation memory, the same update up to rounding.")
-    advantage: Literal["gae", "grpo"] = Field("gae", description="gae | grpo (group-normalised scores; no critic).")
+    advantage: Literal["gae", "grpo", "rloo", "reinforce++", "reinforce++-baseline"] = Field(
+        "gae", description="gae (critic) | grpo (score minus its prompt's mean, over the group's std) | rloo (score "
+                           "minus the mean of the prompt's other samples) | reinforce++ (KL-penalised returns, "
+                           "whitened over the batch) | reinforce++-baseline (the same from scores minus their "
+                           "prompt's mean). Only gae trains a critic; docs/rl.md has the formulas.")
+    grpo_norm_by_std: bool = Field(True, description="grpo: divide by the group's score std; false for Dr. GRPO "
+                                                     "(score minus the group mean only).")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ.")
     kl_coef: float = Field(0.05, ge=0, description="β of the KL penalty in the reward (or of the KL loss with "
                                                    "use_kl_loss).")
     kl_estimator: Literal["kl", "abs", "mse", "low_var_kl"] = Field("kl", description="kl | abs | mse | low_var_kl.")
     use_kl_loss: bool = Field(False, description="KL as a loss term instead of a reward penalty.")
-    whiten_advantages: bool = Field(True, description="Normalise GAE advantages to mean 0, std 1 over the batch's "
-                                                      "response tokens.")
-    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip ε.")
+    whiten_advantages: bool = Field(True, description="Normalise gae, reinforce++ and reinforce++-baseline "
+                                                      "advantages to mean 0, std 1 over the batch's response tokens.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip ε: the ratio is kept within [1 − ε, 1 + ε] "
+                                                    "(the upper bound 1 + clip_eps_high when that is set).")
+    clip_eps_high: float | None = Field(None, gt=0, description="Upper ratio clip ε_high, for clip-higher (DAPO: "
+                                                                "0.28 with clip_eps 0.2); null: clip_eps.")
     dual_clip: float | None = Field(3.0, gt=1, description="Dual-clip bound c (> 1) for negative advantages; null "
                                                            "to disable.")
     value_clip: float | None = Field(0.2, gt=0, description="Clip of the value update around the old values; null "
                                                             "to disable.")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (entropy is reported every step either way).")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = Field(
-        "token-mean", description="token-mean | seq-mean-token-mean.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How a mini-batch's token losses make its loss: token-mean (over its tokens) | "
+                                  "seq-mean-token-mean (each sequence's mean, then their mean) | "
+                                  "seq-mean-token-sum-norm (Dr. GRPO: the sum over tokens / (sequences × "
+                                  "loss_agg_norm)).")
+    loss_agg_norm: Count | None = Field(None, description="seq-mean-token-sum-norm's constant number of tokens per "
+                                                          "sequence; null: the rollout's sampling.max_new_tokens.")
     ppo_epochs: Count = Field(1, description="Passes over the rollout.")
     mini_batch_size: Count = Field(8, description="Sequences per optimizer step (over all DP ranks).")
     micro_batch_tokens: Count = Field(4096, description="Token budget of one forward/backward (per rank).")
@@ -412,7 +426,25 @@ class PPOConfig(StageConfig):
                                                       "softmax(logits / temperature).")
     off_policy: bool = Field(False, description="Allow a rollout sampled from another actor checkpoint than actor "
                                                 "(its recorded log-probs are then another policy's); by default that "
-                                                "is refused as a mix-up.")
+                                                "is refused as a mix-up. The pipeline sets it with max_staleness > 0.")
+    old_logp: Literal["auto", "rollout", "actor"] = Field(
+        "auto", description="π_old, what the clipped ratio divides by: rollout (the log-probs the rollout recorded) | "
+                            "actor (recomputed by the actor before the update, one more forward pass) | auto (actor "
+                            "when off_policy, else rollout).")
+    tis: Literal["auto", "on", "off"] = Field(
+        "auto", description="Truncated importance sampling: weigh each token's policy loss by min(π_old / "
+                            "π_rollout, tis_cap), correcting for samples drawn by another policy (an older actor, "
+                            "or the rollout engine's numerics). auto: on when old_logp is the actor's. With old_logp "
+                            "rollout every weight is 1.")
+    tis_cap: float = Field(2.0, ge=1, description="C of tis: the largest importance weight (≥ 1, so that equal "
+                                                  "log-probs weigh exactly 1).")
+    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: drop the prompts whose samples' scores "
+                                                      "are all equal (no signal against each other) before training; "
+                                                      "the manifest counts groups dropped and kept.")
+    train_groups: Count | None = Field(None, description="With dynamic_sampling: train on at most this many of the "
+                                                         "kept prompts, drawn by seed (the fixed batch DAPO fills; "
+                                                         "give the rollout more prompts than this to over-sample); "
+                                                         "null: every kept prompt.")
     seed: int = Field(0, description="Seed of the mini-batch order (the same at every layout).")
     save_every: int = placement(0, "Save resumable training state every N optimizer steps (0: only at the end); "
                                    "a resumed run ends bit-identical, so this changes no result.", ge=0)
@@ -424,6 +456,15 @@ class PPOConfig(StageConfig):
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.loss_agg_norm is not None and self.loss_agg != "seq-mean-token-sum-norm":
+            raise FieldsError(f"{{loss_agg_norm}} is read by {{loss_agg}}='seq-mean-token-sum-norm' only (it is "
+                              f"{self.loss_agg!r}); remove {{loss_agg_norm}} or change {{loss_agg}}")
+        if not self.grpo_norm_by_std and self.advantage != "grpo":
+            raise FieldsError(f"{{grpo_norm_by_std}} applies to {{advantage}}='grpo' only (it is {self.advantage!r}); "
+                              "remove {grpo_norm_by_std} or set {advantage} to 'grpo'")
+        if self.train_groups is not None and not self.dynamic_sampling:
+            raise FieldsError("{train_groups} is the batch of {dynamic_sampling}, which is off; set "
+                              "{dynamic_sampling}: true or remove {train_groups}")
         if self.sequence_parallel and self.tp == 1:
             raise FieldsError("{sequence_parallel} needs {tp} > 1; raise {tp} or turn {sequence_parallel} off")
         if self.lr_decay != "constant" and self.total_steps is None:
@@ -434,6 +475,16 @@ class PPOConfig(StageConfig):
                               f"{self.warmup_steps} (the decay follows the warm-up); raise {{total_steps}} or lower "
                               "{warmup_steps}")
         return self
+
+    def old_logp_source(self) -> Literal["rollout", "actor"]:
+        """Where π_old comes from, ``auto`` resolved."""
+        if self.old_logp == "auto":
+            return "actor" if self.off_policy else "rollout"
+        return self.old_logp
+
+    def uses_tis(self) -> bool:
+        """Whether the policy loss is weighed by truncated importance weights, ``auto`` resolved."""
+        return self.tis == "on" or (self.tis == "auto" and self.old_logp_source() == "actor")
 
 
 STAGES: dict[str, type[StageConfig]] = {"shard": ShardConfig, "rollout": RolloutConfig, "score": ScoreConfig,

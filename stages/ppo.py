@@ -2,11 +2,13 @@
 
 Run with tp × pp × dp processes (``llamarl stage ppo …``). The recipe:
 
-1. join rollout and scores on (prompt_id, sample_index);
-2. reference log-probs (frozen initial actor, freed once done) and old values (critic), the
-   batch split over DP;
-3. token rewards (score at the last token, minus β·KL unless KL is a loss term), GAE or GRPO
-   advantages, whitening;
+1. join rollout and scores on (prompt_id, sample_index); with dynamic sampling, drop the prompts
+   whose scores are all equal;
+2. reference log-probs (frozen initial actor, freed once done), old values (critic) and, when
+   π_old is the actor's (``old_logp``), the actor's own log-probs before any update, the batch
+   split over DP;
+3. token rewards (score at the last token, minus β·KL unless KL is a loss term), the advantages
+   (GAE, GRPO, RLOO, REINFORCE++), whitening, truncated importance weights;
 4. ``ppo_epochs`` passes over shuffled mini-batches; each mini-batch is one optimizer step of the
    actor (clipped/dual-clip policy loss, entropy bonus, optional KL loss) and of the critic (clipped
    value loss), micro-batched by a token budget with gradient accumulation, gradients reduced over
@@ -34,7 +36,14 @@ from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.stages import contract
 from llamarl.stages.config import PPOConfig
-from llamarl.stages.ppo_data import advantages, load_samples, micro_batches, mini_batch
+from llamarl.stages.ppo_data import (
+    advantages,
+    check_groups,
+    dynamic_sampling,
+    load_samples,
+    micro_batches,
+    mini_batch,
+)
 from llamarl.stages.ppo_state import (
     clear_state,
     metrics_on_rank0,
@@ -52,12 +61,19 @@ def run(cfg: PPOConfig) -> None:
     model_cfg = LlamaConfig.from_dict(actor_m["model_config"])
     layout = ParallelLayout(tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sequence_parallel, remove_padding=True)
     layout.check(model_cfg)
+    start_step = actor_m.get("train_state", {}).get("step", 0)
     samples = load_samples(cfg.rollout, cfg.scores)
-    sampled_from = publish.read_manifest(cfg.rollout)["request"]["actor_id"]
+    rollout_request = publish.read_manifest(cfg.rollout)["request"]
+    sampled_from = rollout_request["actor_id"]
     if not cfg.off_policy and sampled_from != publish.output_id(cfg.actor):
         raise UserError(f"{cfg.rollout} was sampled from another actor (id {sampled_from}) than {cfg.actor} "
                         f"(id {publish.output_id(cfg.actor)}); point at the actor it was sampled from, or set "
                         "off_policy: true")
+    joined_score = sum(s.score for s in samples) / len(samples)  # the rollout's, whatever is trained on
+    joined_length = sum(s.response_len for s in samples) / len(samples)
+    samples, sampling_stats = dynamic_sampling(cfg, samples, start_step)
+    check_groups(cfg, samples)
+    agg_norm = _agg_norm(cfg, rollout_request)
     reference = cfg.reference or cfg.actor
     use_critic = cfg.advantage == "gae"
     critic_m = contract.require_checkpoint(cfg.critic, "score", "a critic") if cfg.critic and use_critic else None
@@ -88,7 +104,6 @@ def run(cfg: PPOConfig) -> None:
         with torch.device(dev):
             critic = ParallelLlamaForValue(model_cfg, layout, dtype=dtype)
         _load_critic(critic, cfg)
-    start_step = actor_m.get("train_state", {}).get("step", 0)
     clock.lap("load")
 
     # 2. reference log-probs and old values, the samples split over DP
@@ -103,12 +118,15 @@ def run(cfg: PPOConfig) -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     old_values = token_outputs(critic, samples, groups, 1.0) if use_critic else None
+    # π_old recomputed before any update (a resumed run recomputes it from the same input actor).
+    recompute = cfg.old_logp_source() == "actor"
+    actor_logp = token_outputs(actor, samples, groups, cfg.temperature) if recompute else None
     order = [i for g in groups for i in g]
-    ref_logp = gather_dp(dict(zip(order, ref_logp)) if ref_logp is not None else None, topo)
-    old_values = gather_dp(dict(zip(order, old_values)) if old_values is not None else None, topo)
+    ref_logp, old_values, actor_logp = (gather_dp(dict(zip(order, x)) if x is not None else None, topo)
+                                        for x in (ref_logp, old_values, actor_logp))
 
     # 3. rewards and advantages (on the last stage, where losses are computed)
-    data = advantages(cfg, samples, ref_logp, old_values, dev) if topo.is_last_stage else None
+    data = advantages(cfg, samples, ref_logp, old_values, dev, actor_logp) if topo.is_last_stage else None
     clock.lap("reference")
 
     # 4. the epochs: one trainer per role (the critic only for GAE)
@@ -125,7 +143,7 @@ def run(cfg: PPOConfig) -> None:
         epoch, batch_idx = mini_batch(cfg, len(samples), k)
         step = start_step + k
         t0 = time.perf_counter()
-        m = train_step(cfg, trainers, samples, data, batch_idx, step, dev)
+        m = train_step(cfg, trainers, samples, data, batch_idx, step, dev, agg_norm)
         m.update(step=step + 1, epoch=epoch, seconds=time.perf_counter() - t0)
         update_tokens += m["tokens"]
         metrics_lines.append(m)
@@ -141,6 +159,7 @@ def run(cfg: PPOConfig) -> None:
         save_checkpoint(f"{out}/{name}", trainer, cfg.actor, actor_m, final, store_dtype)
     clock.lap("save")
     lines = metrics_on_rank0(metrics_lines, topo)
+    tis = metrics_on_rank0([data["tis_stats"]] if data else None, topo) if cfg.uses_tis() else None
     if rank == 0:
         publish.write_bytes(f"{out}/{contract.METRICS}", "".join(json.dumps(x) + "\n" for x in lines).encode())
         files = {contract.METRICS: publish.file_entry(f"{out}/{contract.METRICS}")}
@@ -148,13 +167,19 @@ def run(cfg: PPOConfig) -> None:
                    # Tokens through the actor's forward and backward, over all DP ranks.
                    "update_tokens": update_tokens,
                    "update_tokens_per_s": update_tokens / max(clock.laps["update"], 1e-9),
-                   "mean_score": sum(s.score for s in samples) / len(samples),
-                   "mean_response_length": sum(s.response_len for s in samples) / len(samples)}
+                   # The rollout's, over every sample (dynamic sampling may train on fewer).
+                   "mean_score": joined_score, "mean_response_length": joined_length,
+                   "trained_samples": len(samples), "old_logp": cfg.old_logp_source(),
+                   "tis": tis[0] if tis else None, "dynamic_sampling": sampling_stats}
         publish.publish(out, {"kind": contract.PPO, "timing": job.timing(), "request": request, "files": files,
                               "summary": summary, "actor": contract.ACTOR,
                               "critic": contract.CRITIC if critic is not None else None,
                               "final_step": final})
         clear_state(out)
+        if sampling_stats:
+            print(f"{out}: dynamic sampling kept {sampling_stats['kept']} of {sampling_stats['groups']} prompts "
+                  f"(scores all equal in {sampling_stats['dropped']}), trains on {sampling_stats['trained']}"
+                  + (f", {sampling_stats['short']} short of train_groups" if sampling_stats["short"] else ""), flush=True)
         print(f"{out}: {total} PPO steps, mean score {summary['mean_score']:.4f}, update "
               f"{summary['update_tokens_per_s']:.0f} tokens/s ({', '.join(f'{k} {v:.1f}s' for k, v in clock.laps.items())})",
               flush=True)
@@ -174,6 +199,19 @@ class _Clock:
         now = time.perf_counter()
         self.laps[phase] = self.laps.get(phase, 0.0) + now - self._t
         self._t = now
+
+
+def _agg_norm(cfg: PPOConfig, rollout_request: dict) -> int | None:
+    """seq-mean-token-sum-norm's constant: ``loss_agg_norm``, or the rollout's max_new_tokens."""
+    if cfg.loss_agg != "seq-mean-token-sum-norm":
+        return None
+    if cfg.loss_agg_norm is not None:
+        return cfg.loss_agg_norm
+    norm = rollout_request.get("config", {}).get("sampling", {}).get("max_new_tokens")
+    if norm is None:
+        raise UserError(f"{cfg.rollout}: its manifest does not say the rollout's max_new_tokens, the default of "
+                        "loss_agg_norm; set loss_agg_norm")
+    return norm
 
 
 def _optim_url(root: str | None, manifest: dict | None) -> str | None:

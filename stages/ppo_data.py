@@ -1,5 +1,6 @@
-"""PPO's data: the rollout joined with its scores, the order of mini-batches, micro-batches by a
-token budget, padding, and the advantages the losses read.
+"""PPO's data: the rollout joined with its scores, the groups kept by dynamic sampling, the order
+of mini-batches, micro-batches by a token budget, padding, and the advantages and importance
+weights the losses read.
 
 Tensors are in *label space*, right-padded: position t holds what concerns token t + 1 (its
 log-prob, value, advantage), so a response of a sample occupies positions
@@ -8,6 +9,7 @@ log-prob, value, advantage), so a response of a sample occupies positions
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +24,7 @@ from llamarl.stages.config import PPOConfig
 class Sample:
     ids: list[int]
     prompt_len: int
-    old_logp: list[float]
+    rollout_logp: list[float]  # what the rollout recorded: the sampling policy's log-probs
     score: float
     group: str
 
@@ -60,6 +62,40 @@ def load_samples(rollout: str, scores: str) -> list[Sample]:
     if not samples:
         raise UserError(f"{rollout}: no responses to train on")
     return samples
+
+
+def dynamic_sampling(cfg: PPOConfig, samples: list[Sample], start_step: int) -> tuple[list[Sample], dict | None]:
+    """DAPO's dynamic sampling, when ``cfg.dynamic_sampling``: the samples of the prompts whose
+    scores are not all equal (a prompt of one sample counts as all equal), at most
+    ``cfg.train_groups`` of them, drawn by (seed, the actor's step) and kept in rollout order; and
+    the counts for the manifest. The choice depends only on the data and the config: a rerun trains
+    on the same samples."""
+    if not cfg.dynamic_sampling:
+        return samples, None
+    groups = list(dict.fromkeys(s.group for s in samples))
+    equal = rl.equal_score_groups([s.score for s in samples], [s.group for s in samples])
+    kept = [g for g in groups if g not in equal]
+    if not kept:
+        raise UserError(f"{cfg.rollout}: every one of its {len(groups)} prompts has equal scores over its samples, so "
+                        "dynamic_sampling leaves nothing to train on; give the rollout more prompts or "
+                        "sampling.samples_per_prompt, or set dynamic_sampling: false")
+    chosen = kept
+    if cfg.train_groups is not None and len(kept) > cfg.train_groups:
+        g = torch.Generator().manual_seed(zlib.crc32(f"dynamic_sampling {cfg.seed} {start_step}".encode()))
+        picked = set(torch.randperm(len(kept), generator=g)[: cfg.train_groups].tolist())
+        chosen = [x for i, x in enumerate(kept) if i in picked]
+    train = set(chosen)
+    stats = {"groups": len(groups), "dropped": len(equal), "kept": len(kept), "trained": len(chosen),
+             "short": max(0, (cfg.train_groups or 0) - len(kept))}
+    return [s for s in samples if s.group in train], stats
+
+
+def check_groups(cfg: PPOConfig, samples: list[Sample]) -> None:
+    """Estimators with a group baseline need prompts of several samples; refused before any weights."""
+    if cfg.advantage in ("grpo", "rloo", "reinforce++-baseline") and len({s.group for s in samples}) == len(samples):
+        raise UserError(f"{cfg.rollout}: every prompt has one sample, and advantage={cfg.advantage!r} compares a "
+                        "prompt's samples with each other; set the rollout's sampling.samples_per_prompt >= 2, or "
+                        "use advantage gae or reinforce++")
 
 
 def mini_batch(cfg: PPOConfig, n: int, k: int) -> tuple[int, list[int]]:
@@ -119,24 +155,47 @@ def response_values(samples: list[Sample], padded_out: torch.Tensor) -> list[lis
 
 
 def advantages(cfg: PPOConfig, samples: list[Sample], ref_logp: dict[int, list[float]],
-               old_values: dict[int, list[float]] | None, dev) -> dict:
-    """Everything the losses read, per sample in label space: old and reference log-probs,
-    advantages, old values and returns (zero under GRPO), the response mask; and the mean KL."""
+               old_values: dict[int, list[float]] | None, dev, actor_logp: dict[int, list[float]] | None = None) -> dict:
+    """Everything the losses read, per sample in label space: π_old's log-probs (the actor's,
+    ``actor_logp``, when recomputed, else the rollout's), the reference's, advantages, old values
+    and returns (zero without a critic), the response mask, the truncated importance weights
+    (``tis``, when ``cfg.uses_tis()``); the mean KL and the weights' statistics."""
     n = len(samples)
     width = max(len(s.ids) for s in samples)
-    old = label_space(samples, [s.old_logp for s in samples], width, dev)
+    rollout = label_space(samples, [s.rollout_logp for s in samples], width, dev)
+    old = label_space(samples, [actor_logp[i] for i in range(n)], width, dev) if actor_logp is not None else rollout
     ref = label_space(samples, [ref_logp[i] for i in range(n)], width, dev)
     resp = response_mask(samples, width, dev)
     scores = torch.tensor([s.score for s in samples], device=dev)
+    groups = [s.group for s in samples]
     kl = rl.kl_estimate(old, ref, cfg.kl_estimator) * resp
-    if cfg.advantage == "grpo":
-        adv = rl.grpo_advantages(scores, [s.group for s in samples], resp)
-        values = returns = torch.zeros_like(adv)
-    else:
+    beta = 0.0 if cfg.use_kl_loss else cfg.kl_coef
+    values = returns = torch.zeros_like(resp)
+    if cfg.advantage == "gae":
         values = label_space(samples, [old_values[i] for i in range(n)], width, dev)
-        rewards = rl.token_rewards(scores, kl, resp, 0.0 if cfg.use_kl_loss else cfg.kl_coef)
-        adv, returns = rl.gae(rewards, values, resp, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages:
-            adv = rl.whiten(adv, resp)
-    return {"old_logp": old, "ref_logp": ref, "adv": adv, "values": values, "returns": returns, "resp": resp,
+        adv, returns = rl.gae(rl.token_rewards(scores, kl, resp, beta), values, resp, cfg.gamma, cfg.lam)
+    elif cfg.advantage == "grpo":
+        adv = rl.grpo_advantages(scores, groups, resp, norm_by_std=cfg.grpo_norm_by_std)
+    else:  # rloo, reinforce++, reinforce++-baseline: returns of the KL-penalised rewards of baselined scores
+        base = {"rloo": "loo", "reinforce++-baseline": "mean"}.get(cfg.advantage)
+        if base:
+            scores = scores - rl.group_baseline(scores, groups, base)
+        adv = rl.returns_to_go(rl.token_rewards(scores, kl, resp, beta), resp, cfg.gamma)
+    if cfg.whiten_advantages and cfg.advantage in ("gae", "reinforce++", "reinforce++-baseline"):
+        adv = rl.whiten(adv, resp)
+    data = {"old_logp": old, "ref_logp": ref, "adv": adv, "values": values, "returns": returns, "resp": resp,
             "kl": rl.masked_mean(kl, resp).item()}
+    if cfg.uses_tis():
+        data["tis"], data["tis_truncated"] = rl.tis_weights(old, rollout, cfg.tis_cap)
+        data["tis_stats"] = tis_stats(data, list(range(n)))
+    return data
+
+
+def tis_stats(data: dict, rows: list[int]) -> dict:
+    """The importance weights of ``rows``' response tokens: mean, max, and the fraction truncated."""
+    idx = torch.tensor(rows, device=data["resp"].device)
+    m = data["resp"][idx]
+    w, cut = data["tis"][idx] * m, data["tis_truncated"][idx] * m
+    tokens = m.sum().clamp(min=1)
+    return {"tis_weight_mean": (w.sum() / tokens).item(), "tis_weight_max": w.max().item(),
+            "tis_truncated": (cut.sum() / tokens).item()}

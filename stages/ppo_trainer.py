@@ -16,7 +16,7 @@ from llamarl.lib.batch import TokenBatch
 from llamarl.lib.parallel import Topology
 from llamarl.stages import contract
 from llamarl.stages.config import PPOConfig
-from llamarl.stages.ppo_data import Sample, micro_batches, padded, response_values
+from llamarl.stages.ppo_data import Sample, micro_batches, padded, response_values, tis_stats
 
 
 class Trainer:
@@ -104,10 +104,16 @@ class Aggregation:
     micro-batch's share (``rl.aggregate``), so the shares summed over micro-batches and DP ranks
     are the mini-batch's mean."""
 
-    def __init__(self, mode: str, response_lens: list[int]):
+    def __init__(self, mode: str, response_lens: list[int], norm: int | None = None):
+        """``norm``: seq-mean-token-sum-norm's constant number of tokens per sequence."""
         self.mode = mode
         self.tokens = sum(response_lens)
-        self.denominator = float(self.tokens if mode == "token-mean" else len(response_lens))
+        if mode == "seq-mean-token-sum-norm":
+            if norm is None:
+                raise ValueError("seq-mean-token-sum-norm needs its constant number of tokens per sequence")
+            self.denominator = float(len(response_lens) * norm)
+        else:
+            self.denominator = float(self.tokens if mode == "token-mean" else len(response_lens))
 
     @staticmethod
     def packed(batch: TokenBatch, resp: torch.Tensor) -> dict:
@@ -120,14 +126,16 @@ class Aggregation:
 
 
 def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sample], data: dict | None,
-               batch_idx: list[int], step: int, dev) -> dict:
+               batch_idx: list[int], step: int, dev, agg_norm: int | None = None) -> dict:
     """One optimizer step of every role on the mini-batch ``batch_idx``; its metrics (the losses on
-    the last pipeline stage only, where ``data`` — ``ppo_data.advantages`` — lives)."""
+    the last pipeline stage only, where ``data`` — ``ppo_data.advantages`` — lives). ``agg_norm``:
+    the constant of ``loss_agg`` seq-mean-token-sum-norm."""
     actor = trainers[contract.ACTOR].model
     topo = actor.topology
     mine = batch_idx[topo.dp_rank :: topo.dp]
     groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
-    agg = Aggregation(cfg.loss_agg, [samples[i].response_len for i in batch_idx])
+    agg = Aggregation(cfg.loss_agg, [samples[i].response_len for i in batch_idx], agg_norm)
+    weighed = cfg.uses_tis()
     tokens = agg.tokens
     # Metric sums stay on the device (a host read per micro-batch would stall the GPU); read once a step.
     sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
@@ -142,13 +150,17 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
             extras.append(None)
             continue
         rows, width = torch.tensor(g, device=dev), ids.shape[1]
-        mine_of = {k: batch.flat(data[k][rows, :width]) for k in ("old_logp", "ref_logp", "adv", "values", "returns")}
+        keys = ("old_logp", "ref_logp", "adv", "values", "returns") + (("tis",) if weighed else ())
+        mine_of = {k: batch.flat(data[k][rows, :width]) for k in keys}
         extras.append({"labels": batch.flat(labels), **agg.packed(batch, resp), **mine_of})
 
     def actor_loss(out, x):
         logp, entropy = vocab_parallel.log_probs_and_entropy(_scaled(out, cfg.temperature), x["labels"],
                                                              actor.tp_group)
-        pg, clipped, approx_kl = rl.policy_loss(logp, x["old_logp"], x["adv"], cfg.clip_eps, cfg.dual_clip)
+        pg, clipped, approx_kl = rl.policy_loss(logp, x["old_logp"], x["adv"], cfg.clip_eps, cfg.dual_clip,
+                                                cfg.clip_eps_high)
+        if weighed:  # truncated importance weights: constants, π_old over the sampling policy
+            pg = pg * x["tis"]
         loss = agg(pg, x)
         sums["policy_loss"] += loss.detach()
         sums["clip_fraction"] += (clipped * x["resp"]).sum().detach() / tokens
@@ -181,4 +193,6 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
         metrics["mean_score"] = sum(samples[i].score for i in batch_idx) / len(batch_idx)
         metrics["mean_response_length"] = tokens / len(batch_idx)
         metrics["kl"] = data["kl"]
+        if weighed:
+            metrics.update(tis_stats(data, batch_idx))
     return metrics

@@ -98,12 +98,93 @@ def test_next_iteration_continues_optimizer_state(pool1, iteration, reference_ru
     lines = [json.loads(x) for x in open(tmp_path / "it2" / "metrics.jsonl")]
     assert lines[0]["step"] == 7
     assert publish.require_published(str(tmp_path / "it2" / "actor"))["train_state"]["step"] == 9
+    # Off-policy: π_old is the actor's, recomputed before the update, so the first step's ratio is 1
+    # (against the rollout's log-probs, an actor 6 steps older, it would not be); the samples are
+    # weighed by min(π_old / π_rollout, 2), reported per step and in the manifest.
+    assert abs(lines[0]["approx_kl"]) < 1e-6 and lines[0]["clip_fraction"] == 0
+    summary = publish.require_published(str(tmp_path / "it2"), "ppo")["summary"]
+    assert summary["old_logp"] == "actor" and summary["tis"]["tis_weight_max"] <= 2.0
+    assert abs(summary["tis"]["tis_weight_mean"] - 1) > 1e-3  # another policy's samples
+    assert all(0 < x["tis_weight_mean"] and x["tis_weight_max"] <= 2.0 and 0 <= x["tis_truncated"] <= 1 for x in lines)
+
+
+def _steps(run) -> list[dict]:
+    return [{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in open(run / "metrics.jsonl")]
+
+
+def test_tis_with_equal_logprobs_is_exactly_todays_update(pool1, iteration, reference_run, tmp_path):
+    # On-policy, π_old the rollout's own log-probs: every weight is exactly 1, and the update is
+    # today's bit for bit.
+    pool1.run(ppo.run, _cfg(iteration, tmp_path / "tis", tis="on"))
+    lines = _steps(tmp_path / "tis")
+    tis_keys = ("tis_weight_mean", "tis_weight_max", "tis_truncated")
+    assert all((x["tis_weight_mean"], x["tis_weight_max"], x["tis_truncated"]) == (1.0, 1.0, 0.0) for x in lines)
+    assert [{k: v for k, v in x.items() if k not in tis_keys} for x in lines] == _steps(reference_run)
+    for role in ("actor", "critic"):
+        assert _rel_diff(_weights(str(tmp_path / "tis" / role)), _weights(str(reference_run / role))) == 0
+
+
+@pytest.fixture(scope="module")
+def recomputed_run(iteration, pool1, tmp_path_factory):
+    out = tmp_path_factory.mktemp("recomputed") / "tp1"
+    pool1.run(ppo.run, _cfg(iteration, out, old_logp="actor"))
+    return out
+
+
+def test_on_policy_recomputed_logprobs_agree_with_the_rollouts(iteration, reference_run, recomputed_run):
+    # π_old recomputed by the training kernels, on-policy: the importance weights measure the
+    # engine/trainer mismatch, near 1 in fp32 (a log-prob placed one token off would be far).
+    summary = publish.require_published(str(recomputed_run), "ppo")["summary"]
+    assert summary["old_logp"] == "actor"
+    assert abs(summary["tis"]["tis_weight_mean"] - 1) < 1e-4 and summary["tis"]["tis_truncated"] == 0, summary["tis"]
+    assert _rel_diff(_weights(str(recomputed_run / "actor")), _weights(str(reference_run / "actor"))) < 1e-3
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(pp=2)], ids=["dp2", "pp2"])
+def test_recomputed_logprobs_at_any_layout(pool2, iteration, recomputed_run, tmp_path, layout):
+    # The actor's log-probs are gathered over DP and live on the last pipeline stage only.
+    pool2.run(ppo.run, _cfg(iteration, tmp_path / "run", old_logp="actor", **layout))
+    assert _rel_diff(_weights(str(tmp_path / "run" / "actor")), _weights(str(recomputed_run / "actor"))) < 5e-5
+    tis = [publish.require_published(str(r), "ppo")["summary"]["tis"] for r in (tmp_path / "run", recomputed_run)]
+    assert tis[0] == pytest.approx(tis[1], abs=1e-6)
+
+
+def test_dynamic_sampling_trains_on_groups_of_differing_scores(pool1, pool2, iteration, tmp_path):
+    # DAPO's recipe (clip-higher, dynamic sampling, a token-sum loss without std normalisation) on
+    # scores of 0 or 1: whether a response has an "o" in it.
+    from llamarl.stages.ppo_data import load_samples
+
+    scores = tmp_path / "scores"
+    pool2.run(score.run, ScoreConfig(rollout=str(iteration / "rollout"), out=str(scores), tp=2,
+                                     rewards=[RewardTerm(name="regex", args={"pattern": "o"})]))
+    samples = load_samples(str(iteration / "rollout"), str(scores))
+    by: dict = {}
+    for s in samples:
+        by.setdefault(s.group, []).append(s.score)
+    differing = [g for g, v in by.items() if len(set(v)) > 1]
+    assert 1 < len(differing) < len(by), by  # the fixture has both kinds
+    cfg = _cfg(iteration, tmp_path / "dapo", scores=str(scores), advantage="grpo", dynamic_sampling=True, train_groups=2,
+               clip_eps_high=0.28, loss_agg="seq-mean-token-sum-norm", grpo_norm_by_std=False)
+    pool1.run(ppo.run, cfg)
+    summary = publish.require_published(str(tmp_path / "dapo"), "ppo")["summary"]
+    assert summary["dynamic_sampling"] == {"groups": len(by), "dropped": len(by) - len(differing),
+                                           "kept": len(differing), "trained": 2, "short": 0}
+    assert summary["trained_samples"] == 4 and len(_steps(tmp_path / "dapo")) == 2  # 4 samples, 4 a step, 2 epochs
+    assert summary["mean_score"] == pytest.approx(sum(s.score for s in samples) / len(samples))  # the rollout's
+    # The first step, ratio 1 on every token: −Σ A·(response tokens) / (4 sequences × max_new_tokens 8),
+    # A the score minus its prompt's mean (Dr. GRPO), over the 4 samples the stage chose.
+    from llamarl.stages.ppo_data import dynamic_sampling
+
+    trained, _ = dynamic_sampling(cfg, samples, start_step=0)
+    mean = {g: sum(by[g]) / len(by[g]) for g in by}
+    expected = -sum((s.score - mean[s.group]) * s.response_len for s in trained) / (4 * 8)
+    assert abs(expected) > 0.05 and _steps(tmp_path / "dapo")[0]["policy_loss"] == pytest.approx(expected, abs=1e-4)
 
 
 # ---- loss aggregation against hand-computed means ----------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
 def test_aggregation_of_micro_batches_is_the_hand_computed_mean(mode):
     # ppo's own path: samples cut into micro-batches by the token budget, right-padded, packed as
     # under TP2 sequence parallelism (a micro-batch of an odd token count gets a padding token, whose
@@ -117,10 +198,12 @@ def test_aggregation_of_micro_batches_is_the_hand_computed_mean(mode):
     samples = [Sample(list(range(5, 5 + p + r)), p, [0.0] * r, 0.0, str(i)) for i, (p, r) in enumerate(lens)]
     if mode == "seq-mean-token-mean":  # each sequence's mean, then the mean over sequences
         expected = (2.0 + 5.0 + 4.0 + 3.75) / 4
-    else:  # the mean over all response tokens
+    elif mode == "token-mean":  # the mean over all response tokens
         expected = 39.5 / 10
+    else:  # Dr. GRPO: the sum over all response tokens / (4 sequences × 8 tokens)
+        expected = 39.5 / 32
 
-    agg = Aggregation(mode, [s.response_len for s in samples])
+    agg = Aggregation(mode, [s.response_len for s in samples], norm=8)
     groups = micro_batches(list(range(4)), samples, budget=12)
     assert groups == [[0, 1], [2, 3]]
     total = torch.zeros(())
@@ -183,12 +266,15 @@ def test_seq_mean_policy_loss_is_minus_the_mean_advantage_of_the_sequences(pool2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_interrupted_between_steps_then_resumed_equals_uninterrupted(iteration, reference_run, bf16_run, tmp_path, dtype):
-    uninterrupted = {"fp32": reference_run, "bf16": bf16_run}[dtype]
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp32-old_logp-actor"])
+def test_interrupted_between_steps_then_resumed_equals_uninterrupted(iteration, reference_run, bf16_run, recomputed_run,
+                                                                     tmp_path, dtype):
+    # With old_logp: actor the resumed run recomputes π_old from the input actor, not the saved state.
+    uninterrupted = {"fp32": reference_run, "bf16": bf16_run, "fp32-old_logp-actor": recomputed_run}[dtype]
     opts = tmp_path / "opts.yaml"
     opts.write_text("mini_batch_size: 4\nmicro_batch_tokens: 40\nppo_epochs: 2\nactor_lr: 0.001\ncritic_lr: 0.001\n"
-                    f"kl_coef: 0.1\nentropy_coef: 0.01\nseed: 1\nsave_every: 1\ndtype: {dtype}\n")
+                    f"kl_coef: 0.1\nentropy_coef: 0.01\nseed: 1\nsave_every: 1\ndtype: {dtype[:4]}\n"
+                    + ("old_logp: actor\n" if dtype.endswith("actor") else ""))
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "llamarl.pipeline.cli", "stage", "ppo", str(iteration / "rollout"),
            str(iteration / "scores"), str(iteration / "actor"), str(out), "--dp", "1", "--config", str(opts)]
@@ -394,3 +480,133 @@ def test_ppo_refuses_a_rollout_of_another_actor_unless_off_policy(iteration, ref
                        "actor": str(reference_run / "actor"), "out": str(tmp_path / "ppo")})
     assert r.returncode == 2 and "was sampled from another actor" in r.stderr and "off_policy: true" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "ppo").exists()
+
+
+# ---- estimators, importance weights and dynamic sampling as ppo composes them ---------------------------
+# ppo_data.advantages on hand-made samples (no model): prompt of 1 token, so a response's tokens sit
+# at label positions 0 … len − 1. Reference log-probs 0, so the KL (estimator kl) of a token is its
+# log-prob: the rollout's, or the actor's when recomputed.
+
+KLS = [[0.1, 0.2], [0.3, 0.0], [0.4], [0.0, 0.5]]  # per response token
+SCORES, GROUPS = [1.0, 3.0, 2.0, 2.0], ["a", "a", "b", "b"]
+
+
+def _hand_samples():
+    from llamarl.stages.ppo_data import Sample
+
+    return [Sample([7] * (1 + len(k)), 1, list(k), s, g) for k, s, g in zip(KLS, SCORES, GROUPS)]
+
+
+def _advantages(samples=None, actor_logp=None, **kw):
+    from llamarl.stages.ppo_data import advantages
+
+    samples = samples or _hand_samples()
+    cfg = PPOConfig(rollout="r", scores="s", actor="a", out="o", kl_coef=0.1, **kw)
+    ref = {i: [0.0] * s.response_len for i, s in enumerate(samples)}
+    return advantages(cfg, samples, ref, None, "cpu", actor_logp)
+
+
+def _rows(x: torch.Tensor) -> list[list[float]]:
+    return [x[b, : len(k)].tolist() for b, k in enumerate(KLS)]
+
+
+def _whitened(rows: list[list[float]]) -> list[list[float]]:
+    import statistics
+
+    flat = [v for r in rows for v in r]
+    mean, var = statistics.fmean(flat), statistics.pvariance(flat)
+    return [[(v - mean) / (var + 1e-8) ** 0.5 for v in r] for r in rows]
+
+
+def _close(a: list[list[float]], b: list[list[float]]) -> bool:
+    return all(x == pytest.approx(y, abs=1e-5) for ra, rb in zip(a, b) for x, y in zip(ra, rb, strict=True))
+
+
+def test_rloo_and_reinforce_advantages_hand_computed():
+    # Token rewards −0.1·kl, plus the (baselined) score at the last token; the advantage is the
+    # sum of the rewards to the end (γ = 1).
+    # RLOO: baselines (leave-one-out) 3, 1, 2, 2 → scores −2, 2, 0, 0; not whitened.
+    rloo = [[-0.01 - 0.02 - 2, -0.02 - 2], [-0.03 + 2, 2.0], [-0.04], [-0.05, -0.05]]
+    assert _close(_rows(_advantages(advantage="rloo")["adv"]), rloo)
+    # REINFORCE++: no baseline, whitened over the batch's 7 response tokens.
+    plain = [[-0.03 + 1, -0.02 + 1], [-0.03 + 3, 3.0], [-0.04 + 2], [-0.05 + 2, -0.05 + 2]]
+    assert _close(_rows(_advantages(advantage="reinforce++")["adv"]), _whitened(plain))
+    assert _close(_rows(_advantages(advantage="reinforce++", whiten_advantages=False)["adv"]), plain)
+    # REINFORCE++-baseline: the group's mean score (2, 2) subtracted first, then whitened.
+    base = [[-0.03 - 1, -0.02 - 1], [-0.03 + 1, 1.0], [-0.04], [-0.05, -0.05]]
+    assert _close(_rows(_advantages(advantage="reinforce++-baseline")["adv"]), _whitened(base))
+    # With the KL as a loss term the rewards carry none: RLOO is the baselined score on every token.
+    assert _close(_rows(_advantages(advantage="rloo", use_kl_loss=True)["adv"]), [[-2, -2], [2, 2], [0], [0, 0]])
+    # Dr. GRPO: the group's mean subtracted, no std; GRPO divides by it (std of 1, 3 is √2).
+    assert _close(_rows(_advantages(advantage="grpo", grpo_norm_by_std=False)["adv"]), [[-1, -1], [1, 1], [0], [0, 0]])
+    r = 1 / (2**0.5 + 1e-6)
+    assert _close(_rows(_advantages(advantage="grpo")["adv"]), [[-r, -r], [r, r], [0], [0, 0]])
+
+
+def test_recomputed_old_logprobs_and_truncated_importance_weights():
+    # The actor's log-probs differ from the rollout's by 0, ln 3, −1, 0, 0, 0, 0.
+    import math
+
+    delta = [[0.0, math.log(3)], [-1.0, 0.0], [0.0], [0.0, 0.0]]
+    actor = {i: [k + d for k, d in zip(KLS[i], delta[i])] for i in range(4)}
+    data = _advantages(advantage="rloo", actor_logp=actor, old_logp="actor", tis_cap=2.0)
+    assert _close(_rows(data["old_logp"]), [actor[i] for i in range(4)])  # π_old: the actor's
+    # w = min(π_old / π_rollout, 2): 1, 3 → 2 (truncated), e^−1, then 1s
+    assert _close(_rows(data["tis"]), [[1, 2], [math.exp(-1), 1], [1], [1, 1]])
+    stats = data["tis_stats"]
+    assert stats["tis_weight_mean"] == pytest.approx((5 + 2 + math.exp(-1)) / 7)
+    assert stats["tis_weight_max"] == 2.0 and stats["tis_truncated"] == pytest.approx(1 / 7)
+    # the reward's KL is the actor's: sample 0's second token carries −0.1·(0.2 + ln 3)
+    assert data["adv"][0, 1].item() == pytest.approx(-0.1 * (0.2 + math.log(3)) - 2, abs=1e-6)
+    # TIS over the rollout's own log-probs: every weight exactly 1.
+    same = _advantages(advantage="rloo", tis="on")
+    assert torch.equal(same["tis"] * same["resp"], same["resp"]) and same["tis_stats"]["tis_truncated"] == 0
+    assert "tis" not in _advantages(advantage="rloo")  # off by default on-policy
+
+
+def test_old_logp_and_tis_resolve_from_off_policy():
+    base = dict(rollout="r", scores="s", actor="a", out="o")
+    on, off = PPOConfig(**base), PPOConfig(**base, off_policy=True)
+    assert (on.old_logp_source(), on.uses_tis()) == ("rollout", False)
+    assert (off.old_logp_source(), off.uses_tis()) == ("actor", True)
+    assert PPOConfig(**base, old_logp="actor").uses_tis() and not PPOConfig(**base, off_policy=True, tis="off").uses_tis()
+
+
+def test_dynamic_sampling_drops_equal_groups_and_takes_train_groups_by_seed():
+    from llamarl.lib.errors import UserError
+    from llamarl.stages.ppo_data import Sample, dynamic_sampling
+
+    scores = {"p0": [1, 1], "p1": [0, 1], "p2": [2, 2], "p3": [0, 3], "p4": [5], "p5": [1, 0], "p6": [4, 2]}
+    samples = [Sample([7, 7], 1, [0.0], float(s), g) for g, ss in scores.items() for s in ss]
+    cfg = dict(rollout="r", scores="s", actor="a", out="o", dynamic_sampling=True)
+    kept, stats = dynamic_sampling(PPOConfig(**cfg), samples, start_step=0)
+    assert [s.group for s in kept] == ["p1", "p1", "p3", "p3", "p5", "p5", "p6", "p6"]
+    assert stats == {"groups": 7, "dropped": 3, "kept": 4, "trained": 4, "short": 0}
+    some, stats = dynamic_sampling(PPOConfig(**cfg, train_groups=2), samples, start_step=0)
+    picked = list(dict.fromkeys(s.group for s in some))
+    assert len(picked) == 2 and set(picked) <= {"p1", "p3", "p5", "p6"} and picked == sorted(picked)  # rollout order
+    assert stats["trained"] == 2 and stats["kept"] == 4
+    # the same choice on a rerun; another iteration (actor step) draws anew
+    assert dynamic_sampling(PPOConfig(**cfg, train_groups=2), samples, start_step=0)[0] == some
+    draws = {tuple(dict.fromkeys(s.group for s in dynamic_sampling(PPOConfig(**cfg, train_groups=2), samples, k)[0]))
+             for k in range(0, 40, 4)}
+    assert len(draws) > 1
+    assert dynamic_sampling(PPOConfig(**cfg, train_groups=6), samples, 0)[1]["short"] == 2
+    assert dynamic_sampling(PPOConfig(**{**cfg, "dynamic_sampling": False}), samples, 0) == (samples, None)
+    with pytest.raises(UserError, match=r"every one of its 2 prompts has equal scores.*dynamic_sampling: false"):
+        dynamic_sampling(PPOConfig(**cfg), samples[:2] + samples[4:6], 0)
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"loss_agg_norm": 512}, "ppo: loss_agg_norm is read by loss_agg='seq-mean-token-sum-norm' only"),
+    ({"grpo_norm_by_std": False}, "ppo: grpo_norm_by_std applies to advantage='grpo' only"),
+    ({"train_groups": 8}, "ppo: train_groups is the batch of dynamic_sampling, which is off; set dynamic_sampling: true"),
+    ({"tis_cap": 0.5}, "ppo: tis_cap=0.5: Input should be greater than or equal to 1"),
+    ({"tis": "yes"}, "ppo: tis='yes': Input should be 'auto', 'on' or 'off'"),
+], ids=["agg-norm", "grpo-std", "train-groups", "tis-cap", "tis"])
+def test_new_options_refuse_bad_values_in_one_line(changes, needle):
+    from llamarl.lib.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        PPOConfig.parse({"rollout": "r", "scores": "s", "actor": "a", "out": "o", **changes}, "spec: ppo")
+    assert needle in str(e.value) and "\n" not in str(e.value)

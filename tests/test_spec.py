@@ -206,7 +206,7 @@ GOLDEN_KEYS = {
     "shard": "e297a2b650ef9ef1",
     "rollout": "d4dd6eb639158a02",
     "score": "c61100ef0a15e5cb",
-    "ppo": "127695e343cd5eb3",
+    "ppo": "86bd9e8d8ca45629",
     "export": "9da24f69a4590439",
 }
 
