@@ -150,8 +150,8 @@ def test_recomputed_logprobs_at_any_layout(pool2, iteration, recomputed_run, tmp
 
 
 def test_dynamic_sampling_trains_on_groups_of_differing_scores(pool1, pool2, iteration, tmp_path):
-    # DAPO's recipe (clip-higher, dynamic sampling, a token-sum loss without std normalisation) on
-    # scores of 0 or 1: whether a response has an "o" in it.
+    # DAPO's dynamic sampling and clip-higher with Dr. GRPO's advantage and loss, on scores of 0 or
+    # 1: whether a response has an "o" in it.
     from llamarl.stages.ppo_data import load_samples
 
     scores = tmp_path / "scores"
