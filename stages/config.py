@@ -376,10 +376,11 @@ class PPOConfig(StageConfig):
     sequence_parallel: bool = placement(False, "Split activations along tokens between TP ranks outside attention "
                                                "and MLP (needs tp > 1): less activation memory, the same update up to rounding.")
     advantage: Literal["gae", "grpo", "rloo", "reinforce++", "reinforce++-baseline"] = Field(
-        "gae", description="gae (critic) | grpo (score minus its prompt's mean, over the group's std) | rloo (score "
-                           "minus the mean of the prompt's other samples) | reinforce++ (KL-penalised returns, "
-                           "whitened over the batch) | reinforce++-baseline (the same from scores minus their "
-                           "prompt's mean). Only gae trains a critic; docs/rl.md has the formulas.")
+        "gae", description="gae | grpo | rloo | reinforce++ | reinforce++-baseline. gae: GAE with a critic (the only "
+                           "one that trains a critic); grpo: score minus its prompt's mean, over the group's std; "
+                           "rloo: score minus the mean of the prompt's other samples; reinforce++: returns of the "
+                           "KL-penalised rewards, whitened over the batch; reinforce++-baseline: the same from scores "
+                           "minus their prompt's mean. Formulas: docs/rl.md.")
     grpo_norm_by_std: bool = Field(True, description="grpo: divide by the group's score std; false for Dr. GRPO "
                                                      "(score minus the group mean only).")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
