@@ -76,8 +76,11 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
     either way. The one path into a stage: ``main`` for processes, ``cluster.slurm``'s tasks."""
     from . import liveness
 
+    mark("imported")
     try:
-        run(_load(cls, argv))
+        config = _load(cls, argv)
+        mark("config")
+        run(config)
     except UserError as e:
         # Errors reach every rank alike (config checks run everywhere; later ones go through
         # `check`), so rank 0 alone reports.
@@ -91,9 +94,11 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
         print(f"error: {error}", file=sys.stderr, flush=True)
         return Failure(EXIT_PEER_LOST, error)
     finally:
+        mark("end")
         liveness.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+        _write_profile()
     return None
 
 
@@ -145,6 +150,28 @@ def check(error: str | None) -> None:
 
 _work_start: float | None = None
 
+# Start-up profile: when this process reached each step, in Unix seconds. ``LLAMARL_PROFILE_DIR``
+# set (bench/startup.py sets it), each rank writes its steps there as rank-<RANK>.json at the end.
+PROFILE_ENV = "LLAMARL_PROFILE_DIR"
+_marks: dict[str, float] = {}
+
+
+def mark(step: str) -> None:
+    """Record when this process first reached ``step`` (for the start-up profile)."""
+    _marks.setdefault(step, time.time())
+
+
+def _write_profile() -> None:
+    folder = os.environ.get(PROFILE_ENV)
+    if not folder:
+        return
+    publish = sys.modules.get("llamarl.lib.publish")
+    steps = {"process_start": process_start_time(), **_marks, "work_start": _work_start,
+             "first_byte": getattr(publish, "first_write_time", None)}
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}.json"), "w") as f:
+        json.dump(steps, f)
+
 
 def process_start_time() -> float | None:
     """When this process started, in Unix seconds (10 ms resolution), from /proc; None elsewhere."""
@@ -166,31 +193,41 @@ def timing() -> dict:
 
 def verify_input(root: str, manifest: dict, prefix: str = "") -> None:
     """Collective: the files of a published input under ``prefix`` checked against its manifest
-    (sizes and checksums), each rank a share of them; a damaged file fails every rank in one line."""
+    (sizes and checksums), each rank a share of the bytes (several files at a time); a damaged file
+    fails every rank in one line."""
     from . import publish
 
     names = sorted(k for k in manifest["files"] if k.startswith(prefix))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     error = None
     try:
-        publish.verify(root, manifest["files"], names[rank::world])
+        publish.verify(root, manifest["files"], publish.share(manifest["files"], names, rank, world))
     except UserError as e:
         error = str(e)
     check(error)
 
 
 def file_entries(root: str, names: list[str]) -> dict:
-    """Collective: size and checksum of each ``root/name`` for a manifest, each rank hashing a share
-    (several files at a time), gathered on every rank."""
+    """Collective: size and checksum of each ``root/name`` for a manifest, gathered on every rank.
+    A file some rank wrote through ``publish.open_write`` (or ``checkpoint.save``) was hashed as it
+    was written: that rank's entry is used. The rest are read and hashed, each rank a share."""
     from . import publish
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = publish.file_entries(root, names[rank::world])
-    if world == 1:
-        return mine
-    parts: list = [None] * world
-    dist.all_gather_object(parts, mine)
-    return {k: v for p in parts for k, v in p.items()}
+    known = {n: e for n in names if (e := publish.written_entry(f"{root}/{n}")) is not None}
+    if world > 1:
+        parts: list = [None] * world
+        dist.all_gather_object(parts, known)
+        known = {k: v for p in parts for k, v in p.items()}
+    rest = [n for n in names if n not in known]
+    if not rest:
+        return {n: known[n] for n in names}
+    mine = publish.file_entries(root, rest[rank::world])
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, mine)
+        mine = {k: v for p in parts for k, v in p.items()}
+    return {n: known.get(n) or mine[n] for n in names}
 
 
 def prepare_output(out: str, is_current, request: dict | None = None) -> str:

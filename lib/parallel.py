@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import liveness
+from . import job, liveness
 from .errors import UserError
 
 
@@ -107,6 +107,7 @@ def init(tp: int = 1, pp: int = 1, *, dp: int | None = None, backend: str | None
         else:  # started by hand, not by torchrun or an executor: a job of one process
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         liveness.start()  # so that a rank whose collective fails can name the peer that was lost
+        job.mark("process_group")
     destroy_model_parallel()
     dp, rank = world // (tp * pp), dist.get_rank()
     grid = Topology(tp, pp, dp, rank % tp, rank // (tp * dp), (rank // tp) % dp)

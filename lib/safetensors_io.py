@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import fsspec
 import torch
-from safetensors.torch import save as st_save
 
+from . import publish
 from .dtypes import SAFETENSORS_CODES
 from .errors import UserError
 
@@ -135,9 +135,30 @@ class SafetensorsCheckpoint:
         return self.files[self.where[name]].read(name, dim, start, stop)
 
 
-def write_file(url: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
-    """Write a safetensors file at any fsspec URL; returns its size in bytes."""
-    data = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
-    with fsspec.open(url, "wb") as f:
-        f.write(data)
-    return len(data)
+# torch dtype → a header's dtype code, from the same table.
+_CODE_OF = {dtype: code for code, dtype in CODES.items()}
+
+
+def write_file(url: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict:
+    """Write a safetensors file at any fsspec URL, streamed from the tensors' memory (no copy of the
+    whole file) and hashed on the way; returns its manifest entry (``bytes`` and checksum).
+
+    The layout is the safetensors library's: header JSON padded with spaces to 8 bytes, tensors
+    ordered by element size (largest first, so each starts aligned), then name, with no gaps."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _CODE_OF[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with publish.open_write(url) as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for name in order:
+            t = tensors[name].detach().cpu().contiguous()
+            if t.numel():
+                f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+    return f.entry()

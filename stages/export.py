@@ -99,8 +99,7 @@ def run(cfg: ExportConfig) -> None:
         if tensors:
             out = {n: t.to(out_dtype) for n, t in tensors.items()}
             url = f"{dst}/{names[i]}"
-            write_file(url, out, metadata={"format": "pt"})
-            written[names[i]] = publish.file_entry(url)
+            written[names[i]] = write_file(url, out, metadata={"format": "pt"})  # hashed as written
             del out
         del tensors
     parts: list = [None] * world

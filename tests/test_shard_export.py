@@ -223,6 +223,61 @@ def test_missing_or_corrupt_shard_file(pool2, tmp_path):
     assert not (tmp_path / "out").exists() and (ckpt / "model" / "__0_0.distcp").exists()
 
 
+def test_manifest_checksums_are_those_of_the_files_and_old_sha256_checkpoints_export(pool2, tmp_path):
+    import hashlib
+
+    import xxhash
+
+    src, ckpt, out = str(tmp_path / "hf"), tmp_path / "ckpt", tmp_path / "out"
+    _hf_dir(src)
+    pool2.run(shard_then_export, src, str(ckpt), str(out), 2, 1)
+    for root in (ckpt, out):  # hashed while written, by the rank that wrote each file
+        for name, entry in publish.read_manifest(str(root))["files"].items():
+            data = (root / name).read_bytes()
+            assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}, name
+    # The same checkpoint as an older llamarl published it: sha256 entries. It still exports,
+    # and a flipped byte is still caught.
+    manifest = json.loads((ckpt / publish.MANIFEST).read_text())
+    manifest["files"] = {n: {"bytes": e["bytes"], "sha256": hashlib.sha256((ckpt / n).read_bytes()).hexdigest()}
+                         for n, e in manifest["files"].items()}
+    (ckpt / publish.MANIFEST).write_text(json.dumps(manifest))
+    pool2.run(export.run, ExportConfig(src=str(ckpt), dst=str(tmp_path / "out2")))
+    _assert_identical(src, tmp_path / "out2")
+    part = ckpt / "model" / "__0_0.distcp"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    part.write_bytes(bytes(data))
+    msg = _user_error(pool2, export.run, ExportConfig(src=str(ckpt), dst=str(tmp_path / "out3")))
+    assert "model/__0_0.distcp does not match its sha256 checksum" in msg
+    assert not (tmp_path / "out3").exists()
+
+
+def test_reader_copies_views_of_the_stored_bytes(tmp_path, monkeypatch):
+    # Items read in coalesced ranges, each tensor copied from the read buffer (no torch.load):
+    # row and column pieces written, other pieces read, strided targets, another dtype, 0-d,
+    # bool, misaligned items (DCP packs them back to back).
+    from llamarl.lib.checkpoint import Chunks
+
+    g = torch.Generator().manual_seed(0)
+    full = {"a": torch.randn(64, 48, generator=g).to(torch.bfloat16), "b": torch.randn(33, 7, generator=g),
+            "c": torch.arange(100), "d": torch.rand(9, generator=g) > 0.5, "e": torch.tensor(3.5),
+            "f": torch.randn(16, 6, generator=g).to(torch.float16)}
+    state = {"a": Chunks(full["a"].shape, {(0, 0): full["a"][:40], (40, 0): full["a"][40:]}),
+             "b": Chunks(full["b"].shape, {(0, 0): full["b"][:, :3], (0, 3): full["b"][:, 3:]}),
+             "c": full["c"], "d": full["d"], "e": full["e"], "f": full["f"].t().contiguous().t()}
+    checkpoint.save(state, str(tmp_path / "m"), threads=2)
+    a, b = torch.zeros(64, 48, dtype=torch.bfloat16), torch.zeros(7, 33).t()
+    out = {"a": Chunks(a.shape, {(0, 0): a[:20], (20, 0): a[20:]}),
+           "b": Chunks((33, 7), {(0, 0): b[:, :5], (0, 5): b[:, 5:]}),
+           "c": torch.zeros(100, dtype=torch.int64), "d": torch.zeros(9, dtype=torch.bool), "e": torch.tensor(0.0),
+           "f": torch.zeros(16, 6)}
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("an item went through torch.load"))
+    monkeypatch.setattr(checkpoint, "BLOCK_BYTES", 4096)  # several ranges per file
+    checkpoint.load(out, str(tmp_path / "m"))
+    assert torch.equal(a, full["a"]) and torch.equal(b, full["b"]) and torch.equal(out["f"], full["f"].float())
+    assert all(torch.equal(out[k], full[k]) for k in "cde")
+
+
 def test_dtype_names_are_one_table(tmp_path):
     # A config's name, a manifest's and a safetensors header's all name the same torch dtype.
     from llamarl.lib import dtypes
