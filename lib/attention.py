@@ -4,9 +4,10 @@ The attention metadata (``AttentionMetadata``, as vLLM and flash-attn users know
 
 * ``Padded``: tokens are ``batch × seqlen`` rows with a key-padding mask (SDPA with a mask).
 * ``Packed``: the valid tokens of all sequences back to back, delimited by ``cu_seqlens``
-  (remove-padding). Backends, fastest first: flash-attn's ``flash_attn_varlen_func`` when it
-  imports; ``torch.nn.attention.varlen.varlen_attn`` on CUDA; SDPA per sequence on CPU and for
-  fp32 (the varlen kernels are fp16/bf16 only).
+  (remove-padding). Backends, fastest first: sequences all of one length as one dense causal
+  SDPA batch (cuDNN on Hopper); flash-attn's ``flash_attn_varlen_func`` when it imports;
+  ``torch.nn.attention.varlen.varlen_attn`` on CUDA; SDPA per sequence on CPU and for fp32 (the
+  varlen kernels are fp16/bf16 only).
 * ``Prefill`` / ``Decode``: generation over a preallocated ``KVCache`` — packed prompts that
   also fill the cache, then one token per sequence attending over its cache.
 
@@ -199,8 +200,24 @@ def varlen_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) ->
     return "sdpa"
 
 
+def equal_lengths(num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int) -> bool:
+    """Whether every packed sequence is ``max_seqlen`` long, read from host numbers only (the
+    sequences' count and the longest): lengths summing to count × longest are all the longest."""
+    return max_seqlen > 0 and (cu_seqlens.shape[0] - 1) * max_seqlen == num_tokens
+
+
 def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, backend: str | None = None) -> torch.Tensor:
-    backend = backend or varlen_backend(q.device, q.dtype)
+    """Causal attention within each packed sequence. ``backend`` (None: the fastest) is one of
+    ``varlen_backend``'s, or ``sdpa_dense``: sequences of equal length as a ``[seqs, heads, len,
+    d]`` batch through SDPA (``is_causal``, GQA without repeated keys), which on Hopper runs
+    cuDNN's attention, about 1.7x torch's varlen (FlashAttention-2) kernels on the 1B shape
+    (docs/benchmarks.md); chosen on CUDA for fp16/bf16 when all lengths are equal."""
+    if backend is None:
+        backend = varlen_backend(q.device, q.dtype)
+        if backend != "sdpa" and equal_lengths(q.shape[0], cu_seqlens, max_seqlen):
+            backend = "sdpa_dense"
+    if backend == "sdpa_dense":
+        return _sdpa_dense(q, k, v, cu_seqlens.shape[0] - 1, max_seqlen)
     if backend == "flash_attn":
         return _flash_attn_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
     if backend == "torch_varlen":
@@ -208,9 +225,30 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, backend
         if has_gqa:
             return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), enable_gqa=True)
         rep = q.shape[1] // k.shape[1]  # torch 2.11's varlen_attn has no GQA
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        k, v = repeat_kv(k, rep), repeat_kv(v, rep)
         return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0))
     return _sdpa_per_sequence(q, k, v, cu_seqlens)
+
+
+def _sdpa_dense(q, k, v, seqs: int, seqlen: int) -> torch.Tensor:
+    """Equal-length packed sequences as one causal SDPA batch (views in, a view out: the packed
+    ``[tokens, heads, d]`` layout is SDPA's ``[batch, seq, heads, d]`` transposed)."""
+
+    def rows(t):
+        return t.view(seqs, seqlen, *t.shape[1:]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2).reshape(q.shape)
+
+
+def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """``[tokens, kv_heads, d]`` -> ``[tokens, kv_heads * rep, d]``, each kv head repeated for its
+    ``rep`` query heads (``repeat_interleave``'s result, as a broadcast copy: no index tensor;
+    its backward is a plain sum over the repeats)."""
+    if rep == 1:
+        return x
+    n, kv, d = x.shape
+    return x[:, :, None, :].expand(n, kv, rep, d).reshape(n, kv * rep, d)
 
 
 def _sdpa_per_sequence(q, k, v, cu_seqlens) -> torch.Tensor:
