@@ -10,11 +10,20 @@ buffer), so SP would not run on gloo. Ours hold the same shards and call the map
 ``mappings.py`` explicitly: one code path for CPU and GPU. Each layer is built with its TP group
 (``tp_group``) and whether tokens are split between blocks (``sequence_parallel``), and passes the
 group to every mapping it calls.
+
+Fused elementwise work (``fused=True``, training on CUDA by default): RMSNorm, the residual add
+with the norm after it, rotary and SwiGLU each run as one ``torch.compile`` region (forward and
+backward each one Triton kernel, nothing in fp32 kept for backward); the matmuls and the
+communication stay outside, eager, so the regions are the same at every layout. Each fused
+function computes what its eager twin does (``tests/test_fusions.py``), rounding once instead of
+after every op.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -109,9 +118,16 @@ class RMSNorm(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, fused: bool = False):
+        """``norm(x)``; with ``residual``: ``(x + residual, norm(x + residual))``, the sum being the
+        next residual stream. ``fused``: one compiled kernel (see the module's docstring)."""
         weight = mappings.copy_to_tp(self.weight, self.tp_group) if self.sequence_parallel else self.weight
-        return weight * rms_normalize(x, self.eps)
+        if residual is None:
+            return _fused(_rms_norm, 0)(x, weight, self.eps) if fused else weight * rms_normalize(x, self.eps)
+        if fused:
+            return _fused(_add_rms_norm, 0, 1)(x, residual, weight, self.eps)
+        x = x + residual
+        return x, weight * rms_normalize(x, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -167,3 +183,73 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def rotary_qk(q, k, cos, sin, *, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary`` to queries and keys; ``fused``: both in one compiled kernel, and only
+    ``cos``/``sin`` kept for backward (rotation is linear in q and k)."""
+    if fused:
+        return _fused(_rotary_qk, 0, 1, 2, 3)(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def swiglu(gate_up: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` of the gate_up projection ``[tokens, 2 * ffn]``; ``fused``: one compiled
+    kernel, keeping only ``gate_up`` for backward (SiLU recomputed there)."""
+    if fused:
+        return _fused(_swiglu, 0)(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- fused elementwise regions ---------------------------------------------------------------
+
+FUSED_ENV = "LLAMARL_FUSED"
+
+
+def fusions_on(device: torch.device) -> bool:
+    """Whether fused kernels (these compiled regions, the Triton vocabulary kernels) run on
+    ``device``: ``LLAMARL_FUSED`` = ``auto`` (the default: on CUDA), ``1`` (everywhere; on CPU
+    through inductor's C++ code, slow to compile: for tests) or ``0`` (never: the eager reference)."""
+    mode = os.environ.get(FUSED_ENV, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{FUSED_ENV}={mode!r}: use auto, 0 or 1")
+    return mode == "1" or (mode == "auto" and device.type == "cuda")
+
+
+def _rms_norm(x, weight, eps: float):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _add_rms_norm(x, residual, weight, eps: float):
+    s = x + residual
+    return s, _rms_norm(s, weight, eps)
+
+
+def _rotary_qk(q, k, cos, sin):
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def _swiglu(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, fullgraph=True)
+
+
+def _fused(fn, *token_args: int):
+    """``fn`` compiled once per process and shape family: the token dimension (dim 0 of the
+    arguments ``token_args``) is symbolic from the first call, so micro-batches of any length
+    reuse one kernel; every layer shares it (weights are arguments, not guarded by identity)."""
+    compiled = _compiled(fn)
+
+    def call(*args):
+        for i in token_args:
+            torch._dynamo.maybe_mark_dynamic(args[i], 0)
+        return compiled(*args)
+
+    return call

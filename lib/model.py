@@ -26,8 +26,10 @@ from .layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_rotary,
     column_input,
+    fusions_on,
+    rotary_qk,
+    swiglu,
 )
 from .parallel import Topology, group_rank, group_size
 
@@ -51,7 +53,7 @@ class ParallelAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_rows, cfg.hidden_size, bias=bias, tp_group=tp_group,
                                         sequence_parallel=sp, dtype=dtype)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, layer: int):
+    def forward(self, x, cos, sin, meta: AttentionMetadata, layer: int, fused: bool = False):
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
         if self.kv_replicas > 1:
             w = mappings.sum_replicated_kv_grad(w, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
@@ -59,8 +61,8 @@ class ParallelAttention(nn.Module):
                 b = mappings.sum_replicated_kv_grad(b, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
         qkv = F.linear(self.qkv_proj.gather_input(x), w, b)
         q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
-        q = apply_rotary(q.reshape(-1, self.heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.reshape(-1, self.kv_heads, self.head_dim), cos, sin)
+        q, k = rotary_qk(q.reshape(-1, self.heads, self.head_dim), k.reshape(-1, self.kv_heads, self.head_dim),
+                         cos, sin, fused=fused)
         v = v.reshape(-1, self.kv_heads, self.head_dim)
         out = attention(q, k, v, meta, layer)
         return self.o_proj(out.reshape(-1, self.q_rows))
@@ -75,9 +77,8 @@ class ParallelMLP(nn.Module):
         self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias, tp_group=tp_group,
                                            sequence_parallel=sp, dtype=dtype)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, fused: bool = False):
+        return self.down_proj(swiglu(self.gate_up_proj(x), fused=fused))
 
 
 class DecoderLayer(nn.Module):
@@ -90,17 +91,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
         self.mlp = ParallelMLP(cfg, tp_group, sp, dtype)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, self.index)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, meta: AttentionMetadata, fused: bool = False):
+        """``fused``: norms, residual add, rotary and SwiGLU as compiled regions (``lib.layers``)."""
+        attn = self.self_attn(self.input_layernorm(x, fused=fused), cos, sin, meta, self.index, fused)
+        x, h = self.post_attention_layernorm(x, attn, fused=fused)
+        return x + self.mlp(h, fused)
 
 
 class ParallelLlamaModel(nn.Module):
     """The decoder stack of one pipeline stage: embedding on the first, final norm on the last."""
 
     def __init__(self, cfg: LlamaConfig, topo: Topology, tp_group: ProcessGroup | None, sp: bool,
-                 dtype: torch.dtype, layer_split: list[int] | None):
+                 dtype: torch.dtype, layer_split: list[int] | None, fused: bool | None = None):
         super().__init__()
+        self.fused = fused
         self.layer_range = split_layers(cfg.num_layers, topo.pp, layer_split)[topo.pp_rank]
         self.embed_tokens = (
             VocabParallelEmbedding(pad_vocab(cfg.vocab_size, topo.tp), cfg.hidden_size, tp_group=tp_group,
@@ -118,9 +122,18 @@ class ParallelLlamaModel(nn.Module):
             hidden = self.embed_tokens(batch.input_ids)
         # Attention sees all N tokens (SP gathers them inside qkv_proj), so RoPE covers all N.
         cos, sin = self.rotary(batch.positions, hidden.dtype)
+        fused = self.use_fused(hidden)
         for layer in self.layers.values():
-            hidden = layer(hidden, cos, sin, batch.meta)
-        return self.norm(hidden) if self.norm is not None else hidden
+            hidden = layer(hidden, cos, sin, batch.meta, fused)
+        return self.norm(hidden, fused=fused) if self.norm is not None else hidden
+
+    def use_fused(self, hidden: torch.Tensor) -> bool:
+        """Fused regions when training (autograd recording: they save less for backward; a
+        forward without gradients — reference log-probs, generation, whose decode steps are
+        captured as CUDA graphs — stays eager), where ``fused`` (None: ``LLAMARL_FUSED``) says."""
+        if not torch.is_grad_enabled():
+            return False
+        return fusions_on(hidden.device) if self.fused is None else self.fused
 
 
 class ParallelLlama(nn.Module):
@@ -129,7 +142,8 @@ class ParallelLlama(nn.Module):
     hf_head = "lm"  # which HF head the weights come from: lm (LlamaForCausalLM) | score
 
     def __init__(self, cfg: LlamaConfig, layout: ParallelLayout = ParallelLayout(), *,
-                 dtype: torch.dtype = torch.float32, layer_split: list[int] | None = None):
+                 dtype: torch.dtype = torch.float32, layer_split: list[int] | None = None,
+                 fused: bool | None = None):
         super().__init__()
         topo = parallel.topology()
         if (topo.tp, topo.pp) != (layout.tp, layout.pp):
@@ -139,7 +153,9 @@ class ParallelLlama(nn.Module):
         self.cfg, self.layout, self.dtype = cfg, layout, dtype
         # The groups this model computes over, fixed now: every layer and collective uses these.
         self.topology, self.tp_group = topo, parallel.tp_group()
-        self.model = ParallelLlamaModel(cfg, topo, self.tp_group, layout.sequence_parallel, dtype, layer_split)
+        # fused: the decoder's elementwise work as compiled regions when training (None: on CUDA
+        # unless LLAMARL_FUSED=0; see lib.layers).
+        self.model = ParallelLlamaModel(cfg, topo, self.tp_group, layout.sequence_parallel, dtype, layer_split, fused)
         if topo.is_last_stage:
             self._build_head()
 
