@@ -9,15 +9,25 @@ CausalLM head does that): they then carry zero probability.
 ``group`` is the TP group the vocabulary is split over: the ``tp_group`` of the model that made
 the logits. Left out (None), it is the current topology's, ``parallel.tp_group()`` — the same
 group unless the groups were rebuilt after the model.
+
+Two implementations of the same functions. On CUDA (unless ``LLAMARL_FUSED=0``) two Triton
+kernels: forward reads the logits once (an online softmax gives each row's max, sum of exps and,
+for entropy, sum of exp·logit) and keeps nothing but the logits and two ``[N]`` vectors; backward
+reads them once more and writes the gradient, recomputing the probabilities. No ``[N, vocab]``
+fp32 tensor is ever made. Elsewhere (and as the reference in ``tests/test_fusions.py``) torch ops:
+an fp32 softmax kept for backward.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import parallel
+from .layers import fusions_on
 from .parallel import group_rank, group_size
 
 
@@ -101,26 +111,202 @@ class _LogProbEntropy(torch.autograd.Function):
         probs, logits, mean_logit, idx, mine = ctx.saved_tensors
         g_logp = torch.zeros_like(mean_logit) if g_logp is None else g_logp
         g_ent = torch.zeros_like(mean_logit) if g_ent is None else g_ent
-        # d logp / dx = onehot(label) - p;  dH/dx_j = p_j (E_p[x] - x_j)
-        grad = probs * ((mean_logit[:, None] - logits.float()) * g_ent[:, None] - g_logp[:, None])
+        # d logp / dx = onehot(label) - p;  dH/dx_j = p_j (E_p[x] - x_j). p times (E_p[x] - x)
+        # first: at padded columns (x = dtype min, p = 0) that is 0, where (E_p[x] - x) * g_ent
+        # alone would overflow to inf for |g_ent| > 1 and make 0 * inf = NaN.
+        grad = (mean_logit[:, None] - logits.float()).mul_(probs).mul_(g_ent[:, None])
+        grad.addcmul_(probs, g_logp[:, None], value=-1)
         grad.scatter_add_(-1, idx[:, None], (g_logp * mine)[:, None])
         return grad.to(logits.dtype), None, None
+
+
+# ---- the Triton kernels (CUDA) ---------------------------------------------------------------
+
+
+@functools.cache
+def _kernels():
+    """(forward stats kernel, backward gradient kernel), compiled on first use; None without Triton.
+    Defined here, not at import, so that importing lib/ never imports Triton."""
+    global tl
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def stats_kernel(x_ptr, stride, n_cols, m_ptr, s_ptr, t_ptr, WITH_T: tl.constexpr, BLOCK: tl.constexpr):
+        # One row per program, online over column blocks: m = max, s = sum exp(x - m), t = sum
+        # exp(x - m) * x. The first block holds a real column, so m is finite from then on.
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * stride
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, 0)
+        e = tl.where(mask, tl.exp(x - m), 0.0)
+        s = tl.sum(e, 0)
+        t = tl.sum(tl.where(mask, e * x, 0.0), 0)
+        for start in range(BLOCK, n_cols, BLOCK):
+            c = start + cols
+            mask = c < n_cols
+            x = tl.load(base + c, mask=mask, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, 0))
+            alpha = tl.exp(m - m_new)
+            e = tl.where(mask, tl.exp(x - m_new), 0.0)
+            s = s * alpha + tl.sum(e, 0)
+            if WITH_T:
+                t = t * alpha + tl.sum(tl.where(mask, e * x, 0.0), 0)
+            m = m_new
+        tl.store(m_ptr + row, m)
+        tl.store(s_ptr + row, s)
+        if WITH_T:
+            tl.store(t_ptr + row, t)
+
+    @triton.jit
+    def grad_kernel(x_ptr, stride, g_ptr, g_stride, n_cols, lse_ptr, mean_ptr, glogp_ptr, gent_ptr, target_ptr,
+                    HAS_LOGP: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr):
+        # grad = g_logp * (onehot(target) - p) + g_ent * p * (mean - x), p = exp(x - lse).
+        # p * (mean - x) first: at padded columns (x = dtype min) p is 0 and the product stays 0.
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * stride
+        out = g_ptr + row * g_stride
+        lse = tl.load(lse_ptr + row)
+        if HAS_LOGP:
+            g_logp = tl.load(glogp_ptr + row)
+            target = tl.load(target_ptr + row)
+        if HAS_ENT:
+            g_ent = tl.load(gent_ptr + row)
+            mean = tl.load(mean_ptr + row)
+        cols = tl.arange(0, BLOCK)
+        for start in range(0, n_cols, BLOCK):
+            c = start + cols
+            mask = c < n_cols
+            x = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
+            p = tl.exp(x - lse)
+            grad = tl.zeros([BLOCK], tl.float32)
+            if HAS_ENT:
+                grad += p * (mean - x) * g_ent
+            if HAS_LOGP:
+                grad += tl.where(c == target, g_logp, 0.0) - p * g_logp
+            tl.store(out + c, grad.to(g_ptr.dtype.element_ty), mask=mask)
+
+    return stats_kernel, grad_kernel
+
+
+def _use_kernels(logits: torch.Tensor) -> bool:
+    return logits.is_cuda and fusions_on(logits.device) and _kernels() is not None
+
+
+def _block(n_cols: int) -> int:
+    return min(4096, 1 << max(n_cols - 1, 1).bit_length())
+
+
+def _k_stats(x: torch.Tensor, group: ProcessGroup | None, with_mean: bool):
+    """(log-sum-exp, E_p[logit] or None) per row over the whole (TP-split) vocabulary."""
+    n, v = x.shape
+    m, s = x.new_empty(n, dtype=torch.float32), x.new_empty(n, dtype=torch.float32)
+    t = x.new_empty(n, dtype=torch.float32) if with_mean else s
+    if n:
+        _kernels()[0][(n,)](x, x.stride(0), v, m, s, t, WITH_T=with_mean, BLOCK=_block(v), num_warps=8)
+    if group_size(group) > 1:
+        top = _all_reduce(m.clone(), group, dist.ReduceOp.MAX)
+        scale = (m - top).exp()
+        st = _all_reduce(torch.stack([s * scale, t * scale]) if with_mean else (s * scale)[None], group)
+        m, s, t = top, st[0], st[-1]
+    return m + s.log(), (t / s if with_mean else None)
+
+
+def _k_grad(x, lse, mean, target, g_logp, g_ent) -> torch.Tensor:
+    grad = torch.empty_like(x)
+    n, v = x.shape
+    if n:
+        _kernels()[1][(n,)](x, x.stride(0), grad, grad.stride(0), v, lse, mean if mean is not None else lse,
+                            g_logp if g_logp is not None else lse, g_ent if g_ent is not None else lse,
+                            target if target is not None else lse, HAS_LOGP=g_logp is not None,
+                            HAS_ENT=g_ent is not None, BLOCK=_block(v), num_warps=8)
+    return grad
+
+
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    return logits if logits.stride(-1) == 1 else logits.contiguous()
+
+
+def _k_label(x, labels, group):
+    """(the label's logit; its local column on the rank that holds it, else -1)."""
+    label_logit, idx, mine = _label_logit(x, labels, group)
+    return label_logit, torch.where(mine, idx, -1).contiguous()
+
+
+class _KLogProb(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, group):
+        x = _rows(logits)
+        lse, _ = _k_stats(x, group, False)
+        label_logit, target = _k_label(x, labels, group)
+        ctx.save_for_backward(x, lse, target)
+        return label_logit - lse
+
+    @staticmethod
+    def backward(ctx, g):
+        x, lse, target = ctx.saved_tensors
+        return _k_grad(x, lse, None, target, g.float().contiguous(), None), None, None
+
+
+class _KEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, group):
+        x = _rows(logits)
+        lse, mean = _k_stats(x, group, True)
+        ctx.save_for_backward(x, lse, mean)
+        return lse - mean
+
+    @staticmethod
+    def backward(ctx, g):
+        x, lse, mean = ctx.saved_tensors
+        return _k_grad(x, lse, mean, None, None, g.float().contiguous()), None
+
+
+class _KLogProbEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, group):
+        x = _rows(logits)
+        lse, mean = _k_stats(x, group, True)
+        label_logit, target = _k_label(x, labels, group)
+        ctx.save_for_backward(x, lse, mean, target)
+        ctx.set_materialize_grads(False)
+        return label_logit - lse, lse - mean
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        x, lse, mean, target = ctx.saved_tensors
+        g_logp = None if g_logp is None else g_logp.float().contiguous()
+        g_ent = None if g_ent is None else g_ent.float().contiguous()
+        if g_logp is None and g_ent is None:
+            return None, None, None
+        return _k_grad(x, lse, mean, target, g_logp, g_ent), None, None
+
+
+# ---- the functions ---------------------------------------------------------------------------
 
 
 def log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor,
                           group: ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``log_probs`` and ``entropy`` together (the PPO actor loss needs both), fp32 ``[N]`` each."""
-    return _LogProbEntropy.apply(logits, labels, _or_current(group))
+    fn = _KLogProbEntropy if _use_kernels(logits) else _LogProbEntropy
+    return fn.apply(logits, labels, _or_current(group))
 
 
 def log_probs(logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """``log softmax(logits)[label]`` per token, fp32 ``[N]``; labels are global vocabulary ids."""
-    return _LogProb.apply(logits, labels, _or_current(group))
+    fn = _KLogProb if _use_kernels(logits) else _LogProb
+    return fn.apply(logits, labels, _or_current(group))
 
 
 def entropy(logits: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` per token, fp32 ``[N]``."""
-    return _Entropy.apply(logits, _or_current(group))
+    fn = _KEntropy if _use_kernels(logits) else _Entropy
+    return fn.apply(logits, _or_current(group))
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
