@@ -1,0 +1,261 @@
+"""Every fusion against the unfused path it replaces.
+
+* The compiled regions of ``lib.layers`` (RMSNorm, residual add + RMSNorm, rotary, SwiGLU): a
+  model with ``fused=True`` against ``fused=False``, logits and every gradient, on CPU (inductor's
+  C++ backend; ~40 s of compilation on a cold cache) and on CUDA (``gpu``: bf16, both measured
+  against fp32).
+* The Triton vocabulary kernels of ``lib.vocab_parallel`` (log-probs, entropy, both; at TP 1 and 2):
+  against the torch ops. On CPU through Triton's interpreter when Triton is installed (it is not
+  a dependency: skipped otherwise), on CUDA compiled (``gpu``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+import tiny
+from distpool import DistPool
+from llamarl.lib import attention, parallel, vocab_parallel
+from llamarl.lib.config import ParallelLayout, pad_vocab
+from llamarl.lib.model import ParallelLlamaForCausalLM
+
+CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _interpreter_pool(n):
+    """On CPU the kernels run in Triton's interpreter, which must be chosen before Triton is first
+    imported: in a pool of fresh processes started with ``TRITON_INTERPRET=1``."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    pool = DistPool(n)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+# ---- compiled regions: a whole model, fused against eager -------------------------------------
+
+
+def _loss(model, ids, mask, pos):
+    batch = model.make_batch(ids, mask, pos)
+    labels = batch.flat(torch.roll(ids, -1, 1))
+    logits = model(batch)
+    lp, ent = vocab_parallel.log_probs_and_entropy(logits, labels)
+    w = torch.linspace(-1, 1, lp.numel(), device=lp.device)
+    ((lp * w).sum() + 0.1 * ent.sum()).backward()
+    return logits.detach()
+
+
+def fused_vs_eager(tp=1, sp=False, rmpad=True, device="cpu", dtype=torch.float32):
+    """Max relative differences (logits, worst gradient) of fused against eager on the same weights,
+    over two batches of different lengths (the token dimension is symbolic: one compilation)."""
+    parallel.init(tp, 1)
+    hf = tiny.hf_model()
+    out = {}
+    for fused in (False, True):
+        with torch.device(device):
+            model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(tp=tp, sequence_parallel=sp,
+                                                                                 remove_padding=rmpad),
+                                             dtype=dtype, fused=fused)
+        model.load_hf_state_dict(hf.state_dict())
+        logits = []
+        for side, lengths in (("left", (7, 12, 3)), ("right", (5, 9, 16, 2))):
+            ids, mask, pos = (t.to(device) for t in tiny.batch(side, lengths=lengths))
+            logits.append(_loss(model, ids, mask, pos))
+        out[fused] = logits, {n: p.grad.float() for n, p in model.named_parameters()}
+    (l0, g0), (l1, g1) = out[False], out[True]
+    real = [torch.isfinite(a) & (a > torch.finfo(a.dtype).min) for a in l0]
+    return {
+        "logits": max(((a - b)[r].abs().max() / a[r].abs().max()).item() for a, b, r in zip(l0, l1, real)),
+        "grads": max(((g0[n] - g1[n]).abs().max() / g0[n].abs().max()).item() for n in g0),
+    }
+
+
+def test_fused_regions_match_eager_on_cpu():
+    # Inductor's CPU code computes the regions in fp32 like the eager ops: agreement to rounding.
+    errs = fused_vs_eager(rmpad=True)
+    assert max(errs.values()) < 1e-5, errs
+    errs = fused_vs_eager(rmpad=False)  # the padded (SDPA) path; the regions are already compiled
+    assert max(errs.values()) < 1e-5, errs
+
+
+@pytest.mark.slow
+def test_fused_regions_match_eager_tp2_sp(pool2):
+    # Sequence parallel: the norms' weights are mapped (gradient summed over TP) outside the region.
+    for errs in pool2.run(fused_vs_eager, 2, True):
+        assert max(errs.values()) < 1e-5, errs
+
+
+# ---- equal-length packed sequences as one dense SDPA batch ---------------------------------------
+
+
+def _attention_inputs(seqs, seqlen, device, dtype, heads=8, kv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = seqs * seqlen
+    q, k, v = (torch.randn(n, h, d, generator=g).to(device, dtype).requires_grad_() for h in (heads, kv, kv))
+    cu = torch.arange(0, n + 1, seqlen, dtype=torch.int32, device=device)
+    return q, k, v, cu
+
+
+def _attend(q, k, v, cu, seqlen, backend):
+    out = attention.varlen_attention(q, k, v, cu, seqlen, backend=backend)
+    w = torch.linspace(-1, 1, out.numel(), device=out.device, dtype=out.dtype).view_as(out)
+    (out * w).sum().backward()
+    res = [out.detach().float()] + [t.grad.float() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    return res
+
+
+def test_dense_attention_for_equal_lengths_matches_per_sequence():
+    q, k, v, cu = _attention_inputs(4, 7, "cpu", torch.float32)
+    assert attention.equal_lengths(q.shape[0], cu, 7)
+    assert not attention.equal_lengths(27, torch.tensor([0, 7, 14, 20, 27]), 7)  # one of 6 tokens
+    dense = _attend(q, k, v, cu, 7, "sdpa_dense")
+    ref = _attend(q, k, v, cu, 7, "sdpa")
+    for a, b in zip(dense, ref):
+        assert (a - b).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_dense_attention_on_cuda_as_close_to_fp32_as_varlen():
+    # The 1B shape's heads (32 / 8, head_dim 64), 4 sequences of 512: the automatic choice (dense
+    # SDPA, cuDNN on Hopper) against torch's varlen kernel, both in bf16, against fp32.
+    q, k, v, cu = _attention_inputs(4, 512, "cuda", torch.float32, heads=32, kv=8, d=64)
+    ref = _attend(q, k, v, cu, 512, "sdpa")
+    qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    errs = {}
+    for backend in (None, "torch_varlen"):
+        got = _attend(qb, kb, vb, cu, 512, backend)
+        errs[backend or "auto"] = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, ref))
+    print(errs)
+    assert errs["auto"] <= 1.5 * errs["torch_varlen"] + 1e-4, errs
+
+
+# ---- Triton vocabulary kernels against the torch ops -------------------------------------------
+
+
+def vocab_kernel_errors(tp, dtype=torch.float32, device="cpu", n=24, vocab=251, scale=3.0):
+    """Max errors of the kernel functions against the torch ones at TP ``tp``, gradients included,
+    with a padded vocabulary (padded columns at the dtype's minimum) and an out-of-range label."""
+    parallel.init(tp, 1)
+    g = torch.Generator().manual_seed(0)
+    vp = pad_vocab(vocab, tp) + (tp if vocab % tp == 0 else 0)  # always some padding
+    full = torch.randn(n, vocab, generator=g) * scale
+    padded = torch.cat([full, full.new_full((n, vp - vocab), torch.finfo(dtype).min)], 1).to(dtype)
+    per = vp // tp
+    r = parallel.topology().tp_rank
+    local = padded[:, r * per:(r + 1) * per].to(device)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[1] = -100  # held by no rank
+    labels = labels.to(device)
+    w_lp, w_ent = (torch.randn(n, generator=g).to(device) * 3 for _ in range(2))
+    errs = {}
+    pairs = {"log_probs": (vocab_parallel._LogProb, vocab_parallel._KLogProb, True, False),
+             "entropy": (vocab_parallel._Entropy, vocab_parallel._KEntropy, False, True),
+             "both": (vocab_parallel._LogProbEntropy, vocab_parallel._KLogProbEntropy, True, True)}
+    group = parallel.tp_group()
+    for name, (ref_fn, k_fn, has_lp, has_ent) in pairs.items():
+        outs, grads = [], []
+        for fn in (ref_fn, k_fn):
+            x = local.clone().requires_grad_()
+            y = fn.apply(x, labels, group) if has_lp else fn.apply(x, group)
+            y = y if isinstance(y, tuple) else (y,)
+            loss = sum((t * w).sum() for t, w in zip(y, [w_lp] * has_lp + [w_ent] * has_ent))
+            loss.backward()
+            outs.append(torch.stack(y))
+            grads.append(x.grad.float())
+        (o_ref, o_k), (g_ref, g_k) = outs, grads
+        assert torch.isfinite(g_k).all() and torch.isfinite(o_k).all(), name
+        errs[f"{name}_value"] = (o_ref - o_k).abs().max().item()
+        errs[f"{name}_grad"] = ((g_ref - g_k).norm() / g_ref.norm()).item()
+        padded_cols = torch.arange(r * per, (r + 1) * per, device=device) >= vocab
+        errs[f"{name}_grad_padding"] = g_k[:, padded_cols].abs().max().item() if padded_cols.any() else 0.0
+    return errs
+
+
+needs_triton = pytest.mark.skipif(not (CUDA or _triton_available()),
+                                  reason="Triton is not installed (the kernels' CPU check runs in its interpreter)")
+
+
+@needs_triton
+def test_vocab_kernels_match_torch():
+    if CUDA:
+        results = {d: [vocab_kernel_errors(1, d, "cuda")] for d in (torch.float32, torch.bfloat16)}
+    else:
+        with _interpreter_pool(1) as pool:
+            results = {d: pool.run(vocab_kernel_errors, 1, d) for d in (torch.float32, torch.bfloat16)}
+    for dtype, per_rank in results.items():
+        # bf16: the gradients are rounded to bf16 by both paths (a relative 2^-8 per element); the
+        # interpreter rounds fp32 -> bf16 towards zero (a relative 2^-7), the GPU to nearest.
+        tol = 1e-5 if dtype == torch.float32 else (4e-3 if CUDA else 1e-2)
+        for errs in per_rank:
+            assert all(v < (tol if k.endswith("grad") else 1e-5) for k, v in errs.items()), (dtype, errs)
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="two ranks on one process group: the CPU (gloo) check")
+def test_vocab_kernels_match_torch_tp2():
+    with _interpreter_pool(2) as pool:
+        for errs in pool.run(vocab_kernel_errors, 2):
+            assert max(errs.values()) < 1e-5, errs
+
+
+# ---- on the GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,vocab", [(64, 128256), (3, 50257)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_vocab_kernels_on_cuda_llama_vocab(n, vocab):
+    # The real shapes: many column blocks, a vocabulary no block size divides.
+    errs = vocab_kernel_errors(1, torch.bfloat16, "cuda", n=n, vocab=vocab, scale=4.0)
+    assert all(v < (4e-3 if k.endswith("grad") else 1e-4) for k, v in errs.items()), errs
+
+
+def _errors_vs_fp32(fused: bool):
+    """Relative errors of a bf16 CUDA model (fused or eager) against the fp32 CUDA eager model."""
+    parallel.init(1, 1)
+    hf = tiny.hf_model(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=2,
+                       head_dim=32, vocab_size=1000)
+    ids, mask, pos = (t.cuda() for t in tiny.batch("left", vocab=1000, lengths=(40, 77, 13, 64)))
+    res = {}
+    for name, dtype, f in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, fused)):
+        with torch.device("cuda"):
+            model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(), dtype=dtype, fused=f)
+        model.load_hf_state_dict(hf.state_dict())
+        res[name] = _loss(model, ids, mask, pos).float(), {n: p.grad.float() for n, p in model.named_parameters()}
+    (l_ref, g_ref), (l, g) = res["fp32"], res["bf16"]
+    return {"logits": ((l - l_ref).norm() / l_ref.norm()).item(),
+            "grads": max(((g[n] - g_ref[n]).norm() / g_ref[n].norm()).item() for n in g_ref)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_fused_bf16_model_as_close_to_fp32_as_eager_bf16():
+    """bf16 is not bit-exact either way (the regions round once, eager rounds after every op), so
+    the fused model must be as close to fp32 as the eager bf16 model is: within 1.25x its error."""
+    eager, fused = _errors_vs_fp32(False), _errors_vs_fp32(True)
+    print({"eager": eager, "fused": fused})
+    for k in eager:
+        assert fused[k] <= 1.25 * eager[k] + 1e-4, (k, eager, fused)
