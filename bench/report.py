@@ -62,11 +62,36 @@ def e2e(path: str) -> list[str]:
 
 def train_step(path: str) -> list[str]:
     r = json.load(open(path))
-    return [f"\n**train step** — {r['device']}, {r['date']} (`{os.path.basename(path)}`), {r['tokens_per_step']} "
-            "tokens a step, bf16\n", "| | tokens/s | MFU | peak GB |", "|---|---|---|---|",
-            f"| llamarl | {r['llamarl_tok_s']:,.0f} | {r['llamarl_mfu']:.1%} | {r['llamarl_peak_gb']:.1f} |",
-            f"| HF | {r['hf_tok_s']:,.0f} | {r['hf_mfu']:.1%} | {r['hf_peak_gb']:.1f} |",
-            f"| ratio | {r['ratio_llamarl_over_hf']:.2f}× | | |"]
+    out = [f"\n**train step** — {r['device']}, {r['date']} (`{os.path.basename(path)}`), {r['tokens_per_step']} "
+           "tokens a step, bf16\n"]
+    names = [n for n in ("llamarl", "llamarl-eager", "hf") if isinstance(r.get(n), dict)]
+    if not names:  # files before 2026-11-24: flat keys only
+        return out + ["| | tokens/s | MFU | peak GB |", "|---|---|---|---|",
+                      f"| llamarl | {r['llamarl_tok_s']:,.0f} | {r['llamarl_mfu']:.1%} | {r['llamarl_peak_gb']:.1f} |",
+                      f"| HF | {r['hf_tok_s']:,.0f} | {r['hf_mfu']:.1%} | {r['hf_peak_gb']:.1f} |",
+                      f"| ratio | {r['ratio_llamarl_over_hf']:.2f}× | | |"]
+    hf = r["hf"]
+    out += ["| | tokens/s | MFU | peak GB | step ms (median, min–max) | tokens/s vs HF | peak memory vs HF |",
+            "|---|---|---|---|---|---|---|"]
+    for n in names:
+        v = r[n]
+        out.append(f"| {n} | {v['tok_s']:,.0f} | {v['mfu']:.1%} | {_fmt(v['peak_gb'], '.1f')} | "
+                   f"{v['step_s_median'] * 1e3:.1f} ({v['step_s_min'] * 1e3:.1f}–{v['step_s_max'] * 1e3:.1f}) | "
+                   f"{v['tok_s'] / hf['tok_s']:.2f}× | "
+                   + (f"{v['peak_gb'] / hf['peak_gb']:.2f}× |" if v['peak_gb'] and hf['peak_gb'] else "– |"))
+    profiled = [n for n in names if r[n].get("profile")]
+    if profiled:
+        cats = list(r[profiled[0]]["profile"]["ms"])
+        out += ["", "Where a step's GPU time goes (`--profile`, ms per step and share of the step's GPU span):", "",
+                "| category | " + " | ".join(profiled) + " |", "|---|" + "---|" * len(profiled)]
+        for c in cats:
+            cells = []
+            for n in profiled:
+                p = r[n]["profile"]
+                cells.append(f"{p['ms'][c]:.1f} ({p['ms'][c] / p['step_ms']:.0%})")
+            out.append(f"| {c} | " + " | ".join(cells) + " |")
+        out.append("| **GPU span of a step** | " + " | ".join(f"**{r[n]['profile']['step_ms']:.1f}**" for n in profiled) + " |")
+    return out
 
 
 def gpu_checks(path: str) -> list[str]:
