@@ -1,22 +1,27 @@
-"""Sharded checkpoints on torch.distributed.checkpoint (DCP), at any fsspec URL.
+"""Sharded checkpoints in torch.distributed.checkpoint's (DCP) format, at any fsspec URL.
 
 What is stored is layout-free: the *HF-named, HF-shaped* tensors (``q_proj``, ``k_proj``, ...,
 unpadded vocabulary), each rank writing the pieces it owns as chunks with their offsets
 (``hf_mapping.param_slices`` says which). A job at any other TP×PP layout loads by asking for its
-own pieces; DCP reads the overlapping chunks. No conversion step, and the fused QKV / gate_up and
+own pieces, read from the overlapping chunks. No conversion step, and the fused QKV / gate_up and
 vocabulary padding of a layout never reach the files.
 
-DCP knows DTensor and ShardedTensor, neither of which can say "rows 128:192 of k_proj, also held
-by another rank" (kv heads replicated over TP). ``Chunks`` states exactly that through DCP's
-checkpointable-object hooks, and the two planners below resolve it — their documented extension
-points (``lookup_object`` / ``lookup_tensor``).
+The files are DCP's, byte for byte in layout (``FsspecWriter``'s: a ``.metadata`` pickle and
+``__<rank>_<i>.distcp`` files of ``torch.save`` items; any DCP reader loads them, and this module
+loads what DCP wrote), but reading and writing are our own, for three reasons:
 
-The files are DCP's own (``FsspecWriter``'s layout, read by any DCP reader); only how they move
-differs. Writing, each rank's writer threads hash every file as it goes out
-(``publish.HashingWriter``), so the manifest's checksums cost no second read. Reading (``_Reader``),
-a rank's items are read in large coalesced ranges by a pool of threads, and each tensor is copied
-from that buffer into its target: a view of the stored bytes, no ``torch.load`` copy. For a CUDA
-target the buffers are pinned and the copies non-blocking.
+* start-up: importing ``torch.distributed.checkpoint`` costs every process 0.45 s of CPU and
+  ~50 MB (it pulls in DTensor and sympy) before its first byte; ``.metadata`` is written and read
+  through records that stand in for DCP's classes;
+* checksums: every file is hashed as it is written (``publish.open_write``), so the manifest costs
+  no second read;
+* reads: a rank's items are read in coalesced ranges of up to ``BLOCK_BYTES`` by ``READ_THREADS``
+  threads, and each tensor is copied out of that buffer into its target (no ``torch.load`` copy);
+  for a CUDA target the buffers are pinned and the copies non-blocking.
+
+DCP knows DTensor and ShardedTensor, neither of which can say "rows 128:192 of k_proj, also held
+by another rank" (kv heads replicated over TP); ``Chunks`` does, and ``save`` writes each chunk
+once, from the rank holding the fewest bytes.
 """
 
 from __future__ import annotations
@@ -25,24 +30,19 @@ import collections
 import io
 import os
 import pickle
+import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from dataclasses import dataclass
 
+import fsspec
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import LoadItemType, TensorWriteData, WriteItem, WriteItemType
-from torch.futures import Future
 
-from . import hf_mapping, publish
+from . import hf_mapping, job, publish
+
+METADATA = ".metadata"
+DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION (checked in tests)
 
 
 class Chunks:
@@ -56,52 +56,30 @@ class Chunks:
     def size(self) -> torch.Size:
         return self._size
 
-    # DCP hooks (the protocol DTensor implements)
-    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, torch.Size(off)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=t.shape),
-                    properties=TensorProperties.create_from_tensor(t),
-                    size=self._size,
-                ),
-            )
-            for off, t in self.pieces.items()
-        ]
 
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(off), sizes=t.shape) for off, t in self.pieces.items()]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        return self.pieces[tuple(index.offset)]
+def _pieces(state: dict) -> dict[str, tuple[torch.Size, dict[tuple[int, ...], torch.Tensor]]]:
+    out = {}
+    for fqn, obj in state.items():
+        if isinstance(obj, Chunks):
+            out[fqn] = (obj.size(), {tuple(o): t for o, t in obj.pieces.items()})
+        elif isinstance(obj, torch.Tensor):
+            out[fqn] = (obj.shape, {(0,) * obj.dim(): obj})
+        else:
+            raise TypeError(f"checkpoint state {fqn!r}: {type(obj).__name__}; only tensors and Chunks are stored")
+    return out
 
 
-def _lookup(state, index: MetadataIndex):
-    obj = state[index.fqn]
-    return obj.__get_tensor_shard__(index) if isinstance(obj, Chunks) else None
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-class _SavePlanner(DefaultSavePlanner):
-    def lookup_object(self, index):
-        found = _lookup(self.state_dict, index)
-        return found.detach() if found is not None else super().lookup_object(index)
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-        # The default set-up also materialises meta tensors by rebuilding the dict, and turns every
-        # value type it does not know (ours) into None. Our state is flat and never on meta.
-        self.original_state_dict = self.state_dict = state_dict
-        self.metadata, self.is_coordinator = metadata, is_coordinator
-
-    def lookup_tensor(self, index):
-        found = _lookup(self.state_dict, index)
-        return found if found is not None else super().lookup_tensor(index)
+def _all_gather(obj) -> list:
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def chunks_of(cfg, tp: int, tp_rank: int, name: str, local: torch.Tensor, head: str) -> list[tuple[str, tuple, torch.Tensor]]:
@@ -136,39 +114,211 @@ def model_state(model, tensors: dict[str, torch.Tensor] | None = None, suffix: s
     return {k: Chunks(shapes[k[: len(k) - len(suffix)] if suffix else k], v) for k, v in pieces.items()}
 
 
-class _HashingFileSystem(FileSystem):
-    """DCP's fsspec file system, with every file it writes hashed on the way (``publish.record``
-    keeps the entry for the manifest)."""
+# ---- DCP's metadata, without importing DCP --------------------------------------------------------
+# ``.metadata`` is a pickle of DCP's dataclasses (torch.distributed.checkpoint.metadata). These
+# records stand in for them, field for field: reading, the pickle's DCP names resolve to them;
+# writing, they are pickled and their names rewritten to DCP's (``_dcp_pickle``), so that DCP's own
+# reader gets its own classes back.
 
-    @contextmanager
-    def create_stream(self, path, mode: str):
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with super().create_stream(path, mode) as raw:
-            writer = publish.HashingWriter(raw)
-            yield writer
-            writer.close()
-        publish.record(self.fs, os.fspath(path), writer)
-
-    def rename(self, path, new_path) -> None:
-        super().rename(path, new_path)
-        publish.moved(self.fs, os.fspath(path), os.fspath(new_path))
+_DCP_CLASSES = {"torch.distributed.checkpoint.metadata": (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta"), "torch.distributed.checkpoint.filesystem": ("_StorageInfo",)}
 
 
-class _Writer(FsspecWriter):
-    def __init__(self, url: str, threads: int):
-        super().__init__(url, single_file_per_rank=True, sync_files=False, thread_count=threads)
-        self.fs = _HashingFileSystem()
-        self.path = self.fs.init_path(url)
+class _Record:
+    transform_descriptors = None  # _StorageInfo leaves it out when empty
+    index = None
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def __getstate__(self):
+        if type(self).__name__ == "_dcp_TensorProperties":  # DCP's TensorProperties pickles a tuple
+            return (self.dtype, torch.strided, False, _dcp__MEM_FORMAT_ENCODING(0), False)
+        return self.__dict__
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 5:  # TensorProperties' tuple
+            self.dtype, self.layout, self.requires_grad, _fmt, self.pin_memory = state
+        else:
+            state, slots = state if isinstance(state, tuple) else (state, None)
+            self.__dict__.update(state or {})
+            self.__dict__.update(slots or {})
+
+
+class _dcp__MEM_FORMAT_ENCODING(int):  # noqa: N801 — DCP's enum, pickled as ENUM(value)
+    def __reduce__(self):
+        return type(self), (int(self),)
+
+
+_RECORDS, _DCP_NAMES = {}, {}
+for _module, _names in _DCP_CLASSES.items():
+    for _name in _names:
+        _cls = type(f"_dcp_{_name}", (_Record,), {"__module__": __name__})
+        globals()[_cls.__name__] = _RECORDS[(_module, _name)] = _cls
+        _DCP_NAMES[f"{__name__} {_cls.__name__}"] = f"{_module}\n{_name}\n"
+_DCP_NAMES[f"{__name__} _dcp__MEM_FORMAT_ENCODING"] = "torch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
+
+
+def _record(name: str, **fields) -> _Record:
+    module = next(m for m, names in _DCP_CLASSES.items() if name in names)
+    return _RECORDS[(module, name)](**fields)
+
+
+def _dcp_pickle(obj) -> bytes:
+    """``pickle.dumps(obj)`` with our records' class names replaced by DCP's (protocol 2: a GLOBAL
+    is its text, and no opcode refers to byte positions, so the rewrite is exact)."""
+    import pickletools
+
+    raw = pickle.dumps(obj, protocol=2)
+    out, last = [], 0
+    for op, arg, pos in pickletools.genops(raw):
+        if op.name == "GLOBAL" and arg in _DCP_NAMES:
+            end = raw.index(b"\n", raw.index(b"\n", pos) + 1) + 1
+            out += [raw[last:pos], b"c", _DCP_NAMES[arg].encode()]
+            last = end
+    return b"".join([*out, raw[last:]])
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU as DCP stores it: a tensor that is its whole storage (a view of a larger
+    one is copied, or ``torch.save`` would store all of it); from a GPU through pinned memory."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        return t if whole else t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
+
+
+def _assign(plans: list[list[tuple]]) -> list[set]:
+    """Which rank writes each chunk: its only holder, or of several holders (replicated kv heads,
+    DP copies) the one with the fewest bytes so far. The same answer on every rank."""
+    holders: dict[tuple, list[int]] = defaultdict(list)
+    size: dict[tuple, int] = {}
+    for r, plan in enumerate(plans):
+        for fqn, off, _shape, nbytes in plan:
+            holders[(fqn, off)].append(r)
+            size[(fqn, off)] = nbytes
+    load = [0] * len(plans)
+    mine: list[set] = [set() for _ in plans]
+    for key, rs in holders.items():
+        if len(rs) == 1:
+            mine[rs[0]].add(key)
+            load[rs[0]] += size[key]
+    for key in sorted((k for k, rs in holders.items() if len(rs) > 1), key=lambda k: (-size[k], k)):
+        r = min(holders[key], key=lambda r: (load[r], r))
+        mine[r].add(key)
+        load[r] += size[key]
+    return mine
+
+
+def _write_file(url: str, items: list[tuple[str, tuple, torch.Tensor]]) -> list[tuple]:
+    """One ``.distcp`` file: each item a ``torch.save`` archive, back to back. Returns
+    ``(fqn, offsets, file, begin, length)`` per item."""
+    name = url.rsplit("/", 1)[1]
+    out = []
+    with publish.open_write(url) as f:
+        for fqn, off, t in items:
+            begin = f.tell()
+            torch.save(_host(t), f)
+            out.append((fqn, off, name, begin, f.tell() - begin))
+    return out
+
+
+def _check_tiling(url: str, tensors: dict[str, tuple], chunks: dict[str, list]) -> None:
+    """Each tensor's chunks cover it exactly once (what DCP's global plan validation checks)."""
+    for fqn, (size, _dtype) in tensors.items():
+        cs = chunks[fqn]
+        vol = sum(int(torch.Size(sz).numel()) for _, sz in cs)
+        overlap = any(all(a0 < b0 + bs and b0 < a0 + as_ for a0, as_, b0, bs in zip(ao, asz, bo, bsz))
+                      for i, (ao, asz) in enumerate(cs) for bo, bsz in cs[i + 1 :])
+        if vol != int(torch.Size(size).numel()) or overlap:
+            raise ValueError(f"{url}: the chunks of {fqn} do not tile its {list(size)} exactly "
+                             f"({len(cs)} chunks, {vol} elements{', overlapping' if overlap else ''})")
+
+
+def _write_metadata(url: str, tensors: dict[str, tuple], written: list[tuple]) -> None:
+    """The ``.metadata`` pickle DCP writes (its classes, its fields), to a temporary name, then moved."""
+    chunks: dict[str, list] = defaultdict(list)
+    for fqn, off, shape, *_ in written:
+        chunks[fqn].append((off, shape))
+    _check_tiling(url, tensors, chunks)
+    state_md, storage, index = {}, {}, {}
+    for fqn in sorted(tensors):
+        size, dtype = tensors[fqn]
+        cs = sorted(chunks[fqn])
+        index.update({(fqn, off): i for i, (off, _) in enumerate(cs)})
+        state_md[fqn] = _record("TensorStorageMetadata", properties=_record("TensorProperties", dtype=dtype),
+                                size=torch.Size(size), chunks=[_record("ChunkStorageMetadata", offsets=torch.Size(o),
+                                                                       sizes=torch.Size(sz)) for o, sz in cs])
+    for fqn, off, _shape, name, begin, length in written:
+        key = _record("MetadataIndex", fqn=fqn, offset=torch.Size(off), index=index[(fqn, off)])
+        storage[key] = _record("_StorageInfo", relative_path=name, offset=begin, length=length)
+    md = _record("Metadata", state_dict_metadata=state_md, planner_data={fqn: (fqn,) for fqn in state_md},
+                 storage_data=storage, storage_meta=_record("StorageMeta", checkpoint_id=url, save_id=str(uuid.uuid4()),
+                                                            load_id=None, modules=[]), version=DCP_VERSION)
+    fs, path = fsspec.core.url_to_fs(url)
+    tmp = f"{path}/{METADATA}.tmp"
+    with publish.open_write(fs.unstrip_protocol(tmp)) as f:
+        f.write(_dcp_pickle(md))
+    fs.mv(tmp, f"{path}/{METADATA}")
+    publish.moved(fs, tmp, f"{path}/{METADATA}")
 
 
 def save(state: dict, url: str, threads: int = 4) -> None:
-    """Collective: every rank of the default group calls it with its own state, written by
-    ``threads`` writer threads into as many files (a training state is tens of GB per rank), each
-    hashed as it is written (``publish.file_entry`` then costs no read)."""
-    dcp.save(state, storage_writer=_Writer(url, threads), planner=_SavePlanner())
+    """Collective: every rank of the default group calls it with its own state (tensors or
+    ``Chunks``); a chunk held by several ranks is written once. Each rank writes its chunks into up
+    to ``threads`` files at once (a training state is tens of GB per rank), each hashed as it is
+    written (``publish.file_entry`` then costs no read); the lowest rank writes ``.metadata`` last.
+    A failure on any rank raises on every rank, and leaves no ``.metadata``."""
+    url = url.rstrip("/")
+    rank, world = _world()
+    pieces = _pieces(state)
+    plan = [(fqn, off, tuple(t.shape), t.numel() * t.element_size()) for fqn, (_, ps) in pieces.items() for off, t in ps.items()]
+    tensors = {fqn: (tuple(size), next(iter(ps.values())).dtype) for fqn, (size, ps) in pieces.items() if ps}
+    plans = _all_gather((plan, tensors))
+    mine = _assign([p for p, _ in plans])[rank]
+    items = sorted(((fqn, off, t) for fqn, (_, ps) in pieces.items() for off, t in ps.items() if (fqn, off) in mine),
+                   key=lambda it: -it[2].numel() * it[2].element_size())
+    buckets: list[list] = [[] for _ in range(max(1, threads))]
+    sizes = [0] * len(buckets)
+    for it in items:  # largest first, each to the lightest file (DCP's split)
+        i = sizes.index(min(sizes))
+        buckets[i].append(it)
+        sizes[i] += it[2].numel() * it[2].element_size()
+    buckets = [b for b in buckets if b]
+    error, cause, written = None, None, []
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        fs.makedirs(path, exist_ok=True)
+        with ThreadPoolExecutor(max(1, len(buckets))) as pool:
+            for part in pool.map(_write_file, [f"{url}/__{rank}_{i}.distcp" for i in range(len(buckets))], buckets):
+                written += part
+    except Exception as e:  # reported on every rank below
+        error, cause = f"rank {rank}: {type(e).__name__}: {e}", e
+    shapes = {(fqn, off): shape for fqn, off, shape, _ in plan}
+    results = _all_gather((error, [(fqn, off, shapes[(fqn, off)], name, b, n) for fqn, off, name, b, n in written]))
+    error = next((e for e, _ in results if e), None)
+    if rank == 0 and error is None:
+        all_tensors: dict = {}
+        for _, t in plans:
+            for fqn, v in t.items():
+                if all_tensors.setdefault(fqn, v) != v:
+                    error = f"{fqn} is {v} on one rank and {all_tensors[fqn]} on another"
+        try:
+            if error is None:
+                _write_metadata(url, all_tensors, [w for _, ws in results for w in ws])
+        except Exception as e:
+            error, cause = f"rank 0: {type(e).__name__}: {e}", e
+    error = job.agree(error)
+    if error is not None:
+        raise RuntimeError(f"saving the checkpoint {url} failed: {error}") from cause
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -176,6 +326,82 @@ def save(state: dict, url: str, threads: int = 4) -> None:
 BLOCK_BYTES = 64 << 20  # a read covers neighbouring items up to this many bytes
 READ_THREADS = 8
 _GAP_BYTES = 1 << 20  # items this close are read in one range, the bytes between them included
+
+
+class _MetaUnpickler(pickle.Unpickler):
+    """``.metadata`` into ``_Record``s; a name it does not know means a format it does not either
+    (``read_metadata`` then lets DCP's own classes read it)."""
+
+    def find_class(self, module, name):
+        if (module, name) in _RECORDS:
+            return _RECORDS[(module, name)]
+        if (module, name) == ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"):
+            return int
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return torch.serialization._get_layout
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def read_metadata(url: str):
+    """DCP metadata: ``state_dict_metadata`` (every stored tensor's ``size``, ``properties.dtype``
+    and ``chunks``) and ``storage_data`` (where each chunk lies)."""
+    fs, path = fsspec.core.url_to_fs(url.rstrip("/"))
+    data = fs.cat_file(f"{path}/{METADATA}")
+    try:
+        return _MetaUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, AttributeError, TypeError, ValueError):
+        import torch.distributed.checkpoint  # noqa: F401 — another version's classes: DCP's own reader
+
+        return pickle.loads(data)
+
+
+@dataclass
+class _Read:
+    """One piece to read: the stored item (file, byte range), the region of its tensor, the target."""
+
+    file: str
+    begin: int
+    end: int
+    offsets: tuple
+    lengths: tuple
+    target: torch.Tensor
+
+
+def _plan(state: dict, md, url: str) -> list[_Read]:
+    storage = {(k.fqn, tuple(k.offset)): v for k, v in md.storage_data.items()}
+    reads = []
+    for fqn, (size, pieces) in _pieces(state).items():
+        stored = md.state_dict_metadata.get(fqn)
+        if stored is None or not hasattr(stored, "chunks"):
+            raise KeyError(f"{url}: the checkpoint has no tensor {fqn}")
+        if tuple(stored.size) != tuple(size):
+            raise ValueError(f"{url}: {fqn} is stored with shape {list(stored.size)}, asked for {list(size)}")
+        for off, target in pieces.items():
+            covered = 0
+            for chunk in stored.chunks:
+                lo = [max(a, b) for a, b in zip(off, chunk.offsets)]
+                hi = [min(a + n, b + m) for a, n, b, m in zip(off, target.shape, chunk.offsets, chunk.sizes)]
+                if any(h <= low for low, h in zip(lo, hi)):
+                    continue
+                info = storage[(fqn, tuple(chunk.offsets))]
+                if info.transform_descriptors:
+                    raise ValueError(f"{url}: {fqn} was written with DCP stream extensions "
+                                     f"{info.transform_descriptors}; llamarl reads plain DCP checkpoints")
+                lengths = tuple(h - low for low, h in zip(lo, hi))
+                view = target
+                for d, (low, n) in enumerate(zip(lo, lengths)):
+                    view = view.narrow(d, low - off[d], n)
+                reads.append(_Read(info.relative_path, info.offset, info.offset + info.length,
+                                   tuple(low - c for low, c in zip(lo, chunk.offsets)), lengths, view))
+                covered += int(torch.Size(lengths).numel())
+            if covered != target.numel():
+                raise ValueError(f"{url}: the stored chunks of {fqn} cover {covered} of the {target.numel()} "
+                                 f"elements asked for at {list(off)}; the checkpoint is damaged")
+    return reads
 
 
 class _Stored:
@@ -265,118 +491,98 @@ def _copy_stored(target: torch.Tensor, buf: torch.Tensor, stored, offsets, lengt
     tgt.copy_(tmp.view(tgt.shape))
 
 
-class _Reader(FsspecReader):
-    """DCP's fsspec reader, reading each rank's items in coalesced ranges of up to ``block_bytes``,
-    ``threads`` ranges at a time, into pinned buffers when the targets live on a GPU."""
-
-    def __init__(self, url: str, block_bytes: int | None = None, threads: int | None = None):
-        super().__init__(url)
-        self.block_bytes, self.threads = block_bytes or BLOCK_BYTES, threads or READ_THREADS
-
-    def _ranges(self, plan):
-        """[(file, begin, end, [(item, item_begin, item_end)])], items in file order."""
-        per_file: dict[str, list] = defaultdict(list)
-        for req in plan.items:
-            info = self.storage_data[req.storage_index]
-            if info.transform_descriptors:  # a stream extension (compression…): DCP's own path
-                return None
-            per_file[info.relative_path].append((req, info.offset, info.offset + info.length))
-        out = []
-        for name, items in per_file.items():
-            items.sort(key=lambda x: x[1])
-            run = [items[0]]
-            for it in items[1:]:
-                if it[1] - run[-1][2] <= _GAP_BYTES and it[2] - run[0][1] <= self.block_bytes:
-                    run.append(it)
-                else:
-                    out.append((name, run[0][1], max(i[2] for i in run), run))
-                    run = [it]
-            out.append((name, run[0][1], max(i[2] for i in run), run))
-        return out
-
-    def _read_range(self, name: str, begin: int, end: int, pin: bool) -> torch.Tensor:
-        buf = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pin)
-        view = memoryview(buf.numpy()).cast("B")
-        fs = self.fs.fs
-        path = os.fspath(self.fs.concat_path(self.path, name))
-        if getattr(fs, "local_file", False):
-            fd = os.open(fs._strip_protocol(path), os.O_RDONLY)
-            try:
-                done = 0
-                while done < len(view):
-                    n = os.preadv(fd, [view[done:]], begin + done)
-                    if n <= 0:
-                        raise OSError(f"{path}: short read at byte {begin + done}; the file changed while being read")
-                    done += n
-            finally:
-                os.close(fd)
-        else:
-            data = fs.cat_file(path, begin, end)
-            if len(data) != end - begin:
-                raise OSError(f"{path}: short read at byte {begin}; the file changed while being read")
-            view[:] = data
-        return buf
-
-    def read_data(self, plan, planner):
-        ranges = self._ranges(plan) if plan.items else []
-        if ranges is None:
-            return super().read_data(plan, planner)
-        targets = {}
-        cuda = False
-        for _, _, _, items in ranges:
-            for req, _, _ in items:
-                if req.type != LoadItemType.BYTE_IO:
-                    targets[req] = t = planner.resolve_tensor(req).detach()
-                    cuda |= t.is_cuda
-        pin = cuda and torch.cuda.is_available()
-        with ThreadPoolExecutor(max(1, min(self.threads, len(ranges)))) as pool:
-            # At most `threads` ranges in memory ahead of the copies.
-            pending = collections.deque()
-            todo = iter(ranges)
-            for r in todo:
-                pending.append((r, pool.submit(self._read_range, r[0], r[1], r[2], pin)))
-                if len(pending) >= self.threads:
-                    break
-            while pending:
-                (_, begin, _, items), fut = pending.popleft()
-                buf = fut.result()
-                nxt = next(todo, None)
-                if nxt is not None:
-                    pending.append((nxt, pool.submit(self._read_range, nxt[0], nxt[1], nxt[2], pin)))
-                view = memoryview(buf.numpy()).cast("B")
-                for req, b, e in items:
-                    piece = view[b - begin : e - begin]
-                    if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(bytes(piece)))
-                        continue
-                    target = targets[req]
-                    stored = _Stored.parse(piece, b - begin)
-                    if stored is None or tuple(req.lengths) != tuple(target.shape):
-                        tensor = torch.load(io.BytesIO(bytes(piece)), map_location="cpu", weights_only=True)
-                        tensor = tensor[tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))]
-                        if tensor.shape != target.shape:
-                            raise AssertionError(f"req {req.storage_index} mismatch sizes {target.shape} vs {tensor.shape}")
-                        target.copy_(tensor)
-                    else:
-                        _copy_stored(target, buf, stored, req.storage_offsets, req.lengths, non_blocking=pin and target.is_cuda)
-                    planner.commit_tensor(req, target)
-                # A pinned buffer dropped here is reused by torch's host allocator only after the
-                # copies out of it have run (the copies record an event on it).
-        if pin:
-            torch.cuda.current_stream().synchronize()
-        fut = Future()
-        fut.set_result(None)
-        return fut
+def _ranges(reads: list[_Read], block_bytes: int) -> list[tuple[str, int, int, list[_Read]]]:
+    """Reads grouped into coalesced byte ranges of one file: [(file, begin, end, reads)]."""
+    per_file: dict[str, list[_Read]] = defaultdict(list)
+    for r in reads:
+        per_file[r.file].append(r)
+    out = []
+    for name, rs in per_file.items():
+        rs.sort(key=lambda r: r.begin)
+        run = [rs[0]]
+        for r in rs[1:]:
+            end = max(x.end for x in run)
+            if r.begin - end <= _GAP_BYTES and max(end, r.end) - run[0].begin <= block_bytes:
+                run.append(r)
+            else:
+                out.append((name, run[0].begin, end, run))
+                run = [r]
+        out.append((name, run[0].begin, max(x.end for x in run), run))
+    return out
 
 
-def load(state: dict, url: str) -> None:
-    """Collective. Fills the tensors/chunks of ``state`` in place from the checkpoint at ``url``."""
-    dcp.load(state, storage_reader=_Reader(url), planner=_LoadPlanner())
+def _read_range(fs, path: str, begin: int, end: int, pin: bool) -> torch.Tensor:
+    buf = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pin)
+    view = memoryview(buf.numpy()).cast("B")
+    if getattr(fs, "local_file", False):
+        fd = os.open(fs._strip_protocol(path), os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], begin + done)
+                if n <= 0:
+                    raise OSError(f"{path}: short read at byte {begin + done}; the file changed while being read")
+                done += n
+        finally:
+            os.close(fd)
+    else:
+        data = fs.cat_file(path, begin, end)
+        if len(data) != end - begin:
+            raise OSError(f"{path}: short read at byte {begin}; the file changed while being read")
+        view[:] = data
+    return buf
 
 
-def read_metadata(url: str):
-    """DCP metadata: every stored tensor's global shape, dtype and chunks."""
-    return FsspecReader(url).read_metadata()
+def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
+    """Read ``reads`` ``threads`` ranges at a time (at most that many buffers held), copying each
+    piece out of its range's buffer as soon as the range is in."""
+    fs, root = fsspec.core.url_to_fs(url)
+    pin = any(r.target.is_cuda for r in reads) and torch.cuda.is_available()
+    ranges = _ranges(reads, block_bytes)
+    with ThreadPoolExecutor(max(1, min(threads, len(ranges)))) as pool:
+        todo = iter(ranges)
+        pending = collections.deque()
+
+        def submit() -> None:
+            r = next(todo, None)
+            if r is not None:
+                pending.append((r, pool.submit(_read_range, fs, f"{root}/{r[0]}", r[1], r[2], pin)))
+
+        for _ in range(threads):
+            submit()
+        while pending:
+            (_, begin, _, rs), fut = pending.popleft()
+            buf = fut.result()
+            submit()
+            view = memoryview(buf.numpy()).cast("B")
+            for r in rs:
+                stored = _Stored.parse(view[r.begin - begin : r.end - begin], r.begin - begin)
+                if stored is not None:
+                    _copy_stored(r.target, buf, stored, r.offsets, r.lengths, non_blocking=pin and r.target.is_cuda)
+                    continue
+                tensor = torch.load(io.BytesIO(bytes(view[r.begin - begin : r.end - begin])), map_location="cpu",
+                                    weights_only=True)
+                r.target.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths))])
+            # A pinned buffer dropped here is reused by torch's host allocator only after the
+            # copies out of it have run (the copies record an event on it).
+    if pin:
+        torch.cuda.current_stream().synchronize()
+
+
+def load(state: dict, url: str, block_bytes: int | None = None, threads: int | None = None) -> None:
+    """Collective. Fills the tensors/chunks of ``state`` in place from the checkpoint at ``url``
+    (written at any layout: each piece is read from the chunks it overlaps). A missing tensor, a
+    shape that differs or a read that fails raises on every rank."""
+    url = url.rstrip("/")
+    error, cause = None, None
+    try:
+        with torch.no_grad():
+            _read(url, _plan(state, read_metadata(url), url), block_bytes or BLOCK_BYTES, threads or READ_THREADS)
+    except Exception as e:  # reported on every rank below
+        error, cause = f"rank {_world()[0]}: {type(e).__name__}: {e}", e
+    error = job.agree(error)
+    if error is not None:
+        raise RuntimeError(f"loading the checkpoint {url} failed: {error}") from cause
 
 
 def load_model(model, url: str) -> None:

@@ -65,8 +65,12 @@ def _check_weights(src: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, root
 
 
 def _local_param_names(cfg: LlamaConfig, head: str, layout: ParallelLayout) -> list[str]:
-    with torch.device("meta"):
-        model = _model_class(head)(cfg, layout)
+    # The model is built for its parameter names only: on the CPU, and its weights never touched
+    # (its layers allocate with torch.empty: no memory is committed; test_peak_memory_... checks).
+    # Not on the meta device: its first computation there (the rotary frequencies) imports
+    # torch._dynamo, 0.3-0.8 s and ~80 MB in every process.
+    with torch.device("cpu"):
+        model = _model_class(head)(cfg, layout, dtype=torch.bfloat16)
     return [n for n, _ in model.named_parameters()]
 
 

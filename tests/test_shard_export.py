@@ -278,6 +278,78 @@ def test_reader_copies_views_of_the_stored_bytes(tmp_path, monkeypatch):
     assert all(torch.equal(out[k], full[k]) for k in "cde")
 
 
+def _full_tensors():
+    g = torch.Generator().manual_seed(1)
+    return {"w": torch.randn(12, 10, generator=g).to(torch.bfloat16), "kv": torch.randn(6, 4, generator=g),
+            "n": torch.randn(10, generator=g)}
+
+
+def save_with_replicas(url):
+    # Rank r holds rows r*6:(r+1)*6 of w, the whole of kv (replicated, like kv heads over TP) and
+    # columns of n: each chunk must be written once.
+    rank = torch.distributed.get_rank()
+    full = _full_tensors()
+    state = {"w": checkpoint.Chunks((12, 10), {(6 * rank, 0): full["w"][6 * rank : 6 * rank + 6]}),
+             "kv": checkpoint.Chunks((6, 4), {(0, 0): full["kv"].clone()}),
+             "n": checkpoint.Chunks((10,), {(5 * rank,): full["n"][5 * rank : 5 * rank + 5]})}
+    checkpoint.save(state, url, threads=2)
+
+
+def test_files_are_dcp_s_format_both_ways(pool2, tmp_path):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    assert checkpoint.DCP_VERSION == CURRENT_DCP_VERSION
+    full = _full_tensors()
+    ours = str(tmp_path / "ours")
+    pool2.run(save_with_replicas, ours)
+    md = pickle.loads((tmp_path / "ours" / ".metadata").read_bytes())  # DCP's own classes
+    assert isinstance(md, Metadata) and md.version == CURRENT_DCP_VERSION
+    assert sorted(len(md.state_dict_metadata[k].chunks) for k in full) == [1, 2, 2]  # kv once
+    assert len(md.storage_data) == 5
+    # DCP reads ours...
+    got = {k: torch.zeros_like(v) for k, v in full.items()}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(ours))
+    assert all(torch.equal(got[k], full[k]) for k in full)
+    # ...and we read DCP's, written by torch's own writer, into other pieces.
+    theirs = str(tmp_path / "theirs")
+    dcp.save(full, storage_writer=dcp.FileSystemWriter(theirs, thread_count=2))
+    w, kv = torch.zeros(12, 10, dtype=torch.bfloat16), torch.zeros(6, 4)
+    checkpoint.load({"w": checkpoint.Chunks((12, 10), {(0, 0): w[:, :3], (0, 3): w[:, 3:]}),
+                     "kv": checkpoint.Chunks((6, 4), {(2, 0): kv[2:]})}, theirs)
+    assert torch.equal(w, full["w"]) and torch.equal(kv[2:], full["kv"][2:]) and not kv[:2].any()
+    md = checkpoint.read_metadata(theirs)
+    assert tuple(md.state_dict_metadata["w"].size) == (12, 10)
+    assert md.state_dict_metadata["w"].properties.dtype == torch.bfloat16
+    # The same state saved by both writers: the same metadata, field for field (bar the save id).
+    checkpoint.save(full, str(tmp_path / "ours1"), threads=2)
+    a, b = (pickle.loads((tmp_path / d / ".metadata").read_bytes()) for d in ("ours1", "theirs"))
+    assert (a.state_dict_metadata, a.planner_data, a.version) == (b.state_dict_metadata, b.planner_data, b.version)
+    assert sorted((k.fqn, tuple(k.offset)) for k in a.storage_data) == sorted((k.fqn, tuple(k.offset)) for k in b.storage_data)
+
+
+def test_chunks_held_by_several_ranks_are_written_once_by_the_lightest():
+    plans = [[("a", (0,), (8,), 800), ("kv", (0,), (2,), 200)],
+             [("b", (0,), (2,), 200), ("kv", (0,), (2,), 200)],
+             [("kv", (0,), (2,), 200), ("c", (0,), (9,), 900)]]
+    mine = checkpoint._assign(plans)
+    assert mine == [{("a", (0,))}, {("b", (0,)), ("kv", (0,))}, {("c", (0,))}]
+
+
+def test_loading_what_the_checkpoint_lacks_is_one_error(tmp_path):
+    checkpoint.save({"t": torch.ones(4)}, str(tmp_path / "m"))
+    with pytest.raises(RuntimeError, match="the checkpoint has no tensor u"):
+        checkpoint.load({"u": torch.zeros(4)}, str(tmp_path / "m"))
+    with pytest.raises(RuntimeError, match=r"t is stored with shape \[4\], asked for \[5\]"):
+        checkpoint.load({"t": torch.zeros(5)}, str(tmp_path / "m"))
+    with pytest.raises(RuntimeError, match="do not tile"):
+        checkpoint.save({"t": checkpoint.Chunks((4,), {(0,): torch.ones(2)})}, str(tmp_path / "gap"))
+    assert not (tmp_path / "gap" / ".metadata").exists()
+
+
 def test_dtype_names_are_one_table(tmp_path):
     # A config's name, a manifest's and a safetensors header's all name the same torch dtype.
     from llamarl.lib import dtypes
