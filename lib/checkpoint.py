@@ -33,6 +33,7 @@ import pickle
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import fsspec
@@ -218,6 +219,24 @@ def _assign(plans: list[list[tuple]]) -> list[set]:
     return mine
 
 
+@contextmanager
+def _without_zip_crc32():
+    """``torch.save`` without the CRC32 of each zip record: the slowest part of writing (≈ 1 GB/s),
+    and redundant here: every file's checksum is in the manifest and verified before reading, and
+    ``torch.load`` (DCP's reader) does not check it."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # torch < 2.6 has no switch
+        yield
+        return
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = before
+
+
 def _write_file(url: str, items: list[tuple[str, tuple, torch.Tensor]]) -> list[tuple]:
     """One ``.distcp`` file: each item a ``torch.save`` archive, back to back. Returns
     ``(fqn, offsets, file, begin, length)`` per item."""
@@ -297,7 +316,7 @@ def save(state: dict, url: str, threads: int = 4) -> None:
     try:
         fs, path = fsspec.core.url_to_fs(url)
         fs.makedirs(path, exist_ok=True)
-        with ThreadPoolExecutor(max(1, len(buckets))) as pool:
+        with _without_zip_crc32(), ThreadPoolExecutor(max(1, len(buckets))) as pool:
             for part in pool.map(_write_file, [f"{url}/__{rank}_{i}.distcp" for i in range(len(buckets))], buckets):
                 written += part
     except Exception as e:  # reported on every rank below
@@ -429,9 +448,11 @@ class _Stored:
             return dtype, key, numel
 
     @staticmethod
-    def parse(view: memoryview, start: int):
+    def parse(item: io.RawIOBase, start: int = 0):
+        """``item``: the item's bytes as a file (``_MemoryFile``, ``_Sparse``); ``start``: where the
+        item begins in the buffer the returned offset is to count from."""
         try:
-            zf = torch._C.PyTorchFileReader(_MemoryFile(view))
+            zf = torch._C.PyTorchFileReader(item)
             if zf.has_record("byteorder") and bytes(zf.get_record("byteorder")) != b"little":
                 return None
             (dtype, key, numel), offset, size, stride = _Stored._Unpickler(io.BytesIO(zf.get_record("data.pkl"))).load()
@@ -441,6 +462,39 @@ class _Stored:
             return dtype, size, stride, start + zf.get_record_offset(f"data/{key}") + offset * item
         except Exception:  # any other archive: torch.load reads it
             return None
+
+
+class _Sparse(io.RawIOBase):
+    """An item of which only the first and last bytes were read (enough for its zip directory,
+    its pickle and the offset of its data); reading anything else fails."""
+
+    def __init__(self, head: bytes, tail: bytes, length: int):
+        self.head, self.tail, self.length, self.pos = head, tail, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def readinto(self, b):
+        n = max(0, min(len(b), self.length - self.pos))
+        if self.pos + n <= len(self.head):
+            b[:n] = self.head[self.pos : self.pos + n]
+        elif self.pos >= self.length - len(self.tail):
+            at = self.pos - (self.length - len(self.tail))
+            b[:n] = self.tail[at : at + n]
+        else:
+            raise OSError("outside the bytes read")
+        self.pos += n
+        return n
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        self.pos = offset + (0, self.pos, self.length)[whence]
+        return self.pos
+
+    def tell(self):
+        return self.pos
 
 
 class _MemoryFile(io.RawIOBase):
@@ -511,9 +565,9 @@ def _ranges(reads: list[_Read], block_bytes: int) -> list[tuple[str, int, int, l
     return out
 
 
-def _read_range(fs, path: str, begin: int, end: int, pin: bool) -> torch.Tensor:
-    buf = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pin)
-    view = memoryview(buf.numpy()).cast("B")
+def _read_into(fs, path: str, begin: int, view: memoryview) -> None:
+    """Bytes ``begin:begin+len(view)`` of a file into ``view`` (local files: ``preadv``, no
+    intermediate copy; others: one range request)."""
     if getattr(fs, "local_file", False):
         fd = os.open(fs._strip_protocol(path), os.O_RDONLY)
         try:
@@ -526,43 +580,109 @@ def _read_range(fs, path: str, begin: int, end: int, pin: bool) -> torch.Tensor:
         finally:
             os.close(fd)
     else:
-        data = fs.cat_file(path, begin, end)
-        if len(data) != end - begin:
+        data = fs.cat_file(path, begin, begin + len(view))
+        if len(data) != len(view):
             raise OSError(f"{path}: short read at byte {begin}; the file changed while being read")
         view[:] = data
+
+
+def _read_range(fs, path: str, begin: int, end: int, pin: bool) -> torch.Tensor:
+    buf = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pin)
+    _read_into(fs, path, begin, memoryview(buf.numpy()).cast("B"))
     return buf
 
 
+_DIRECT_BYTES = 1 << 20  # items this large are read straight into their target where they can be
+_EDGE_BYTES = 64 << 10  # of such an item, what is read first: its zip directory, pickle, data offset
+
+
+def _header(fs, path: str, r: _Read):
+    """``_Stored`` of a large item, from its first and last bytes only."""
+    n = r.end - r.begin
+    head, tail = bytearray(min(n, _EDGE_BYTES)), bytearray(min(n, _EDGE_BYTES))
+    _read_into(fs, path, r.begin, memoryview(head))
+    _read_into(fs, path, r.end - len(tail), memoryview(tail))
+    return _Stored.parse(_Sparse(bytes(head), bytes(tail), n))
+
+
+def _flat_span(r: _Read, stored) -> tuple[int, int] | None:
+    """(file offset, bytes) of what ``r`` reads when it is one run of bytes that maps 1:1 onto a
+    contiguous target of the same dtype (whole chunks, or rows of them: a layout read as written,
+    or split along dim 0); None otherwise."""
+    if stored is None:
+        return None
+    dtype, size, stride, begin = stored
+    t = r.target
+    if dtype != t.dtype or not t.is_contiguous() or not size:
+        return None
+    contiguous = [1] * len(size)
+    for d in range(len(size) - 2, -1, -1):
+        contiguous[d] = contiguous[d + 1] * size[d + 1]
+    if list(stride) != contiguous or any(r.offsets[1:]) or tuple(r.lengths[1:]) != tuple(size[1:]):
+        return None
+    row = t.element_size() * contiguous[0]
+    return r.begin + begin + r.offsets[0] * row, r.lengths[0] * row
+
+
+def _copy_range(buf: torch.Tensor, begin: int, rs: list[_Read], pin: bool) -> None:
+    """Copy each of ``rs`` out of ``buf``, the bytes of its file from ``begin`` on."""
+    view = memoryview(buf.numpy()).cast("B")
+    for r in rs:
+        stored = _Stored.parse(_MemoryFile(view[r.begin - begin : r.end - begin]), r.begin - begin)
+        if stored is not None:
+            _copy_stored(r.target, buf, stored, r.offsets, r.lengths, non_blocking=pin and r.target.is_cuda)
+            continue
+        tensor = torch.load(io.BytesIO(bytes(view[r.begin - begin : r.end - begin])), map_location="cpu",
+                            weights_only=True)
+        r.target.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths))])
+
+
 def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
-    """Read ``reads`` ``threads`` ranges at a time (at most that many buffers held), copying each
-    piece out of its range's buffer as soon as the range is in."""
+    """Read ``reads`` with ``threads`` threads, at most that many blocks of ``block_bytes`` held.
+
+    Small items are read in coalesced ranges and copied out of them. A large item that maps 1:1
+    onto its target (``_flat_span``) has its first and last bytes read, then its data in blocks:
+    straight into a CPU target, or through pinned blocks and non-blocking copies into a GPU one
+    (so no pinned buffer is larger than a block)."""
     fs, root = fsspec.core.url_to_fs(url)
     pin = any(r.target.is_cuda for r in reads) and torch.cuda.is_available()
-    ranges = _ranges(reads, block_bytes)
-    with ThreadPoolExecutor(max(1, min(threads, len(ranges)))) as pool:
-        todo = iter(ranges)
-        pending = collections.deque()
+    small = [r for r in reads if r.end - r.begin < _DIRECT_BYTES]
+    large = [r for r in reads if r.end - r.begin >= _DIRECT_BYTES]
+    jobs = []  # (read, then: what to do with its result on this thread, or None)
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for r, stored in zip(large, pool.map(lambda r: _header(fs, f"{root}/{r.file}", r), large)):
+            span = _flat_span(r, stored)
+            if span is None:
+                small.append(r)
+                continue
+            begin, nbytes = span
+            target = r.target.detach().view(-1).view(torch.uint8)
+            for k in range(0, nbytes, block_bytes):
+                n = min(block_bytes, nbytes - k)
+                path = f"{root}/{r.file}"
+                if target.is_cuda:
+                    jobs.append(((_read_range, fs, path, begin + k, begin + k + n, pin),
+                                 lambda buf, dst=target[k : k + n]: dst.copy_(buf, non_blocking=True)))
+                else:
+                    jobs.append(((_read_into, fs, path, begin + k, memoryview(target[k : k + n].numpy())), None))
+        for name, begin, end, rs in _ranges(small, block_bytes) if small else []:
+            jobs.append(((_read_range, fs, f"{root}/{name}", begin, end, pin),
+                         lambda buf, begin=begin, rs=rs: _copy_range(buf, begin, rs, pin)))
+        todo, pending = iter(jobs), collections.deque()
 
         def submit() -> None:
-            r = next(todo, None)
-            if r is not None:
-                pending.append((r, pool.submit(_read_range, fs, f"{root}/{r[0]}", r[1], r[2], pin)))
+            job = next(todo, None)
+            if job is not None:
+                pending.append((pool.submit(*job[0]), job[1]))
 
         for _ in range(threads):
             submit()
         while pending:
-            (_, begin, _, rs), fut = pending.popleft()
-            buf = fut.result()
+            fut, then = pending.popleft()
+            result = fut.result()
             submit()
-            view = memoryview(buf.numpy()).cast("B")
-            for r in rs:
-                stored = _Stored.parse(view[r.begin - begin : r.end - begin], r.begin - begin)
-                if stored is not None:
-                    _copy_stored(r.target, buf, stored, r.offsets, r.lengths, non_blocking=pin and r.target.is_cuda)
-                    continue
-                tensor = torch.load(io.BytesIO(bytes(view[r.begin - begin : r.end - begin])), map_location="cpu",
-                                    weights_only=True)
-                r.target.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths))])
+            if then is not None:
+                then(result)
             # A pinned buffer dropped here is reused by torch's host allocator only after the
             # copies out of it have run (the copies record an event on it).
     if pin:

@@ -252,28 +252,40 @@ def test_manifest_checksums_are_those_of_the_files_and_old_sha256_checkpoints_ex
     assert not (tmp_path / "out3").exists()
 
 
-def test_reader_copies_views_of_the_stored_bytes(tmp_path, monkeypatch):
-    # Items read in coalesced ranges, each tensor copied from the read buffer (no torch.load):
-    # row and column pieces written, other pieces read, strided targets, another dtype, 0-d,
-    # bool, misaligned items (DCP packs them back to back).
+@pytest.mark.parametrize("direct", [False, True], ids=["ranges", "direct"])
+def test_reader_copies_views_of_the_stored_bytes(tmp_path, monkeypatch, direct):
+    # Small items read in coalesced ranges, each tensor copied from the read buffer (no
+    # torch.load); large ones (direct: every item here) read straight into their target, in
+    # blocks, where they map onto it 1:1, through the ranges otherwise. Row and column pieces
+    # written, other pieces read, strided targets, another dtype, 0-d, bool, misaligned items
+    # (DCP packs them back to back).
     from llamarl.lib.checkpoint import Chunks
 
     g = torch.Generator().manual_seed(0)
-    full = {"a": torch.randn(64, 48, generator=g).to(torch.bfloat16), "b": torch.randn(33, 7, generator=g),
+    full = {"a": torch.randn(128, 96, generator=g).to(torch.bfloat16), "b": torch.randn(33, 7, generator=g),
             "c": torch.arange(100), "d": torch.rand(9, generator=g) > 0.5, "e": torch.tensor(3.5),
             "f": torch.randn(16, 6, generator=g).to(torch.float16)}
-    state = {"a": Chunks(full["a"].shape, {(0, 0): full["a"][:40], (40, 0): full["a"][40:]}),
+    state = {"a": Chunks(full["a"].shape, {(0, 0): full["a"][:80], (80, 0): full["a"][80:]}),
              "b": Chunks(full["b"].shape, {(0, 0): full["b"][:, :3], (0, 3): full["b"][:, 3:]}),
              "c": full["c"], "d": full["d"], "e": full["e"], "f": full["f"].t().contiguous().t()}
     checkpoint.save(state, str(tmp_path / "m"), threads=2)
-    a, b = torch.zeros(64, 48, dtype=torch.bfloat16), torch.zeros(7, 33).t()
-    out = {"a": Chunks(a.shape, {(0, 0): a[:20], (20, 0): a[20:]}),
+    a, b = torch.zeros(128, 96, dtype=torch.bfloat16), torch.zeros(7, 33).t()
+    out = {"a": Chunks(a.shape, {(0, 0): a[:40], (40, 0): a[40:]}),
            "b": Chunks((33, 7), {(0, 0): b[:, :5], (0, 5): b[:, 5:]}),
            "c": torch.zeros(100, dtype=torch.int64), "d": torch.zeros(9, dtype=torch.bool), "e": torch.tensor(0.0),
            "f": torch.zeros(16, 6)}
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("an item went through torch.load"))
     monkeypatch.setattr(checkpoint, "BLOCK_BYTES", 4096)  # several ranges per file
+    flat = []
+    if direct:
+        monkeypatch.setattr(checkpoint, "_DIRECT_BYTES", 1)
+        monkeypatch.setattr(checkpoint, "_EDGE_BYTES", 4096)  # a's middle is not read for its header
+        monkeypatch.setattr(checkpoint, "BLOCK_BYTES", 1000)  # a tensor's data in several blocks
+        real = checkpoint._flat_span
+        monkeypatch.setattr(checkpoint, "_flat_span", lambda r, st: flat.append(real(r, st)) or flat[-1])
     checkpoint.load(out, str(tmp_path / "m"))
+    if direct:  # a: rows of chunks; c, d: whole; b (columns), e (0-d), f (strided, dtype) through ranges
+        assert sum(f is not None for f in flat) == 5 and None in flat
     assert torch.equal(a, full["a"]) and torch.equal(b, full["b"]) and torch.equal(out["f"], full["f"].float())
     assert all(torch.equal(out[k], full[k]) for k in "cde")
 

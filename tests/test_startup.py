@@ -1,0 +1,50 @@
+"""Start-up stays cheap, and the I/O benchmarks run (on CPU, small)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Each costs a stage process 0.3-6 s of imports before its first byte, and shard/export need none.
+HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo", "megatron", "transformers",
+         "sympy")
+
+
+def test_stage_and_cli_imports_stay_light():
+    code = "import json, sys, llamarl.pipeline.cli, llamarl.stages.shard, llamarl.stages.export; print(json.dumps(list(sys.modules)))"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                       cwd="/").stdout)
+    assert not [m for m in loaded if m.startswith(HEAVY)], [m for m in loaded if m.startswith(HEAVY)][:10]
+    cli = subprocess.run([sys.executable, "-c", "import sys, llamarl.pipeline.cli; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, check=True, cwd="/").stdout.strip()
+    assert cli == "False"  # the command line loads torch only in the stage processes
+
+
+@pytest.mark.slow
+def test_startup_bench_profiles_every_step(tmp_path):
+    out = tmp_path / "startup.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "startup.py"), "--procs", "1", "--repeat", "1",
+                    "--out", str(out)], check=True, capture_output=True, timeout=300, cwd="/")
+    res = json.loads(out.read_text())
+    for name in ("shard-1", "export-1"):
+        run = res["runs"][name]["runs"][0]
+        assert set(run["spans_s"]) == {"cli", "imports", "config", "process_group", "planning", "work", "exit"}
+        assert all(v is not None and v >= -0.02 for v in run["spans_s"].values()), run["spans_s"]
+        assert run["first_byte_s"] < run["wall_s"] and abs(run["first_byte_polled_s"] - run["first_byte_s"]) < 0.5
+
+
+@pytest.mark.slow
+def test_handoff_bench_small_on_cpu(tmp_path):
+    out = tmp_path / "handoff.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "handoff.py"), "--small", "--repeat", "1", "--cold",
+                    "--device", "cpu", "--out", str(out)], check=True, capture_output=True, timeout=300, cwd="/")
+    res = json.loads(out.read_text())
+    assert res["bit_identical"] and res["device"] == "cpu" and res["shape"] == "small"
+    m = res["median"]
+    assert m["GB"] > 0.005 and m["handoff_s"] == pytest.approx(m["save_s"] + m["verify_s"] + m["build_s"] + m["load_s"])
