@@ -15,9 +15,11 @@ What each side does is what the stages do, through the same lib/ calls:
 
 ``handoff_s`` is their sum. The load follows the save, so the files are in the page cache, as on
 one host; ``--cold`` drops them from it first (fsync, then POSIX_FADV_DONTNEED), as when rollout
-runs on another host. Checks the loaded weights are the saved ones, bit for bit. Writes JSON to
+runs on another host. Checks the loaded weights are the saved ones, bit for bit. Also measures the checksums: GB/s
+of xxh3_128, sha256, blake2b on one core, and a file's manifest entry hashed while writing
+against a second pass (``--checksum-mb``). Writes JSON to
 bench/results/handoff-<device>-<date>.json (``--out`` elsewhere). Shapes: Llama-3.2-1B (hidden 2048,
-16 layers, 32/8 heads, ffn 8192, vocab 128256, untied: 2.5 GB of bf16 weights), Llama-3.1-8B
+16 layers, 32/8 heads, ffn 8192, vocab 128256, untied: 3.0 GB of bf16 weights), Llama-3.1-8B
 (16 GB), and a small one for CPU tests.
 """
 
@@ -75,6 +77,53 @@ def drop_from_page_cache(root: str) -> None:
                 os.close(fd)
 
 
+def checksum_throughput(nbytes: int, folder: str) -> dict:
+    """GB/s of each checksum on one core, and what a manifest entry of a written file costs: hashed
+    while writing (``publish.open_write``) against writing then reading it again to hash it (what
+    every writer did before), xxh3 and sha256."""
+    import hashlib
+
+    import xxhash
+
+    from llamarl.lib import publish
+
+    data = memoryview(os.urandom(nbytes))
+    out = {"MB": nbytes / 1e6}
+    for name, new in (("xxh3_128", xxhash.xxh3_128), ("sha256", hashlib.sha256), ("blake2b", hashlib.blake2b)):
+        h, t = new(), time.perf_counter()
+        for k in range(0, nbytes, 16 << 20):
+            h.update(data[k : k + (16 << 20)])
+        out[f"{name}_GB_s"] = nbytes / (time.perf_counter() - t) / 1e9
+    path = os.path.join(folder, "checksum.bin")
+
+    def fresh(write) -> float:  # the best of two, each into a new file (page cache allocation alike)
+        best = None
+        for _ in range(2):
+            if os.path.exists(path):
+                os.remove(path)
+            t = time.perf_counter()
+            write()
+            best = min(best or 1e9, time.perf_counter() - t)
+        return best
+
+    def plain():
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def hashing():
+        with publish.open_write(path) as f:
+            f.write(data)
+
+    out["write_s"] = fresh(plain)
+    for algo in ("xxh3_128", "sha256"):
+        t = time.perf_counter()
+        publish.checksum(path, algo)
+        out[f"second_pass_{algo}_s"] = time.perf_counter() - t  # from the page cache: a lower bound
+    out["write_hashing_xxh3_128_s"] = fresh(hashing)
+    os.remove(path)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
@@ -84,6 +133,8 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/handoff-<device>-<date>.json)")
+    ap.add_argument("--checksum-mb", type=int, default=None, help="size of the checksum measurement (default: 1024, "
+                                                                       "--small: 64; 0: none)")
     args = ap.parse_args()
     shape = "small" if args.small else args.shape
 
@@ -116,6 +167,10 @@ def main() -> None:
            "hf_config": hf_config(shape), "cold": args.cold, "write_threads": 4,
            "read_block_bytes": checkpoint.BLOCK_BYTES, "read_threads": checkpoint.READ_THREADS, "runs": []}
     try:
+        mb = args.checksum_mb if args.checksum_mb is not None else (64 if shape == "small" else 1024)
+        if mb:
+            res["checksums"] = checksum_throughput(mb << 20, work)
+            print(json.dumps({k: round(v, 3) for k, v in res["checksums"].items()}), flush=True)
         for i in range(args.repeat):
             root = os.path.join(work, f"actor-{i}")
             shutil.rmtree(root, ignore_errors=True)
