@@ -351,6 +351,10 @@ def _stage_throughput(node: str, out: str, m: dict | None, st: dict, world: int)
         st.update(sequences=rows, generated_tokens=resp, tok_s_wall=_rate(resp, wall), tok_s_work=_rate(resp, work),
                   tok_s_per_gpu_wall=_rate(resp / world, wall), tok_s_per_gpu_work=_rate(resp / world, work),
                   rank0_new_tok_s_reported=m.get("new_tokens_per_s_rank0"))
+        engine = (m.get("stats") or {}).get("engine_s")
+        # issue 15's goal: the stage's wall time within 1.15x of the engine's own time
+        st.update(engine_s=engine, wall_over_engine=round(wall / engine, 3) if engine and wall else None,
+                  work_over_engine=round(work / engine, 3) if engine and work else None)
     elif node.endswith("/scores"):
         rows = m.get("rows")
         st.update(sequences=rows, seq_s_wall=_rate(rows, wall), seq_s_work=_rate(rows, work))

@@ -34,8 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, fi
 
 from llamarl.cluster.executor import validate_options
 from llamarl.lib.errors import UserError
-from llamarl.stages.config import (INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RolloutConfig, ScoreConfig,
-                                   ShardConfig, Source, StageConfig, kind_of, options_model, validate)
+from llamarl.stages.config import (GROUP_ADVANTAGES, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RolloutConfig,
+                                   ScoreConfig, ShardConfig, Source, StageConfig, kind_of, options_model, validate)
 
 RolloutOptions = options_model(RolloutConfig)
 ScoreOptions = options_model(ScoreConfig)
@@ -148,10 +148,13 @@ class RunSpec(_Strict):
         if t_roll > 0 and t_roll != t_ppo:
             raise ValueError(f"ppo.temperature={t_ppo} differs from rollout.sampling.temperature={t_roll}: the "
                              "log-probs ppo trains on are of the rollout's temperature; set them equal")
-        if self.ppo.advantage == "grpo" and self.rollout.sampling.samples_per_prompt < 2:
-            raise ValueError(f"ppo.advantage='grpo' needs rollout.sampling.samples_per_prompt >= 2 (it is "
-                             f"{self.rollout.sampling.samples_per_prompt}): the baseline is the mean score of a "
-                             "prompt's samples; draw more, or use advantage 'gae'")
+        n = self.rollout.sampling.samples_per_prompt
+        grouped = [f"ppo.advantage={self.ppo.advantage!r}"] if self.ppo.advantage in GROUP_ADVANTAGES else []
+        grouped += ["ppo.dynamic_sampling"] if self.ppo.dynamic_sampling else []
+        if grouped and n < 2:
+            raise ValueError(f"{' and '.join(grouped)} needs rollout.sampling.samples_per_prompt >= 2 (it is {n}): "
+                             "each prompt's samples are compared with each other; draw more, or use advantage 'gae' "
+                             "without dynamic sampling")
         spread = next(((name, lay.nodes) for name, lay in self.layout if lay.nodes > 1), None)
         if spread and self.executor.kind == "local":
             raise ValueError(f"layout.{spread[0]}.nodes={spread[1]} needs a cluster executor: the local executor runs "

@@ -361,6 +361,10 @@ class ScoreConfig(StageConfig):
 # ---- ppo ---------------------------------------------------------------------------------------------------
 
 
+# Estimators whose baseline is a prompt's other samples: they need samples_per_prompt >= 2.
+GROUP_ADVANTAGES = ("grpo", "rloo", "reinforce++-baseline")
+
+
 class PPOConfig(StageConfig):
     rollout: str = path("Published rollout folder.")
     scores: str = path("Published scores folder of that rollout.")

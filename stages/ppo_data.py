@@ -17,7 +17,7 @@ import torch
 from llamarl.lib import publish, rl
 from llamarl.lib.errors import UserError
 from llamarl.stages import contract
-from llamarl.stages.config import PPOConfig
+from llamarl.stages.config import GROUP_ADVANTAGES, PPOConfig
 
 
 @dataclass
@@ -92,7 +92,7 @@ def dynamic_sampling(cfg: PPOConfig, samples: list[Sample], start_step: int) -> 
 
 def check_groups(cfg: PPOConfig, samples: list[Sample]) -> None:
     """Estimators with a group baseline need prompts of several samples; refused before any weights."""
-    if cfg.advantage in ("grpo", "rloo", "reinforce++-baseline") and len({s.group for s in samples}) == len(samples):
+    if cfg.advantage in GROUP_ADVANTAGES and len({s.group for s in samples}) == len(samples):
         raise UserError(f"{cfg.rollout}: every prompt has one sample, and advantage={cfg.advantage!r} compares a "
                         "prompt's samples with each other; set the rollout's sampling.samples_per_prompt >= 2, or "
                         "use advantage gae or reinforce++")

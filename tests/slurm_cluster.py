@@ -106,6 +106,33 @@ SchedulerType=sched/backfill
             text += f"\n--- {os.path.basename(p)}\n" + "".join(open(p).readlines()[-20:])
         return text
 
+    def run(self, argv: list[str], check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+        """A Slurm command in the cluster's environment."""
+        res = subprocess.run(argv, env={**self.env, **kw.pop("env", {})}, capture_output=True, text=True,
+                             timeout=timeout, **kw)
+        if check and res.returncode:
+            raise SlurmError(f"{argv}: {res.stderr.strip()}{self.logs()}")
+        return res
+
+    def suspend(self, job_id: str) -> None:
+        """Stop a running job's tasks where they are, so it cannot finish while a test looks at it."""
+        self.run(["scontrol", "suspend", job_id])
+
+    def requeue_suspended(self, job_id: str, timeout_s: float = 60) -> None:
+        """``scontrol requeue`` a suspended job and start it again at once.
+
+        A requeue of a running job races it: a fast stage may finish first and the test proves
+        nothing, hence suspended. Slurm holds a job requeued while suspended, and delays any
+        requeued job's start by minutes: both are undone once it is pending again."""
+        self.run(["scontrol", "requeue", job_id])
+        deadline = time.monotonic() + timeout_s
+        while self.run(["squeue", "-h", "-j", job_id, "-o", "%T"], check=False).stdout.strip() != "PENDING":
+            if time.monotonic() > deadline:
+                raise SlurmError(f"job {job_id} not pending {timeout_s} s after its requeue{self.logs()}")
+            time.sleep(0.2)
+        self.run(["scontrol", "release", job_id])
+        self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+
     def stop(self) -> None:
         # Cancel what still runs, and give its step daemons a moment to go, before the daemons.
         _run("scancel", "--user", "root", env=self.env)

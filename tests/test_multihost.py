@@ -254,10 +254,12 @@ def test_slurm_job_spans_two_hosts_rendezvous_works_and_a_requeue_resumes(slurm_
         queue = cluster.run(["squeue", "-h", "-o", "%i %T"]).stdout.split()
         if "RUNNING" in queue and len(list(parts_dir.glob("part-*.parquet"))) >= 2:
             job_id = queue[0]
-            cluster.run(["scontrol", "requeue", job_id])
-        time.sleep(0.1)
+            cluster.suspend(job_id)
+            published_before = {p.name: p.stat().st_mtime_ns for p in parts_dir.glob("part-*.parquet")}
+            assert not publish.read_manifest(str(tmp_path / "two")), "the stage finished before it was suspended"
+            cluster.requeue_suspended(job_id)
+        time.sleep(0.05)
     assert job_id is not None, "never caught the job running with parts published" + cluster.logs()
-    published_before = {p.name: p.stat().st_mtime_ns for p in parts_dir.glob("part-*.parquet")}
     out, err = submit.communicate(timeout=STAGE_TIMEOUT_S)
     assert json.loads(out.strip().splitlines()[-1]) == [0, None], out + err + cluster.logs()
 

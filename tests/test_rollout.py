@@ -163,7 +163,11 @@ def test_prompts_are_held_to_the_actors_positions(pool1, actor, tmp_path):
                                                  sampling=Sampling(samples_per_prompt=1, max_new_tokens=8)))
     rows = {r["prompt_id"]: r for r in _rows(tmp_path / "out")}
     assert len(rows["long"]["prompt_token_ids"]) == 512 - 8
-    assert publish.require_published(str(tmp_path / "out"), "rollout")["stats"]["truncated_prompts"] == 1
+    manifest = publish.require_published(str(tmp_path / "out"), "rollout")
+    assert manifest["stats"]["truncated_prompts"] == 1
+    # The engine's own time, within the stage's work time (what bench/e2e.py compares the wall with).
+    timing = manifest["timing"]
+    assert 0 < manifest["stats"]["engine_s"] < timing["work_end"] - timing["work_start"]
     cfg = {"actor": actor, "prompts": str(long), "out": str(tmp_path / "refused"), "id_column": "id",
            "overlong_prompts": "error", "sampling": {"max_new_tokens": 8}}
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}

@@ -111,11 +111,13 @@ def test_pipeline_through_submitit_with_a_requeued_stage(cluster, tmp_path):
         parts = glob.glob(os.path.join(parts_dir, "part-*.parquet"))
         if running and len(parts) >= 2:
             job_id = running[0][0]
-            requeued_after = {os.path.basename(p): os.stat(p).st_mtime_ns for p in parts}
-            res = subprocess.run(["scontrol", "requeue", job_id], env=cluster.env, capture_output=True, text=True)
-            assert res.returncode == 0, res.stderr
+            cluster.suspend(job_id)
+            requeued_after = {os.path.basename(p): os.stat(p).st_mtime_ns
+                              for p in glob.glob(os.path.join(parts_dir, "part-*.parquet"))}
+            assert not publish.read_manifest(os.path.dirname(parts_dir)), "rollout finished before it was suspended"
+            cluster.requeue_suspended(job_id)
             break
-        time.sleep(0.2)
+        time.sleep(0.05)
     if job_id is None:
         out = proc.communicate(timeout=60)[0] if proc.poll() is not None else "(still running)"
         pytest.fail("never caught the rollout job running with parts published:\n" + out[-3000:] + cluster.logs())

@@ -36,7 +36,8 @@ def _hf_model(folder, **changes) -> str:
 
 
 @pytest.mark.parametrize("changes,needle", [
-    ({"ppo": {"advantage": "gea"}}, "spec.yaml: ppo.advantage='gea': Input should be 'gae' or 'grpo'"),
+    ({"ppo": {"advantage": "gea"}}, "spec.yaml: ppo.advantage='gea': Input should be 'gae', 'grpo', 'rloo', "
+                                  "'reinforce++' or 'reinforce++-baseline'"),
     ({"score": {"dtype": "fp8"}}, "spec.yaml: score.dtype='fp8': Input should be 'auto', 'bf16', 'fp16' or 'fp32'"),
     ({"rollout": {"sampling": {"top_p": 0}}}, "spec.yaml: rollout.sampling.top_p=0: Input should be greater than 0"),
     ({"rollout": {"sampling": {"temprature": 0.7}}}, "spec.yaml: rollout.sampling.temprature: unknown option; valid "
@@ -67,6 +68,11 @@ def _hf_model(folder, **changes) -> str:
                                                  "executor runs on this machine only; set executor.kind to slurm or "
                                                  "kubernetes"),
     ({"ppo": {"advantage": "grpo"}}, "spec.yaml: ppo.advantage='grpo' needs rollout.sampling.samples_per_prompt >= 2"),
+    ({"ppo": {"advantage": "rloo"}}, "spec.yaml: ppo.advantage='rloo' needs rollout.sampling.samples_per_prompt >= 2"),
+    ({"ppo": {"advantage": "reinforce++-baseline", "dynamic_sampling": True}},
+     "spec.yaml: ppo.advantage='reinforce++-baseline' and ppo.dynamic_sampling needs "
+     "rollout.sampling.samples_per_prompt >= 2 (it is 1)"),
+    ({"ppo": {"dynamic_sampling": True}}, "spec.yaml: ppo.dynamic_sampling needs rollout.sampling.samples_per_prompt >= 2"),
     ({"ppo": {"lr_decay": "cosine"}}, "spec.yaml: ppo.lr_decay='cosine' decays over ppo.total_steps, which is not "
                                       "set; set ppo.total_steps, or set ppo.lr_decay to 'constant'"),
     ({"ppo": {"lr_decay": "linear", "warmup_steps": 10, "total_steps": 10}},
