@@ -8,7 +8,8 @@ Llama-3.2-1B shape, bf16, random weights. Measures, on one machine:
     (→ HF dir, PROCS processes): whole-command wall time (process start and imports included) and
     the stage's own time;
   * loading the sharded checkpoint into lib/'s model on the GPU (``checkpoint.load_model``).
-Checks the export is bit-identical to the HF source. Prints one JSON object.
+Checks the export is bit-identical to the HF source. Prints one JSON object and writes it to
+bench/results/shard_export-<device>-<date>.json (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--workdir", default="/tmp/llamarl-bench")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/shard_export-<device>-<date>.json)")
     args = ap.parse_args()
     from safetensors.torch import load_file
     from transformers import LlamaConfig as HFConfig
@@ -117,6 +119,11 @@ def main():
     res["export_vs_save_pretrained"] = res["export_GB_s_wall"] / res["save_pretrained_GB_s"]
     res["lib_load_vs_from_pretrained"] = res["lib_load_GB_s"] / res["from_pretrained_GB_s"]
     print(json.dumps(res, indent=1))
+    slug = re.sub(r"[^a-z0-9]+", "", res["device"].lower().replace("nvidia", "").split()[0]) if dev == "cuda" else "cpu"
+    out_json = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        f"shard_export-{slug}-{res['date']}.json")
+    with open(out_json, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
