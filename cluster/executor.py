@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel
 
@@ -36,6 +36,15 @@ class Executor(Protocol):
     """False for an executor that only writes what it would launch (kubernetes without ``apply``):
     ``submit`` then returns where it wrote it, and the pipeline writes every stage and runs none."""
 
+    concurrency: int | None
+    """Stages the pipeline may run at once when the DAG allows it; None: no limit of the executor's
+    own (a cluster queues what it cannot run yet)."""
+
+    detach: Literal["jobs", "driver"] | None
+    """How ``llamarl run --detach`` works with this executor: ``jobs`` — every stage submitted at
+    once, each after its inputs' jobs (``submit_after``); ``driver`` — one job in the cluster runs
+    the resumable ``llamarl run`` (``start_driver``); None — it cannot (the local executor)."""
+
     def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> Any:
         """Start the stage and return a handle for ``wait``. ``name`` (default: the stage) names
         the job where the cluster shows one; the pipeline passes the node, e.g. iter-001/rollout."""
@@ -53,12 +62,53 @@ class Executor(Protocol):
         """What ``submit`` would launch, as text (for dry runs); starts and writes nothing."""
         ...
 
+    def stop_all(self) -> None:
+        """The pipeline was interrupted: stop what this executor started and still runs, where
+        stopping it is this process's to do (local processes; a cluster's jobs stay queued)."""
+        ...
+
+    def job_state(self, job_id: str) -> str | None:
+        """What the cluster's queue says of a detached stage's job, e.g. ``PENDING (Dependency)``;
+        None once it has left the queue, or where there is no queue."""
+        ...
+
+    def submit_after(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None,
+                     after: list[str] = (), recorder: Any = None) -> str:
+        """``detach == "jobs"``: submit the stage to start once the jobs ``after`` have succeeded
+        (and never if one fails); ``recorder`` keeps its record from inside the job. The job id."""
+        ...
+
+    def start_driver(self, spec_url: str, run_name: str) -> str:
+        """``detach == "driver"``: start the job that runs ``llamarl run`` on ``spec_url`` in the
+        cluster; where it is (its name, or the file it was written to)."""
+        ...
+
 
 class ExecutorBase:
-    """What every executor does the same way on top of its own ``submit`` and ``wait``."""
+    """What every executor does the same way on top of its own ``submit`` and ``wait``, and the
+    defaults of an executor without a queue or a detached mode."""
+
+    launches: bool = True
+    concurrency: int | None = None
+    detach: Literal["jobs", "driver"] | None = None
 
     def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
         return self.wait(self.submit(stage, config, nprocs, nodes, name=name))
+
+    def stop_all(self) -> None:
+        pass
+
+    def job_state(self, job_id: str) -> str | None:
+        return None
+
+    def submit_after(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None,
+                     after: list[str] = (), recorder: Any = None) -> str:
+        raise UserError(f"the {type(self).__name__} cannot submit a stage to start after others; "
+                        f"--detach needs the slurm executor for that")
+
+    def start_driver(self, spec_url: str, run_name: str) -> str:
+        raise UserError(f"the {type(self).__name__} has no in-cluster driver; --detach needs the kubernetes executor "
+                        f"for that")
 
 
 def stage_args(stage: str, config: Any) -> list[str]:
@@ -112,10 +162,4 @@ def make_executor(kind: str, options: dict, run_dir: str, source: str) -> Execut
     """The executor of ``kind`` with ``options`` for the run in ``run_dir`` (whose folders hold
     what the cluster executors write: ``pipeline/slurm``, ``pipeline/k8s``)."""
     _, executor_class = _classes(kind, source)
-    checked = validate_options(kind, options, source)
-    defaults = {"slurm": {"folder": f"{run_dir}/pipeline/slurm"},
-                "kubernetes": {"manifests_dir": f"{run_dir}/pipeline/k8s"}}.get(kind, {})
-    unset = {k: v for k, v in defaults.items() if getattr(checked, k) is None}
-    if kind == "kubernetes":
-        return executor_class(checked.model_copy(update=unset), run_dir=run_dir)
-    return executor_class(checked.model_copy(update=unset))
+    return executor_class(validate_options(kind, options, source), run_dir=run_dir)

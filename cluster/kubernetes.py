@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from llamarl.lib.errors import EXIT_USER_ERROR, UserError
+from llamarl.lib.errors import EXIT_STATUS_ENV, EXIT_USER_ERROR, UserError
 
 from .executor import ExecutorBase, StageResult, per_node, stage_args
 
@@ -87,14 +87,19 @@ class KubernetesOptions(BaseModel):
 
 
 class KubernetesExecutor(ExecutorBase):
+    detach = "driver"
+
     def __init__(self, options: KubernetesOptions, *, run_dir: str | None = None, batch_api: Any = None,
                  core_api: Any = None):
         """``run_dir``: the run whose stages this executor starts (its Jobs are labelled with it, so
-        that a restarted driver follows a stage's running Job instead of starting a second one).
-        ``batch_api`` / ``core_api``: kubernetes clients (BatchV1Api, CoreV1Api); by default
-        built from the in-cluster or kubeconfig credentials on first use."""
+        that a restarted driver follows a stage's running Job instead of starting a second one;
+        ``manifests_dir`` defaults to its ``pipeline/k8s``). ``batch_api`` / ``core_api``:
+        kubernetes clients (BatchV1Api, CoreV1Api); by default built from the in-cluster or
+        kubeconfig credentials on first use."""
         if not options.apply and not options.manifests_dir:
-            raise UserError("kubernetes executor: set manifests_dir, or apply: true")
+            if run_dir is None:
+                raise UserError("kubernetes executor: set manifests_dir, or apply: true")
+            options = options.model_copy(update={"manifests_dir": f"{run_dir.rstrip('/')}/pipeline/k8s"})
         self.options = options
         self.launches = options.apply
         self._batch_api, self._core_api = batch_api, core_api
@@ -111,9 +116,16 @@ class KubernetesExecutor(ExecutorBase):
         job = job_name or _dns_name(f"llamarl-{name or stage}")
         svc = f"{job}-svc"
         args = shlex.join(stage_args(stage, config))
-        torchrun = (f"exec torchrun --nnodes={nodes} --node_rank=${{JOB_COMPLETION_INDEX}} "
+        torchrun = (f"torchrun --nnodes={nodes} --node_rank=${{JOB_COMPLETION_INDEX}} "
                     f"--nproc_per_node={per_node(nprocs, nodes)} --master_addr={job}-0.{svc} "
                     f"--master_port={o.master_port} --rdzv-conf=timeout={config.collective_timeout_s} {args}")
+        # torchrun exits 1 whatever its workers did: the pod exits with the stage's own status
+        # (2 for a user error, which the podFailurePolicy fails at once), the lowest any worker
+        # reported, or with torchrun's where none did.
+        command = (f'export {EXIT_STATUS_ENV}="${{TMPDIR:-/tmp}}/llamarl-exit-status"; rm -f "${EXIT_STATUS_ENV}"; '
+                   f'{torchrun}; rc=$?; '
+                   f'if [ "$rc" -ne 0 ] && [ -s "${EXIT_STATUS_ENV}" ]; then '
+                   f'rc=$(sort -n "${EXIT_STATUS_ENV}" | head -n 1 | cut -d " " -f 1); fi; exit "$rc"')
         resources: dict = {}
         gpus = o.gpus_per_node if o.gpus_per_node is not None else (per_node(nprocs, nodes) if stage in GPU_STAGES else 0)
         if gpus:
@@ -139,7 +151,7 @@ class KubernetesExecutor(ExecutorBase):
             "securityContext": {"runAsNonRoot": True, "runAsUser": o.run_as_user, "runAsGroup": o.run_as_user,
                                 "fsGroup": o.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [{
-                "name": "stage", "image": o.image, "command": ["bash", "-c", torchrun], "env": env,
+                "name": "stage", "image": o.image, "command": ["bash", "-c", command], "env": env,
                 "resources": resources,
                 "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
                 "volumeMounts": [{"name": "storage", "mountPath": o.mount_path}, {"name": "shm", "mountPath": "/dev/shm"}],
@@ -291,8 +303,14 @@ class KubernetesExecutor(ExecutorBase):
                     raise UserError(f"kubernetes: cannot create {obj['kind']} {obj['metadata']['name']}: "
                                     f"{e.api_exceptions[0].reason}") from None
                 if obj["kind"] == "Job":
-                    raise UserError(f"kubernetes: the driver Job {obj['metadata']['name']} exists already: the run is "
-                                    f"being driven (or delete the Job to start it again)") from None
+                    name = obj["metadata"]["name"]
+                    if self._ended(name) is None:
+                        raise UserError(f"kubernetes: the driver Job {name} exists and still runs: the run is being "
+                                        f"driven; follow it with `llamarl status`, or delete the Job first") from None
+                    # An earlier --detach's driver, ended (done, or failed after its restarts): a
+                    # new one resumes the run, doing only what is missing.
+                    self._delete(name)
+                    batch.create_namespaced_job(namespace=self.options.namespace, body=obj)
         return objects[-1]["metadata"]["name"]
 
     def _ended(self, name: str) -> Any:
@@ -304,6 +322,12 @@ class KubernetesExecutor(ExecutorBase):
     def _recreate(self, name: str) -> None:
         """Delete the Job with its pods, wait until it is gone, create it again: the new pods keep
         the names (and DNS names) the rendezvous needs."""
+        self._delete(name)
+        batch, _ = self._apis()
+        batch.create_namespaced_job(namespace=self.options.namespace, body=self._jobs[name])
+
+    def _delete(self, name: str) -> None:
+        """Delete the Job with its pods and wait until it is gone (its name is free again)."""
         batch, _ = self._apis()
         ns = self.options.namespace
         batch.delete_namespaced_job(name=name, namespace=ns, propagation_policy="Foreground")
@@ -315,7 +339,6 @@ class KubernetesExecutor(ExecutorBase):
                     break
                 raise
             time.sleep(self.options.poll_s)
-        batch.create_namespaced_job(namespace=ns, body=self._jobs[name])
 
 
     def _apis(self) -> tuple[Any, Any]:

@@ -56,9 +56,8 @@ class LocalRun:
 
 
 class LocalExecutor(ExecutorBase):
-    launches = True
-
-    def __init__(self, options: LocalOptions | None = None):
+    def __init__(self, options: LocalOptions | None = None, *, run_dir: str | None = None):
+        """``run_dir`` is unused: the local executor writes nothing of its own."""
         self.options = options or LocalOptions()
         self.concurrency = self.options.max_concurrent_stages
         self._free_gpus = list(range(self.options.gpus))

@@ -142,11 +142,15 @@ class SlurmOptions(BaseModel):
 
 
 class SlurmExecutor(ExecutorBase):
-    launches = True
+    detach = "jobs"
 
-    def __init__(self, options: SlurmOptions):
+    def __init__(self, options: SlurmOptions, *, run_dir: str | None = None):
+        """``run_dir``: the run whose stages this executor submits; ``folder`` defaults to its
+        ``pipeline/slurm``."""
         if options.folder is None:
-            raise UserError("slurm executor: set folder (where submitit keeps its files, on shared storage)")
+            if run_dir is None:
+                raise UserError("slurm executor: set folder (where submitit keeps its files, on shared storage)")
+            options = options.model_copy(update={"folder": f"{run_dir.rstrip('/')}/pipeline/slurm"})
         self.options = options
 
     def _parameters(self, stage: str, nprocs: int, nodes: int, name: str | None, after: list[str] = ()) -> dict[str, Any]:
@@ -184,13 +188,12 @@ class SlurmExecutor(ExecutorBase):
         ex.update_parameters(**self._parameters(stage, nprocs, nodes, name, list(after)))
         return ex.submit(StageTask(stage, config.to_json(), recorder))
 
-    def submit_detached(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None,
-                        after: list[str] = (), recorder: Any = None) -> str:
+    def submit_after(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None,
+                     after: list[str] = (), recorder: Any = None) -> str:
         """``submit`` for a detached run: the job id, for the jobs after it and for ``job_state``."""
         return str(self.submit(stage, config, nprocs, nodes, name=name, after=after, recorder=recorder).job_id)
 
-    @staticmethod
-    def job_state(job_id: str) -> str | None:
+    def job_state(self, job_id: str) -> str | None:
         """What Slurm says of a job still in its queue, e.g. ``PENDING (Dependency)`` or ``RUNNING``;
         None once it has left the queue (ended, cancelled)."""
         import subprocess

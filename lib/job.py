@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from .errors import EXIT_PEER_LOST, EXIT_USER_ERROR, UserError
+from .errors import EXIT_PEER_LOST, EXIT_STATUS_ENV, EXIT_USER_ERROR, UserError
 
 C = TypeVar("C")
 
@@ -134,6 +134,12 @@ def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -
     import threading
 
     failure = execute(cls, run, argv)
+    if failure is not None and os.environ.get(EXIT_STATUS_ENV):
+        try:
+            with open(os.environ[EXIT_STATUS_ENV], "a") as f:
+                f.write(f"{failure.code} {' '.join(failure.error.split())}\n")
+        except OSError:
+            pass  # the status still reaches the launcher, as 1
     # Leave without the interpreter's teardown: native threads (pyarrow's, torch's, gloo's) still
     # winding down have aborted it now and then ("terminate called…", status -6), which would turn
     # a reported failure into a crash; and after a success it only costs time (0.3-0.8 s a process

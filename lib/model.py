@@ -152,7 +152,7 @@ class ParallelLlama(nn.Module):
         layout.check(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, dtype
         # The groups this model computes over, fixed now: every layer and collective uses these.
-        self.topology, self.tp_group = topo, parallel.tp_group()
+        self.topology, self.tp_group = topo, topo.groups.tp
         # fused: the decoder's elementwise work as compiled regions when training (None: on CUDA
         # unless LLAMARL_FUSED=0; see lib.layers).
         self.model = ParallelLlamaModel(cfg, topo, self.tp_group, layout.sequence_parallel, dtype, layer_split, fused)

@@ -47,9 +47,10 @@ class GradBuffer:
     def __init__(self, model):
         self.model = model
         self.topo = model.topology
-        self.dp_group = parallel.dp_group() if self.topo.dp > 1 else None
-        self.model_parallel_group = parallel.model_parallel_group() if self.topo.tp * self.topo.pp > 1 else None
-        self.embedding_group = parallel.embedding_group() if model.tied_copy() is not None else None
+        groups = self.topo.groups
+        self.dp_group = groups.dp if self.topo.dp > 1 else None
+        self.model_parallel_group = groups.model_parallel if self.topo.tp * self.topo.pp > 1 else None
+        self.embedding_group = groups.embedding if model.tied_copy() is not None else None
         self._shares = None  # per parameter, for the norm: depends only on the model and layout
         self.params = [p for p in model.parameters() if p.requires_grad]
         dev = self.params[0].device
@@ -124,7 +125,7 @@ class ShardedAdamW:
 
     def __init__(self, model, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
         topo = self.topo = model.topology
-        self.dp_group = parallel.dp_group() if topo.dp > 1 else None
+        self.dp_group = topo.groups.dp if topo.dp > 1 else None
         self.model = model
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Largest first onto the least loaded rank: balanced, and the same on every DP rank.

@@ -17,9 +17,10 @@ of start-up for what is a few ``new_group`` calls.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,20 @@ from .errors import UserError
 
 
 @dataclass(frozen=True)
+class Groups:
+    """This rank's process groups (None: a group of one, nothing to communicate)."""
+
+    tp: ProcessGroup | None = None
+    dp: ProcessGroup | None = None
+    pp: ProcessGroup | None = None
+    model_parallel: ProcessGroup | None = None  # TP × PP: one copy of the model
+    embedding: ProcessGroup | None = None  # first and last pipeline stage (PP > 1)
+
+
+@dataclass(frozen=True)
 class Topology:
-    """This rank's place in the TP × PP × DP grid."""
+    """This rank's place in the TP × PP × DP grid, and the groups it communicates over: what
+    ``init`` returns, passed to whatever needs to know how the job is split."""
 
     tp: int
     pp: int
@@ -39,6 +52,7 @@ class Topology:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    groups: Groups = field(default=Groups(), compare=False, repr=False)
 
     @property
     def is_first_stage(self) -> bool:
@@ -61,17 +75,8 @@ class Topology:
         return self.rank_of(self.tp_rank, self.dp_rank, (self.pp_rank - 1) % self.pp)
 
 
-@dataclass(frozen=True)
-class _Groups:
-    tp: object
-    dp: object
-    pp: object
-    model_parallel: object  # TP × PP: one copy of the model
-    embedding: object | None  # first and last pipeline stage (PP > 1)
-
-
 _TOPOLOGY: Topology | None = None
-_GROUPS: _Groups | None = None
+_GROUPS: Groups | None = None
 
 
 def device() -> torch.device:
@@ -135,8 +140,8 @@ def init(tp: int = 1, pp: int = 1, *, dp: int | None = None, backend: str | None
         for t in range(tp):
             for d in range(dp):
                 build("embedding", [grid.rank_of(t, d, 0), grid.rank_of(t, d, pp - 1)])
-    _GROUPS = _Groups(mine["tp"], mine["dp"], mine["pp"], mine["model_parallel"], mine.get("embedding"))
-    _TOPOLOGY = grid
+    _GROUPS = Groups(mine["tp"], mine["dp"], mine["pp"], mine["model_parallel"], mine.get("embedding"))
+    _TOPOLOGY = dataclasses.replace(grid, groups=_GROUPS)
     return _TOPOLOGY
 
 

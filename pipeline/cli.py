@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from llamarl.lib.errors import EXIT_USER_ERROR
+from llamarl.pipeline.spec import ExportLayout
 from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
 
 
@@ -44,7 +46,7 @@ def run(
                           echo=lambda m: console.print(m, highlight=False, markup=False))
     except UserError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_USER_ERROR)
     if dry_run:
         table = Table(title=f"{loaded.run_dir} (dry run)")
         table.add_column("stage")
@@ -91,7 +93,7 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
         rows = status(run)
     except UserError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_USER_ERROR)
     colors = {"done": "green", "failed": "red", "running": "yellow", "stale": "yellow"}
     table = Table(title=run)
     for col in ("stage", "state", "why"):
@@ -103,6 +105,13 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
 
     holder = RunLock(run).holder()
     console.print(f"being run by {holder}" if holder else "no `llamarl run` holds this run now", highlight=False)
+
+
+def _field(model, name: str, *decls: str, **kw):
+    """A command-line option for a config field: its default and its help come from the model, so
+    the flag and the YAML option can never disagree."""
+    field = model.model_fields[name]
+    return typer.Option(None if field.is_required() else field.default, *decls, help=field.description, **kw)
 
 
 def _run_local(stage: str, config, nprocs: int) -> None:
@@ -117,9 +126,9 @@ def _run_local(stage: str, config, nprocs: int) -> None:
 def shard(
     src: str = typer.Argument(..., help="HF checkpoint directory (any fsspec URL)."),
     dst: str = typer.Argument(..., help="Output directory for the sharded checkpoint."),
-    tp: int = typer.Option(1, min=1, help="Tensor-parallel size (processes = tp × pp)."),
-    pp: int = typer.Option(1, min=1, help="Pipeline-parallel size."),
-    dtype: str = typer.Option(None, help="Stored dtype: bf16 | fp16 | fp32 (default: the source's)."),
+    tp: int = _field(ShardConfig, "tp", min=1),
+    pp: int = _field(ShardConfig, "pp", min=1),
+    dtype: str = _field(ShardConfig, "dtype"),
 ):
     """HF checkpoint → sharded checkpoint (loadable at any TP×PP)."""
 
@@ -132,11 +141,10 @@ def shard(
 def export(
     src: str = typer.Argument(..., help="A sharded checkpoint directory."),
     dst: str = typer.Argument(..., help="Output HF directory."),
-    dtype: str = typer.Option(None, help="Output dtype: bf16 | fp16 | fp32 (default: the checkpoint's)."),
-    max_shard_gb: float = typer.Option(2.0, help="Largest safetensors file, in GB."),
-    procs: int = typer.Option(2, min=1, help="Processes writing files in parallel."),
-    verify: bool = typer.Option(True, "--verify/--no-verify", help="Check the checkpoint's files against their "
-                                                                    "checksums before reading."),
+    dtype: str = _field(ExportConfig, "dtype"),
+    max_shard_gb: float = _field(ExportConfig, "max_shard_gb"),
+    procs: int = _field(ExportLayout, "procs", min=1),
+    verify: bool = _field(ExportConfig, "verify", "--verify/--no-verify"),
 ):
     """Sharded checkpoint → HF safetensors directory (transformers loads it)."""
 
@@ -147,7 +155,7 @@ def export(
 
 def _fail(message: str):
     typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(EXIT_USER_ERROR)
 
 
 def _options(config: str) -> dict:
@@ -205,8 +213,8 @@ def rollout(
     actor: str = typer.Argument(..., help="Published actor checkpoint."),
     prompts: str = typer.Argument(..., help="Parquet or JSONL prompts (file or folder, any fsspec URL)."),
     out: str = typer.Argument(..., help="Output folder for the Parquet parts."),
-    tp: int = typer.Option(1, min=1, help="Tensor-parallel size."),
-    dp: int = typer.Option(1, min=1, help="Data-parallel groups (processes = tp × dp)."),
+    tp: int = _field(RolloutConfig, "tp", min=1),
+    dp: int = _field(RolloutConfig, "dp", min=1),
     config: str = typer.Option(None, help="YAML with further options (sampling, columns, chunk_size…)."),
 ):
     """Actor + prompts → responses with log-probs (Parquet parts, resumable)."""
@@ -222,9 +230,9 @@ def score(
     rollout: str = typer.Argument(..., help="Published rollout folder."),
     out: str = typer.Argument(..., help="Output folder for the scores."),
     rm: str = typer.Option(None, "--rm", help="Published reward-model checkpoint (for the 'rm' term)."),
-    tp: int = typer.Option(1, min=1, help="Tensor-parallel size."),
-    pp: int = typer.Option(1, min=1, help="Pipeline-parallel size."),
-    dp: int = typer.Option(1, min=1, help="Data-parallel groups (processes = tp × pp × dp)."),
+    tp: int = _field(ScoreConfig, "tp", min=1),
+    pp: int = _field(ScoreConfig, "pp", min=1),
+    dp: int = _field(ScoreConfig, "dp", min=1),
     config: str = typer.Option(None, help="YAML with further options (rewards, references, max_length…)."),
 ):
     """Rollout → scores from a reward model and/or rule-based rewards (Parquet, resumable)."""
@@ -242,9 +250,9 @@ def ppo(
     out: str = typer.Argument(..., help="Output folder: actor/, critic/, metrics.jsonl."),
     critic: str = typer.Option(None, help="Critic checkpoint (default: the actor's backbone, zero value head)."),
     reference: str = typer.Option(None, help="Frozen reference (default: the actor)."),
-    tp: int = typer.Option(1, min=1, help="Tensor-parallel size."),
-    pp: int = typer.Option(1, min=1, help="Pipeline-parallel size."),
-    dp: int = typer.Option(1, min=1, help="Data-parallel groups (processes = tp × pp × dp)."),
+    tp: int = _field(PPOConfig, "tp", min=1),
+    pp: int = _field(PPOConfig, "pp", min=1),
+    dp: int = _field(PPOConfig, "dp", min=1),
     config: str = typer.Option(None, help="YAML with PPO options (lr, clip, kl, epochs, batch sizes…)."),
 ):
     """Rollout + scores → updated actor and critic (one PPO iteration, resumable)."""

@@ -34,7 +34,7 @@ class RunLock:
         self.fs, self.path = fsspec.core.url_to_fs(self.url)
         self.lease_s, self.echo = lease_s, echo
         self.me = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(),
-                   "started": time.time(), "lease_s": lease_s}
+                   "pid_start": _process_start(os.getpid()), "started": time.time(), "lease_s": lease_s}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -50,7 +50,7 @@ class RunLock:
             except FileExistsError:
                 holder = self._read()
                 age = time.time() - holder.get("heartbeat", 0) if holder else float("inf")
-                dead_here = holder and holder.get("host") == self.me["host"] and not _alive(holder.get("pid"))
+                dead_here = holder and holder.get("host") == self.me["host"] and not _alive(holder)
                 if holder and not dead_here and age <= holder.get("lease_s", self.lease_s):
                     raise RunLocked(
                         f"{self.url}: this run is being run by {holder['user']}@{holder['host']} (pid {holder['pid']}) "
@@ -86,7 +86,7 @@ class RunLock:
         if not held:
             return None
         age = time.time() - held.get("heartbeat", 0)
-        gone = held.get("host") == self.me["host"] and not _alive(held.get("pid"))
+        gone = held.get("host") == self.me["host"] and not _alive(held)
         if gone or age > held.get("lease_s", self.lease_s):
             return None
         return f"{_who(held)} since {_when(held['started'])}, heartbeat {age:.0f}s ago"
@@ -109,14 +109,28 @@ class RunLock:
             self.fs.mv(tmp, self.path)
 
 
-def _alive(pid) -> bool:
+def _process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux); None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(holder: dict) -> bool:
+    """Does the lock's holder, on this host, still run? Its pid alone is not enough: a driver
+    container restarted in its pod has the same hostname and, as pid 1, the same pid as the one
+    that died — but another start time."""
+    pid = holder.get("pid")
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
     except (PermissionError, TypeError, ValueError):
         return True  # someone else's process, or no pid to check: assume it lives
-    return True
+    started, now = holder.get("pid_start"), _process_start(int(pid))
+    return started is None or now is None or started == now
 
 
 def _when(t: float) -> str:

@@ -256,12 +256,11 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
 
 def _jobs_in_flight(run: str, nodes: list[Node], executor) -> list[tuple[str, str, str]]:
     """(node, job id, state) of the detached jobs of ``run`` still in the cluster's queue."""
-    job_state = getattr(executor, "job_state", None)
     found = []
     for n in nodes:
         record = read_record(run, n) or {}
         if record.get("job") and record.get("status") in ("submitted", "running"):
-            state = job_state(record["job"]) if job_state else None
+            state = executor.job_state(record["job"])
             if state is not None:
                 found.append((n.name, record["job"], state))
     return found
@@ -315,39 +314,53 @@ def _remove_stale(n: Node) -> None:
         fs.rm(path, recursive=True)
 
 
-def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor, echo) -> list[tuple[str, str]]:
+def _skipped(run: str, n: Node, by_name: dict[str, Node], will_run: set[str], report: list, echo) -> tuple[bool, str]:
+    """(is ``n`` done, why); a done stage is reported skipped, a stale output removed before it runs."""
+    done, why = assess(run, n, by_name, will_run)
+    if done:
+        report.append((n.name, "skipped (done)"))
+        echo(f"[{n.name}] done, skipped")
+    else:
+        _remove_stale(n)
+    return done, why
+
+
+def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor: Executor,
+                  echo) -> list[tuple[str, str]]:
     """``--detach``: submit every stage that is not done at once, each job after the jobs of its
-    inputs (Slurm: ``--dependency=afterok``); return without waiting."""
+    inputs (Slurm: ``--dependency=afterok``), or start the executor's in-cluster driver; return
+    without waiting."""
     run, report = spec.run_dir, []
-    if not hasattr(executor, "submit_detached") and not hasattr(executor, "start_driver"):
-        raise PipelineError(f"{spec.source}: --detach needs a cluster executor (slurm or kubernetes); the local "
-                            f"executor runs in the foreground")
+    if executor.detach is None:
+        raise PipelineError(f"{spec.source}: --detach needs a cluster executor (slurm or kubernetes); the "
+                            f"{spec.executor.kind} executor runs in the foreground")
     publish.write_bytes(f"{run}/pipeline/spec.yaml", spec.to_yaml().encode())
-    if not hasattr(executor, "submit_detached"):
-        # Kubernetes: a driver Job runs this same resumable `llamarl run` inside the cluster.
+    if executor.detach == "driver":
+        # A driver job runs this same resumable `llamarl run` inside the cluster.
         where = executor.start_driver(f"{run}/pipeline/spec.yaml", spec.name)
         echo(f"driver: {where}" + ("" if executor.launches else " (apply it: kubectl apply -f)"))
         return [("driver", where)]
     jobs: dict[str, str] = {}
     for n in nodes:
-        done, why = assess(run, n, by_name, set(jobs))
+        done, why = _skipped(run, n, by_name, set(jobs), report, echo)
         if done:
-            report.append((n.name, "skipped (done)"))
-            echo(f"[{n.name}] done, skipped")
             continue
-        _remove_stale(n)
         after = [jobs[i] for i in n.inputs if i in jobs]
-        job = executor.submit_detached(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name, after=after,
-                                       recorder=NodeRecorder(run, n.name))
-        jobs[n.name] = job
-        write_record(run, n, status="submitted", job=job, after=after, submitted=_now(), started=None, error=None,
+        # Recorded before the job exists: a job that starts at once records "running" itself, and
+        # the job id written after submitting must not take that back.
+        write_record(run, n, status="submitted", job=None, after=after, submitted=_now(), started=None, error=None,
                      key=None)
+        job = executor.submit_after(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name, after=after,
+                                    recorder=NodeRecorder(run, n.name))
+        jobs[n.name] = job
+        write_record(run, n, job=job)
         report.append((n.name, f"submitted as job {job}"))
         echo(f"[{n.name}] submitted as job {job}" + (f", after {', '.join(after)}" if after else "") + f": {why}")
     return report
 
 
-def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor, echo) -> list[tuple[str, str]]:
+def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor: Executor,
+               echo) -> list[tuple[str, str]]:
     run, report = spec.run_dir, []
     publish.write_bytes(f"{run}/pipeline/spec.yaml", spec.to_yaml().encode())
     if not executor.launches:
@@ -360,7 +373,7 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
     # Every stage whose inputs are done starts, up to the executor's concurrency (the local
     # executor's max_concurrent_stages; a cluster queues what it cannot run yet): with
     # max_staleness > 0 a rollout runs beside the ppo before it.
-    limit = getattr(executor, "concurrency", None) or len(nodes)
+    limit = executor.concurrency or len(nodes)
     waiting, finished, running, failure = list(nodes), set(), {}, None
     with ThreadPoolExecutor(max_workers=min(limit, len(nodes)), thread_name_prefix="stage") as pool:
         try:
@@ -371,13 +384,10 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
                     if not all(i in finished for i in n.inputs):
                         continue
                     waiting.remove(n)
-                    done, why = assess(run, n, by_name, set())
+                    done, why = _skipped(run, n, by_name, set(), report, echo)
                     if done:
                         finished.add(n.name)
-                        report.append((n.name, "skipped (done)"))
-                        echo(f"[{n.name}] done, skipped")
                         continue
-                    _remove_stale(n)
                     beside = f" (beside {', '.join(m.name for m in running.values())})" if running else ""
                     echo(f"[{n.name}] running {n.stage} on {n.nprocs} process(es): {why}{beside}")
                     write_record(run, n, status="running", started=_now(), error=None, key=None, job=None)
@@ -402,7 +412,7 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
 
                         update_metrics(run, spec.iterations)
         except BaseException:  # interrupted: the stages' processes must not outlive us
-            getattr(executor, "stop_all", lambda: None)()
+            executor.stop_all()
             raise
     if failure is not None:
         n, result = failure
@@ -421,7 +431,7 @@ def status(run: str) -> list[tuple[str, str, str]]:
     nodes = build_dag(spec)
     by_name = {n.name: n for n in nodes}
     records = {n.name: read_record(spec.run_dir, n) or {} for n in nodes}
-    job_state = getattr(executor_for(spec), "job_state", None)
+    executor = executor_for(spec)
     rows = []
     for n in nodes:
         record = records[n.name]
@@ -429,8 +439,8 @@ def status(run: str) -> list[tuple[str, str, str]]:
         state = "done" if done else record.get("status", "pending")
         if state == "done" and not done:
             state = "stale"
-        if state in ("submitted", "running") and record.get("job") and job_state is not None:
-            queued = job_state(record["job"])
+        if state in ("submitted", "running") and record.get("job"):
+            queued = executor.job_state(record["job"])
             if queued is not None:
                 why = f"job {record['job']}: {queued}"
             else:  # left the queue without a record of its end: cancelled with a failed input, or lost

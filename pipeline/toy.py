@@ -48,25 +48,32 @@ def make_tokenizer(path: str, corpus: list[str] = CORPUS_A, vocab_size: int = 30
     return fast
 
 
+def random_hf_model(cfg, kind: str = "lm", seed: int = 0):
+    """A random HF Llama of the ``LlamaConfig`` ``cfg``: ``kind`` lm is LlamaForCausalLM, score is
+    LlamaForSequenceClassification with one label (a reward model)."""
+    import torch
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    if kind == "lm":
+        return LlamaForCausalLM(cfg)
+    cfg.num_labels = 1
+    return LlamaForSequenceClassification(cfg)
+
+
 def make_llama(path: str, *, vocab_size: int = 301, kind: str = "lm", seed: int = 0, hidden_size: int = 64,
                num_layers: int = 2, tokenizer_corpus: list[str] | None = CORPUS_A, dtype: str = "float32", **overrides):
     """Save a random HF Llama (``kind`` lm: LlamaForCausalLM; score: LlamaForSequenceClassification,
     one label) with a tokenizer at ``path``, its weights stored as ``dtype``; returns the model."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    from transformers import LlamaConfig
 
     kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
               num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
               tie_word_embeddings=False)
     kw.update(overrides)
-    cfg = LlamaConfig(**kw)
-    torch.manual_seed(seed)
-    if kind == "lm":
-        model = LlamaForCausalLM(cfg)
-    else:
-        cfg.num_labels = 1
-        model = LlamaForSequenceClassification(cfg)
+    model = random_hf_model(LlamaConfig(**kw), kind, seed)
     model.to(getattr(torch, dtype)).save_pretrained(path)
     if tokenizer_corpus is not None:
         make_tokenizer(path, tokenizer_corpus, vocab_size)

@@ -27,13 +27,16 @@ from typing import Annotated, Any, Literal, Mapping, TypeVar
 from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, create_model,
                       field_validator, model_validator)
 
+from llamarl.lib.dtypes import CONFIG_NAMES
 from llamarl.lib.errors import UserError
 from llamarl.lib.rewards import BUILTIN
 
-ComputeDtype = Literal["auto", "bf16", "fp16", "fp32"]
+StoredDtype = Literal[CONFIG_NAMES]
+"""What a checkpoint stores (lib/dtypes.py's config names)."""
+ComputeDtype = Literal[("auto", *CONFIG_NAMES)]
 """What a stage computes in: auto is bf16 on a GPU and fp32 on CPU; fp16 runs on GPUs only."""
-StoredDtype = Literal["bf16", "fp16", "fp32"]
-"""What a checkpoint stores."""
+TrainDtype = Literal[tuple(d for d in ("auto", *CONFIG_NAMES) if d != "fp16")]
+"""What ppo trains in: no fp16, which would need loss scaling."""
 Count = Annotated[int, Field(ge=1)]
 
 INPUT, OUTPUT, LAYOUT, PLACEMENT = "input", "output", "layout", "placement"
@@ -453,7 +456,7 @@ class PPOConfig(StageConfig):
     seed: int = Field(0, description="Seed of the mini-batch order (the same at every layout).")
     save_every: int = placement(0, "Save resumable training state every N optimizer steps (0: only at the end); "
                                    "a resumed run ends bit-identical, so this changes no result.", ge=0)
-    dtype: Literal["auto", "bf16", "fp32"] = Field(
+    dtype: TrainDtype = Field(
         "auto", description="Parameters and activations: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32 (fp16 would "
                             "need loss scaling). Gradients are accumulated and reduced, and master weights and Adam "
                             "moments kept, in fp32 whatever this is; log-probs, KL, advantages and losses are fp32 "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, optim, parallel, rl, schedule, vocab_parallel
+from llamarl.lib import checkpoint, optim, rl, schedule, vocab_parallel
 from llamarl.lib.batch import TokenBatch
 from llamarl.lib.parallel import Topology
 from llamarl.stages import contract
@@ -95,7 +95,7 @@ def gather_dp(mine: dict[int, list[float]] | None, topo: Topology) -> dict[int, 
     if topo.dp == 1:
         return mine
     parts: list = [None] * topo.dp
-    dist.all_gather_object(parts, mine, group=parallel.dp_group())
+    dist.all_gather_object(parts, mine, group=topo.groups.dp)
     return {k: v for p in parts for k, v in p.items()}
 
 
@@ -188,7 +188,7 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
     if topo.is_last_stage:
         reduced = torch.stack(list(sums.values()))
         if topo.dp > 1:
-            dist.all_reduce(reduced, group=parallel.dp_group())
+            dist.all_reduce(reduced, group=topo.groups.dp)
         metrics.update(dict(zip(sums, reduced.tolist())))
         metrics["mean_score"] = sum(samples[i].score for i in batch_idx) / len(batch_idx)
         metrics["mean_response_length"] = tokens / len(batch_idx)

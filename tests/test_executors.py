@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from llamarl.cluster.executor import StageResult, make_executor, validate_options
+from llamarl.cluster.executor import ExecutorBase, StageResult, make_executor, validate_options
 from llamarl.cluster.local import LocalExecutor, LocalOptions
 from llamarl.lib.errors import EXIT_USER_ERROR, UserError
 from llamarl.stages.config import ShardConfig
@@ -88,6 +88,38 @@ def test_cluster_folders_default_to_the_run_directory():
     k8s = make_executor("kubernetes", {"image": "i", "pvc": "p"}, "/runs/r", "x")
     assert k8s.options.manifests_dir == "/runs/r/pipeline/k8s" and not k8s.launches
     assert make_executor("local", {}, "/runs/r", "x").launches
+
+
+def _protocol_members() -> set[str]:
+    from llamarl.cluster.executor import Executor
+
+    return set(Executor.__annotations__) | {n for n, v in vars(Executor).items() if callable(v) and not n.startswith("_")}
+
+
+@pytest.mark.parametrize("kind,options,detach,queue", [
+    ("local", {}, None, False),
+    ("slurm", {}, "jobs", True),
+    ("kubernetes", {"image": "i", "pvc": "p"}, "driver", False),
+])
+def test_every_executor_implements_the_whole_protocol(kind, options, detach, queue):
+    """The pipeline calls executors only through the protocol: every member is there, with the
+    executor's own answer where it has one and the base's refusal where it has not."""
+    ex = make_executor(kind, options, "/runs/r", "x")
+    members = _protocol_members()
+    assert {"submit", "wait", "run", "render", "stop_all", "job_state", "submit_after", "start_driver",
+            "launches", "concurrency", "detach"} <= members
+    assert not [m for m in members if not hasattr(ex, m)]
+    assert ex.detach == detach
+    if kind != "slurm":  # slurm asks squeue, which need not be here
+        assert ex.job_state("123") is None
+    if detach != "jobs":
+        with pytest.raises(UserError, match="cannot submit a stage to start after others"):
+            ex.submit_after("shard", None, 1, after=["1"])
+    if detach != "driver":
+        with pytest.raises(UserError, match="has no in-cluster driver"):
+            ex.start_driver("/runs/r/pipeline/spec.yaml", "r")
+    ex.stop_all()  # nothing started: nothing to stop, no error
+    assert queue == (type(ex).job_state is not ExecutorBase.job_state)
 
 
 @pytest.mark.parametrize("kind,options,message", [

@@ -48,7 +48,8 @@ def test_rendezvous_and_rank_wiring():
     assert pod["subdomain"] == service["metadata"]["name"]
     command = pod["containers"][0]["command"]
     assert command[:2] == ["bash", "-c"]
-    argv = shlex.split(command[2])
+    torchrun = command[2][command[2].index("torchrun "):command[2].index("; rc=$?")]
+    argv = shlex.split(torchrun)
     args = dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     assert args["--nnodes"] == "2" and args["--nproc_per_node"] == "8"
     assert args["--node_rank"] == "${JOB_COMPLETION_INDEX}"  # expanded by bash in each pod
@@ -255,3 +256,38 @@ def test_a_restarted_driver_follows_the_stages_running_job_instead_of_starting_a
     other = KubernetesExecutor(options, run_dir="/shared/runs/b", batch_api=batch, core_api=_FakeCore())
     assert other.run("ppo", _config(), 16, 2, name="iter-001/ppo").code == 0
     assert len(batch.created) == 1 and batch.created[0][1]["metadata"]["labels"]["llamarl/run"] != labels["llamarl/run"]
+
+
+def _existing_objects(monkeypatch) -> list[str]:
+    """``kubernetes.utils.create_from_dict`` in a namespace where every object exists already
+    (each create answers 409); the kinds asked for, in order."""
+    from kubernetes import utils
+
+    asked = []
+
+    def create(client, obj, namespace):
+        asked.append(obj["kind"])
+        raise utils.FailToCreateError([types.SimpleNamespace(status=409, reason="AlreadyExists")])
+
+    monkeypatch.setattr(utils, "create_from_dict", create)
+    return asked
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_detach_again_replaces_an_ended_driver_and_refuses_a_running_one(monkeypatch, ended):
+    """A rerun of --detach after the driver ended (done, or failed past its restarts) starts a new
+    driver, which resumes the run; while one still runs, it is refused in one line."""
+    asked = _existing_objects(monkeypatch)
+    batch = _FakeBatch("Complete" if ended else "Failed", None)
+    batch.reads = 2 if ended else -10**6  # the fake shows a condition from its third read on
+    ex = _executor(apis=(batch, types.SimpleNamespace(api_client=None)), apply=True, poll_s=0.001)
+    if not ended:
+        with pytest.raises(UserError, match=r"the driver Job llamarl-driver-r1 exists and still runs"):
+            ex.start_driver("/shared/runs/r1/pipeline/spec.yaml", "r1")
+        assert batch.deleted == [] and batch.created == []
+        return
+    assert ex.start_driver("/shared/runs/r1/pipeline/spec.yaml", "r1") == "llamarl-driver-r1"
+    assert asked == ["ServiceAccount", "Role", "RoleBinding", "Job"]  # those that exist are kept
+    assert batch.deleted == [("llamarl-driver-r1", "Foreground")]
+    assert [b["kind"] for _, b in batch.created] == ["Job"]
+    assert batch.created[0][1]["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"

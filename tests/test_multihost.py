@@ -27,7 +27,7 @@ from llamarl.cluster.kubernetes import KubernetesExecutor, KubernetesOptions
 from llamarl.cluster.local import LocalExecutor, LocalOptions
 from llamarl.lib import checkpoint, hf_mapping, publish
 from llamarl.lib.config import LlamaConfig
-from llamarl.lib.errors import EXIT_PEER_LOST
+from llamarl.lib.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from llamarl.pipeline import toy
 from llamarl.stages.config import PPOConfig, RolloutConfig, Sampling
 
@@ -116,27 +116,49 @@ def test_rollout_dp2_across_two_hosts_equals_one_host(two_hosts, iteration, tmp_
         assert pq.read_table(tmp_path / "two" / part).equals(pq.read_table(tmp_path / "one" / part), check_metadata=True), part
 
 
-def test_kubernetes_pods_command_runs_ppo_across_two_hosts(two_hosts, iteration, tmp_path):
+def start_pods(hosts: Hosts, cfg, tmp_path, **popen) -> list[subprocess.Popen]:
     """What the rendered Indexed Job gives each pod — its command, its environment, its
-    JOB_COMPLETION_INDEX, the headless service's pod names — run as is on two hosts, equals one host."""
-    port = two_hosts.free_port(two_hosts[0])
+    JOB_COMPLETION_INDEX, the headless service's pod names — started as is, pod i on host i+1."""
+    port = hosts.free_port(hosts[0])
     ex = KubernetesExecutor(KubernetesOptions(image="llamarl", pvc="runs", master_port=port,
                                               manifests_dir=str(tmp_path / "k8s")))
-    _, job = ex.manifests("ppo", _ppo(iteration, tmp_path / "two"), 2, 2, name="iter-001/ppo")
+    _, job = ex.manifests("ppo", cfg, 2, 2, name="iter-001/ppo")
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
     name = job["metadata"]["name"]
     # The cluster's DNS gives pod i of an Indexed Job under a headless service this name.
-    two_hosts.add_names({f"{name}-{i}.{pod['subdomain']}": host for i, host in enumerate(two_hosts.hosts)})
+    hosts.add_names({f"{name}-{i}.{pod['subdomain']}": host for i, host in enumerate(hosts.hosts)})
     env = {e["name"]: e["value"] for e in container["env"]}
     env["PATH"] = f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"  # the image's torchrun and python
-    procs = [two_hosts.start(host, container["command"], {**env, "JOB_COMPLETION_INDEX": str(i), "OMP_NUM_THREADS": "1"})
-             for i, host in enumerate(two_hosts.hosts)]
+    procs = []
+    for i, host in enumerate(hosts.hosts):
+        tmp = tmp_path / f"pod-{i}"  # each pod's own /tmp
+        tmp.mkdir()
+        procs.append(hosts.start(host, container["command"], {**env, "JOB_COMPLETION_INDEX": str(i),
+                                                              "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}, **popen))
+    return procs
+
+
+def test_kubernetes_pods_command_runs_ppo_across_two_hosts(two_hosts, iteration, tmp_path):
+    """The pods' command run as is on two hosts equals one host."""
+    procs = start_pods(two_hosts, _ppo(iteration, tmp_path / "two"), tmp_path)
     codes = [p.wait(STAGE_TIMEOUT_S) for p in procs]
     assert codes == [0, 0], f"pods' exit statuses {codes}"
     run_on_one_host("ppo", _ppo(iteration, tmp_path / "one"), 2)
     for part in ("actor", "critic"):
         _assert_bit_identical(_weights(str(tmp_path / "two" / part)), _weights(str(tmp_path / "one" / part)))
+
+
+def test_kubernetes_pods_exit_with_the_stages_user_error_status(two_hosts, iteration, tmp_path):
+    """torchrun exits 1 whatever its workers did; the pods must exit 2, which the Job's
+    podFailurePolicy fails at once (a user error is reported, never retried)."""
+    cfg = _ppo(iteration, tmp_path / "out").model_copy(update={"rollout": str(tmp_path / "no-such-rollout")})
+    procs = start_pods(two_hosts, cfg, tmp_path, stderr=subprocess.PIPE, text=True)
+    results = [p.communicate(timeout=STAGE_TIMEOUT_S) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert codes == [EXIT_USER_ERROR, EXIT_USER_ERROR], (codes, results[0][1][-2000:])
+    assert "no-such-rollout" in _error_line(results[0][1])  # rank 0 reports it, once
+    assert publish.read_manifest(str(tmp_path / "out")) is None
 
 
 def test_host_lost_mid_ppo_ends_host_1_and_publishes_nothing(two_hosts, iteration, tmp_path):
@@ -188,7 +210,10 @@ def test_host_frozen_mid_ppo_ends_host_1_within_the_timeout_and_a_rerun_finishes
     Hosts.kill(procs[1])
     procs[1].wait()
 
-    run_on_hosts(two_hosts, "ppo", cfg)
+    rerun = start_on_hosts(two_hosts, "ppo", cfg, stdout=subprocess.PIPE, text=True)
+    outs = [p.communicate(timeout=STAGE_TIMEOUT_S)[0] for p in rerun]
+    assert [p.returncode for p in rerun] == [0, 0], outs
+    assert f"{out}: resuming after optimizer step" in outs[0]  # resumed, not started again
     run_on_one_host("ppo", _ppo(iteration, tmp_path / "one", save_every=1), 2)
     for part in ("actor", "critic"):
         _assert_bit_identical(_weights(str(out / part)), _weights(str(tmp_path / "one" / part)))

@@ -74,6 +74,23 @@ def test_a_killed_run_on_this_host_is_taken_over_at_once(tmp_path):
     assert said and "its process is gone" in said[0]
 
 
+def test_a_restarted_driver_with_the_dead_ones_pid_takes_the_lock_at_once(tmp_path):
+    """A driver container restarted in its pod: same hostname, same pid (1), but the process that
+    held the lock is gone — its start time differs."""
+    me = RunLock(str(tmp_path)).me
+    (tmp_path / "pipeline").mkdir()
+    old = {**me, "pid_start": me["pid_start"] - 100, "started": time.time() - 60, "heartbeat": time.time()}
+    (tmp_path / "pipeline" / "lock.json").write_text(json.dumps(old))
+    said = []
+    with RunLock(str(tmp_path), echo=said.append):
+        pass
+    assert said and "its process is gone" in said[0]
+    # The same process (same start time) still holds it: refused.
+    (tmp_path / "pipeline" / "lock.json").write_text(json.dumps({**me, "heartbeat": time.time()}))
+    with pytest.raises(RunLocked):
+        RunLock(str(tmp_path)).acquire()
+
+
 def test_inputs_from_outside_the_run_are_keyed_by_content(tmp_path):
     from llamarl.lib import publish
     from llamarl.pipeline.run import assess, build_dag, fingerprint, node_key, write_record

@@ -37,15 +37,9 @@ def hf_config(**overrides):
 
 
 def hf_model(kind="lm", seed=0, **overrides):
-    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+    from llamarl.pipeline.toy import random_hf_model
 
-    cfg = hf_config(**overrides)
-    torch.manual_seed(seed)
-    if kind == "lm":
-        model = LlamaForCausalLM(cfg)
-    else:
-        cfg.num_labels = 1
-        model = LlamaForSequenceClassification(cfg)
+    model = random_hf_model(hf_config(**overrides), kind, seed)
     # HF initialises norms to one; perturb them so a wrong norm weight cannot hide.
     with torch.no_grad():
         for n, p in model.named_parameters():
