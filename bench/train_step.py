@@ -3,6 +3,7 @@
     python bench/train_step.py           # Llama-3.2-1B shape, bf16, 8 x 2048 tokens a step, fused AdamW
     python bench/train_step.py --small   # a CPU smoke run
     python bench/train_step.py --ablate --profile DIR --out FILE
+    python bench/train_step.py --ppo --out FILE    # and the ppo stage's update on the same tokens
 
 A step = forward, cross-entropy (lib/: vocab-parallel, remove-padding path), backward, AdamW.
 Reports tokens/s, MFU (of 989 TFLOP/s, the reference's convention) and peak memory for each
@@ -10,9 +11,28 @@ variant: ``llamarl`` (lib/ as it runs by default: fused regions and Triton vocab
 CUDA), ``llamarl-eager`` (``--ablate``: the same with ``LLAMARL_FUSED=0``, the unfused reference
 path), ``hf``. Step times are CUDA-event times per step, the median of ``--steps``.
 
+``--ppo``: the ppo stage's update on the same model shape, one optimizer step each, through the
+stage's own code: the actor built as ``stages/ppo.py`` builds it (its compute dtype, TP 1, remove
+padding), a ``stages.ppo_trainer.Trainer`` (``GradBuffer``: fp32 ``main_grad``; ``ShardedAdamW``:
+fp32 masters and moments), samples (``stages.ppo_data.Sample``: 128-token prompts, random ids,
+rollout and reference log-probs, scores in groups of 4) turned into the loss inputs by
+``ppo_data.advantages`` (grpo with a KL loss, β 0.05, as bench/e2e.py's grpo workload), and each
+step is ``ppo_trainer.train_step`` on ``ppo_data.mini_batch``'s order: padding and micro-batches
+by ``micro_batch_tokens``, log-prob + entropy through ``lib.vocab_parallel``, the policy and KL
+losses through ``lib.rl``, fp32 gradient accumulation, the global-norm clip, the AdamW step on the
+masters and their copy into the bf16 weights, the step's metrics read back. Cases (``--ppo-cases``):
+``ppo`` (8 × 2048, the stage's default ``micro_batch_tokens`` 4096: 4 micro-batches), ``ppo-1mb``
+(the same in one micro-batch of 16384) and ``ppo-ragged`` (16 sequences of 512–1536 tokens, 16384
+in all, micro-batches of 4096). Tokens/s counts every token through forward and backward (the
+stage's ``update_tokens``); ``ratio_<case>_over_llamarl`` is the issue-16 goal (≥ 0.8).
+
 ``--profile DIR``: after timing, a ``torch.profiler`` trace of two steps of each variant, summed
 per kernel category (matmul, attention forward / backward, elementwise, cross-entropy, optimizer,
-embedding, memcpy, idle) into ``DIR/profile.md`` and ``DIR/profile.json``.
+embedding, memcpy, idle) into ``DIR/profile.md`` and ``DIR/profile.json``. The ppo cases add
+their own categories, from ``record_function`` scopes put around the trainer's pieces for the
+profiled steps only (the timed steps run unwrapped): gradient accumulation into the fp32 buffer
+(autograd's AccumulateGrad), gradient zero / norm / clip, the masters' copy into the bf16 weights,
+the RL loss arithmetic (forward), and the batches' building and host → device copies.
 """
 
 from __future__ import annotations
@@ -35,6 +55,11 @@ PEAK_TFLOPS = 989e12
 
 def flops_per_step(n_params_no_embed: int, layers: int, hidden: int, seq: int, tokens: int) -> float:
     return 6 * n_params_no_embed * tokens + 12 * layers * hidden * seq * tokens / 2  # causal attention
+
+
+def flops_of(n_params_no_embed: int, layers: int, hidden: int, lengths: list[int]) -> float:
+    """``flops_per_step`` for sequences of any ``lengths`` (attention grows with each one's square)."""
+    return 6 * n_params_no_embed * sum(lengths) + 12 * layers * hidden * sum(n * n for n in lengths) / 2
 
 
 def step_times(step, n, dev, warmup=3) -> list[float]:
@@ -128,9 +153,118 @@ def build_hf(hf_cfg, ids, dtype, fused, dev):
     return model, step, losses
 
 
+# ---- the ppo stage's update -------------------------------------------------------------------
+
+PPO_CASES = ("ppo", "ppo-1mb", "ppo-ragged")
+
+
+def ppo_lengths(case: str, batch: int, seq: int) -> list[int]:
+    """Sequence lengths of a case: ``batch`` × ``seq``, or twice as many ragged ones from seq/4 to
+    3·seq/4 (evenly spread, shuffled: the same number of tokens)."""
+    if case != "ppo-ragged":
+        return [seq] * batch
+    n = 2 * batch
+    lengths = [seq // 4 + round((seq // 2) * i / (n - 1)) for i in range(n)]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    return [lengths[i] for i in order]
+
+
+def build_ppo(hf_cfg, case, lengths, micro_batch_tokens, dev):
+    """The ppo stage's actor and trainer, samples of ``lengths`` and their loss inputs; the step is
+    one ``ppo_trainer.train_step`` (one optimizer step on the whole mini-batch)."""
+    from llamarl.lib import parallel
+    from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
+    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.stages import contract
+    from llamarl.stages.config import PPOConfig
+    from llamarl.stages.ppo_data import Sample, advantages, check_groups, mini_batch
+    from llamarl.stages.ppo_trainer import Trainer, train_step
+
+    n = len(lengths)
+    cfg = PPOConfig(rollout="bench://rollout", scores="bench://scores", actor="bench://actor", out="bench://out",
+                    advantage="grpo", use_kl_loss=True, kl_coef=0.05, mini_batch_size=n,
+                    micro_batch_tokens=micro_batch_tokens, seed=0)
+    # As stages/ppo.py builds it.
+    dtype = compute_dtype(cfg.dtype, parallel.device())
+    model_cfg = LlamaConfig.from_hf(hf_cfg.to_dict())
+    layout = ParallelLayout(tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sequence_parallel, remove_padding=True)
+    layout.check(model_cfg)
+    with torch.device(dev):
+        actor = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
+    actor.init_random(seed=0)
+    trainers = {contract.ACTOR: Trainer(actor, cfg.actor_lr, cfg, None, None, 0)}
+
+    g = torch.Generator().manual_seed(1)
+    prompt_len = min(128, min(lengths) // 4)
+    per_group = 4 if n >= 8 else 2
+    samples = []
+    for i, length in enumerate(lengths):
+        ids = torch.randint(3, model_cfg.vocab_size, (length,), generator=g).tolist()
+        logp = (-3 * torch.rand(length - prompt_len, generator=g)).tolist()
+        samples.append(Sample(ids, prompt_len, logp, float(torch.rand((), generator=g)), str(i // per_group)))
+    check_groups(cfg, samples)
+    ref_logp = {i: [x - 0.01 for x in s.rollout_logp] for i, s in enumerate(samples)}
+    data = advantages(cfg, samples, ref_logp, None, dev)
+    counter, metrics, losses = [0], [], []
+
+    def step():
+        k = counter[0]
+        _, batch_idx = mini_batch(cfg, len(samples), k)
+        m = train_step(cfg, trainers, samples, data, batch_idx, k, dev)
+        counter[0] += 1
+        metrics.append(m)
+        losses.append(torch.tensor(m["policy_loss"]))
+
+    step.ppo = {"trainer": trainers[contract.ACTOR], "actor": actor, "metrics": metrics,
+                "config": {"advantage": cfg.advantage, "use_kl_loss": cfg.use_kl_loss, "loss_agg": cfg.loss_agg,
+                           "micro_batch_tokens": cfg.micro_batch_tokens, "grad_clip": cfg.grad_clip,
+                           "dtype": str(dtype), "prompt_len": prompt_len, "sequences": n,
+                           "lengths": lengths}}
+    return actor, step, losses
+
+
+@contextlib.contextmanager
+def ppo_scopes(step):
+    """``record_function`` scopes around the ppo trainer's pieces, for a profile: instance and module
+    attributes swapped for wrappers of the same callables, put back after."""
+    import llamarl.lib.rl as rl
+    import llamarl.stages.ppo_trainer as pt
+
+    info = getattr(step, "ppo", None)
+    if info is None:
+        yield
+        return
+
+    def scoped(name, fn):
+        def inner(*a, **kw):
+            with record_function(name):
+                return fn(*a, **kw)
+        return inner
+
+    t, actor = info["trainer"], info["actor"]
+    swaps = [(t.grads, "zero", "ppo.grads"), (t.grads, "clip", "ppo.grads"), (t.grads, "reduce", "ppo.grads"),
+             (t.opt, "step", "ppo.opt_step"), (actor, "make_batch", "ppo.batches"), (pt, "padded", "ppo.batches"),
+             (rl, "policy_loss", "ppo.rl_loss"), (rl, "kl_estimate", "ppo.rl_loss"), (rl, "aggregate", "ppo.rl_loss")]
+    saved = []
+    for obj, attr, name in swaps:
+        saved.append((obj, attr, obj.__dict__.get(attr, _MISSING)))  # an instance's own, or a module's
+        setattr(obj, attr, scoped(name, getattr(obj, attr)))
+    try:
+        yield
+    finally:
+        for obj, attr, old in reversed(saved):
+            if old is _MISSING:
+                delattr(obj, attr)  # back to the class's method
+            else:
+                setattr(obj, attr, old)
+
+
+_MISSING = object()
+
+
 def measure(name, build, args, dev, n, flops, tokens, profile_dir):
     """One variant, in its own scope: its model and optimizer are freed before the next."""
-    env = {"llamarl": None, "llamarl-eager": "0", "hf": None}[name]
+    env = "0" if name == "llamarl-eager" else None
     with fused_env(env):
         model, step, losses = build(*args)
         t0 = time.perf_counter()
@@ -141,18 +275,41 @@ def measure(name, build, args, dev, n, flops, tokens, profile_dir):
         dt = out["step_s_median"]
         out.update(tok_s=tokens / dt, mfu=flops / dt / PEAK_TFLOPS,
                    peak_gb=torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None)
+        if getattr(step, "ppo", None):
+            out["ppo"] = dict(step.ppo["config"])
+            last = step.ppo["metrics"][-1]
+            out["ppo"].update(micro_batches=_micro_batches(step), tokens_per_step=last["tokens"],
+                              last_metrics={k: v for k, v in last.items() if isinstance(v, (int, float))})
         if profile_dir:
-            out["profile"] = profile(step, name, profile_dir, dev)
+            with ppo_scopes(step):
+                out["profile"] = profile(step, name, profile_dir, dev)
     del model, step
     if dev == "cuda":
         torch.cuda.empty_cache()
     return out
 
 
+def _micro_batches(step) -> int:
+    from llamarl.stages.ppo_data import micro_batches
+
+    cfg = step.ppo["config"]
+    return len(micro_batches(list(range(cfg["sequences"])), _Lens(cfg["lengths"]), cfg["micro_batch_tokens"]))
+
+
+class _Lens(list):
+    """Stand-ins with ``ids`` of the right lengths, for ``micro_batches``."""
+
+    def __init__(self, lengths):
+        super().__init__(type("S", (), {"ids": range(n)})() for n in lengths)
+
+
 # ---- profile ---------------------------------------------------------------------------------
 
 CATEGORIES = ("matmul", "attention fwd", "attention bwd", "elementwise (norm, rotary, SwiGLU, residual, casts)",
-              "cross-entropy", "optimizer", "embedding", "memcpy/memset", "idle")
+              "cross-entropy", "optimizer", "embedding", "memcpy/memset", "idle",
+              # the ppo cases' own (zero elsewhere)
+              "grad accumulate into fp32", "grad zero, norm, clip", "masters -> bf16 weights",
+              "rl loss (fwd)", "batches (padding, to device)")
 _CE_OPS = ("_logprob", "_klogprob", "_entropy", "_kentropy", "_klogprobentropy", "nll_loss", "log_softmax",
            "cross_entropy", "stats_kernel", "grad_kernel")
 _GEMM = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "wgmma", "splitk")
@@ -162,6 +319,16 @@ def categorize(kernel: str, cat: str, stack: list[str]) -> str:
     """A GPU activity's category from its name and the CPU ops (outermost first) that launched it."""
     k = kernel.lower()
     ops = " | ".join(stack).lower()
+    if "ppo.batches" in ops:
+        return "batches (padding, to device)"
+    if "accumulategrad" in ops:
+        return "grad accumulate into fp32"
+    if "ppo.grads" in ops:
+        return "grad zero, norm, clip"
+    if "ppo.opt_step" in ops and "optimizer.step" not in ops:
+        return "masters -> bf16 weights"
+    if "ppo.rl_loss" in ops:
+        return "rl loss (fwd)"
     if cat in ("gpu_memcpy", "gpu_memset"):
         return "memcpy/memset"
     if any(w in k for w in ("flash", "fmha", "attention", "attn", "sdpa")):
@@ -260,10 +427,12 @@ def profile(step, name, out_dir, dev, steps=2) -> dict:
 
 
 def profile_table(res: dict) -> str:
-    names = [n for n in ("llamarl", "llamarl-eager", "hf") if "profile" in res.get(n, {})]
+    names = [n for n in res.get("variants", ("llamarl", "llamarl-eager", "hf")) if "profile" in res.get(n, {})]
     lines = ["| category | " + " | ".join(f"{n} ms/step | %" for n in names) + " |",
              "|---|" + "---|---|" * len(names)]
     for c in CATEGORIES:
+        if not any(res[n]["profile"]["ms"].get(c) for n in names) and c != "idle":
+            continue
         row = [c]
         for n in names:
             p = res[n]["profile"]
@@ -282,6 +451,8 @@ def main():
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--ablate", action="store_true", help="also lib/ with LLAMARL_FUSED=0 (the unfused path)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 20; --small 2)")
+    ap.add_argument("--ppo", action="store_true", help="also the ppo stage's update (one optimizer step) on the same tokens")
+    ap.add_argument("--ppo-cases", default=",".join(PPO_CASES), help=f"with --ppo: of {', '.join(PPO_CASES)}")
     ap.add_argument("--profile", metavar="DIR", help="write a per-category kernel profile of each variant here")
     ap.add_argument("--out", metavar="FILE", help="write the JSON here too")
     args = ap.parse_args()
@@ -321,17 +492,32 @@ def main():
     res["flops_per_step"] = flops
 
     parallel.init(1, 1)
-    variants = ["llamarl"] + (["llamarl-eager"] if args.ablate else []) + ["hf"]
+    cases = [c for c in args.ppo_cases.split(",") if c] if args.ppo else []
+    if any(c not in PPO_CASES for c in cases):
+        raise SystemExit(f"--ppo-cases {args.ppo_cases!r}: of {', '.join(PPO_CASES)}")
+    variants = ["llamarl"] + (["llamarl-eager"] if args.ablate else []) + cases + ["hf"]
+    res["variants"] = variants
     for name in variants:
-        build = build_hf if name == "hf" else build_lib
-        res[name] = measure(name, build, (hf_cfg, ids, dtype, fused, dev), dev, n, flops, tokens, args.profile)
-        print(name, json.dumps({k: v for k, v in res[name].items() if k != "profile"}), flush=True)
+        if name in PPO_CASES:
+            lengths = ppo_lengths(name, batch, seq)
+            budget = tokens if name == "ppo-1mb" else (4096 if not args.small else seq)
+            build, bargs = build_ppo, (hf_cfg, name, lengths, budget, dev)
+            vflops, vtokens = flops_of(no_embed, L, h, lengths), sum(lengths)
+        else:
+            build, bargs = (build_hf if name == "hf" else build_lib), (hf_cfg, ids, dtype, fused, dev)
+            vflops, vtokens = flops, tokens
+        res[name] = measure(name, build, bargs, dev, n, vflops, vtokens, args.profile)
+        print(name, json.dumps({k: v for k, v in res[name].items() if k not in ("profile", "ppo")}), flush=True)
+        if "ppo" in res[name]:
+            print(name, json.dumps({k: v for k, v in res[name]["ppo"].items() if k != "lengths"}), flush=True)
     # The flat keys bench/report.py and earlier result files use.
     for name, key in (("llamarl", "llamarl"), ("hf", "hf")):
         res.update({f"{key}_tok_s": res[name]["tok_s"], f"{key}_mfu": res[name]["mfu"], f"{key}_peak_gb": res[name]["peak_gb"]})
     res["ratio_llamarl_over_hf"] = res["llamarl_tok_s"] / res["hf_tok_s"]
     if res["llamarl_peak_gb"] and res["hf_peak_gb"]:
         res["peak_memory_llamarl_over_hf"] = res["llamarl_peak_gb"] / res["hf_peak_gb"]
+    for c in cases:  # issue 16: the ppo update at >= 0.8x the raw step's tokens/s
+        res[f"ratio_{c}_over_llamarl"] = res[c]["tok_s"] / res["llamarl"]["tok_s"]
     parallel.shutdown()
     text = json.dumps(res, indent=1)
     if args.out:
