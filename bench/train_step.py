@@ -26,6 +26,10 @@ masters and their copy into the bf16 weights, the step's metrics read back. Case
 in all, micro-batches of 4096). Tokens/s counts every token through forward and backward (the
 stage's ``update_tokens``); ``ratio_<case>_over_llamarl`` is the issue-16 goal (≥ 0.8).
 
+``--host-profile``: a cProfile of two steps of each lib/ variant (top functions by own and
+cumulative time). Every variant records torch._dynamo's counters over its build and steps
+(compiles, recompiles, graph breaks). ``--skip-hf`` leaves HF out (profiling runs).
+
 ``--profile DIR``: after timing, a ``torch.profiler`` trace of two steps of each variant, summed
 per kernel category (matmul, attention forward / backward, elementwise, cross-entropy, optimizer,
 embedding, memcpy, idle) into ``DIR/profile.md`` and ``DIR/profile.json``. The ppo cases add
@@ -262,10 +266,52 @@ def ppo_scopes(step):
 _MISSING = object()
 
 
-def measure(name, build, args, dev, n, flops, tokens, profile_dir):
+def _dynamo_counters() -> dict:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return {k: dict(v) for k, v in counters.items()}
+
+
+def _counters_delta(before: dict, after: dict) -> dict:
+    out = {}
+    for k, v in after.items():
+        d = {kk: vv - before.get(k, {}).get(kk, 0) for kk, vv in v.items() if isinstance(vv, (int, float))}
+        d = {kk: vv for kk, vv in d.items() if vv}
+        if d:
+            out[k] = d
+    return out
+
+
+def host_profile(step, dev, steps=2, top=25) -> dict:
+    """cProfile of ``steps`` steps (synchronized at the end): where the host's time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    prof.disable()
+    wall = time.perf_counter() - t
+    out = {"steps": steps, "wall_s_per_step": wall / steps}
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(top)
+        out[key] = [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+    return out
+
+
+def measure(name, build, args, dev, n, flops, tokens, profile_dir, host=False, traces=False):
     """One variant, in its own scope: its model and optimizer are freed before the next."""
     env = "0" if name == "llamarl-eager" else None
     with fused_env(env):
+        dyn0 = _dynamo_counters()
         model, step, losses = build(*args)
         t0 = time.perf_counter()
         times = step_times(step, n, dev)
@@ -280,9 +326,15 @@ def measure(name, build, args, dev, n, flops, tokens, profile_dir):
             last = step.ppo["metrics"][-1]
             out["ppo"].update(micro_batches=_micro_batches(step), tokens_per_step=last["tokens"],
                               last_metrics={k: v for k, v in last.items() if isinstance(v, (int, float))})
+        out["dynamo_counters"] = _counters_delta(dyn0, _dynamo_counters())  # compiles, recompiles, graph breaks
         if profile_dir:
             with ppo_scopes(step):
-                out["profile"] = profile(step, name, profile_dir, dev)
+                out["profile"] = profile(step, name, profile_dir, dev, keep_trace=traces or name == "llamarl")
+        if host:
+            out["host_profile"] = host_profile(step, dev)
+            print(f"{name}: host profile, {out['host_profile']['wall_s_per_step'] * 1e3:.1f} ms a step under cProfile\n"
+                  + "\n".join(out["host_profile"]["tottime"]) + "\n" + "\n".join(out["host_profile"]["cumulative"]),
+                  flush=True)
     del model, step
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -404,7 +456,7 @@ def summarize_trace(path: str, steps: int) -> dict:
                             for n, (t, c, cat) in top]}
 
 
-def profile(step, name, out_dir, dev, steps=2) -> dict:
+def profile(step, name, out_dir, dev, steps=2, keep_trace=False) -> dict:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     os.makedirs(out_dir, exist_ok=True)
@@ -417,7 +469,7 @@ def profile(step, name, out_dir, dev, steps=2) -> dict:
     path = f"/tmp/train_step-{name}.trace.json"
     prof.export_chrome_trace(path)
     summary = summarize_trace(path, steps)
-    if name == "llamarl":  # the trace itself, when small enough to bring back
+    if keep_trace:  # the trace itself, when small enough to bring back
         with open(path, "rb") as f, gzip.open(os.path.join(out_dir, f"trace-{name}.json.gz"), "wb", compresslevel=6) as g:
             g.write(f.read())
         if os.path.getsize(os.path.join(out_dir, f"trace-{name}.json.gz")) > 15e6:
@@ -453,6 +505,10 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 20; --small 2)")
     ap.add_argument("--ppo", action="store_true", help="also the ppo stage's update (one optimizer step) on the same tokens")
     ap.add_argument("--ppo-cases", default=",".join(PPO_CASES), help=f"with --ppo: of {', '.join(PPO_CASES)}")
+    ap.add_argument("--skip-hf", action="store_true", help="no HF variant (a profiling run)")
+    ap.add_argument("--host-profile", action="store_true", help="also a cProfile of two steps of each lib/ variant")
+    ap.add_argument("--traces", action="store_true", help="with --profile: keep every variant's trace (gzip), not "
+                                                          "only llamarl's")
     ap.add_argument("--profile", metavar="DIR", help="write a per-category kernel profile of each variant here")
     ap.add_argument("--out", metavar="FILE", help="write the JSON here too")
     args = ap.parse_args()
@@ -495,7 +551,7 @@ def main():
     cases = [c for c in args.ppo_cases.split(",") if c] if args.ppo else []
     if any(c not in PPO_CASES for c in cases):
         raise SystemExit(f"--ppo-cases {args.ppo_cases!r}: of {', '.join(PPO_CASES)}")
-    variants = ["llamarl"] + (["llamarl-eager"] if args.ablate else []) + cases + ["hf"]
+    variants = ["llamarl"] + (["llamarl-eager"] if args.ablate else []) + cases + ([] if args.skip_hf else ["hf"])
     res["variants"] = variants
     for name in variants:
         if name in PPO_CASES:
@@ -506,15 +562,20 @@ def main():
         else:
             build, bargs = (build_hf if name == "hf" else build_lib), (hf_cfg, ids, dtype, fused, dev)
             vflops, vtokens = flops, tokens
-        res[name] = measure(name, build, bargs, dev, n, vflops, vtokens, args.profile)
-        print(name, json.dumps({k: v for k, v in res[name].items() if k not in ("profile", "ppo")}), flush=True)
+        res[name] = measure(name, build, bargs, dev, n, vflops, vtokens, args.profile,
+                            host=args.host_profile and name != "hf", traces=args.traces)
+        print(name, json.dumps({k: v for k, v in res[name].items() if k not in ("profile", "ppo", "host_profile")}),
+              flush=True)
         if "ppo" in res[name]:
             print(name, json.dumps({k: v for k, v in res[name]["ppo"].items() if k != "lengths"}), flush=True)
     # The flat keys bench/report.py and earlier result files use.
     for name, key in (("llamarl", "llamarl"), ("hf", "hf")):
-        res.update({f"{key}_tok_s": res[name]["tok_s"], f"{key}_mfu": res[name]["mfu"], f"{key}_peak_gb": res[name]["peak_gb"]})
-    res["ratio_llamarl_over_hf"] = res["llamarl_tok_s"] / res["hf_tok_s"]
-    if res["llamarl_peak_gb"] and res["hf_peak_gb"]:
+        if name in res:
+            res.update({f"{key}_tok_s": res[name]["tok_s"], f"{key}_mfu": res[name]["mfu"],
+                        f"{key}_peak_gb": res[name]["peak_gb"]})
+    if "hf" in res:
+        res["ratio_llamarl_over_hf"] = res["llamarl_tok_s"] / res["hf_tok_s"]
+    if res.get("llamarl_peak_gb") and res.get("hf_peak_gb"):
         res["peak_memory_llamarl_over_hf"] = res["llamarl_peak_gb"] / res["hf_peak_gb"]
     for c in cases:  # issue 16: the ppo update at >= 0.8x the raw step's tokens/s
         res[f"ratio_{c}_over_llamarl"] = res[c]["tok_s"] / res["llamarl"]["tok_s"]
