@@ -5,7 +5,7 @@
   the parts already there and a reader never sees half a part;
 - what each stage publishes (its manifest's ``kind``), and when a published output is current;
 - the checkpoint manifest (shard and ppo write the same kind), its folders and the HF side files
-  next to it, and the outputs of ppo.
+  next to it, and the outputs of ppo: each role's weights, and apart from them its training state.
 
 Dtype names (manifests say torch's own: ``bfloat16``) are lib/dtypes.py's. Stages import this
 module and ``stages.config``, never each other.
@@ -14,6 +14,7 @@ module and ``stages.config``, never each other.
 from __future__ import annotations
 
 import io
+import posixpath
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,6 +36,7 @@ ROLLOUT = "rollout"
 SCORES = "scores"
 PPO = "ppo"
 HF_EXPORT = "hf_export"
+TRAIN_STATE = "train_state"  # ppo: a role's optimizer state, published apart from (and after) its weights
 
 
 def skip_if_current(out: str, expect: dict, done: str, request: dict | None = None) -> bool:
@@ -225,10 +227,80 @@ def checkpoint_manifest(model_cfg: LlamaConfig, head: str, dtype: torch.dtype, h
 
 
 def has_optimizer_state(manifest: dict) -> bool:
+    """Whether a checkpoint holds its optimizer state inside (``optim/``: ppo before the training
+    state moved to ``train_state/``; still read)."""
     return any(k.startswith(f"{OPTIM}/") for k in manifest["files"])
 
 
-# ---- ppo's output: one checkpoint per role, and the step metrics --------------------------------------------
+# ---- a role's training state: published apart from its weights ----------------------------------------------
+# The weights are all that rollout and export read, and 1/7 of what ppo writes (bf16 weights: 2
+# bytes a parameter; fp32 masters and two moments: 12): ppo publishes them first, then the training
+# state, which only the next ppo reads. The checkpoint's manifest says where it is
+# (``train_state: {step, url}``, the url relative to the checkpoint, so a copied ppo output keeps
+# working); the training state's own manifest names the weights it belongs to (``checkpoint_id``).
+
+
+def resolve(root: str, relative: str) -> str:
+    """``relative`` (``../train_state/actor``) taken from the directory ``root``, at any fsspec URL."""
+    scheme, sep, path = root.rstrip("/").rpartition("://")
+    joined = posixpath.normpath(posixpath.join(path, relative))
+    return f"{scheme}{sep}{joined}" if sep else joined
+
+
+def train_state_pointer(role: str, step: int) -> dict:
+    """What a role's checkpoint manifest says of its training state: the optimizer steps behind
+    the weights, and where the state is (ppo's ``OUT/train_state/<role>``, from ``OUT/<role>``)."""
+    return {"step": step, "url": f"../{TRAIN_STATE}/{role}"}
+
+
+def train_state_manifest(role: str, step: int, checkpoint_id: str, files: dict) -> dict:
+    return {"kind": TRAIN_STATE, "role": role, "step": step, "checkpoint_id": checkpoint_id, "files": files,
+            "timing": job.timing()}
+
+
+def require_train_state(url: str, manifest: dict) -> tuple[str, dict] | None:
+    """(its URL, its manifest) of the published training state of the checkpoint ``url``, or None
+    when the state is inside the checkpoint (older ppo) or there is none (shard: step 0). Refused in
+    one line when it is missing, unfinished or not of these weights. Sizes and checksums are the
+    reader's to verify (``job.verify_input``, over its ranks)."""
+    pointer = manifest.get("train_state") or {}
+    if has_optimizer_state(manifest) or not pointer.get("url"):
+        return None
+    state = resolve(url, pointer["url"])
+    fs, path = fsspec.core.url_to_fs(state)
+    if not fs.exists(path) and not _unfinished(resolve(url, "..")):
+        raise UserError(f"{state} does not exist: {url} says its training state is there; copy the whole ppo "
+                        f"output, not only {url.rstrip('/').rsplit('/', 1)[-1]}/, or rerun the ppo stage that wrote it")
+    if not fs.exists(path):
+        raise UserError(f"{state} does not exist yet: the ppo stage writing {url} stopped after its weights; "
+                        f"{redo_train_state(url)}")
+    try:
+        found = publish.require_published(state, TRAIN_STATE)
+    except UserError as e:
+        raise UserError(f"{str(e).split('; ')[0]}: the training state of {url} is not whole; "
+                        f"{redo_train_state(url)}") from None
+    if found.get("step") != pointer["step"] or found.get("checkpoint_id") != publish.output_id(url):
+        raise UserError(f"{state} is the training state of other weights than {url} (step {found.get('step')}, "
+                        f"checkpoint {found.get('checkpoint_id')}); {redo_train_state(url)}")
+    return state, found
+
+
+def _unfinished(root: str) -> bool:
+    fs, path = fsspec.core.url_to_fs(root)
+    return fs.exists(f"{path}/{publish.INCOMPLETE}") and not fs.exists(f"{path}/{publish.MANIFEST}")
+
+
+def redo_train_state(url: str) -> str:
+    """The fix for a missing or damaged training state of ppo's checkpoint ``url``: that ppo
+    again, which rewrites its whole output (deleted first when it was published, or it is skipped)."""
+    out = resolve(url, "..")
+    if _unfinished(out):
+        return f"rerun the ppo stage that writes {out} (it writes it again, whole)"
+    return f"delete {out} and rerun the ppo stage that wrote it"
+
+
+# ---- ppo's output: one checkpoint per role, its training state, and the step metrics ------------------------
+# OUT/<role>/ (weights), then OUT/train_state/<role>/, then OUT/metrics.jsonl and OUT's manifest.
 
 ACTOR = "actor"
 CRITIC = "critic"

@@ -13,11 +13,15 @@ Run with tp × pp × dp processes (``llamarl stage ppo …``). The recipe:
    actor (clipped/dual-clip policy loss, entropy bonus, optional KL loss) and of the critic (clipped
    value loss), micro-batched by a token budget with gradient accumulation, gradients reduced over
    DP from one buffer, clipped by the global norm, AdamW with ZeRO-1;
-5. new actor and critic checkpoints (weights, optimizer moments, step) and metrics.jsonl.
+5. the outputs, weights first: each role's checkpoint ``OUT/<role>`` (published as soon as the last
+   step is done: the next rollout and export read nothing else), the gradient memory freed, then
+   each role's training state ``OUT/train_state/<role>`` (fp32 moments and masters, 6× the bf16
+   weights, read only by the next ppo), metrics.jsonl, and the stage's manifest last.
 
 Training state is saved every ``save_every`` steps under ``OUT/.state``; a rerun resumes from the
 latest and ends with the same weights as an uninterrupted run (the data order depends only on
-the seed). Mini-batches and micro-batches depend only on the data, never on the layout.
+the seed); what the interrupted run had published inside ``OUT`` (weights, training state) is
+written again, whole. Mini-batches and micro-batches depend only on the data, never on the layout.
 
 This module is the recipe; the work is in ``ppo_data`` (1, 3 and the batches), ``ppo_trainer``
 (2 and 4: the models, one ``Trainer`` per role) and ``ppo_state`` (5 and the saved state).
@@ -26,6 +30,8 @@ This module is the recipe; the work is in ``ppo_data`` (1, 3 and the batches), `
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import torch
@@ -45,11 +51,15 @@ from llamarl.stages.ppo_data import (
     mini_batch,
 )
 from llamarl.stages.ppo_state import (
+    clear_published,
     clear_state,
     metrics_on_rank0,
+    optim_url,
     resume,
-    save_checkpoint,
     save_state,
+    save_train_state,
+    save_weights,
+    verify_train_state,
 )
 from llamarl.stages.ppo_trainer import Trainer, gather_dp, token_outputs, train_step
 
@@ -77,6 +87,9 @@ def run(cfg: PPOConfig) -> None:
     reference = cfg.reference or cfg.actor
     use_critic = cfg.advantage == "gae"
     critic_m = contract.require_checkpoint(cfg.critic, "score", "a critic") if cfg.critic and use_critic else None
+    # Each role's training state, when it lies beside its checkpoint (not inside, not none).
+    states = {role: contract.require_train_state(url, m) for role, url, m in
+              ((contract.ACTOR, cfg.actor, actor_m), (contract.CRITIC, cfg.critic, critic_m)) if m is not None}
 
     topo = parallel.init(cfg.tp, cfg.pp, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="ppo")
     rank = dist.get_rank()
@@ -87,8 +100,13 @@ def run(cfg: PPOConfig) -> None:
                "config": cfg.identity()}
     if contract.skip_if_current(out, {"request": request}, "this PPO iteration is already done", request):
         return
+    if rank == 0:
+        clear_published(out)  # a resumed run writes its outputs again, whole
     for root in dict.fromkeys(filter(None, (cfg.actor, reference, cfg.critic if critic_m else None))):
-        job.verify_input(root, publish.require_published(root, contract.CHECKPOINT), "")  # weights and training state
+        job.verify_input(root, publish.require_published(root, contract.CHECKPOINT), "")  # weights (and old optim/)
+    for role, found in states.items():
+        if found is not None:
+            verify_train_state(*found, cfg.actor if role == contract.ACTOR else cfg.critic)
 
     # 1. the models
     from llamarl.lib.model import ParallelLlamaForCausalLM, ParallelLlamaForValue
@@ -130,10 +148,11 @@ def run(cfg: PPOConfig) -> None:
     clock.lap("reference")
 
     # 4. the epochs: one trainer per role (the critic only for GAE)
-    trainers = {contract.ACTOR: Trainer(actor, cfg.actor_lr, cfg, _optim_url(cfg.actor, actor_m),
-                                        f"{cfg.actor}/{contract.MODEL}", start_step)}
+    actor_optim = optim_url(cfg.actor, actor_m, states.get(contract.ACTOR))
+    trainers = {contract.ACTOR: Trainer(actor, cfg.actor_lr, cfg, actor_optim, f"{cfg.actor}/{contract.MODEL}", start_step)}
     if critic is not None:
-        trainers[contract.CRITIC] = Trainer(critic, cfg.critic_lr, cfg, _optim_url(cfg.critic, critic_m),
+        critic_optim = optim_url(cfg.critic, critic_m, states.get(contract.CRITIC))
+        trainers[contract.CRITIC] = Trainer(critic, cfg.critic_lr, cfg, critic_optim,
                                             f"{cfg.critic}/{contract.MODEL}" if critic_m else None, start_step)
     total = cfg.ppo_epochs * -(-len(samples) // cfg.mini_batch_size)
     done, metrics_lines = resume(out, trainers, start_step)
@@ -153,16 +172,31 @@ def run(cfg: PPOConfig) -> None:
             clock.lap("save")
     clock.lap("update")
 
-    # 5. outputs: the roles' checkpoints, then metrics and the manifest
+    # 5. outputs, weights first: the next rollout and export can start from them while the
+    # training state (6x their bytes) is written.
     final = start_step + total
     for name, trainer in trainers.items():
-        save_checkpoint(f"{out}/{name}", trainer, cfg.actor, actor_m, final, store_dtype)
-    clock.lap("save")
+        save_weights(f"{out}/{name}", name, trainer, cfg.actor, actor_m, final, store_dtype)
+        _test_hook(f"published {name}")
+    clock.lap("weights")
+    # Free what no output needs (gradients, the batch's tensors) for a stage that may now share
+    # the device: a rollout from these weights.
+    tis_mine = [data["tis_stats"]] if data and cfg.uses_tis() else None
+    data = None
+    for trainer in trainers.values():
+        trainer.free_gradients()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for name, trainer in trainers.items():
+        save_train_state(out, name, trainer, final)
+        _test_hook(f"published {contract.TRAIN_STATE}/{name}")
+    clock.lap(contract.TRAIN_STATE)
     lines = metrics_on_rank0(metrics_lines, topo)
-    tis = metrics_on_rank0([data["tis_stats"]] if data else None, topo) if cfg.uses_tis() else None
+    tis = metrics_on_rank0(tis_mine, topo) if cfg.uses_tis() else None
     if rank == 0:
         publish.write_bytes(f"{out}/{contract.METRICS}", "".join(json.dumps(x) + "\n" for x in lines).encode())
         files = {contract.METRICS: publish.file_entry(f"{out}/{contract.METRICS}")}
+        _test_hook("wrote metrics")
         summary = {"steps": total, "seconds": clock.laps, "dtype": dtypes.name(dtype),
                    # Tokens through the actor's forward and backward, over all DP ranks.
                    "update_tokens": update_tokens,
@@ -171,9 +205,13 @@ def run(cfg: PPOConfig) -> None:
                    "mean_score": joined_score, "mean_response_length": joined_length,
                    "trained_samples": len(samples), "old_logp": cfg.old_logp_source(),
                    "tis": tis[0] if tis else None, "dynamic_sampling": sampling_stats}
+        # The id of each sub-output: the stage's own id changes with any of them.
+        parts = [*trainers, *(f"{contract.TRAIN_STATE}/{name}" for name in trainers)]
         publish.publish(out, {"kind": contract.PPO, "timing": job.timing(), "request": request, "files": files,
                               "summary": summary, "actor": contract.ACTOR,
                               "critic": contract.CRITIC if critic is not None else None,
+                              "train_state": {name: f"{contract.TRAIN_STATE}/{name}" for name in trainers},
+                              "outputs": {p: publish.output_id(f"{out}/{p}") for p in parts},
                               "final_step": final})
         clear_state(out)
         if sampling_stats:
@@ -214,9 +252,18 @@ def _agg_norm(cfg: PPOConfig, rollout_request: dict) -> int | None:
     return norm
 
 
-def _optim_url(root: str | None, manifest: dict | None) -> str | None:
-    """Where the optimizer state of the checkpoint ``root`` is, if it has one (shard's have none)."""
-    return f"{root}/{contract.OPTIM}" if manifest and contract.has_optimizer_state(manifest) else None
+def _test_hook(point: str) -> None:
+    """Tests stop a run at a point of its publication: ``LLAMARL_TEST_PPO_AT="<point>:kill"`` kills
+    every process there (as a preemption would), ``"<point>:sleep=S"`` holds it S seconds (a slow
+    write). Points: "published actor", "published critic", "published train_state/actor", …,
+    "wrote metrics" (rank 0, before the manifest)."""
+    spec = os.environ.get("LLAMARL_TEST_PPO_AT", "")
+    where, _, action = spec.rpartition(":")
+    if where != point:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(action.removeprefix("sleep=")))
 
 
 def _load_critic(critic, cfg: PPOConfig) -> None:

@@ -1,4 +1,5 @@
-"""What a PPO run keeps on storage: each role's published checkpoint at the end, and the training
+"""What a PPO run keeps on storage: at the end, each role's published weights (``OUT/<role>``)
+and then its published training state (``OUT/train_state/<role>``); during the run, the training
 state saved every ``save_every`` steps under ``OUT/.state`` that an interrupted run resumes from.
 
 A saved state ``OUT/.state/step-NNNNNN`` is complete once its ``done.json`` exists (written last,
@@ -21,32 +22,86 @@ from llamarl.stages import contract
 from llamarl.stages.ppo_trainer import Trainer
 
 
-def save_checkpoint(root: str, trainer: Trainer, source: str, source_manifest: dict, step: int,
-                    store_dtype: torch.dtype) -> None:
+def _start(root: str) -> None:
+    """Rank 0: ``root`` emptied and marked ours. It lies inside our own unpublished output, so
+    whatever an interrupted run left there is ours to replace."""
+    fs, path = fsspec.core.url_to_fs(root)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+    publish.prepare(root, lambda m: False)
+
+
+def _entries(root: str, subs: tuple[str, ...]) -> dict:
+    """Collective: the manifest entries of every file under ``root``'s folders ``subs``."""
+    fs, path = fsspec.core.url_to_fs(root)
+    names = sorted(f"{sub}/{p.rsplit('/', 1)[-1]}" for sub in subs if fs.exists(f"{path}/{sub}")
+                   for p in fs.ls(f"{path}/{sub}", detail=False))
+    return job.file_entries(root, names)
+
+
+def save_weights(root: str, role: str, trainer: Trainer, source: str, source_manifest: dict, step: int,
+                 store_dtype: torch.dtype) -> None:
     """Collective: a published checkpoint (the format shard writes) of ``trainer``'s model as of
-    ``step``, with its optimizer state; config and tokenizer files come from the checkpoint
-    ``source``. ``root`` lies inside our own unpublished output, so whatever an interrupted run
-    left there is ours to replace."""
+    ``step``: weights and HF side files (from the checkpoint ``source``), no optimizer state; its
+    manifest points at ``role``'s training state, which ``save_train_state`` publishes next."""
     rank = dist.get_rank()
     if rank == 0:
-        fs, path = fsspec.core.url_to_fs(root)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
-        publish.prepare(root, lambda m: False)
+        _start(root)
         contract.copy_side_files(f"{source}/{contract.HF}", contract.hf_side_files(source_manifest), f"{root}/{contract.HF}")
     dist.barrier()
-    trainer.save(root, store_dtype)
+    trainer.save_weights(root, store_dtype)
     dist.barrier()
-    fs, path = fsspec.core.url_to_fs(root)
-    names = sorted(f"{sub}/{p.rsplit('/', 1)[-1]}" for sub in (contract.MODEL, contract.OPTIM, contract.HF)
-                   for p in fs.ls(f"{path}/{sub}", detail=False))
-    files = job.file_entries(root, names)
+    files = _entries(root, (contract.MODEL, contract.HF))
     if rank == 0:
         model = trainer.model
         publish.publish(root, contract.checkpoint_manifest(
             model.cfg, model.hf_head, store_dtype, source_manifest.get("hf_config", {}), source_manifest.get("source", {}),
-            files, model.topology, train_state={"step": step}))
+            files, model.topology, train_state=contract.train_state_pointer(role, step)))
     dist.barrier()
+
+
+def save_train_state(out: str, role: str, trainer: Trainer, step: int) -> None:
+    """Collective: ``role``'s optimizer state as of ``step`` published under ``OUT/train_state/<role>``,
+    after its weights ``OUT/<role>``, whose id its manifest records."""
+    root = f"{out}/{contract.TRAIN_STATE}/{role}"
+    if dist.get_rank() == 0:
+        _start(root)
+    dist.barrier()
+    trainer.save_optimizer(root)
+    dist.barrier()
+    files = _entries(root, (contract.OPTIM,))
+    if dist.get_rank() == 0:
+        publish.publish(root, contract.train_state_manifest(role, step, publish.output_id(f"{out}/{role}"), files))
+    dist.barrier()
+
+
+def clear_published(out: str) -> None:
+    """Rank 0, when a rerun resumes ``out``: drop what the interrupted run had published inside it
+    (weights, training state, metrics), keeping the saved state under ``.state``. The rerun writes
+    them again, whole, rather than mix its new files with ones read already (a rollout may have
+    started from those weights: its key names their id, which the rewrite changes)."""
+    fs, path = fsspec.core.url_to_fs(out)
+    for entry in fs.ls(path, detail=False):
+        if entry.rstrip("/").rsplit("/", 1)[-1] not in (".state", publish.INCOMPLETE):
+            fs.rm(entry, recursive=True)
+
+
+def optim_url(root: str | None, manifest: dict | None, state: tuple[str, dict] | None) -> str | None:
+    """Where the optimizer state of the checkpoint ``root`` is, if it has one (shard's have none):
+    in its training state (``state``: ``contract.require_train_state``'s), or inside it (older ppo)."""
+    if state is not None:
+        return f"{state[0]}/{contract.OPTIM}"
+    return f"{root}/{contract.OPTIM}" if manifest and contract.has_optimizer_state(manifest) else None
+
+
+def verify_train_state(url: str, manifest: dict, checkpoint_url: str) -> None:
+    """Collective: every file of the training state ``url`` checked against its manifest; a
+    damaged one is refused in one line naming the fix."""
+    try:
+        job.verify_input(url, manifest)
+    except UserError as e:
+        raise UserError(f"{str(e).split('; ')[0]}: the training state of {checkpoint_url} is damaged; "
+                        f"{contract.redo_train_state(checkpoint_url)}") from None
 
 
 def metrics_on_rank0(lines: list[dict], topo: Topology) -> list[dict] | None:

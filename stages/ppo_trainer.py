@@ -42,11 +42,27 @@ class Trainer:
         self.opt.step()
         return grad_norm, self.opt.lr
 
-    def save(self, root: str, store_dtype: torch.dtype) -> None:
-        """Collective: the weights (from the fp32 masters, as ``store_dtype``) under ``root/model``,
-        the optimizer state in fp32 under ``root/optim``."""
+    def save_weights(self, root: str, store_dtype: torch.dtype) -> None:
+        """Collective: the weights (from the fp32 masters, as ``store_dtype``) under ``root/model``."""
         checkpoint.save(self.opt.model_state(store_dtype), f"{root}/{contract.MODEL}")
+
+    def save_optimizer(self, root: str) -> None:
+        """Collective: the optimizer state in fp32 (moments, and masters when they are copies) under
+        ``root/optim``."""
         checkpoint.save(self.opt.state(), f"{root}/{contract.OPTIM}")
+
+    def save(self, root: str, store_dtype: torch.dtype) -> None:
+        """Collective: both, under one ``root`` (a resumable state of the run)."""
+        self.save_weights(root, store_dtype)
+        self.save_optimizer(root)
+
+    def free_gradients(self) -> None:
+        """After the last step: drop the fp32 gradient buffer (4 bytes a parameter), which nothing
+        saved reads, so the memory is free before the outputs are written. No step may follow."""
+        for p in self.grads.params:
+            p.grad = None
+            del p.main_grad  # a view of the buffer; bf16 parameters' hooks would read it on a backward
+        self.grads = None
 
     def restore(self, root: str, step: int) -> None:
         """Collective: what ``save`` wrote, as of optimizer step ``step``."""

@@ -84,10 +84,20 @@ def test_outputs_metrics_and_checkpoint_format(reference_run, iteration):
         assert key in lines[0], key
     assert lines[0]["entropy"] > 0 and lines[0]["actor_lr"] == 1e-3
     m = publish.require_published(str(reference_run / "actor"), "checkpoint")
-    assert m["train_state"]["step"] == 6 and any(k.startswith("optim/") for k in m["files"])
+    # The weights alone; the training state beside them, in its own published output.
+    assert m["train_state"] == {"step": 6, "url": "../train_state/actor"}
+    assert not any(k.startswith("optim/") for k in m["files"])
     assert any(k.startswith("hf/tokenizer") for k in m["files"])  # rollout of the next iteration needs it
+    for role in ("actor", "critic"):
+        state = publish.require_published(str(reference_run / "train_state" / role), "train_state")
+        assert state["step"] == 6 and state["role"] == role and state["files"]
+        assert all(k.startswith("optim/") for k in state["files"])
+        assert state["checkpoint_id"] == publish.output_id(str(reference_run / role))
     assert publish.require_published(str(reference_run / "critic"), "checkpoint")["head"] == "score"
-    assert publish.require_published(str(reference_run), "ppo")["final_step"] == 6
+    stage = publish.require_published(str(reference_run), "ppo")
+    assert stage["final_step"] == 6
+    assert stage["outputs"] == {p: publish.output_id(str(reference_run / p))
+                                for p in ("actor", "critic", "train_state/actor", "train_state/critic")}
 
 
 def test_next_iteration_continues_optimizer_state(pool1, iteration, reference_run, tmp_path):
@@ -297,6 +307,104 @@ def test_interrupted_between_steps_then_resumed_equals_uninterrupted(iteration, 
     # Bit for bit: the masters and moments resume exactly, also under bf16.
     assert _rel_diff(_weights(str(out / "actor")), _weights(str(uninterrupted / "actor"))) == 0
     assert _rel_diff(_weights(str(out / "critic")), _weights(str(uninterrupted / "critic"))) == 0
+
+
+# ---- what ppo writes, when ------------------------------------------------------------------------------
+# Each role's weights (OUT/<role>) first, then each role's training state (OUT/train_state/<role>),
+# then metrics.jsonl, then the stage's manifest. LLAMARL_TEST_PPO_AT kills the stage right after
+# one of these points, as a preemption would.
+
+PUBLISHED = ["actor", "critic", "train_state/actor", "train_state/critic"]  # in the order written
+POINTS = [f"published {p}" for p in PUBLISHED] + ["wrote metrics"]
+
+
+def _ppo_process(cfg: dict, at: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LLAMARL_TEST_PPO_AT")}
+    if at:
+        env["LLAMARL_TEST_PPO_AT"] = f"{at}:kill"
+    return subprocess.run([sys.executable, "-m", "llamarl.stages.ppo", "--config-json", json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def _cfg_dict(root, out, **kw) -> dict:
+    return json.loads(_cfg(root, out, **kw).model_dump_json(exclude_defaults=True))
+
+
+_UUID = rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+
+def _output_bytes(out, like) -> dict[str, bytes]:
+    """Every file the sub-outputs of the ppo output ``out`` list, read. A checkpoint's ``.metadata``
+    also records its own path (written here as if it were under ``like``, a path of the same
+    length) and a random id of each save (DCP's ``save_id``, blanked): nothing else differs."""
+    import re
+
+    found = {}
+    for part in PUBLISHED:
+        for name in publish.require_published(str(out / part))["files"]:
+            data = (out / part / name).read_bytes()
+            if name.endswith(".metadata"):
+                data = re.sub(_UUID, b"<save_id>", data.replace(str(out).encode(), str(like).encode()))
+            found[f"{part}/{name}"] = data
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", POINTS)
+def test_killed_at_each_point_of_publication_then_rerun_gives_the_same_bytes(iteration, reference_run, point):
+    # Same path length as the uninterrupted run's, so its checkpoints' .metadata differ only by the path.
+    out = reference_run.parent.parent / f"k{POINTS.index(point)}".ljust(len(reference_run.parent.name), "x") / reference_run.name
+    cfg = _cfg_dict(iteration, out)
+    killed = _ppo_process(cfg, at=point)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    # What was published by then, in order; the stage itself is not.
+    upto = len(PUBLISHED) if point == "wrote metrics" else PUBLISHED.index(point.removeprefix("published ")) + 1
+    assert [publish.read_manifest(str(out / p)) is not None for p in PUBLISHED] == [True] * upto + [False] * (4 - upto)
+    assert publish.read_manifest(str(out)) is None and (out / "metrics.jsonl").exists() == (point == "wrote metrics")
+    if point == "published actor":
+        # The actor is whole while its training state is not: the next ppo refuses it in one line.
+        r = _ppo_process(_cfg_dict(iteration, out.parent / "next", actor=str(out / "actor"), off_policy=True))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+        assert lines[0] == (f"error: {out}/train_state/actor does not exist yet: the ppo stage writing {out}/actor "
+                            f"stopped after its weights; rerun the ppo stage that writes {out} (it writes it again, whole)")
+        assert not (out.parent / "next").exists()
+    first = publish.read_manifest(str(out / "actor"))
+    rerun = _ppo_process(cfg)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    # Written again, whole (a rollout started from the first weights is stale by their id) ...
+    assert publish.read_manifest(str(out / "actor")) != first
+    # ... to the same bytes as an uninterrupted run.
+    assert _output_bytes(out, reference_run) == _output_bytes(reference_run, reference_run)
+    assert _steps(out) == _steps(reference_run)
+    assert not (out / ".state").exists()
+
+
+def test_a_checkpoint_with_its_optimizer_state_inside_still_trains_the_same(pool1, iteration, reference_run, tmp_path):
+    # ppo before train_state/: OUT/<role>/optim/ inside the checkpoint, the manifest's train_state
+    # only {step}. Made here from the new layout (the optimizer files are the same files), then a
+    # second iteration from each: the same update, bit for bit.
+    import shutil
+
+    old = tmp_path / "old"
+    for role in ("actor", "critic"):
+        shutil.copytree(reference_run / role, old / role)
+        shutil.copytree(reference_run / "train_state" / role / "optim", old / role / "optim")
+        m = publish.require_published(str(reference_run / role))
+        state = publish.require_published(str(reference_run / "train_state" / role))
+        body = {k: v for k, v in m.items() if k not in ("format_version", "created")}
+        publish.publish(str(old / role), {**body, "files": {**m["files"], **state["files"]}, "train_state": {"step": 6}})
+    runs = {}
+    for name, src in (("old", old), ("new", reference_run)):
+        runs[name] = tmp_path / f"it2-{name}"
+        pool1.run(ppo.run, _cfg(iteration, runs[name], actor=str(src / "actor"), critic=str(src / "critic"),
+                                reference=str(iteration / "actor"), ppo_epochs=1, off_policy=True))
+    assert _steps(runs["old"]) == _steps(runs["new"]) and _steps(runs["new"])[0]["step"] == 7
+    for role in ("actor", "critic"):
+        assert _rel_diff(_weights(str(runs["old"] / role)), _weights(str(runs["new"] / role))) == 0
+        a, b = (publish.require_published(str(r / "train_state" / role))["files"] for r in runs.values())
+        assert {k: v for k, v in a.items() if not k.endswith(".metadata")} == \
+            {k: v for k, v in b.items() if not k.endswith(".metadata")}
 
 
 # ---- mixed precision ----------------------------------------------------------------------------------
