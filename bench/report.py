@@ -1,6 +1,7 @@
 """Markdown tables for docs/benchmarks.md, made from the JSON files in bench/results/.
 
-    python bench/report.py            # prints the tables; paste them under "Measured" in the docs
+    python bench/report.py            # every file's tables; paste them under "Measured" in the docs
+    python bench/report.py FILE...    # those files' tables only
 
 Only what the files say: every row names its file, and ratios are within one file (one run).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 STAGES = ("shard/actor", "shard/rm", "iter-001/rollout", "iter-001/scores", "iter-001/ppo", "export")
@@ -37,6 +39,9 @@ def e2e(path: str) -> list[str]:
                     continue
                 if "generated_tokens" in s:
                     tput = f"{_fmt(s.get('tok_s_per_gpu_wall'))} gen tok/s/GPU"
+                    if s.get("wall_over_engine"):
+                        tput += (f"; engine {s['engine_s']:.1f} s, wall / engine {s['wall_over_engine']:.2f}×, "
+                                 f"work / engine {s['work_over_engine']:.2f}×")
                 elif "trained_tokens" in s:
                     tput = (f"{_fmt(s.get('tok_s_per_gpu_wall'))} trained tok/s/GPU; update loop "
                             f"{_fmt(s.get('update_tok_s'))} tok/s; phases s: "
@@ -64,33 +69,119 @@ def train_step(path: str) -> list[str]:
     r = json.load(open(path))
     out = [f"\n**train step** — {r['device']}, {r['date']} (`{os.path.basename(path)}`), {r['tokens_per_step']} "
            "tokens a step, bf16\n"]
-    names = [n for n in ("llamarl", "llamarl-eager", "hf") if isinstance(r.get(n), dict)]
+    names = [n for n in r.get("variants", ("llamarl", "llamarl-eager", "hf")) if isinstance(r.get(n), dict)]
     if not names:  # files before 2026-11-24: flat keys only
         return out + ["| | tokens/s | MFU | peak GB |", "|---|---|---|---|",
                       f"| llamarl | {r['llamarl_tok_s']:,.0f} | {r['llamarl_mfu']:.1%} | {r['llamarl_peak_gb']:.1f} |",
                       f"| HF | {r['hf_tok_s']:,.0f} | {r['hf_mfu']:.1%} | {r['hf_peak_gb']:.1f} |",
                       f"| ratio | {r['ratio_llamarl_over_hf']:.2f}× | | |"]
-    hf = r["hf"]
-    out += ["| | tokens/s | MFU | peak GB | step ms (median, min–max) | tokens/s vs HF | peak memory vs HF |",
-            "|---|---|---|---|---|---|---|"]
+    hf, raw = r.get("hf"), r.get("llamarl")
+    ppo = any("ppo" in r[n] for n in names)
+    out += ["| | tokens/s | MFU | peak GB | step ms (median, min–max) | tokens/s vs HF | peak memory vs HF"
+            + (" | tokens/s vs llamarl | micro-batches |" if ppo else " |"),
+            "|---|---|---|---|---|---|---|" + ("---|---|" if ppo else "")]
     for n in names:
         v = r[n]
-        out.append(f"| {n} | {v['tok_s']:,.0f} | {v['mfu']:.1%} | {_fmt(v['peak_gb'], '.1f')} | "
-                   f"{v['step_s_median'] * 1e3:.1f} ({v['step_s_min'] * 1e3:.1f}–{v['step_s_max'] * 1e3:.1f}) | "
-                   f"{v['tok_s'] / hf['tok_s']:.2f}× | "
-                   + (f"{v['peak_gb'] / hf['peak_gb']:.2f}× |" if v['peak_gb'] and hf['peak_gb'] else "– |"))
+        row = (f"| {n} | {v['tok_s']:,.0f} | {v['mfu']:.1%} | {_fmt(v['peak_gb'], '.1f')} | "
+               f"{v['step_s_median'] * 1e3:.1f} ({v['step_s_min'] * 1e3:.1f}–{v['step_s_max'] * 1e3:.1f}) | "
+               + (f"{v['tok_s'] / hf['tok_s']:.2f}× | " if hf else "– | ")
+               + (f"{v['peak_gb'] / hf['peak_gb']:.2f}× |" if hf and v['peak_gb'] and hf['peak_gb'] else "– |"))
+        if ppo:
+            micro = v.get("ppo", {}).get("micro_batches")
+            row += (f" **{v['tok_s'] / raw['tok_s']:.2f}×** |" if "ppo" in v and raw else " |") + f" {_fmt(micro, 'd')} |"
+        out.append(row)
     profiled = [n for n in names if r[n].get("profile")]
     if profiled:
-        cats = list(r[profiled[0]]["profile"]["ms"])
+        cats = [c for c in r[profiled[0]]["profile"]["ms"]
+                if c == "idle" or any(r[n]["profile"]["ms"].get(c) for n in profiled)]
         out += ["", "Where a step's GPU time goes (`--profile`, ms per step and share of the step's GPU span):", "",
                 "| category | " + " | ".join(profiled) + " |", "|---|" + "---|" * len(profiled)]
         for c in cats:
             cells = []
             for n in profiled:
                 p = r[n]["profile"]
-                cells.append(f"{p['ms'][c]:.1f} ({p['ms'][c] / p['step_ms']:.0%})")
+                cells.append(f"{p['ms'].get(c, 0.0):.1f} ({p['ms'].get(c, 0.0) / p['step_ms']:.0%})")
             out.append(f"| {c} | " + " | ".join(cells) + " |")
         out.append("| **GPU span of a step** | " + " | ".join(f"**{r[n]['profile']['step_ms']:.1f}**" for n in profiled) + " |")
+    return out
+
+
+def rollout(path: str) -> list[str]:
+    r = json.load(open(path))
+    out = [f"\n**rollout engine** — {r['device']}, {r['date']} (`{os.path.basename(path)}`), prompts of "
+           f"{r['prompt_len']} → {r['new_tokens']} new tokens, {r['sampling']}\n",
+           "| batch | llamarl new tok/s | HF static compiled | ratio | bandwidth bound | measured | fraction of bound |",
+           "|---|---|---|---|---|---|---|"]
+    hf = r.get("hf_static_compiled") or {}
+    for bs, v in (r.get("fixed") or {}).items():
+        ratio = f"**{v['new_tok_s'] / hf['new_tok_s']:.2f}×**" if hf and int(bs) == hf.get("batch") else ""
+        out.append(f"| {bs} | {v['new_tok_s']:,.0f} | {_fmt(hf.get('new_tok_s')) if ratio else ''} | {ratio} | "
+                   f"{_fmt(v.get('bandwidth_bound_s'), '.3f')} s | {v['seconds']:.3f} s | "
+                   f"{_fmt(v.get('fraction_of_bandwidth_bound'), '.2f')} |")
+    for key in ("continuous_batching", "continuous_batching_2048_prompts"):
+        cb = r.get(key)
+        if not cb:
+            continue
+        out += ["", f"Continuous batching ({cb['slots']} slots, {cb['prompts']} prompts, a stop set of "
+                    f"{cb['stop_tokens']} token ids):", "",
+                "| prompts | `check_every` | fixed length tok/s | random stops tok/s | ratio | mean length | slot utilisation (stops) |",
+                "|---|---|---|---|---|---|---|"]
+        for k in sorted((k for k in cb if k.startswith("ratio_every")), key=lambda k: int(k[len("ratio_every"):])):
+            e = k[len("ratio_every"):]
+            f, s = cb[f"fixed_length_every{e}"], cb[f"random_stops_every{e}"]
+            out.append(f"| {cb['prompts']} | {e} | {f['new_tok_s']:,.0f} | {s['new_tok_s']:,.0f} | **{cb[k]:.2f}** | "
+                       f"{s['mean_len']:.0f} | {s['slot_utilisation']:.2f} |")
+    return out
+
+
+def shard_export(path: str) -> list[str]:
+    r = json.load(open(path))
+    sp = r["save_pretrained_s"]
+    return [f"\n**shard / export** — {r['device']}, {r['date']} (`{os.path.basename(path)}`), {r['GB']:.2f} GB bf16, "
+            f"{r['procs']} processes, {r['cpus']} CPUs\n",
+            "| | seconds (whole command) | stage's own work s | GB/s (whole command) | vs `save_pretrained` |",
+            "|---|---|---|---|---|",
+            f"| HF `save_pretrained` | {sp:.2f} | | {r['save_pretrained_GB_s']:.2f} | 1.00× |",
+            f"| `llamarl stage shard` | {r['shard_wall_s']:.2f} | {_fmt(r.get('shard_work_s'), '.2f')} | "
+            f"{r['shard_GB_s_wall']:.2f} | **{r['shard_vs_save_pretrained']:.2f}×** |",
+            f"| `llamarl stage export` | {r['export_wall_s']:.2f} | {_fmt(r.get('export_work_s'), '.2f')} | "
+            f"{r['export_GB_s_wall']:.2f} | **{r['export_vs_save_pretrained']:.2f}×** |",
+            "",
+            f"Loading onto the GPU: lib/ `checkpoint.load_model` {r['lib_load_GB_s']:.2f} GB/s against HF "
+            f"`from_pretrained` {r['from_pretrained_GB_s']:.2f} GB/s: **{r['lib_load_vs_from_pretrained']:.2f}×**; "
+            f"export bit-identical to the source: {r['export_bit_identical']}."]
+
+
+def handoff(path: str) -> list[str]:
+    r = json.load(open(path))
+    m = r["median"]
+    out = [f"\n**weight hand-off** — {r['device_full']}, {r['date']} (`{os.path.basename(path)}`), shape {r['shape']}, "
+           f"{m['GB']:.2f} GB bf16, median of {len(r['runs'])}{', cold page cache' if r.get('cold') else ''}\n",
+           "| save s | verify s | build s | load s | **hand-off s** | save GB/s | verify GB/s | load GB/s | bit-identical |",
+           "|---|---|---|---|---|---|---|---|---|",
+           f"| {m['save_s']:.2f} | {m['verify_s']:.2f} | {m['build_s']:.2f} | {m['load_s']:.2f} | **{m['handoff_s']:.2f}** | "
+           f"{m['save_GB_s']:.2f} | {m['verify_GB_s']:.2f} | {m['load_GB_s']:.2f} | {r['bit_identical']} |"]
+    c = r.get("checksums")
+    if c:
+        out += ["", f"Checksums on one core ({c['MB']:.0f} MB): xxh3_128 {c['xxh3_128_GB_s']:.2f} GB/s, sha256 "
+                    f"{c['sha256_GB_s']:.2f}, blake2b {c['blake2b_GB_s']:.2f}; a write {c['write_s']:.2f} s, hashed while "
+                    f"written {c['write_hashing_xxh3_128_s']:.2f} s, a second xxh3 pass {c['second_pass_xxh3_128_s']:.2f} s."]
+    return out
+
+
+def startup(path: str) -> list[str]:
+    r = json.load(open(path))
+    where = r.get("device") or f"{r.get('cpus')} CPUs"
+    out = [f"\n**start-up** — {where}, {r['date']} (`{os.path.basename(path)}`), {r.get('model')}, median of "
+           f"{r['repeat']}, seconds from the command's launch\n",
+           "| command | whole command | first byte | all ranks writing | cli | imports | config | process group | planning | work | exit |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, v in r["runs"].items():
+        m, sp = v["median"], v["median"]["spans_s"]
+        out.append(f"| {name} | {_fmt(m['wall_s'], '.2f')} | **{_fmt(m['first_byte_s'], '.2f')}** | "
+                   f"{_fmt(m['all_writing_s'], '.2f')} | "
+                   + " | ".join(_fmt(sp.get(s), ".2f") for s in ("cli", "imports", "config", "process_group", "planning",
+                                                                 "work", "exit")) + " |")
     return out
 
 
@@ -105,7 +196,21 @@ def gpu_checks(path: str) -> list[str]:
     return out
 
 
+RENDER = {"e2e": e2e, "train_step": train_step, "gpu-checks": gpu_checks, "rollout": rollout,
+          "shard_export": shard_export, "handoff": handoff, "startup": startup}
+
+
 def main() -> None:
+    if len(sys.argv) > 1:
+        lines = []
+        for path in sys.argv[1:]:
+            name = os.path.basename(path)
+            kind = max((k for k in RENDER if name.startswith(k + "-")), key=len, default=None)
+            if kind is None:
+                raise SystemExit(f"{path}: not a results file of {', '.join(RENDER)}")
+            lines += RENDER[kind](path)
+        print("\n".join(lines))
+        return
     lines = []
     for path in sorted(glob.glob(f"{RESULTS}/e2e-*.json")):
         lines += e2e(path)
@@ -113,6 +218,10 @@ def main() -> None:
         lines += train_step(path)
     for path in sorted(glob.glob(f"{RESULTS}/gpu-checks-*.jsonl")):
         lines += gpu_checks(path)
+    for prefix, render in (("rollout", rollout), ("shard_export", shard_export), ("handoff", handoff),
+                           ("startup", startup)):
+        for path in sorted(glob.glob(f"{RESULTS}/{prefix}-*.json")):
+            lines += render(path)
     print("\n".join(lines))
 
 
