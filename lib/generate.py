@@ -17,9 +17,14 @@ queue; free slots take the next ones:
   steps differ only in values. On CUDA each (b, span) step is captured once as a CUDA graph and
   replayed; the host never waits on a step.
 * **Check** — every ``check_every`` steps the host reads the live flags and token counts (copied
-  to pinned memory behind the window, read one window later), copies the finished sequences'
-  tokens out (on the device), frees their slots and admits the next sequences. Once the queue is
-  empty the live sequences are moved to the lowest slots so the step shrinks to a smaller bucket.
+  to pinned memory behind the window, read one window later), queues the copy of the finished
+  sequences' tokens to the host (read one window later too), frees their slots and admits the
+  next sequences. Once the queue is empty the live sequences are moved to the lowest slots so the
+  step shrinks to a smaller bucket.
+* **Stream** — ``Engine.stream`` takes batches of prompts lazily, one stream of sequences for all
+  of them: the next batch's sequences take the slots as the last batch's free them (no drain at a
+  batch boundary), and each batch comes back as soon as its last sequence finishes.
+  ``generate`` is a stream of one batch.
 
 Sampling (``lib.sampling``) gives each sequence its own counter-based stream keyed by (seed,
 prompt key, sample index), so a response does not depend on ``max_batch``, DP, TP or the order
@@ -31,7 +36,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,7 +46,7 @@ from .attention import Decode, KVCache, Prefill
 from .model import ParallelLlamaForCausalLM
 from .sampling import SamplingParams, sample, sequence_keys
 
-__all__ = ["SPAN_QUANTUM", "Completion", "Engine", "SamplingParams", "generate"]
+__all__ = ["SPAN_QUANTUM", "Batch", "Completion", "Engine", "SamplingParams", "generate"]
 
 SPAN_QUANTUM = 64  # decode spans (and the cache length) are multiples of this: few graphs, aligned masks
 
@@ -49,6 +56,16 @@ class Completion:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"  # "stop" (a stop token, included) or "length"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Prompts that ``Engine.stream`` hands back together: ``keys`` (one per prompt) name their
+    random streams; ``tag``: anything the caller wants back with the completions."""
+
+    prompts: list[list[int]]
+    keys: list[int]
+    tag: Any = None
 
 
 @dataclass(frozen=True)
@@ -113,13 +130,26 @@ class Engine:
 
     def _ensure(self, slots: int, max_len: int) -> None:
         """Slots and cache for at least ``slots`` sequences of ``max_len`` tokens; reallocating
-        drops the captured graphs (they hold the old buffers' addresses)."""
+        drops the captured graphs (they hold the old buffers' addresses). More slots: everything
+        anew (between streams only); only longer sequences (a stream met a longer prompt): a
+        longer cache that keeps the running sequences' keys and values."""
         if slots <= self.slots and max_len <= self.max_len:
             return
-        slots, max_len = max(slots, self.slots), max(_round_up(max_len, SPAN_QUANTUM), self.max_len)
+        if self._graphs and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no replay of a graph being dropped is still queued
         self._graphs.clear()
-        self.cache = None  # free the old cache before the new one is allocated
         m, dev = self.model, self.device
+        max_len = max(_round_up(max_len, SPAN_QUANTUM), self.max_len)
+        if slots <= self.slots:
+            old, self.cache = self.cache, None
+            self.cache = KVCache.allocate(m.model.layer_range, self.slots, max_len, *self._kv_shape, m.dtype, dev)
+            for mine, theirs in ((self.cache.k, old.k), (self.cache.v, old.v)):
+                for i, t in mine.items():
+                    t[:, :, : self.max_len] = theirs[i]
+            self.max_len = max_len
+            return
+        slots = max(slots, self.slots)
+        self.cache = None  # free the old cache before the new one is allocated
         self.cache = KVCache.allocate(m.model.layer_range, slots, max_len, *self._kv_shape, m.dtype, dev)
         self.slots, self.max_len = slots, max_len
         new = self.params.max_new_tokens
@@ -185,11 +215,13 @@ class Engine:
 
     # ---- prefill and admission ------------------------------------------------------------
 
-    def _prefill(self, batch: list[int], prompts, n: int, seq_keys: torch.Tensor, first: torch.Tensor) -> None:
+    def _prefill(self, batch: list[int], prompts: dict[int, list[int]], n: int, keys: torch.Tensor,
+                 ring: _Ring) -> None:
         """One packed prefill of prompts ``batch`` into their rows of the prompt store (row
-        ``prompt % store slots``), through the head at each prompt's last token only; every
-        sample's first token is drawn there and kept in ``first`` (token, log-prob)."""
-        rows = self.store.k[next(iter(self.store.k))].shape[0]
+        ``prompt % store rows``), through the head at each prompt's last token only; every
+        sample's first token is drawn there (``keys``: the samples' stream keys, prompt-major)
+        and kept in the ring with its key until the sample is admitted."""
+        rows = ring.rows
         lens = [len(prompts[p]) for p in batch]
         ids = self._tensor([t for p in batch for t in prompts[p]])
         pos = self._tensor([i for n_ in lens for i in range(n_)])
@@ -197,36 +229,40 @@ class Engine:
         ends = torch.tensor(lens).cumsum(0).tolist()
         cu = self._tensor([0, *ends], torch.int32)
         logits = self.model(_Step(ids, pos, Prefill(cu, max(lens), self.store, row, pos)), rows=self._tensor(ends) - 1)
-        seqs = self._tensor([p * n + k for p in batch for k in range(n)])
-        tok, logp = self._sample(logits.repeat_interleave(n, 0), seq_keys[seqs], torch.zeros_like(seqs))
-        first[0, seqs], first[1, seqs] = tok.double(), logp.double()
+        at = self._tensor([p % rows * n + k for p in batch for k in range(n)])
+        tok, logp = self._sample(logits.repeat_interleave(n, 0), keys, torch.zeros_like(at))
+        ring.first[0, at], ring.first[1, at] = tok.double(), logp.double()
+        ring.keys[at] = keys
 
-    def _admit(self, slots: list[int], seqs: list[int], prompts, n: int, seq_keys: torch.Tensor,
-               first: torch.Tensor) -> None:
-        """Sequences ``seqs`` into free ``slots``: their prompt's keys and values copied from the
-        store (a prompt's samples share its one prefill), their first token set. Device copies
-        only — a few dozen launches, no forward pass."""
-        rows = self.store.k[next(iter(self.store.k))].shape[0]
-        sl, sq = self._tensor(slots), self._tensor(seqs)
-        self.cache.copy_rows(self.store, self._tensor([q // n % rows for q in seqs]), sl)
-        self.keys[sl] = seq_keys[sq]
-        self.lengths[sl] = self._tensor([len(prompts[q // n]) for q in seqs])
-        tok, logp = first[0, sq].long(), first[1, sq].float()
+    def _admit(self, slots: list[int], seqs: list[int], lengths: list[int], ring: _Ring) -> None:
+        """Sequences ``seqs`` (prompt ``q // n``'s sample ``q % n``; ``lengths``: their prompts')
+        into free ``slots``: their prompt's keys and values copied from the store (a prompt's
+        samples share its one prefill), their first token set. Device copies only — a few dozen
+        launches, no forward pass."""
+        sl, at = self._tensor(slots), self._tensor([q % ring.size for q in seqs])
+        self.cache.copy_rows(self.store, self._tensor([q // ring.n % ring.rows for q in seqs]), sl)
+        self.keys[sl] = ring.keys[at]
+        self.lengths[sl] = self._tensor(lengths)
+        tok, logp = ring.first[0, at].long(), ring.first[1, at].float()
         self.out_tokens[sl, 0], self.out_logps[sl, 0] = tok, logp
         self.tokens[sl], self.made[sl] = tok, 1
         self.live[sl] = ~self.is_stop[tok] & (self.params.max_new_tokens > 1)
 
-    def _store_for(self, prompts, n: int) -> None:
-        """The prompt store: a KV cache with a row per prompt being admitted, as long as the
-        longest prompt. Enough rows to fill every slot, and to prefill ``prefill_tokens`` tokens
-        at once (one eager forward per group of prompts, not per admission)."""
-        length = _round_up(max(len(p) for p in prompts), SPAN_QUANTUM)
-        rows = min(len(prompts), max(-(-self.slots // n) + 1, self.prefill_tokens // length))
+    def _store_for(self, length: int, n: int, prompts: int | None) -> _Ring:
+        """The prompt store for prompts of up to ``length`` tokens (``prompts``: how many are left,
+        when known): a KV cache with a row per prompt being admitted. Enough rows to fill every
+        slot, and to prefill ``prefill_tokens`` tokens at once (one eager forward per group of
+        prompts, not per admission). Only called while no prompt waits in the store."""
+        length = _round_up(length, SPAN_QUANTUM)
+        rows = max(-(-self.slots // n) + 1, self.prefill_tokens // length)
+        rows = rows if prompts is None else min(rows, prompts)
         have = self.store.k[next(iter(self.store.k))].shape if self.store is not None else None
         if have is None or have[0] < rows or have[2] < length:
             self.store = None
             m = self.model
             self.store = KVCache.allocate(m.model.layer_range, rows, length, *self._kv_shape, m.dtype, self.device)
+        shape = self.store.k[next(iter(self.store.k))].shape
+        return _Ring(rows=shape[0], length=shape[2], n=n, device=self.device)
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -234,7 +270,9 @@ class Engine:
         """A host list on the device without waiting for the device: through pinned memory, so
         the host prepares the next admission while the GPU still decodes (a copy from pageable
         memory would synchronise with the stream)."""
-        t = torch.tensor(values, dtype=dtype)
+        return self._to_device(torch.tensor(values, dtype=dtype))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def _compact(self, slot_seq: list[int], ages: list[int], prompt_len: list[int], where: dict[int, int]) -> None:
@@ -266,78 +304,184 @@ class Engine:
             event.record()
         return host, event, seqs
 
+    def _fetch(self, slots: list[int], made: list[int], seqs: list[int]):
+        """Queue a copy of finished sequences' tokens and log-probs (in ``slots``, ``made`` tokens
+        each) to the host, before their slots are refilled; ``_delivered`` reads it a window later."""
+        at, k = self._tensor(slots), max(made)
+        tokens, logps = self.out_tokens[at, :k], self.out_logps[at, :k]
+        event = None
+        if self.device.type == "cuda":
+            tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+            logps = torch.empty(logps.shape, dtype=logps.dtype, pin_memory=True).copy_(logps, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return tokens, logps, event, made, seqs
+
+    def _delivered(self, fetched) -> list[tuple[int, Completion]]:
+        tokens, logps, event, made, seqs = fetched
+        if event is not None:
+            event.synchronize()
+        out = []
+        for q, toks, lps, k in zip(seqs, tokens.tolist(), logps.tolist(), made):
+            stopped = k > 0 and toks[k - 1] in self._stop_ids
+            out.append((q, Completion(toks[:k], lps[:k], "stop" if stopped else "length")))
+        return out
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, seed: int = 0, keys: list[int] | None = None,
                  samples_per_prompt: int = 1, on_tokens=None) -> list[Completion]:
-        """As the module function ``generate``.
+        """As the module function ``generate``: one batch through ``stream``."""
+        batch = Batch(prompts, list(range(len(prompts))) if keys is None else list(keys))
+        ((_, out),) = self.stream([batch], seed=seed, samples_per_prompt=samples_per_prompt, on_tokens=on_tokens)
+        return out
+
+    @torch.no_grad()
+    def stream(self, batches: Iterable[Batch], *, seed: int = 0, samples_per_prompt: int = 1,
+               on_tokens=None) -> Iterator[tuple[Batch, list[Completion]]]:
+        """Complete the prompts of every batch ``samples_per_prompt`` times, all in one stream of
+        sequences: a batch's sequences are queued behind the previous batch's, and free slots take
+        the next ones whatever batch they belong to, so the slots stay full across batches. Yields
+        ``(batch, completions)`` (prompt-major, as ``generate``) as each batch's last sequence
+        finishes — in the order batches finish, which need not be the order they came in.
+
+        ``batches`` is read lazily: the next batch when fewer sequences wait than there are slots
+        (and before the first step, enough to fill them). Time spent in ``batches`` and in the
+        consumer (between a yield and the next request) is not the engine's: ``stats["busy_s"]``
+        is the rest, ``stats["source_s"]`` the time waiting for batches.
 
         The host runs one window behind the device: it queues window k's decode steps, then
-        reads the flags of window k-1 (finished by then or soon), copies the finished sequences
-        out, and admits new ones into their slots — all queued behind window k, so that the GPU
-        decodes while the host prepares the next prefill. A slot freed in window k-1 idles
-        (masked) through window k."""
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("a prompt has no tokens")
-        if keys is not None and len(keys) != len(prompts):
-            raise ValueError(f"{len(keys)} keys for {len(prompts)} prompts")
-        n, new, dev = samples_per_prompt, self.params.max_new_tokens, self.device
-        total = len(prompts) * n
-        if total == 0:
-            return []
-        self._ensure(min(self.max_batch, total), max(len(p) for p in prompts) + new)
-        seq_keys = sequence_keys(seed, range(len(prompts)) if keys is None else keys, n, device=dev)
-        res_tokens = torch.zeros(total, new, dtype=torch.long, device=dev)
-        res_logps = torch.zeros(total, new, dtype=torch.float32, device=dev)
-        res_made = torch.zeros(total, dtype=torch.long, device=dev)
-        self.live.zero_()
-        self.lengths.zero_()  # free slots attend over position 0 only
-        S, buckets = self.slots, self._buckets()
+        reads the flags of window k-1 (finished by then or soon), queues the copy of the finished
+        sequences to the host (read one window later), and admits new ones into their slots — all
+        queued behind window k, so that the GPU decodes while the host prepares the next prefill.
+        A slot freed in window k-1 idles (masked) through window k."""
+        n, new = samples_per_prompt, self.params.max_new_tokens
+        if n < 1:
+            raise ValueError(f"samples_per_prompt={n} must be >= 1")
+        t_start, outside = time.perf_counter(), 0.0
+        self.stats = stats = {"windows": 0, "steps": 0, "slot_steps": 0, "admissions": 0, "prefills": 0,
+                              "prefill_tokens": 0, "host_wait_s": 0.0, "batches": 0, "source_s": 0.0, "busy_s": 0.0}
+        source = iter(batches)
+        queue: deque[int] = deque()  # sequences waiting for a slot; sequence q is prompt q // n's sample q % n
+        prompts: dict[int, list[int]] = {}  # prompt -> its token ids, until its last sample is admitted
+        stream_keys: dict[int, int] = {}  # prompt -> its key, until prefilled
+        pending: list[_Pending] = []  # batches with sequences still running, in order
+        ready: list[_Pending] = []  # finished, not yet yielded
+        # The prompt store is replaced (longer rows) only while no prompt waits in it: prompts from
+        # ``resize_at`` on are not prefilled before then. The slots' cache grows in place.
+        state = {"prompts": 0, "exhausted": False, "longest": 0, "store_len": 0, "resize_at": 0}
+
+        def pull() -> None:
+            nonlocal outside
+            t = time.perf_counter()
+            try:
+                batch = next(source)
+            except StopIteration:
+                state["exhausted"] = True
+                return
+            finally:
+                dt = time.perf_counter() - t
+                outside += dt
+                stats["source_s"] += dt
+            if any(len(p) == 0 for p in batch.prompts):
+                raise ValueError("a prompt has no tokens")
+            if len(batch.keys) != len(batch.prompts):
+                raise ValueError(f"{len(batch.keys)} keys for {len(batch.prompts)} prompts")
+            first = state["prompts"]
+            state["prompts"] += len(batch.prompts)
+            stats["batches"] += 1
+            record = _Pending(batch, first * n, [None] * (len(batch.prompts) * n))
+            (pending if batch.prompts else ready).append(record)
+            for i, (ids, key) in enumerate(zip(batch.prompts, batch.keys)):
+                prompts[first + i], stream_keys[first + i] = ids, key
+            queue.extend(range(first * n, state["prompts"] * n))
+            longest = max((len(p) for p in batch.prompts), default=0)
+            if longest > state["longest"]:
+                state["longest"] = longest
+                if _round_up(longest, SPAN_QUANTUM) > state["store_len"] and state["resize_at"] is None:
+                    state["resize_at"] = first
+                if self.cache is not None and S:
+                    self._ensure(S, longest + new)
+
+        # Enough sequences to fill the slots (all of them when there are fewer).
+        S = 0
+        while not state["exhausted"] and len(queue) < self.max_batch:
+            pull()
+        if not state["exhausted"]:
+            pull()  # one more: a lone batch (``generate``) is known to be alone, and sizes the store to it
+        if queue:
+            self._ensure(self.max_batch if not state["exhausted"] else min(self.max_batch, len(queue)),
+                         state["longest"] + new)
+            S = self.slots
+            self.live.zero_()
+            self.lengths.zero_()  # free slots attend over position 0 only
+        buckets = self._buckets() if S else []
         pinned = self.device.type == "cuda"
         bufs = [torch.zeros(2, S, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
-        self.stats = stats = {"windows": 0, "steps": 0, "slot_steps": 0, "admissions": 0, "prefills": 0,
-                              "prefill_tokens": 0, "host_wait_s": 0.0}
-        queue = deque(range(total))
         # The host's view: which sequence each slot holds (-1: free), decode steps since its
-        # admission, its prompt's length; and where each sequence is.
+        # admission, its prompt's length; and where each running sequence is.
         slot_seq, ages, prompt_len = [-1] * S, [0] * S, [0] * S
         where: dict[int, int] = {}
-        done: set[int] = set()
         reported = done_tokens = 0
-
-        self._store_for(prompts, n)
-        store_rows = self.store.k[next(iter(self.store.k))].shape[0]
-        first = torch.zeros(2, total, dtype=torch.float64, device=dev)  # each sequence's first token, log-prob
+        ring: _Ring | None = None
         prefilled = 0  # prompts [0, prefilled) are in the store (or done)
 
         def fill():
-            nonlocal prefilled
+            nonlocal prefilled, ring
             free = [s for s in range(S) if slot_seq[s] < 0]
-            seqs = [queue[i] for i in range(min(len(free), len(queue)))]
-            if not seqs:
-                return
-            # Prefill ahead, in groups of up to prefill_tokens tokens, into store rows whose
-            # prompts have all been admitted (those before the first waiting sequence's).
-            while prefilled <= seqs[-1] // n:
-                room = store_rows - (prefilled - seqs[0] // n)
-                batch, used = [], 0
-                for p in range(prefilled, min(len(prompts), prefilled + room)):
-                    if batch and used + len(prompts[p]) > self.prefill_tokens:
-                        break
-                    batch.append(p)
-                    used += len(prompts[p])
-                self._prefill(batch, prompts, n, seq_keys, first)
-                stats["prefills"] += 1
-                stats["prefill_tokens"] += used
-                prefilled += len(batch)
-            for _ in seqs:
-                queue.popleft()
-            self._admit(free[: len(seqs)], seqs, prompts, n, seq_keys, first)
-            stats["admissions"] += 1
-            for s, q in zip(free, seqs):
-                slot_seq[s], ages[s], prompt_len[s], where[q] = q, 0, len(prompts[q // n]), s
+            while free:
+                while not state["exhausted"] and len(queue) < S:
+                    pull()
+                if not queue:
+                    return
+                take = min(len(free), len(queue))
+                resize_at = state["resize_at"]
+                if resize_at is not None:
+                    if queue[0] // n >= resize_at:  # no prompt waits in the store: replace it now
+                        left = state["prompts"] - resize_at if state["exhausted"] else None
+                        ring = self._store_for(state["longest"], n, left)
+                        state["store_len"], state["resize_at"], resize_at = ring.length, None, None
+                    else:
+                        take = min(take, resize_at * n - queue[0])
+                seqs = [queue[i] for i in range(take)]
+                # Prefill ahead, in groups of up to prefill_tokens tokens, into store rows whose
+                # prompts have all been admitted (those before the first waiting sequence's).
+                limit = state["prompts"] if resize_at is None else resize_at
+                while prefilled <= seqs[-1] // n:
+                    room = ring.rows - (prefilled - seqs[0] // n)
+                    batch, used = [], 0
+                    for p in range(prefilled, min(limit, prefilled + room)):
+                        if batch and used + len(prompts[p]) > self.prefill_tokens:
+                            break
+                        batch.append(p)
+                        used += len(prompts[p])
+                    keys = sequence_keys(seed, [stream_keys.pop(p) for p in batch], n)
+                    self._prefill(batch, prompts, n, self._to_device(keys), ring)
+                    stats["prefills"] += 1
+                    stats["prefill_tokens"] += used
+                    prefilled += len(batch)
+                for _ in seqs:
+                    queue.popleft()
+                lengths = [len(prompts[q // n]) for q in seqs]
+                self._admit(free[:take], seqs, lengths, ring)
+                stats["admissions"] += 1
+                for s, q, length in zip(free, seqs, lengths):
+                    slot_seq[s], ages[s], prompt_len[s], where[q] = q, 0, length, s
+                    if q % n == n - 1:
+                        del prompts[q // n]
+                free = free[take:]
 
-        fill()
-        it, snap = 0, None
+        def deliver(fetched) -> None:
+            for q, completion in self._delivered(fetched):
+                record = next(r for r in pending if r.first <= q < r.first + len(r.completions))
+                record.completions[q - record.first] = completion
+                record.left -= 1
+                if record.left == 0:
+                    pending.remove(record)
+                    ready.append(record)
+
+        if S:
+            fill()
+        it, snap, fetched = 0, None, None
         while True:
             it += 1
             active = [s for s in range(S) if slot_seq[s] >= 0]
@@ -360,6 +504,9 @@ class Engine:
                 stats["steps"] += window
                 stats["slot_steps"] += window * b
                 new_snap = self._snapshot(bufs[it % 2], b, slot_seq[:b])
+            if fetched is not None:  # queued a window ago: done by now, or nearly
+                deliver(fetched)
+                fetched = None
             if snap is not None:
                 host, event, seqs = snap
                 t0 = time.perf_counter()
@@ -367,25 +514,49 @@ class Engine:
                     event.synchronize()
                 stats["host_wait_s"] += time.perf_counter() - t0
                 live, made = host.tolist()
-                finished = [(s, q) for s, q in enumerate(seqs) if q >= 0 and q not in done and not live[s]]
+                finished = [(s, q) for s, q in enumerate(seqs) if q >= 0 and q in where and not live[s]]
                 if finished:
                     qs = [q for _, q in finished]
-                    src, dst = self._tensor([where[q] for q in qs]), self._tensor(qs)
-                    res_tokens[dst], res_logps[dst], res_made[dst] = self.out_tokens[src], self.out_logps[src], self.made[src]
+                    fetched = self._fetch([where[q] for q in qs], [made[s] for s, _ in finished], qs)
                     done_tokens += sum(made[s] for s, _ in finished)
                     for q in qs:
-                        done.add(q)
                         slot_seq[where.pop(q)] = -1
                 if on_tokens is not None:
-                    running = sum(made[s] for s, q in enumerate(seqs) if q >= 0 and q not in done)
+                    running = sum(made[s] for s, q in enumerate(seqs) if q >= 0 and q in where)
                     on_tokens(done_tokens + running - reported)
                     reported = done_tokens + running
-            fill()
+            if S:
+                fill()
             snap = new_snap
-            if snap is None and not queue and all(q < 0 for q in slot_seq):
-                break
-        out = []
-        for toks, lps, k in zip(res_tokens.tolist(), res_logps.tolist(), res_made.tolist()):
-            stopped = k > 0 and toks[k - 1] in self._stop_ids
-            out.append(Completion(toks[:k], lps[:k], "stop" if stopped else "length"))
-        return out
+            ready.sort(key=lambda r: r.first)
+            while ready:
+                record = ready.pop(0)
+                t0 = time.perf_counter()
+                yield record.batch, record.completions
+                outside += time.perf_counter() - t0
+            stats["busy_s"] = time.perf_counter() - t_start - outside
+            if snap is None and fetched is None and not queue and state["exhausted"] and not where:
+                return
+
+
+@dataclass
+class _Pending:
+    """A batch of ``Engine.stream`` whose sequences ``first ..`` are not all finished."""
+
+    batch: Batch
+    first: int
+    completions: list
+    left: int = field(init=False)
+
+    def __post_init__(self):
+        self.left = len(self.completions)
+
+
+class _Ring:
+    """Per store row's samples (``rows × n`` entries, sequence q at ``q % size``): the first token
+    and its log-prob drawn at prefill, and the stream key, until the sample is admitted."""
+
+    def __init__(self, rows: int, length: int, n: int, device):
+        self.rows, self.length, self.n, self.size = rows, length, n, rows * n
+        self.first = torch.zeros(2, self.size, dtype=torch.float64, device=device)
+        self.keys = torch.zeros(self.size, 2, dtype=torch.long, device=device)

@@ -180,6 +180,87 @@ def test_responses_do_not_depend_on_batch_size_or_tp(pool1, pool2):
         _same_responses(tp2, big)
 
 
+# ---- one stream over many batches ------------------------------------------------------------
+
+def stream_vs_generate(tp):
+    """Batches through one stream (4 slots, so sequences of the next batch take the slots the last
+    ones free; an empty batch; a later batch with prompts longer than the cache and the prompt
+    store were made for) against each batch generated alone with room for all of it."""
+    from llamarl.lib.generate import Batch, Engine
+
+    _, model = _model(tp)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=STOPS)
+    g = torch.Generator().manual_seed(0)
+    sizes = [3, 2, 0, 4, 1, 3]
+    lengths = [[int(x) for x in torch.randint(2, 10, (s,), generator=g)] for s in sizes]
+    lengths[4] = [150]  # past the cache's 64 + 16 positions and the store's 64
+    batches, key = [], 0
+    for i, ls in enumerate(lengths):
+        prompts = [[int(t) for t in torch.randint(3, 250, (n_,), generator=g)] for n_ in ls]
+        batches.append(Batch(prompts, list(range(key, key + len(prompts))), tag=i))
+        key += len(prompts)
+    events = []
+
+    def source():
+        for b in batches:
+            events.append(("pull", b.tag))
+            yield b
+
+    engine = Engine(model, params, max_batch=4, check_every=3, prefill_tokens=8)
+    streamed = {}
+    for batch, out in engine.stream(source(), seed=5, samples_per_prompt=3):
+        events.append(("done", batch.tag))
+        streamed[batch.tag] = [(c.tokens, c.logprobs, c.finish_reason) for c in out]
+    stream_steps = engine.stats["steps"]
+    alone, drained_steps = {}, 0
+    for b in batches:
+        one = Engine(model, params, max_batch=4, check_every=3, prefill_tokens=8)
+        out = one.generate(b.prompts, seed=5, keys=b.keys, samples_per_prompt=3)
+        drained_steps += one.stats.get("steps", 0)
+        alone[b.tag] = [(c.tokens, c.logprobs, c.finish_reason) for c in out]
+    return streamed, alone, events, stream_steps, drained_steps
+
+
+def test_a_stream_of_batches_gives_each_batch_what_it_gives_alone(pool1, pool2):
+    for tp, pool in ((1, pool1), (2, pool2)):
+        for streamed, alone, events, stream_steps, drained_steps in pool.run(stream_vs_generate, tp):
+            assert sorted(streamed) == sorted(alone) == list(range(6))
+            for tag in alone:
+                assert len(streamed[tag]) == len(alone[tag])
+                if alone[tag]:
+                    _same_responses(streamed[tag], alone[tag])
+            assert streamed[2] == [] and len(streamed[4][0][0]) > 0
+            # read lazily: the first batch is done before the last is read; and the slots were
+            # kept busy across batches: fewer decode steps than batch after batch, each drained
+            assert events.index(("done", 0)) < events.index(("pull", 5))
+            assert stream_steps < drained_steps, (stream_steps, drained_steps)
+
+
+def stream_times():
+    import time
+
+    from llamarl.lib.generate import Batch, Engine
+
+    _, model = _model(1)
+
+    def source():
+        for i in range(3):
+            time.sleep(0.3)  # a slow reader
+            yield Batch([[5, 6, 7], [8, 9]], [2 * i, 2 * i + 1])
+
+    engine = Engine(model, SamplingParams(max_new_tokens=4), max_batch=2)
+    t0 = time.perf_counter()
+    for _ in engine.stream(source()):
+        time.sleep(0.3)  # a slow consumer
+    return time.perf_counter() - t0, engine.stats
+
+
+def test_the_engines_own_time_leaves_out_its_source_and_consumer(pool1):
+    wall, stats = pool1.run(stream_times)[0]
+    assert stats["source_s"] >= 0.9 and stats["batches"] == 3
+    assert 0 < stats["busy_s"] <= wall - stats["source_s"] - 0.9 + 0.05, (wall, stats)
+
+
 def sampler_tp2_vs_tp1(params, seed):
     parallel.init(2, 1)
     group, rank = parallel.tp_group(), parallel.topology().tp_rank
