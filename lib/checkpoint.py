@@ -17,7 +17,7 @@ loads what DCP wrote), but reading and writing are our own, for three reasons:
   no second read;
 * reads: a rank's items are read in coalesced ranges of up to ``BLOCK_BYTES`` by ``READ_THREADS``
   threads, and each tensor is copied out of that buffer into its target (no ``torch.load`` copy);
-  for a CUDA target the buffers are pinned and the copies non-blocking.
+  for a CUDA target they pass through a few pinned staging buffers and non-blocking copies.
 
 DCP knows DTensor and ShardedTensor, neither of which can say "rows 128:192 of k_proj, also held
 by another rank" (kv heads replicated over TP); ``Chunks`` does, and ``save`` writes each chunk
@@ -30,6 +30,7 @@ import collections
 import io
 import os
 import pickle
+import threading
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -456,12 +457,25 @@ class _Stored:
             if zf.has_record("byteorder") and bytes(zf.get_record("byteorder")) != b"little":
                 return None
             (dtype, key, numel), offset, size, stride = _Stored._Unpickler(io.BytesIO(zf.get_record("data.pkl"))).load()
-            item = torch.empty((), dtype=dtype).element_size()
-            if zf.get_record_size(f"data/{key}") != numel * item:
+            item_size = torch.empty((), dtype=dtype).element_size()
+            if _record_size(zf, item, f"data/{key}") != numel * item_size:
                 return None
-            return dtype, size, stride, start + zf.get_record_offset(f"data/{key}") + offset * item
+            return dtype, size, stride, start + zf.get_record_offset(f"data/{key}") + offset * item_size
         except Exception:  # any other archive: torch.load reads it
             return None
+
+
+def _record_size(zf, item: io.RawIOBase, name: str) -> int:
+    """Bytes of record ``name`` of the archive ``item``. torch < 2.12's reader cannot say (it has
+    no ``get_record_size``): then the zip's central directory, at the item's end, does — without
+    it every item fell back to ``torch.load`` there, 10x slower."""
+    if hasattr(zf, "get_record_size"):
+        return zf.get_record_size(name)
+    import zipfile
+
+    item.seek(0)
+    with zipfile.ZipFile(item) as z:
+        return next(i.file_size for i in z.infolist() if i.filename.split("/", 1)[-1] == name)
 
 
 class _Sparse(io.RawIOBase):
@@ -586,12 +600,6 @@ def _read_into(fs, path: str, begin: int, view: memoryview) -> None:
         view[:] = data
 
 
-def _read_range(fs, path: str, begin: int, end: int, pin: bool) -> torch.Tensor:
-    buf = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pin)
-    _read_into(fs, path, begin, memoryview(buf.numpy()).cast("B"))
-    return buf
-
-
 _DIRECT_BYTES = 1 << 20  # items this large are read straight into their target where they can be
 _EDGE_BYTES = 64 << 10  # of such an item, what is read first: its zip directory, pickle, data offset
 
@@ -637,18 +645,53 @@ def _copy_range(buf: torch.Tensor, begin: int, rs: list[_Read], pin: bool) -> No
         r.target.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths))])
 
 
+GPU_STAGING = "pinned"
+"""How blocks bound for a GPU travel: ``pinned`` — through a few pinned buffers pinned once per
+load (``STAGING_BYTES`` each, ``threads + 2`` of them) and non-blocking copies; ``pageable`` —
+each reading thread copies its own buffer, synchronously (the driver stages it)."""
+STAGING_BYTES = 16 << 20
+
+
+class _Staging:
+    """Pinned host buffers that every block bound for a GPU passes through, pinned once per load
+    and cycled: pinning is a system call over every page (slow, and slower in a VM: 64 MiB took
+    0.2 s on the H100 machines), so a buffer per block cost more than the reads. A buffer is
+    handed out again once the copies queued out of it have run (an event). Used from the loading
+    thread only."""
+
+    def __init__(self, count: int, nbytes: int):
+        self.free = collections.deque(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count))
+        self.busy: collections.deque = collections.deque()
+
+    def take(self) -> torch.Tensor:
+        if not self.free:
+            event, buf = self.busy.popleft()
+            event.synchronize()
+            self.free.append(buf)
+        return self.free.popleft()
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self.busy.append((event, buf))
+
+
 def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
-    """Read ``reads`` with ``threads`` threads, at most that many blocks of ``block_bytes`` held.
+    """Read ``reads`` with ``threads`` threads, at most that many blocks in flight.
 
     Small items are read in coalesced ranges and copied out of them. A large item that maps 1:1
     onto its target (``_flat_span``) has its first and last bytes read, then its data in blocks:
-    straight into a CPU target, or through pinned blocks and non-blocking copies into a GPU one
-    (so no pinned buffer is larger than a block)."""
+    straight into a CPU target; for a GPU target, as ``GPU_STAGING`` says."""
     fs, root = fsspec.core.url_to_fs(url)
-    pin = any(r.target.is_cuda for r in reads) and torch.cuda.is_available()
+    gpu = any(r.target.is_cuda for r in reads) and torch.cuda.is_available()
+    pinned = gpu and GPU_STAGING == "pinned"
+    if pinned:
+        block_bytes = min(block_bytes, STAGING_BYTES)
     small = [r for r in reads if r.end - r.begin < _DIRECT_BYTES]
     large = [r for r in reads if r.end - r.begin >= _DIRECT_BYTES]
-    jobs = []  # (read, then: what to do with its result on this thread, or None)
+    # (path, begin, bytes, into: the CPU tensor to read into, or None for a buffer, then: what
+    # to do with the bytes read, or None)
+    jobs: list[tuple] = []
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for r, stored in zip(large, pool.map(lambda r: _header(fs, f"{root}/{r.file}", r), large)):
             span = _flat_span(r, stored)
@@ -657,36 +700,59 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
                 continue
             begin, nbytes = span
             target = r.target.detach().view(-1).view(torch.uint8)
+            path = f"{root}/{r.file}"
             for k in range(0, nbytes, block_bytes):
                 n = min(block_bytes, nbytes - k)
-                path = f"{root}/{r.file}"
                 if target.is_cuda:
-                    jobs.append(((_read_range, fs, path, begin + k, begin + k + n, pin),
-                                 lambda buf, dst=target[k : k + n]: dst.copy_(buf, non_blocking=True)))
+                    jobs.append((path, begin + k, n, None,
+                                 lambda buf, dst=target[k : k + n]: dst.copy_(buf, non_blocking=pinned)))
                 else:
-                    jobs.append(((_read_into, fs, path, begin + k, memoryview(target[k : k + n].numpy())), None))
+                    jobs.append((path, begin + k, n, target[k : k + n], None))
         for name, begin, end, rs in _ranges(small, block_bytes) if small else []:
-            jobs.append(((_read_range, fs, f"{root}/{name}", begin, end, pin),
-                         lambda buf, begin=begin, rs=rs: _copy_range(buf, begin, rs, pin)))
-        todo, pending = iter(jobs), collections.deque()
+            jobs.append((f"{root}/{name}", begin, end - begin, None,
+                         lambda buf, begin=begin, rs=rs: _copy_range(buf, begin, rs, pinned)))
+        if pinned:
+            _read_staged(fs, pool, jobs, threads)
+        else:
+            mine = threading.local()  # each thread's buffer, grown as needed and reused
 
-        def submit() -> None:
-            job = next(todo, None)
-            if job is not None:
-                pending.append((pool.submit(*job[0]), job[1]))
+            def run(path, begin, n, into, then):
+                buf = into
+                if buf is None:
+                    if getattr(mine, "buf", None) is None or mine.buf.numel() < n:
+                        mine.buf = torch.empty(n, dtype=torch.uint8)
+                    buf = mine.buf[:n]
+                _read_into(fs, path, begin, memoryview(buf.numpy()))
+                if then is not None:
+                    then(buf)
 
-        for _ in range(threads):
-            submit()
-        while pending:
-            fut, then = pending.popleft()
-            result = fut.result()
-            submit()
-            if then is not None:
-                then(result)
-            # A pinned buffer dropped here is reused by torch's host allocator only after the
-            # copies out of it have run (the copies record an event on it).
-    if pin:
+            for fut in [pool.submit(run, *job) for job in jobs]:
+                fut.result()
+    if gpu:
         torch.cuda.current_stream().synchronize()
+
+
+def _read_staged(fs, pool: ThreadPoolExecutor, jobs: list[tuple], threads: int) -> None:
+    """``jobs`` read by ``pool`` into pinned staging buffers; what to do with each (the copies
+    out of it) runs on this thread, in order, before its buffer is handed out again."""
+    staging = _Staging(threads + 2, max([n for _, _, n, into, _ in jobs if into is None], default=1))
+    pending: collections.deque = collections.deque()
+
+    def finish_oldest() -> None:
+        fut, buf, n, then, staged = pending.popleft()
+        fut.result()
+        if then is not None:
+            then(buf[:n])
+        if staged:
+            staging.give_back(buf)
+
+    for path, begin, n, into, then in jobs:
+        buf = staging.take() if into is None else into
+        pending.append((pool.submit(_read_into, fs, path, begin, memoryview(buf[:n].numpy())), buf, n, then, into is None))
+        if len(pending) >= threads:
+            finish_oldest()
+    while pending:
+        finish_oldest()
 
 
 def load(state: dict, url: str, block_bytes: int | None = None, threads: int | None = None) -> None:

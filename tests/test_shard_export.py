@@ -252,8 +252,9 @@ def test_manifest_checksums_are_those_of_the_files_and_old_sha256_checkpoints_ex
     assert not (tmp_path / "out3").exists()
 
 
+@pytest.mark.parametrize("old_reader", [False, True], ids=["reader", "reader-without-record-size"])
 @pytest.mark.parametrize("direct", [False, True], ids=["ranges", "direct"])
-def test_reader_copies_views_of_the_stored_bytes(tmp_path, monkeypatch, direct):
+def test_reader_copies_views_of_the_stored_bytes(tmp_path, monkeypatch, direct, old_reader):
     # Small items read in coalesced ranges, each tensor copied from the read buffer (no
     # torch.load); large ones (direct: every item here) read straight into their target, in
     # blocks, where they map onto it 1:1, through the ranges otherwise. Row and column pieces
@@ -275,6 +276,19 @@ def test_reader_copies_views_of_the_stored_bytes(tmp_path, monkeypatch, direct):
            "c": torch.zeros(100, dtype=torch.int64), "d": torch.zeros(9, dtype=torch.bool), "e": torch.tensor(0.0),
            "f": torch.zeros(16, 6)}
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("an item went through torch.load"))
+    if old_reader:  # torch < 2.12 (the GPU image's 2.11): its zip reader has no get_record_size
+        real_reader = torch._C.PyTorchFileReader
+
+        class Reader:
+            def __init__(self, f):
+                self._zf = real_reader(f)
+
+            def __getattr__(self, name):
+                if name == "get_record_size":
+                    raise AttributeError(name)
+                return getattr(self._zf, name)
+
+        monkeypatch.setattr(torch._C, "PyTorchFileReader", Reader)
     monkeypatch.setattr(checkpoint, "BLOCK_BYTES", 4096)  # several ranges per file
     flat = []
     if direct:
