@@ -206,16 +206,37 @@ def equal_lengths(num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int) ->
     return max_seqlen > 0 and (cu_seqlens.shape[0] - 1) * max_seqlen == num_tokens
 
 
+DENSE_SHAPES_MAX = 16
+"""cuDNN builds a plan for every new attention shape (about 0.1 s of host time each, forward and
+backward, on the H100 machines), so the dense path takes at most this many distinct (sequences,
+length) shapes per process; the rest go varlen. Single sequences always do: micro-batches of one
+sequence of any length (ragged data) would each have built one."""
+_dense_shapes: set[tuple[int, int]] = set()
+
+
+def attention_backend(device: torch.device, dtype: torch.dtype, num_tokens: int, cu_seqlens: torch.Tensor,
+                      max_seqlen: int) -> str:
+    """The fastest backend for these packed sequences, from host numbers only: ``sdpa_dense``
+    for two or more sequences of one length (a shape seen before, or one of the first
+    ``DENSE_SHAPES_MAX``) where a varlen kernel runs, else ``varlen_backend``'s."""
+    backend = varlen_backend(device, dtype)
+    seqs = cu_seqlens.shape[0] - 1
+    if backend != "sdpa" and seqs >= 2 and equal_lengths(num_tokens, cu_seqlens, max_seqlen):
+        shape = (seqs, max_seqlen)
+        if shape in _dense_shapes or len(_dense_shapes) < DENSE_SHAPES_MAX:
+            _dense_shapes.add(shape)
+            return "sdpa_dense"
+    return backend
+
+
 def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, backend: str | None = None) -> torch.Tensor:
-    """Causal attention within each packed sequence. ``backend`` (None: the fastest) is one of
-    ``varlen_backend``'s, or ``sdpa_dense``: sequences of equal length as a ``[seqs, heads, len,
-    d]`` batch through SDPA (``is_causal``, GQA without repeated keys), which on Hopper runs
-    cuDNN's attention, about 1.7x torch's varlen (FlashAttention-2) kernels on the 1B shape
-    (docs/benchmarks.md); chosen on CUDA for fp16/bf16 when all lengths are equal."""
+    """Causal attention within each packed sequence. ``backend`` (None: ``attention_backend``'s
+    choice) is one of ``varlen_backend``'s, or ``sdpa_dense``: sequences of equal length as a
+    ``[seqs, heads, len, d]`` batch through SDPA (``is_causal``, GQA without repeated keys), which
+    on Hopper runs cuDNN's attention, about 1.7x torch's varlen (FlashAttention-2) kernels on the
+    1B shape (docs/benchmarks.md)."""
     if backend is None:
-        backend = varlen_backend(q.device, q.dtype)
-        if backend != "sdpa" and equal_lengths(q.shape[0], cu_seqlens, max_seqlen):
-            backend = "sdpa_dense"
+        backend = attention_backend(q.device, q.dtype, q.shape[0], cu_seqlens, max_seqlen)
     if backend == "sdpa_dense":
         return _sdpa_dense(q, k, v, cu_seqlens.shape[0] - 1, max_seqlen)
     if backend == "flash_attn":

@@ -136,6 +136,26 @@ def test_dense_attention_for_equal_lengths_matches_per_sequence():
         assert (a - b).abs().max() < 1e-5
 
 
+def test_dense_attention_only_for_several_sequences_and_a_bounded_set_of_shapes(monkeypatch):
+    """cuDNN plans a new shape for ~0.1 s: single sequences (ragged micro-batches) go varlen, and
+    past DENSE_SHAPES_MAX distinct shapes so does every new one; shapes seen keep the dense path.
+    Chosen as for a CUDA device, from host numbers (runs on CPU)."""
+    monkeypatch.setattr(attention, "_dense_shapes", set())
+    monkeypatch.setattr(attention, "DENSE_SHAPES_MAX", 2)
+    monkeypatch.setattr(attention, "varlen_backend", lambda device, dtype: "torch_varlen")
+
+    def choose(seqs: int, length: int) -> str:
+        cu = torch.arange(seqs + 1) * length
+        return attention.attention_backend(torch.device("cuda"), torch.bfloat16, seqs * length, cu, length)
+
+    assert choose(1, 2048) == "torch_varlen"  # one sequence: never a plan of its own
+    assert choose(2, 2048) == "sdpa_dense" and choose(4, 384) == "sdpa_dense"
+    assert choose(3, 100) == "torch_varlen"  # a third shape: over the bound
+    assert choose(2, 2048) == "sdpa_dense"  # a shape seen keeps its plan
+    ragged = torch.tensor([0, 7, 14, 20, 27])
+    assert attention.attention_backend(torch.device("cuda"), torch.bfloat16, 27, ragged, 7) == "torch_varlen"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_dense_attention_on_cuda_as_close_to_fp32_as_varlen():
