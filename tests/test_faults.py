@@ -11,6 +11,9 @@ for another model's of the same shapes, is valid data to shard and cannot be det
 can be (a missing or truncated file, a damaged header) is tested below. ppo's saved training state
 (read when a killed ppo resumes) has its own cases at the end: its done marker is its manifest, and
 "unfinished" there is the normal state of a step being saved (the resume takes the previous one).
+So has the training state a finished ppo publishes beside each role's weights
+(``OUT/train_state/<role>``, read by the next ppo only): every fault, and two of its own (absent
+altogether, or whole but another run's).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import pytest
 
 from llamarl.lib import publish
 from llamarl.pipeline import toy
-from llamarl.stages import rollout, score, shard
-from llamarl.stages.config import RewardTerm, RolloutConfig, Sampling, ScoreConfig, ShardConfig
+from llamarl.stages import ppo, rollout, score, shard
+from llamarl.stages.config import PPOConfig, RewardTerm, RolloutConfig, Sampling, ScoreConfig, ShardConfig
 
 pytestmark = pytest.mark.slow
 
@@ -61,9 +64,12 @@ def _target(artifact: str) -> str:
             "scores": "parts/part-000000.parquet"}[artifact]
 
 
-def _damage(src: str, other: str, dst: str, fault: str, rel: str) -> None:
+def _damage(src: str, other: str, dst: str, fault: str, rel: str, published: str = "") -> None:
+    """A copy of ``src`` at ``dst`` with ``fault``: at its file ``rel``, or at the manifest of its
+    published folder ``published`` (itself, by default)."""
     shutil.copytree(src, dst)
     path = os.path.join(dst, rel)
+    dst = os.path.join(dst, published)
     if fault == "missing":
         os.remove(path)
     elif fault == "truncated":
@@ -182,6 +188,51 @@ def test_ppo_refuses_a_damaged_training_state(killed_ppo, tmp_path, fault):
         os.rename(newest, tmp_path / "newest")
         _damage(str(tmp_path / "newest"), str(older), str(newest), fault, rel)
     _refused(_run("ppo", cfg | {"out": str(out)}), str(out), f"training state/{fault} read by ppo")
+
+
+@pytest.fixture(scope="module")
+def trained(good, tmp_path_factory, pool1):
+    """Two finished ppo outputs (the second for "another run's file"), each with its train_state/."""
+    root = tmp_path_factory.mktemp("trained")
+    out = {}
+    for tag in ("", "other_"):
+        out[tag] = str(root / f"{tag}ppo")
+        pool1.run(ppo.run, PPOConfig(rollout=good[f"{tag}rollout"], scores=good[f"{tag}scores"], actor=good[f"{tag}actor"],
+                                     out=out[tag], mini_batch_size=4, micro_batch_tokens=64, ppo_epochs=1))
+    return out
+
+
+@pytest.mark.parametrize("fault", FAULTS + ["absent", "swapped"])
+def test_the_next_ppo_refuses_a_damaged_train_state(good, trained, tmp_path, fault):
+    state = "train_state/actor"
+    damaged = str(tmp_path / "ppo")
+    if fault == "absent":  # the checkpoint copied without it
+        shutil.copytree(trained[""], damaged)
+        shutil.rmtree(os.path.join(damaged, state))
+    elif fault == "swapped":  # whole and sound, but another run's: not of these weights
+        shutil.copytree(trained[""], damaged)
+        shutil.rmtree(os.path.join(damaged, state))
+        shutil.copytree(os.path.join(trained["other_"], state), os.path.join(damaged, state))
+    else:
+        _damage(trained[""], trained["other_"], damaged, fault, f"{state}/optim/__0_0.distcp", published=state)
+    out = str(tmp_path / "out")
+    cfg = {"rollout": good["rollout"], "scores": good["scores"], "actor": f"{damaged}/actor", "critic": f"{damaged}/critic",
+           "reference": good["actor"], "off_policy": True, "out": out}
+    r = _run("ppo", cfg)
+    _refused(r, out, f"train state/{fault} read by ppo")
+    assert f"{damaged}/{state}" in r.stderr
+
+
+def test_rollout_and_export_read_only_the_weights(good, trained, tmp_path):
+    damaged = str(tmp_path / "ppo")
+    shutil.copytree(trained[""], damaged)
+    shutil.rmtree(os.path.join(damaged, "train_state"))
+    for stage, cfg, out in (
+            ("rollout", {"actor": f"{damaged}/actor", "prompts": good["prompts"], "out": str(tmp_path / "r"),
+                         "sampling": {"max_new_tokens": 4}}, "r"),
+            ("export", {"src": f"{damaged}/actor", "dst": str(tmp_path / "e")}, "e")):
+        r = _run(stage, cfg)
+        assert r.returncode == 0 and publish.read_manifest(str(tmp_path / out)), (stage, r.stderr[-2000:])
 
 
 @pytest.mark.parametrize("rule", ["raises", "returns_none", "reads_absent_column"])
