@@ -5,7 +5,7 @@ Run directory (``STORAGE/NAME``)::
     pipeline/spec.yaml          the spec of the latest ``llamarl run``
     pipeline/<node>.json        one record per stage: key, status, error, times, output id
     shard/actor  shard/rm       sharded initial actor and reward model
-    iter-001/rollout  iter-001/scores  iter-001/ppo (actor/, critic/, metrics.jsonl)
+    iter-001/rollout  iter-001/scores  iter-001/ppo (actor/, critic/, train_state/, metrics.jsonl)
     …
     export/                     the final actor as an HF directory
     metrics.jsonl  metrics.png  per iteration: score, KL, losses
@@ -15,6 +15,11 @@ outputs. A stage is skipped when its output is published and its record holds th
 output id; otherwise its stale output is removed and it runs — and, since its output id changes,
 so does everything downstream. A stage killed half-way leaves an unpublished output that the stage
 itself resumes.
+
+A stage that reads only part of an input's output (rollout and export: ppo's ``actor/``, published
+before ppo's training state) is keyed by that part's id and may start as soon as it is published,
+while the stage making it still runs (``Node.reads``; with an executor that runs several stages
+at once).
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class Node:
     layout: StageLayout
     make_config: Callable[[], StageConfig]
     external: list[str] = dataclasses.field(default_factory=list)  # inputs from outside the run (HF dirs, prompts)
+    # The part of an input's output that this stage reads, when only a part: {input node: sub-path},
+    # e.g. {"iter-001/ppo": "actor"}. It is what the key names, and the stage may start once it is
+    # published, before the input's stage ends.
+    reads: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def nprocs(self) -> int:
@@ -73,6 +82,11 @@ def build_dag(spec: RunSpec) -> list[Node]:
     def actor_dir(node: str) -> str:
         return f"{run}/{node}" if node == "shard/actor" else f"{run}/{node}/actor"
 
+    def actor_only(node: str) -> dict[str, str]:
+        """A ppo's actor/ is published before its training state: a stage that reads only the
+        weights (rollout, export) need not wait for the rest."""
+        return {} if node == "shard/actor" else {node: "actor"}
+
     actor, critic = "shard/actor", None
     trained = ["shard/actor"]  # trained[k]: the actor after k ppo updates
     for i in range(1, spec.iterations + 1):
@@ -83,7 +97,8 @@ def build_dag(spec: RunSpec) -> list[Node]:
         sampler = trained[max(0, i - 1 - spec.max_staleness)]
         nodes.append(Node(ro, "rollout", f"{run}/{ro}", [sampler], L.rollout,
                           cfg(RolloutConfig, spec.rollout, "rollout", actor=actor_dir(sampler), prompts=spec.prompts,
-                              out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp), external=[spec.prompts]))
+                              out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp), external=[spec.prompts],
+                          reads=actor_only(sampler)))
         rm = {"reward_model": f"{run}/shard/rm"} if spec.reward_model else {}
         nodes.append(Node(sc, "score", f"{run}/{sc}", [ro] + (["shard/rm"] if spec.reward_model else []), L.score,
                           cfg(ScoreConfig, spec.score, "score", rollout=f"{run}/{ro}", out=f"{run}/{sc}",
@@ -98,7 +113,8 @@ def build_dag(spec: RunSpec) -> list[Node]:
         actor, critic = po, (po if spec.ppo.advantage == "gae" else None)
         trained.append(po)
     nodes.append(Node("export", "export", f"{run}/export", [actor], L.export,
-                      cfg(ExportConfig, spec.export, "export", src=actor_dir(actor), dst=f"{run}/export")))
+                      cfg(ExportConfig, spec.export, "export", src=actor_dir(actor), dst=f"{run}/export"),
+                      reads=actor_only(actor)))
     return nodes
 
 
@@ -153,14 +169,22 @@ def _fingerprints(node: Node) -> dict[str, str]:
     return {url: fingerprint(url, checksums=node.stage == "rollout") for url in node.external}
 
 
+def input_url(node: Node, name: str, by_name: dict[str, Node]) -> str:
+    """What ``node`` reads of its input ``name``: that node's output, or the part of it in ``node.reads``."""
+    sub = node.reads.get(name)
+    return f"{by_name[name].out}/{sub}" if sub else by_name[name].out
+
+
 def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
     """The node's key, or None while an input is not published yet: its config (where it runs
-    aside), the output ids of its inputs, and the fingerprints of its inputs from outside the run."""
+    aside), the output ids of what it reads of its inputs (a part's own id where it reads a part),
+    and the fingerprints of its inputs from outside the run."""
     config = node.make_config().identity()
     inputs = {}
     for name in node.inputs:
-        inputs[name] = published_id(by_name[name].out)
-        if inputs[name] is None:
+        part = f"{name}/{node.reads[name]}" if name in node.reads else name
+        inputs[part] = published_id(input_url(node, name, by_name))
+        if inputs[part] is None:
             return None
     external = _fingerprints(node)
     body = json.dumps({"stage": node.stage, "config": config, "inputs": inputs, "external": external},
@@ -184,6 +208,9 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
         return False, f"running{job} or interrupted (started {record.get('started')})"
     if record.get("status") == "submitted":
         return False, f"submitted as job {record.get('job')} ({record.get('submitted')})"
+    unfinished = next((i for i in node.reads if published_id(by_name[i].out) is None), None)
+    if unfinished is not None:  # it read a part early; that stage's rerun writes the part again
+        return False, f"{unfinished} is unfinished: its {node.reads[unfinished]}/ will be written again"
     if out_id is None:
         return False, "its output is missing"
     if record.get("key") != key:
@@ -302,26 +329,45 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _record_done(run: str, n: Node, by_name: dict[str, Node]) -> None:
-    write_record(run, n, status="done", key=node_key(n, by_name), output_id=published_id(n.out),
+def _record_done(run: str, n: Node, by_name: dict[str, Node], key: str | None = None) -> None:
+    """``key``: the node's key when it started, if known (an input read early could have been
+    rewritten since: then the record keeps the key of what the stage read, which is now stale)."""
+    write_record(run, n, status="done", key=key or node_key(n, by_name), output_id=published_id(n.out),
                  external=_fingerprints(n), finished=_now(), error=None)
 
 
-def _remove_stale(n: Node) -> None:
-    """A published output whose config or inputs changed: removed before its stage runs again."""
+def _remove_stale(n: Node, parts: set[str] = frozenset()) -> None:
+    """Before ``n`` runs: its published output, whose config or inputs changed, removed; or, when
+    it is unfinished, the ``parts`` of it that other stages read early (a killed run of ``n``
+    published them): the stage writes them again, and nothing may start from the old ones."""
+    fs, path = fsspec.core.url_to_fs(n.out)
     if published_id(n.out) is not None:
-        fs, path = fsspec.core.url_to_fs(n.out)
         fs.rm(path, recursive=True)
+        return
+    for part in parts:
+        if published_id(f"{n.out}/{part}") is not None:
+            fs.rm(f"{path}/{part}", recursive=True)
 
 
-def _skipped(run: str, n: Node, by_name: dict[str, Node], will_run: set[str], report: list, echo) -> tuple[bool, str]:
-    """(is ``n`` done, why); a done stage is reported skipped, a stale output removed before it runs."""
+def _early_parts(nodes: list[Node]) -> dict[str, set[str]]:
+    """For each node, the parts of its output that other nodes read before it ends."""
+    parts: dict[str, set[str]] = {}
+    for n in nodes:
+        for name, sub in n.reads.items():
+            parts.setdefault(name, set()).add(sub)
+    return parts
+
+
+def _skipped(run: str, n: Node, by_name: dict[str, Node], will_run: set[str], report: list, echo,
+             parts: set[str] = frozenset()) -> tuple[bool, str]:
+    """(is ``n`` done, why); a done stage is reported skipped, a stale output (or its ``parts``
+    read early) removed before it runs."""
     done, why = assess(run, n, by_name, will_run)
     if done:
         report.append((n.name, "skipped (done)"))
         echo(f"[{n.name}] done, skipped")
     else:
-        _remove_stale(n)
+        _remove_stale(n, parts)
     return done, why
 
 
@@ -341,8 +387,9 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
         echo(f"driver: {where}" + ("" if executor.launches else " (apply it: kubectl apply -f)"))
         return [("driver", where)]
     jobs: dict[str, str] = {}
+    early = _early_parts(nodes)
     for n in nodes:
-        done, why = _skipped(run, n, by_name, set(jobs), report, echo)
+        done, why = _skipped(run, n, by_name, set(jobs), report, echo, early.get(n.name, set()))
         if done:
             continue
         after = [jobs[i] for i in n.inputs if i in jobs]
@@ -372,39 +419,59 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
         return report
     # Every stage whose inputs are done starts, up to the executor's concurrency (the local
     # executor's max_concurrent_stages; a cluster queues what it cannot run yet): with
-    # max_staleness > 0 a rollout runs beside the ppo before it.
+    # max_staleness > 0 a rollout runs beside the ppo before it. A stage that reads only a part
+    # of a running input (Node.reads) starts once that part is published: polled, while there is
+    # room for it.
     limit = executor.concurrency or len(nodes)
+    early = _early_parts(nodes)
     waiting, finished, running, failure = list(nodes), set(), {}, None
+    keys: dict[str, str | None] = {}  # each started node's key when it started
+
+    def ready(n: Node) -> bool:
+        # A part of a running input is this run's: the input's stale parts were removed when it started.
+        started = {m.name for m in running.values()}
+        return all(i in finished or (i in n.reads and i in started and published_id(input_url(n, i, by_name)))
+                   for i in n.inputs)
+
+    def may_start_early() -> bool:
+        started = {m.name for m in running.values()}
+        return failure is None and len(running) < limit and any(i in started for n in waiting for i in n.reads)
+
     with ThreadPoolExecutor(max_workers=min(limit, len(nodes)), thread_name_prefix="stage") as pool:
         try:
             while waiting or running:
                 for n in list(waiting) if failure is None else []:
                     if len(running) >= limit:
                         break
-                    if not all(i in finished for i in n.inputs):
+                    if not ready(n):
                         continue
                     waiting.remove(n)
-                    done, why = _skipped(run, n, by_name, set(), report, echo)
+                    done, why = _skipped(run, n, by_name, set(), report, echo, early.get(n.name, set()))
                     if done:
                         finished.add(n.name)
                         continue
+                    early_from = [input_url(n, i, by_name)[len(run) + 1 :] for i in n.inputs if i not in finished]
+                    if early_from:
+                        why += f"; {', '.join(early_from)} published"
                     beside = f" (beside {', '.join(m.name for m in running.values())})" if running else ""
                     echo(f"[{n.name}] running {n.stage} on {n.nprocs} process(es): {why}{beside}")
                     write_record(run, n, status="running", started=_now(), error=None, key=None, job=None)
+                    keys[n.name] = node_key(n, by_name)
                     running[pool.submit(executor.run, n.stage, n.make_config(), n.nprocs, n.layout.nodes,
                                         name=n.name)] = n
                 if not running:
                     if failure is not None or not waiting:
                         break
                     continue  # skipped stages made others ready
-                ended, _ = wait(running, return_when=FIRST_COMPLETED)
+                # About once a second while a waiting stage may start from a part of a running one.
+                ended, _ = wait(running, timeout=1.0 if may_start_early() else None, return_when=FIRST_COMPLETED)
                 for future in ended:
                     n, result = running.pop(future), future.result()
                     if not result.ok:
                         write_record(run, n, status="failed", error=result.error, finished=None)
                         failure = failure or (n, result)
                         continue
-                    _record_done(run, n, by_name)
+                    _record_done(run, n, by_name, keys.get(n.name))
                     finished.add(n.name)
                     report.append((n.name, "ran"))
                     if n.stage == "ppo":

@@ -74,3 +74,122 @@ def test_overlapped_demo_runs_a_rollout_beside_a_ppo_and_the_score_rises(tmp_pat
     sampled = publish.read_manifest(os.path.join(run_dir, "iter-003", "rollout"))["request"]["actor_id"]
     assert sampled == publish.output_id(os.path.join(run_dir, "iter-001", "ppo", "actor"))
     assert publish.require_published(os.path.join(run_dir, "export"), "hf_export")
+
+
+# ---- early start: a stage that reads only ppo's actor/ starts once it is published --------------------
+
+
+class _PublishingExecutor:
+    """Stages that only publish their outputs, as the real ones order them: ppo, after its start-up
+    (``pause`` seconds: it clears what a killed run left only then), its ``actor/`` first, then,
+    ``pause`` seconds later (its training state being written), the rest. Each stage's start and
+    end (monotonic) land in ``events``; ppo's actor/ publication as ``<node>: actor/``."""
+
+    launches = True
+
+    def __init__(self, concurrency: int, pause: float = 2.5):
+        self.concurrency, self.pause, self.events = concurrency, pause, {}
+
+    def run(self, stage, config, nprocs, nodes=1, *, name=None):
+        from llamarl.cluster.executor import StageResult
+
+        self.events[name] = [time.monotonic(), None]
+        out = getattr(config, "out", None) or config.dst
+        if stage == "ppo":
+            time.sleep(self.pause)
+        publish.prepare(out, lambda m: False)
+        if stage == "ppo":
+            publish.prepare(f"{out}/actor", lambda m: False)
+            publish.publish(f"{out}/actor", {"kind": "checkpoint", "files": {}, "at": time.time()})
+            self.events[f"{name}: actor/"] = time.monotonic()
+            time.sleep(self.pause)
+            publish.write_bytes(f"{out}/metrics.jsonl", b"")
+        publish.publish(out, {"kind": stage, "files": {}, "at": time.time(),
+                              "summary": {"mean_score": 0.0, "mean_response_length": 0.0}})
+        self.events[name][1] = time.monotonic()
+        return StageResult(0)
+
+    def stop_all(self):
+        pass
+
+
+def _schedule(spec_path: str, concurrency: int) -> tuple[_PublishingExecutor, dict]:
+    from llamarl.pipeline.run import _run_nodes
+
+    spec = load_spec(spec_path)
+    nodes = build_dag(spec)
+    executor = _PublishingExecutor(concurrency)
+    _run_nodes(spec, nodes, {n.name: n for n in nodes}, executor, echo=lambda m: None)
+    return executor, {n.name: n for n in nodes}
+
+
+def test_rollout_k_plus_1_starts_once_ppo_k_published_its_actor(tmp_path):
+    from llamarl.pipeline.run import node_key, read_record
+
+    spec = _spec(tmp_path, 0, iterations=2, executor={"kind": "local", "options": {"max_concurrent_stages": 2}})
+    run = load_spec(spec).run_dir
+    # A killed earlier run of ppo 1 left its actor published: never a start for rollout 2.
+    publish.prepare(f"{run}/iter-001/ppo", lambda m: False)
+    publish.prepare(f"{run}/iter-001/ppo/actor", lambda m: False)
+    publish.publish(f"{run}/iter-001/ppo/actor", {"kind": "checkpoint", "files": {}, "at": "the killed run"})
+    stale = publish.output_id(f"{run}/iter-001/ppo/actor")
+    ex, by = _schedule(spec, 2)
+    ev = ex.events
+    # rollout 2 and export: once ppo's actor/ is published, before its stage ends; ppo 2 (which
+    # reads ppo 1's training state) and everything else only after their inputs end.
+    assert ev["iter-001/ppo: actor/"] < ev["iter-002/rollout"][0] < ev["iter-001/ppo"][1]
+    assert ev["iter-002/ppo: actor/"] < ev["export"][0] < ev["iter-002/ppo"][1]
+    assert ev["iter-002/ppo"][0] >= ev["iter-001/ppo"][1] and ev["iter-002/scores"][0] >= ev["iter-002/rollout"][1]
+    records = {n: read_record(run, by[n]) for n in by}
+    assert records["iter-002/rollout"]["started"] < records["iter-001/ppo"]["finished"]  # also in the records
+    # rollout 2's key names the actor it read, this run's, not the killed run's.
+    fresh = publish.output_id(f"{run}/iter-001/ppo/actor")
+    assert fresh != stale and records["iter-002/rollout"]["key"] == node_key(by["iter-002/rollout"], by)
+    assert all(r["status"] == "done" and r["key"] == node_key(by[n], by) for n, r in records.items())
+    # ppo 1's whole output is no input of rollout 2: its key moves with the actor alone.
+    m = publish.read_manifest(f"{run}/iter-001/ppo")
+    publish.publish(f"{run}/iter-001/ppo", {**m, "note": "another metrics file"})
+    assert node_key(by["iter-002/rollout"], by) == records["iter-002/rollout"]["key"]
+    assert node_key(by["iter-002/ppo"], by) != records["iter-002/ppo"]["key"]
+    # A ppo left unfinished (killed after its weights): what read them early is not done, since
+    # that ppo's rerun writes them again.
+    from llamarl.pipeline.run import assess
+
+    os.remove(f"{run}/iter-001/ppo/{publish.MANIFEST}")
+    assert assess(run, by["iter-002/rollout"], by, set()) == (
+        False, "iter-001/ppo is unfinished: its actor/ will be written again")
+
+
+def test_one_stage_at_a_time_keeps_the_order(tmp_path):
+    spec = _spec(tmp_path, 0, iterations=2)
+    ex, by = _schedule(spec, 1)
+    order = sorted((n for n in ex.events if ":" not in n), key=lambda n: ex.events[n][0])
+    assert order == [n.name for n in build_dag(load_spec(spec))]
+    spans = [ex.events[n] for n in order]
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # one at a time: rollout 2 after ppo 1 ends
+
+
+@pytest.mark.slow
+def test_the_demo_with_two_stages_at_once_starts_rollout_k_plus_1_before_ppo_k_ends(tmp_path):
+    # Sequential iterations (max_staleness 0); each ppo held 3 s while it writes its training state
+    # (the slow write of a real model), after its weights are published.
+    spec = _spec(tmp_path, 0, iterations=2, executor={"kind": "local", "options": {"max_concurrent_stages": 2}})
+    env = {**os.environ, "LLAMARL_TEST_PPO_AT": "published train_state/actor:sleep=3"}
+    proc = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], capture_output=True, text=True,
+                          timeout=1200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = load_spec(spec).run_dir
+    records = {f.removesuffix(".json"): json.load(open(os.path.join(run_dir, "pipeline", f)))
+               for f in os.listdir(os.path.join(run_dir, "pipeline")) if f.endswith(".json") and f != "lock.json"}
+    assert records["iter-002.rollout"]["started"] < records["iter-001.ppo"]["finished"], records
+    assert records["export"]["started"] < records["iter-002.ppo"]["finished"], records
+    assert records["iter-002.ppo"]["started"] >= records["iter-001.ppo"]["finished"]
+    said = " ".join(proc.stdout.split())  # the console wraps long lines
+    assert ("[iter-002/rollout] running rollout on 2 process(es): not started; iter-001/ppo/actor published "
+            "(beside iter-001/ppo)") in said, proc.stdout
+    sampled = publish.read_manifest(os.path.join(run_dir, "iter-002", "rollout"))["request"]["actor_id"]
+    assert sampled == publish.output_id(os.path.join(run_dir, "iter-001", "ppo", "actor"))
+    # Nothing left to do: the keys recorded are those of what each stage read.
+    again = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0 and "running" not in again.stdout, again.stdout[-3000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +48,11 @@ def test_demo_runs_every_stage_and_the_score_rises(demo_run):
     assert rows[-1]["mean_score"] > rows[0]["mean_score"], rows
     assert open(os.path.join(run_dir, "metrics.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert "mean score" in stdout
+    # One stage at a time (the local executor's default): in the DAG's order, none started early.
+    from llamarl.pipeline.run import build_dag
+
+    assert re.findall(r"^\[([\w/-]+)\] running", stdout, re.M) == [n.name for n in build_dag(load_spec(spec))]
+    assert "beside" not in stdout and "/actor published" not in stdout
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "export"))
