@@ -62,6 +62,7 @@ class Trainer:
         for p in self.grads.params:
             p.grad = None
             del p.main_grad  # a view of the buffer; bf16 parameters' hooks would read it on a backward
+        self.opt.inner.zero_grad(set_to_none=True)  # the masters' .grad: views of it too
         self.grads = None
 
     def restore(self, root: str, step: int) -> None:
