@@ -90,6 +90,18 @@ class Hosts:
         except ProcessLookupError:
             pass
 
+    @staticmethod
+    def kill_all(host: Host, sig: int = signal.SIGKILL) -> None:
+        """Signal every process in ``host``'s network namespace: what a machine (or a pod, its
+        container) going away does to all of them — torchrun's workers lead sessions of their own,
+        out of reach of a signal to the group that started them."""
+        pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), sig)
+            except ProcessLookupError:
+                pass
+
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -97,6 +109,7 @@ class Hosts:
             proc.wait()
         self.procs.clear()
         for host in self.hosts:
+            self.kill_all(host)  # what the started processes left running (torchrun's workers)
             _remove(host.netns)
 
 

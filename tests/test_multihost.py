@@ -116,7 +116,7 @@ def test_rollout_dp2_across_two_hosts_equals_one_host(two_hosts, iteration, tmp_
         assert pq.read_table(tmp_path / "two" / part).equals(pq.read_table(tmp_path / "one" / part), check_metadata=True), part
 
 
-def start_pods(hosts: Hosts, cfg, tmp_path, **popen) -> list[subprocess.Popen]:
+def start_pods(hosts: Hosts, cfg, tmp_path, pods: tuple[int, ...] = (0, 1), **popen) -> list[subprocess.Popen]:
     """What the rendered Indexed Job gives each pod — its command, its environment, its
     JOB_COMPLETION_INDEX, the headless service's pod names — started as is, pod i on host i+1."""
     port = hosts.free_port(hosts[0])
@@ -132,6 +132,8 @@ def start_pods(hosts: Hosts, cfg, tmp_path, **popen) -> list[subprocess.Popen]:
     env["PATH"] = f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"  # the image's torchrun and python
     procs = []
     for i, host in enumerate(hosts.hosts):
+        if i not in pods:
+            continue
         tmp = tmp_path / f"pod-{i}"  # each pod's own /tmp
         tmp.mkdir()
         procs.append(hosts.start(host, container["command"], {**env, "JOB_COMPLETION_INDEX": str(i),
@@ -159,6 +161,58 @@ def test_kubernetes_pods_exit_with_the_stages_user_error_status(two_hosts, itera
     assert codes == [EXIT_USER_ERROR, EXIT_USER_ERROR], (codes, results[0][1][-2000:])
     assert "no-such-rollout" in _error_line(results[0][1])  # rank 0 reports it, once
     assert publish.read_manifest(str(tmp_path / "out")) is None
+
+
+def test_kubernetes_pod_lost_mid_stage_then_all_pods_replaced_resume(two_hosts, iteration, tmp_path):
+    """What the executor does when a pod dies: its peer's torchrun ends (the pod exits with the
+    stage's own status 3, a lost peer: not the user-error status the Job's failure policy fails at
+    once), the Job fails, and all its pods are replaced together; the new pods resume from the last
+    saved step and end where one host does."""
+    out = tmp_path / "two"
+    cfg = _ppo(iteration, out, save_every=1)
+    procs = start_pods(two_hosts, cfg, tmp_path, stderr=subprocess.PIPE, text=True)
+    first_step = out / ".state" / "step-000001" / "done.json"
+    deadline = time.monotonic() + STAGE_TIMEOUT_S
+    while not first_step.exists() and time.monotonic() < deadline and procs[0].poll() is None:
+        time.sleep(0.02)
+    assert first_step.exists(), "the run never reached its first optimizer step"
+    Hosts.kill_all(two_hosts[1])  # the pod and all it ran
+    try:
+        _, err = procs[0].communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("pod 1 still runs 90 s after pod 2 was lost")
+    assert procs[0].returncode == EXIT_PEER_LOST, err[-2000:]
+    assert publish.read_manifest(str(out)) is None
+    procs[1].wait()
+
+    import shutil
+
+    for i in range(2):  # the replaced pods' own /tmp is new
+        shutil.rmtree(tmp_path / f"pod-{i}")
+    again = start_pods(two_hosts, cfg, tmp_path, stdout=subprocess.PIPE, text=True)
+    outs = [p.communicate(timeout=STAGE_TIMEOUT_S)[0] for p in again]
+    assert [p.returncode for p in again] == [0, 0], outs
+    assert f"{out}: resuming after optimizer step" in "".join(outs)
+    run_on_one_host("ppo", _ppo(iteration, tmp_path / "one", save_every=1), 2)
+    for part in ("actor", "critic"):
+        _assert_bit_identical(_weights(str(out / part)), _weights(str(tmp_path / "one" / part)))
+
+
+def test_kubernetes_pod_whose_peer_never_starts_gives_up_after_the_rendezvous_timeout(two_hosts, iteration, tmp_path):
+    """Pod 2 never scheduled: pod 1's torchrun waits for it at most the rendezvous timeout (the
+    stage's collective_timeout_s, passed as --rdzv-conf), then fails — not with the user-error
+    status, so the executor replaces the pods (and fails the stage after its restarts)."""
+    timeout_s = 5
+    started = time.monotonic()
+    [proc] = start_pods(two_hosts, _ppo(iteration, tmp_path / "run", collective_timeout_s=timeout_s), tmp_path,
+                        pods=(0,), stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=timeout_s + 90)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"pod 1 still waits {timeout_s + 90} s after its rendezvous timeout of {timeout_s} s")
+    print(f"pod 1 gave up after {time.monotonic() - started:.1f} s with status {proc.returncode}")
+    assert proc.returncode not in (0, EXIT_USER_ERROR), err[-2000:]
+    assert publish.read_manifest(str(tmp_path / "run")) is None
 
 
 def test_host_lost_mid_ppo_ends_host_1_and_publishes_nothing(two_hosts, iteration, tmp_path):
