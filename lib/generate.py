@@ -49,6 +49,9 @@ from .sampling import SamplingParams, sample, sequence_keys
 __all__ = ["SPAN_QUANTUM", "Batch", "Completion", "Engine", "SamplingParams", "generate"]
 
 SPAN_QUANTUM = 64  # decode spans (and the cache length) are multiples of this: few graphs, aligned masks
+# Batch-invariant slots are a multiple of this: CPU matmul kernels take rows in groups (of 4 on
+# AVX2), and the rows of a last, partial group are computed another way, which rounds otherwise.
+ROW_GROUP = 8
 
 
 @dataclass
@@ -98,11 +101,21 @@ class Engine:
     to on for CUDA and off elsewhere; ``check_every``: decode steps between host checks (a
     finished sequence's slot idles about 1.5 windows before its next sequence starts; small
     windows are cheap since the host runs behind the device);
-    ``prefill_tokens``: prompt tokens per prefill forward (bounds its activations)."""
+    ``prefill_tokens``: prompt tokens per prefill forward, padded (bounds its activations and the
+    prompt store).
+
+    ``batch_invariant``: a sequence's numbers do not depend on the sequences beside it, to the
+    bit: every decode step runs all slots (``max_batch`` rounded up to a multiple of
+    ``ROW_GROUP``; no smaller buckets as a stream drains), so each matmul has the same shape
+    whoever shares it and wherever the sequence sits; prefill groups are always a function of
+    their batch alone. A batch then gives the same bits alone or in any stream, and a resumed
+    rollout the bits of an uninterrupted one. (Otherwise only the random streams are independent
+    of the neighbours, the log-probs equal to float rounding: another matmul shape rounds
+    differently.) Attention reads each slot's own keys, masked past its length."""
 
     def __init__(self, model: ParallelLlamaForCausalLM, params: SamplingParams, *, max_batch: int = 64,
                  check_every: int = 4, cuda_graphs: bool | None = None, compiled: bool | None = None,
-                 prefill_tokens: int = 16384):
+                 prefill_tokens: int = 16384, batch_invariant: bool = False):
         params.check()
         if max_batch < 1 or check_every < 1:
             raise ValueError(f"max_batch={max_batch} and check_every={check_every} must be >= 1")
@@ -114,6 +127,7 @@ class Engine:
             raise ValueError("cuda_graphs needs the model on a CUDA device")
         self.compiled = cuda if compiled is None else compiled
         self.max_batch, self.check_every, self.prefill_tokens = max_batch, check_every, prefill_tokens
+        self.batch_invariant = batch_invariant
         attn = model.model.layers[str(model.model.layer_range[0])].self_attn
         self._kv_shape = (attn.kv_heads, attn.head_dim)
         # A lookup table, not torch.isin: isin over a large stop set sorts and syncs, which no
@@ -121,7 +135,7 @@ class Engine:
         self._stop_ids = set(params.stop_token_ids)
         self.is_stop = torch.zeros(max(model.cfg.vocab_size, *self._stop_ids, 0) + 1, dtype=torch.bool, device=self.device)
         self.is_stop[sorted(self._stop_ids)] = True
-        self.slots, self.max_len, self.cache, self.store = 0, 0, None, None
+        self.slots, self.max_len, self.cache, self.store, self._ring = 0, 0, None, None, None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.stats: dict = {}  # the last generate call's: windows, decode steps, slot-steps, admissions, ...
@@ -248,21 +262,20 @@ class Engine:
         self.tokens[sl], self.made[sl] = tok, 1
         self.live[sl] = ~self.is_stop[tok] & (self.params.max_new_tokens > 1)
 
-    def _store_for(self, length: int, n: int, prompts: int | None) -> _Ring:
-        """The prompt store for prompts of up to ``length`` tokens (``prompts``: how many are left,
-        when known): a KV cache with a row per prompt being admitted. Enough rows to fill every
-        slot, and to prefill ``prefill_tokens`` tokens at once (one eager forward per group of
-        prompts, not per admission). Only called while no prompt waits in the store."""
-        length = _round_up(length, SPAN_QUANTUM)
-        rows = max(-(-self.slots // n) + 1, self.prefill_tokens // length)
-        rows = rows if prompts is None else min(rows, prompts)
+    def _store_for(self, rows: int, length: int, n: int) -> _Ring:
+        """The prompt store (a KV cache with a row per prompt of a prefill group, until its samples
+        are admitted) for ``rows`` prompts of up to ``length`` tokens, and its ring. Called only
+        while no prompt waits in the store, so a store too small is simply replaced: by one of
+        about ``prefill_tokens`` positions, at least ``rows × length``."""
         have = self.store.k[next(iter(self.store.k))].shape if self.store is not None else None
         if have is None or have[0] < rows or have[2] < length:
-            self.store = None
+            self.store = self._ring = None
             m = self.model
+            rows = max(rows, self.prefill_tokens // length)
             self.store = KVCache.allocate(m.model.layer_range, rows, length, *self._kv_shape, m.dtype, self.device)
-        shape = self.store.k[next(iter(self.store.k))].shape
-        return _Ring(rows=shape[0], length=shape[2], n=n, device=self.device)
+        if self._ring is None or self._ring.n != n:
+            self._ring = _Ring(self.store.k[next(iter(self.store.k))].shape[0], n, self.device)
+        return self._ring
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -364,11 +377,10 @@ class Engine:
         queue: deque[int] = deque()  # sequences waiting for a slot; sequence q is prompt q // n's sample q % n
         prompts: dict[int, list[int]] = {}  # prompt -> its token ids, until its last sample is admitted
         stream_keys: dict[int, int] = {}  # prompt -> its key, until prefilled
+        ends: deque[int] = deque()  # where each batch's prompts end: no prefill group crosses one
         pending: list[_Pending] = []  # batches with sequences still running, in order
         ready: list[_Pending] = []  # finished, not yet yielded
-        # The prompt store is replaced (longer rows) only while no prompt waits in it: prompts from
-        # ``resize_at`` on are not prefilled before then. The slots' cache grows in place.
-        state = {"prompts": 0, "exhausted": False, "longest": 0, "store_len": 0, "resize_at": 0}
+        state = {"prompts": 0, "exhausted": False, "longest": 0}
 
         def pull() -> None:
             nonlocal outside
@@ -391,30 +403,32 @@ class Engine:
             stats["batches"] += 1
             record = _Pending(batch, first * n, [None] * (len(batch.prompts) * n))
             (pending if batch.prompts else ready).append(record)
+            if not batch.prompts:
+                return
             for i, (ids, key) in enumerate(zip(batch.prompts, batch.keys)):
                 prompts[first + i], stream_keys[first + i] = ids, key
             queue.extend(range(first * n, state["prompts"] * n))
-            longest = max((len(p) for p in batch.prompts), default=0)
+            ends.append(state["prompts"])
+            longest = max(len(p) for p in batch.prompts)
             if longest > state["longest"]:
                 state["longest"] = longest
-                if _round_up(longest, SPAN_QUANTUM) > state["store_len"] and state["resize_at"] is None:
-                    state["resize_at"] = first
-                if self.cache is not None and S:
+                if S:  # a longer prompt than the cache was made for: a longer cache, in place
                     self._ensure(S, longest + new)
 
         # Enough sequences to fill the slots (all of them when there are fewer).
         S = 0
         while not state["exhausted"] and len(queue) < self.max_batch:
             pull()
-        if not state["exhausted"]:
-            pull()  # one more: a lone batch (``generate``) is known to be alone, and sizes the store to it
         if queue:
-            self._ensure(self.max_batch if not state["exhausted"] else min(self.max_batch, len(queue)),
-                         state["longest"] + new)
+            if self.batch_invariant:
+                slots = _round_up(self.max_batch, ROW_GROUP)
+            else:
+                slots = min(self.max_batch, len(queue)) if state["exhausted"] else self.max_batch
+            self._ensure(slots, state["longest"] + new)
             S = self.slots
             self.live.zero_()
             self.lengths.zero_()  # free slots attend over position 0 only
-        buckets = self._buckets() if S else []
+        buckets = [S] if self.batch_invariant else self._buckets()
         pinned = self.device.type == "cuda"
         bufs = [torch.zeros(2, S, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         # The host's view: which sequence each slot holds (-1: free), decode steps since its
@@ -422,47 +436,42 @@ class Engine:
         slot_seq, ages, prompt_len = [-1] * S, [0] * S, [0] * S
         where: dict[int, int] = {}
         reported = done_tokens = 0
-        ring: _Ring | None = None
         prefilled = 0  # prompts [0, prefilled) are in the store (or done)
 
-        def fill():
-            nonlocal prefilled, ring
+        def prefill() -> None:
+            """The next group of prompts into the (empty) store: from the first not prefilled,
+            within its batch, as many as fit ``prefill_tokens`` padded to the longest of them.
+            So the groups are a function of the batch alone, not of what ran before it."""
+            nonlocal prefilled
+            while ends[0] <= prefilled:
+                ends.popleft()
+            group, length = [prefilled], _round_up(len(prompts[prefilled]), SPAN_QUANTUM)
+            for p in range(prefilled + 1, ends[0]):
+                longer = max(length, _round_up(len(prompts[p]), SPAN_QUANTUM))
+                if (len(group) + 1) * longer > self.prefill_tokens:
+                    break
+                group.append(p)
+                length = longer
+            ring = self._store_for(len(group), length, n)
+            keys = sequence_keys(seed, [stream_keys.pop(p) for p in group], n)
+            self._prefill(group, prompts, n, self._to_device(keys), ring)
+            stats["prefills"] += 1
+            stats["prefill_tokens"] += sum(len(prompts[p]) for p in group)
+            prefilled += len(group)
+
+        def fill() -> None:
             free = [s for s in range(S) if slot_seq[s] < 0]
             while free:
                 while not state["exhausted"] and len(queue) < S:
                     pull()
                 if not queue:
                     return
-                take = min(len(free), len(queue))
-                resize_at = state["resize_at"]
-                if resize_at is not None:
-                    if queue[0] // n >= resize_at:  # no prompt waits in the store: replace it now
-                        left = state["prompts"] - resize_at if state["exhausted"] else None
-                        ring = self._store_for(state["longest"], n, left)
-                        state["store_len"], state["resize_at"], resize_at = ring.length, None, None
-                    else:
-                        take = min(take, resize_at * n - queue[0])
-                seqs = [queue[i] for i in range(take)]
-                # Prefill ahead, in groups of up to prefill_tokens tokens, into store rows whose
-                # prompts have all been admitted (those before the first waiting sequence's).
-                limit = state["prompts"] if resize_at is None else resize_at
-                while prefilled <= seqs[-1] // n:
-                    room = ring.rows - (prefilled - seqs[0] // n)
-                    batch, used = [], 0
-                    for p in range(prefilled, min(limit, prefilled + room)):
-                        if batch and used + len(prompts[p]) > self.prefill_tokens:
-                            break
-                        batch.append(p)
-                        used += len(prompts[p])
-                    keys = sequence_keys(seed, [stream_keys.pop(p) for p in batch], n)
-                    self._prefill(batch, prompts, n, self._to_device(keys), ring)
-                    stats["prefills"] += 1
-                    stats["prefill_tokens"] += used
-                    prefilled += len(batch)
-                for _ in seqs:
-                    queue.popleft()
+                if queue[0] // n == prefilled:  # every prompt in the store is admitted
+                    prefill()
+                take = min(len(free), prefilled * n - queue[0])
+                seqs = [queue.popleft() for _ in range(take)]
                 lengths = [len(prompts[q // n]) for q in seqs]
-                self._admit(free[:take], seqs, lengths, ring)
+                self._admit(free[:take], seqs, lengths, self._ring)
                 stats["admissions"] += 1
                 for s, q, length in zip(free, seqs, lengths):
                     slot_seq[s], ages[s], prompt_len[s], where[q] = q, 0, length, s
@@ -487,7 +496,7 @@ class Engine:
             active = [s for s in range(S) if slot_seq[s] >= 0]
             new_snap = None
             if active:
-                if not queue:
+                if not queue and not self.batch_invariant:
                     self._compact(slot_seq, ages, prompt_len, where)
                     active = [s for s in range(S) if slot_seq[s] >= 0]
                 b = next(x for x in buckets if x > max(active))
@@ -553,10 +562,10 @@ class _Pending:
 
 
 class _Ring:
-    """Per store row's samples (``rows × n`` entries, sequence q at ``q % size``): the first token
-    and its log-prob drawn at prefill, and the stream key, until the sample is admitted."""
+    """Per store row's samples (``rows × n`` entries, prompt p's sample k at ``p % rows * n + k``):
+    the first token and its log-prob drawn at prefill, and the stream key, until it is admitted."""
 
-    def __init__(self, rows: int, length: int, n: int, device):
-        self.rows, self.length, self.n, self.size = rows, length, n, rows * n
+    def __init__(self, rows: int, n: int, device):
+        self.rows, self.n, self.size = rows, n, rows * n
         self.first = torch.zeros(2, self.size, dtype=torch.float64, device=device)
         self.keys = torch.zeros(self.size, 2, dtype=torch.long, device=device)

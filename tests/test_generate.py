@@ -182,17 +182,17 @@ def test_responses_do_not_depend_on_batch_size_or_tp(pool1, pool2):
 
 # ---- one stream over many batches ------------------------------------------------------------
 
-def stream_vs_generate(tp):
-    """Batches through one stream (4 slots, so sequences of the next batch take the slots the last
-    ones free; an empty batch; a later batch with prompts longer than the cache and the prompt
-    store were made for) against each batch generated alone with room for all of it."""
+def stream_vs_generate(tp, invariant):
+    """Batches through one stream (6 slots, so sequences of the next batch take the slots the last
+    ones free; an empty batch; a later batch with a prompt longer than the cache and the prompt
+    store were made for) against each batch generated alone."""
     from llamarl.lib.generate import Batch, Engine
 
     _, model = _model(tp)
     params = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=STOPS)
     g = torch.Generator().manual_seed(0)
-    sizes = [3, 2, 0, 4, 1, 3]
-    lengths = [[int(x) for x in torch.randint(2, 10, (s,), generator=g)] for s in sizes]
+    sizes = [5, 7, 0, 3, 1, 6]
+    lengths = [[int(x) for x in torch.randint(2, 40, (s,), generator=g)] for s in sizes]
     lengths[4] = [150]  # past the cache's 64 + 16 positions and the store's 64
     batches, key = [], 0
     for i, ls in enumerate(lengths):
@@ -206,7 +206,8 @@ def stream_vs_generate(tp):
             events.append(("pull", b.tag))
             yield b
 
-    engine = Engine(model, params, max_batch=4, check_every=3, prefill_tokens=8)
+    options = dict(max_batch=6, check_every=3, prefill_tokens=128, batch_invariant=invariant)
+    engine = Engine(model, params, **options)
     streamed = {}
     for batch, out in engine.stream(source(), seed=5, samples_per_prompt=3):
         events.append(("done", batch.tag))
@@ -214,21 +215,24 @@ def stream_vs_generate(tp):
     stream_steps = engine.stats["steps"]
     alone, drained_steps = {}, 0
     for b in batches:
-        one = Engine(model, params, max_batch=4, check_every=3, prefill_tokens=8)
+        one = Engine(model, params, **options)
         out = one.generate(b.prompts, seed=5, keys=b.keys, samples_per_prompt=3)
         drained_steps += one.stats.get("steps", 0)
         alone[b.tag] = [(c.tokens, c.logprobs, c.finish_reason) for c in out]
     return streamed, alone, events, stream_steps, drained_steps
 
 
-def test_a_stream_of_batches_gives_each_batch_what_it_gives_alone(pool1, pool2):
+@pytest.mark.parametrize("invariant", [False, True], ids=["buckets", "batch-invariant"])
+def test_a_stream_of_batches_gives_each_batch_what_it_gives_alone(pool1, pool2, invariant):
     for tp, pool in ((1, pool1), (2, pool2)):
-        for streamed, alone, events, stream_steps, drained_steps in pool.run(stream_vs_generate, tp):
+        for streamed, alone, events, stream_steps, drained_steps in pool.run(stream_vs_generate, tp, invariant):
             assert sorted(streamed) == sorted(alone) == list(range(6))
             for tag in alone:
                 assert len(streamed[tag]) == len(alone[tag])
                 if alone[tag]:
                     _same_responses(streamed[tag], alone[tag])
+            if invariant:  # to the bit, log-probs too
+                assert streamed == alone
             assert streamed[2] == [] and len(streamed[4][0][0]) > 0
             # read lazily: the first batch is done before the last is read; and the slots were
             # kept busy across batches: fewer decode steps than batch after batch, each drained
