@@ -10,13 +10,22 @@ Sampling is keyed per response: sample k of the prompt in row r draws from its o
 a function of (``seed``, r, k) only (lib/sampling.py). So a response does not depend on the number
 of DP groups, on TP, on ``chunk_size``, on which chunks ran before it, nor on ``max_batch`` (how
 many sequences one engine decodes together), which only trades memory for speed.
-Formats: docs/formats.md.
+
+A rank's chunks go through one stream of the engine (lib/generate.py ``Engine.stream``): the next
+chunk's sequences take the slots as the last ones free them, so the batch never drains at a chunk
+boundary. The prompts are read and tokenized ahead in one thread, the responses decoded and the
+parts written behind in another, while the engine runs; parts are still published one at a time,
+each whole. Formats: docs/formats.md.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import queue
+import threading
 import time
+from dataclasses import dataclass
 
 import fsspec
 import pyarrow as pa
@@ -28,7 +37,7 @@ from llamarl.lib import checkpoint, dtypes, job, parallel, publish, sampling
 from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
-from llamarl.lib.generate import Engine, SamplingParams
+from llamarl.lib.generate import Batch, Engine, SamplingParams
 from llamarl.stages import contract
 from llamarl.stages.config import RolloutConfig
 
@@ -66,7 +75,9 @@ def iter_chunks(ds: pads.Dataset, chunk_size: int, columns: list[str], mine):
         yield c, pending, start
 
 
-def run(cfg: RolloutConfig) -> None:
+def run(cfg: RolloutConfig, overlap: bool = True) -> None:
+    """``overlap=False`` (for tests and measurements): chunk after chunk, each drained, with its
+    tokenizing and writing in between — the same parts, byte for byte."""
     actor = cfg.actor.rstrip("/")
     out = cfg.out.rstrip("/")
     manifest = contract.require_checkpoint(actor, "lm", "rollout's actor")
@@ -108,24 +119,41 @@ def run(cfg: RolloutConfig) -> None:
     checkpoint.load_model(model, f"{actor}/{contract.MODEL}")
     model.eval()
 
-    # One engine for all chunks: its KV cache and captured decode steps are reused.
-    engine = Engine(model, params, max_batch=cfg.max_batch)
+    # One engine for all chunks: its KV cache and captured decode steps are reused. Batch-invariant:
+    # a chunk's rows are the same bits whatever chunks ran beside it, so a rerun that skips the
+    # published ones writes what an uninterrupted run would have.
+    engine = Engine(model, params, max_batch=cfg.max_batch, batch_invariant=True)
     meta = {"actor": actor, "actor_id": actor_id, "sampling": json.dumps(s.model_dump()), "seed": str(s.seed),
             "sampler": sampling.SAMPLER, "tp": str(cfg.tp), "dtype": dtypes.name(dtype)}
     progress = _Progress(enabled=rank == 0)
     stats = {"chunks": 0, "rows": 0, "truncated_prompts": 0, "new_tokens": 0, "skipped_chunks": 0, "engine_s": 0.0}
     writer = topo.tp_rank == 0
     t0 = time.perf_counter()
-    for chunk, rows, first in iter_chunks(ds, cfg.chunk_size, columns, lambda i: i % topo.dp == topo.dp_rank):
-        if contract.part_name(chunk) in done:
-            stats["skipped_chunks"] += 1
-            continue
-        table, chunk_stats = _rollout_chunk(engine, tok, cfg, rows, first, progress, room, meta)
-        for k, v in chunk_stats.items():
-            stats[k] += v
-        if writer:
-            contract.write_part(out, contract.part_name(chunk), table)
-        stats["chunks"] += 1
+    chunks = _chunks(ds, cfg, columns, lambda i: i % topo.dp == topo.dp_rank, done, tok, room, stats)
+    # With overlap the chunks are read and tokenized ahead in a thread, go through one stream of
+    # the engine (the next chunk's sequences take slots as the last ones free them) and are
+    # decoded and written behind it in another thread (its own tokenizer: a tokenizer object is
+    # not to be shared across threads). Without, chunk after chunk, each drained.
+    source = _Ahead(chunks, depth=2) if overlap else chunks
+    decoder = copy.deepcopy(tok) if overlap else tok
+    publisher = _Behind(lambda item: _write_part(out, decoder, cfg, meta, *item), depth=2, background=overlap)
+    try:
+        streams = [source] if overlap else ([batch] for batch in source)
+        for batches in streams:
+            for batch, completions in engine.stream(batches, seed=s.seed, samples_per_prompt=s.samples_per_prompt,
+                                                    on_tokens=progress.tokens):
+                progress.chunk_done()
+                stats["chunks"] += 1
+                stats["rows"] += len(completions)
+                stats["new_tokens"] += sum(len(c.tokens) for c in completions)
+                if writer:
+                    publisher.put((batch.tag, completions))
+            stats["engine_s"] += engine.stats["busy_s"]
+        publisher.close()
+    finally:
+        publisher.stop()
+        if overlap:
+            source.stop()
     elapsed = time.perf_counter() - t0
     progress.close()
 
@@ -158,47 +186,157 @@ def _build_actor(model_cfg, layout, dtype, device):
         return ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
 
 
-def _rollout_chunk(engine: Engine, tok, cfg: RolloutConfig, rows, first, progress, room: int, meta: dict):
-    """The part of the chunk whose rows start at row ``first``; ``room``: the most prompt tokens
-    that leave max_new_tokens within the actor's positions."""
+@dataclass(frozen=True)
+class _Chunk:
+    index: int
+    rows: list[dict]
+    first: int  # the row number of rows[0]
+    prompts: list[list[int]]  # token ids, one per row
+
+
+def _chunks(ds, cfg: RolloutConfig, columns, mine, done: set[str], tok, room: int, stats: dict):
+    """The engine's batches: each chunk ``mine`` accepts and ``done`` lacks, tokenized; ``room``:
+    the most prompt tokens that leave max_new_tokens within the actor's positions."""
     s = cfg.sampling
-    prompts, truncated = [], 0
     keep = min(cfg.max_prompt_tokens or room, room)
-    for row in rows:
-        ids = toklib.encode_prompt(tok, row[cfg.prompt_column], cfg.chat_template)
-        if len(ids) > room and cfg.overlong_prompts == "error":
-            raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has {len(ids)} prompt tokens, and with "
-                            f"max_new_tokens={s.max_new_tokens} the actor's {s.max_new_tokens + room} positions allow "
-                            f"{room}; shorten it, or set overlong_prompts: truncate")
-        if len(ids) > keep:
-            ids, truncated = ids[-keep:], truncated + 1
-        if not ids:
-            raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has an empty prompt; remove it")
-        prompts.append(ids)
-    expanded = [p for p in prompts for _ in range(s.samples_per_prompt)]
-    # Row numbers key the random streams: the same prompt row draws the same responses wherever
-    # and with whatever it runs.
-    t0 = time.perf_counter()
-    completions = engine.generate(prompts, seed=s.seed, keys=list(range(first, first + len(prompts))),
-                                  samples_per_prompt=s.samples_per_prompt, on_tokens=progress.tokens)
-    engine_s = time.perf_counter() - t0  # generate returns host lists: the device work is done
-    progress.chunk_done()
-    cols: dict[str, list] = {n: [] for n in contract.ROLLOUT_SCHEMA.names}
+    for chunk, rows, first in iter_chunks(ds, cfg.chunk_size, columns, mine):
+        if contract.part_name(chunk) in done:
+            stats["skipped_chunks"] += 1
+            continue
+        prompts = []
+        for row in rows:
+            ids = toklib.encode_prompt(tok, row[cfg.prompt_column], cfg.chat_template)
+            if len(ids) > room and cfg.overlong_prompts == "error":
+                raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has {len(ids)} prompt tokens, and with "
+                                f"max_new_tokens={s.max_new_tokens} the actor's {s.max_new_tokens + room} positions "
+                                f"allow {room}; shorten it, or set overlong_prompts: truncate")
+            if len(ids) > keep:
+                ids = ids[-keep:]
+                stats["truncated_prompts"] += 1
+            if not ids:
+                raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has an empty prompt; remove it")
+            prompts.append(ids)
+        # Row numbers key the random streams: the same prompt row draws the same responses wherever
+        # and with whatever it runs.
+        yield Batch(prompts, list(range(first, first + len(prompts))), _Chunk(chunk, rows, first, prompts))
+
+
+def _write_part(out: str, tok, cfg: RolloutConfig, meta: dict, chunk: _Chunk, completions) -> None:
+    """Publish the part of ``chunk``: its rows' responses, decoded, as a Parquet file."""
+    n = cfg.sampling.samples_per_prompt
+    cols: dict[str, list] = {name: [] for name in contract.ROLLOUT_SCHEMA.names}
     extra: dict[str, list] = {k: [] for k in cfg.keep_columns}
     for i, comp in enumerate(completions):
-        row, k = rows[i // s.samples_per_prompt], i % s.samples_per_prompt
-        cols[contract.PROMPT_ID].append(str(row[cfg.id_column]) if cfg.id_column else str(first + i // s.samples_per_prompt))
+        row, k = chunk.rows[i // n], i % n
+        cols[contract.PROMPT_ID].append(str(row[cfg.id_column]) if cfg.id_column else str(chunk.first + i // n))
         cols[contract.SAMPLE_INDEX].append(k)
         cols[contract.PROMPT].append(toklib.render_prompt(row[cfg.prompt_column]))
-        cols[contract.PROMPT_TOKEN_IDS].append(expanded[i])
+        cols[contract.PROMPT_TOKEN_IDS].append(chunk.prompts[i // n])
         cols[contract.RESPONSE].append(tok.decode(comp.tokens, skip_special_tokens=True))
         cols[contract.RESPONSE_TOKEN_IDS].append(comp.tokens)
         cols[contract.RESPONSE_LOGPROBS].append(comp.logprobs)
         cols[contract.FINISH_REASON].append(comp.finish_reason)
         for key in cfg.keep_columns:
             extra[key].append(row[key])
-    return contract.rollout_table(cols, extra, meta), {"rows": len(completions), "truncated_prompts": truncated,
-                   "new_tokens": sum(len(x.tokens) for x in completions), "engine_s": engine_s}
+    contract.write_part(out, contract.part_name(chunk.index), contract.rollout_table(cols, extra, meta))
+
+
+class _Ahead:
+    """An iterator run ``depth`` items ahead of its consumer, in a thread; its exception is raised
+    in the consumer, at the item where it happened."""
+
+    _END = object()
+
+    def __init__(self, items, depth: int):
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(iter(items),), name="rollout-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self, items) -> None:
+        try:
+            for item in items:
+                if not self._offer((item, None)):
+                    return
+            self._offer((self._END, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._offer((self._END, e))
+
+    def _offer(self, entry) -> bool:
+        while not self._stopping.is_set():
+            try:
+                self._queue.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def __iter__(self):
+        while True:
+            item, error = self._queue.get()
+            if error is not None:
+                raise error
+            if item is self._END:
+                return
+            yield item
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+
+
+class _Behind:
+    """``fn(item)`` for each item put, in order: in a thread of its own at most ``depth`` items
+    behind the caller (``background``), or at once. The first failure is raised by the next
+    ``put`` or by ``close`` (which waits for the rest); the items after it are not processed."""
+
+    _END = object()
+
+    def __init__(self, fn, depth: int, background: bool):
+        self._fn, self._error = fn, None
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="rollout-behind", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not self._END:
+            if self._error is None:
+                try:
+                    self._fn(item)
+                except BaseException as e:  # noqa: BLE001 - raised in the caller
+                    self._error = e
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def put(self, item) -> None:
+        if self._thread is None:
+            self._fn(item)
+            return
+        while True:
+            self._raise()
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                pass
+
+    def close(self) -> None:
+        """Wait for every item; raise the first failure."""
+        if self._thread is not None:
+            self._queue.put(self._END)
+            self._thread.join()
+        self._raise()
+
+    def stop(self) -> None:
+        """After a failure of the caller: the items queued are still processed (whole parts are
+        kept for a rerun), then the thread ends."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(self._END)
+            self._thread.join()
 
 
 class _Progress:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -40,7 +41,7 @@ def _cfg(actor, prompts, out, **kw):
     sampling = Sampling(**{"samples_per_prompt": 2, "max_new_tokens": 8, "temperature": 1.0, "seed": 7,
                                    **kw.pop("sampling", {})})
     return RolloutConfig(actor=actor, prompts=prompts, out=str(out), id_column="id", keep_columns=["answer"],
-                                 chunk_size=4, sampling=sampling, **{"max_batch": 3, **kw})
+                         sampling=sampling, **{"chunk_size": 4, "max_batch": 3, **kw})
 
 
 def _rows(out) -> list[dict]:
@@ -97,6 +98,76 @@ def test_same_seed_same_samples_any_dp_and_max_batch(pool1, pool2, actor, prompt
     _same_rows(a, b)
     pool2.run(rollout.run, _cfg(actor, prompts, tmp_path / "seed8", tp=1, dp=2, sampling={"seed": 8}))
     assert [r["response_token_ids"] for r in _rows(tmp_path / "seed8")] != [r["response_token_ids"] for r in _rows(tmp_path / "dp1")]
+
+
+def _parts(out) -> dict[str, bytes]:
+    return {p: (out / "parts" / p).read_bytes() for p in sorted(os.listdir(out / "parts"))}
+
+
+def test_overlap_and_chunk_size_change_no_byte_of_the_rows(pool1, actor, prompts, tmp_path):
+    # Overlapped (tokenizing ahead, one engine stream across chunks with 3 slots, so sequences of
+    # the next chunk run beside the last ones of this one, parts written behind) against chunk
+    # after chunk, each drained: the same part files, byte for byte, and the same manifest entries.
+    stops = {"stop_token_ids": list(range(40, 70))}  # random response lengths
+    pool1.run(rollout.run, _cfg(actor, prompts, tmp_path / "overlap", tp=1, sampling=stops))
+    pool1.run(functools.partial(rollout.run, overlap=False), _cfg(actor, prompts, tmp_path / "serial", tp=1, sampling=stops))
+    a, b = _parts(tmp_path / "overlap"), _parts(tmp_path / "serial")
+    assert list(a) == [f"part-{i:06d}.parquet" for i in range(3)] and a == b
+    ma, mb = (publish.require_published(str(tmp_path / d), "rollout") for d in ("overlap", "serial"))
+    assert ma["files"] == mb["files"] and ma["rows"] == mb["rows"] == 20
+    assert {k: v for k, v in ma["stats"].items() if k != "engine_s"} == {k: v for k, v in mb["stats"].items() if k != "engine_s"}
+    # Another chunk size makes other part files (the contract: chunk_size decides the files, not
+    # the rows), with the same rows in the same order (log-probs to float rounding: prompts are
+    # prefilled in other groups) and the same metadata.
+    pool1.run(rollout.run, _cfg(actor, prompts, tmp_path / "chunk3", tp=1, chunk_size=3, sampling=stops))
+    assert len(_parts(tmp_path / "chunk3")) == 4
+    _same_rows(_rows(tmp_path / "chunk3"), _rows(tmp_path / "overlap"))
+    schema = [pq.read_schema(tmp_path / d / "parts" / "part-000000.parquet") for d in ("chunk3", "overlap")]
+    assert schema[0] == schema[1] and schema[0].metadata == schema[1].metadata
+
+
+def rollout_with_failing_writer(cfg, fail_on: int) -> list[str]:
+    """The stage, with the fail_on-th part write failing half-way (a full disk); the names of the
+    parts written, in order, up to the failure."""
+    from llamarl.stages import contract
+
+    write, calls = contract.write_part, []
+
+    def failing(root, name, table):
+        calls.append(name)
+        if len(calls) == fail_on:
+            os.makedirs(f"{root}/parts", exist_ok=True)
+            with open(f"{root}/parts/.{name}.tmp", "wb") as f:
+                f.write(b"PAR1")
+            raise OSError(28, "No space left on device")
+        write(root, name, table)
+
+    contract.write_part = failing
+    try:
+        rollout.run(cfg)
+    except OSError as e:
+        return calls + [f"raised: {e}"]
+    finally:
+        contract.write_part = write
+    return calls
+
+
+@pytest.mark.parametrize("fail_on", [1, 3], ids=["first-part", "last-part"])
+def test_a_failed_part_write_fails_the_stage_and_a_rerun_finishes_it(pool1, actor, prompts, tmp_path, fail_on):
+    out = tmp_path / "r"
+    cfg = _cfg(actor, prompts, out, tp=1)
+    calls, = pool1.run(rollout_with_failing_writer, cfg, fail_on)
+    # raised in the stage (not a hang), after the failed part: no part written after it
+    assert calls[-1] == "raised: [Errno 28] No space left on device" and len(calls) == fail_on + 1
+    published = sorted(p for p in os.listdir(out / "parts") if p.endswith(".parquet"))
+    assert published == sorted(calls[: fail_on - 1])  # those before the failure, whole; not the half one
+    assert publish.read_manifest(str(out)) is None
+    pool1.run(rollout.run, cfg)
+    manifest = publish.require_published(str(out), "rollout")
+    assert manifest["stats"]["skipped_chunks"] == fail_on - 1 and manifest["rows"] == 20
+    pool1.run(rollout.run, _cfg(actor, prompts, tmp_path / "whole", tp=1))
+    assert _parts(out) == _parts(tmp_path / "whole")
+    assert not [p for p in os.listdir(out / "parts") if not p.endswith(".parquet")]
 
 
 def test_greedy_rollout_is_layout_independent(pool2, actor, prompts, tmp_path):
