@@ -16,6 +16,18 @@ Workloads (random weights, random prompts of ``prompt_len`` tokens, temperature 
 
 Each engine workload runs twice (the first run captures the CUDA graphs and compiles the sampler)
 and the second is timed. Prints one JSON object (and writes it to ``--out``).
+
+Several GPUs (``--tp N`` / ``--dp N``, under torchrun, tp × dp processes)::
+
+    torchrun --nproc-per-node 2 bench/rollout.py --dp 2 --out bench/results/rollout-dp2-h100x2-DATE.json
+    torchrun --nproc-per-node 2 bench/rollout.py --tp 2
+    torchrun --nproc-per-node 2 bench/rollout.py --dp 2 --small                # CPU smoke run, gloo
+
+* ``parallel``: the rollout stage's engine (batch-invariant, one stream over chunks of ``--chunk``
+  prompts, chunk c to DP group c mod dp) on ``cb_prompts`` prompts → ``new`` tokens each (no
+  stops), ``cb_slots`` slots per engine: first on one GPU (rank 0 alone, TP1, the others wait),
+  then at TP × DP on all of them, in the same run; tokens/s of both, the speed-up, and whether
+  the layout drew the tokens one GPU drew (the same bits at DP, where the engine is batch-invariant).
 """
 
 from __future__ import annotations
@@ -69,11 +81,17 @@ def main():
     ap.add_argument("--only-cb", action="store_true", help="the continuous-batching workloads only")
     ap.add_argument("--cb-prompts", type=int, help="prompts of the continuous-batching workloads (default 512)")
     ap.add_argument("--cb-every", default="1,2,4,16", help="check_every values to compare")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
+    ap.add_argument("--dp", type=int, default=None, help="data-parallel groups (under torchrun; default: the rest)")
+    ap.add_argument("--chunk", type=int, default=64, help="prompts per chunk of the parallel workload")
     ap.add_argument("--out")
     args = ap.parse_args()
     from transformers import LlamaConfig as HFConfig
     from transformers import LlamaForCausalLM
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 or args.tp > 1 or (args.dp or 1) > 1:
+        return parallel_main(args, world)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29544")
     from llamarl.lib import parallel
     from llamarl.lib.config import LlamaConfig, ParallelLayout
@@ -81,16 +99,10 @@ def main():
     from llamarl.lib.model import ParallelLlamaForCausalLM
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    batches = [int(b) for b in args.batches.split(",")]
-    if args.small:
-        shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=1000)
-        batches, plen, new, cb_slots, cb_prompts, stop_tokens = [8, 16], 16, 16, 4, 16, 40
-    else:
-        shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256)
-        plen, new, cb_slots, cb_prompts, stop_tokens = 128, 256, 64, 512, 1000
-    cb_prompts = args.cb_prompts or cb_prompts
+    batches = [8, 16] if args.small else [int(b) for b in args.batches.split(",")]
+    shape, w = _workload(args.small)
+    plen, new, cb_slots, stop_tokens = w["plen"], w["new"], w["cb_slots"], w["stop_tokens"]
+    cb_prompts = args.cb_prompts or w["cb_prompts"]
     hf_cfg = HFConfig(**shape, max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0)
     hf_cfg._attn_implementation = "sdpa"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -183,6 +195,112 @@ def main():
     parallel.shutdown()
     print(json.dumps(res, indent=1))
     _save(res, args.out)
+
+
+def _workload(small: bool):
+    """The model shape, prompt and response lengths, and the continuous-batching workload."""
+    if small:
+        shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=1000)
+        return shape, dict(plen=16, new=16, cb_slots=4, cb_prompts=16, stop_tokens=40)
+    shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256)
+    return shape, dict(plen=128, new=256, cb_slots=64, cb_prompts=512, stop_tokens=1000)
+
+
+def parallel_main(args, world: int) -> None:
+    """``--tp`` / ``--dp``: one GPU (rank 0 alone) against TP × DP, the same prompts, one run."""
+    import torch.distributed as dist
+    from transformers import LlamaConfig as HFConfig
+
+    from llamarl.lib import parallel
+    from llamarl.lib.config import LlamaConfig, ParallelLayout
+    from llamarl.lib.generate import Batch, Engine, SamplingParams
+    from llamarl.lib.model import ParallelLlamaForCausalLM
+
+    tp = args.tp
+    dp = args.dp or world // tp
+    if tp * dp != world:
+        raise SystemExit(f"--tp {tp} --dp {dp} needs {tp * dp} processes, not {world}: "
+                         f"torchrun --nproc-per-node {tp * dp} bench/rollout.py ...")
+    shape, w = _workload(args.small)
+    chunk = min(args.chunk, w["cb_prompts"]) if not args.small else 4
+    prompts_n = args.cb_prompts or (w["cb_prompts"] * 2 if args.small else w["cb_prompts"])
+    slots, plen, new = w["cb_slots"], w["plen"], w["new"]
+    cfg = LlamaConfig.from_hf(HFConfig(**shape, max_position_embeddings=8192, tie_word_embeddings=False,
+                                       rope_theta=500000.0).to_dict())
+    topo = parallel.init(1, 1)  # every rank its own TP1 group, for the one-GPU run
+    rank, dev = dist.get_rank(), parallel.device()
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, shape["vocab_size"], (prompts_n, plen), generator=g).tolist()
+    chunks = [Batch(prompts[i:i + chunk], list(range(i, min(i + chunk, prompts_n))), tag=c)
+              for c, i in enumerate(range(0, prompts_n, chunk))]
+    params = SamplingParams(temperature=1.0, max_new_tokens=new)
+    res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "gpus": world if cuda else 0, "torch": torch.__version__, "backend": dist.get_backend(),
+           "prompt_len": plen, "new_tokens": new, "sampling": "temperature 1, top_p 1",
+           "parallel": {"tp": tp, "dp": dp, "prompts": prompts_n, "chunk": chunk, "max_batch": slots,
+                        "engine": "batch_invariant, one stream over the chunks (as the rollout stage)"}}
+
+    def build(layout_tp: int):
+        with torch.device(dev):
+            model = ParallelLlamaForCausalLM(cfg, ParallelLayout(tp=layout_tp), dtype=dtype)
+        model.init_random(seed=0)
+        return model.eval()
+
+    def timed_stream(model, mine: list, active: bool) -> tuple[dict, float, dict]:
+        """This rank's chunks through one engine stream, twice (the first captures graphs and
+        compiles); the second timed between barriers of all ranks, so the wall is the slowest's."""
+        engine = Engine(model, params, max_batch=slots, batch_invariant=True)
+        out = {}
+        for attempt in range(2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if active:
+                out = {b.tag: [c.tokens for c in comps] for b, comps in engine.stream(mine, seed=1)}
+            sync("cuda" if cuda else "cpu")
+            dist.barrier()
+            wall = time.perf_counter() - t0
+        stats = {**engine.stats, "slots": engine.slots} if active else {}
+        return out, wall, stats
+
+    def tokens(out: dict) -> int:
+        return sum(len(t) for comps in out.values() for t in comps)
+
+    # One GPU: rank 0 runs every chunk, the others wait.
+    model = build(1)
+    one, wall1, stats1 = timed_stream(model, chunks, rank == 0)
+    model = None
+    made1 = tokens(one)
+    res["one_gpu"] = {"new_tok_s": made1 / wall1, "seconds": wall1, "tokens": made1, "engine": stats1}
+    if rank == 0:
+        print(json.dumps({"one_gpu": res["one_gpu"]}), flush=True)
+
+    # TP x DP: every rank, chunk c on DP group c mod dp; each TP group's rank 0 counts its tokens.
+    topo = parallel.init(tp, 1)
+    model = build(tp)
+    mine = [b for b in chunks if b.tag % dp == topo.dp_rank]
+    out, wall, stats = timed_stream(model, mine, True)
+    counted = {k: v for k, v in out.items()} if topo.tp_rank == 0 else {}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, counted)
+    if rank == 0:
+        merged = {k: v for part in gathered for k, v in part.items()}
+        made = tokens(merged)
+        seqs = [(a, b) for tag in one for a, b in zip(one[tag], merged.get(tag, []))]
+        key = f"tp{tp}_dp{dp}"
+        res[key] = {"new_tok_s": made / wall, "seconds": wall, "tokens": made, "engine_rank0": stats,
+                    "speedup_over_one_gpu": (made / wall) / (made1 / wall1),
+                    "efficiency": (made / wall) / (made1 / wall1) / world,
+                    "same_tokens_as_one_gpu": sum(a == b for a, b in seqs) / max(len(seqs), 1)}
+        if tp == 1:
+            res["dp_speedup"] = res[key]["speedup_over_one_gpu"]
+        print(json.dumps(res, indent=1), flush=True)
+        _save(res, args.out)
+    dist.barrier()
+    parallel.shutdown()
 
 
 def _save(res: dict, path: str | None) -> None:

@@ -257,3 +257,21 @@ def test_a_prompts_file_without_rows_is_refused_before_any_output(pool1, actor, 
     with pytest.raises(RuntimeError, match=rf"UserError: {empty}: no prompts \(0 rows\)"):
         pool1.run(rollout.run, RolloutConfig(actor=actor, prompts=str(empty), out=str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--dp", "2"], ["--tp", "2"]], ids=["dp2", "tp2"])
+def test_the_multi_gpu_rollout_bench_runs_small_on_cpu(tmp_path, layout):
+    # bench/rollout.py --tp/--dp under torchrun, over gloo: one GPU (rank 0 alone), then the layout.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        os.path.join(root, "bench", "rollout.py"), *layout, "--small", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    key = "tp1_dp2" if layout[0] == "--dp" else "tp2_dp1"
+    assert res["one_gpu"]["tokens"] == res[key]["tokens"] == 32 * 16 and res[key]["speedup_over_one_gpu"] > 0
+    # the same tokens as one GPU: at DP to the bit (batch-invariant engines); at TP the same draws
+    assert res[key]["same_tokens_as_one_gpu"] == 1.0
+    assert ("dp_speedup" in res) == (layout[0] == "--dp")
