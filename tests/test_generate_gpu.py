@@ -86,3 +86,21 @@ def test_logprobs_equal_a_teacher_forced_pass(model):
     print(f"log-prob vs teacher forcing (bf16): mean {errors.mean():.4f}, max {errors.max():.4f}")
     # bf16: the decode and the padded forward round differently (fp32 CPU agrees to 1e-4, test_generate)
     assert errors.mean() < 0.02 and errors.max() < 0.25
+
+
+def test_a_batch_invariant_stream_gives_each_batch_the_bits_it_gives_alone(model):
+    # What a resumed rollout relies on (docs/generation.md, batch invariance): random stop lengths,
+    # so the stream runs sequences of two batches side by side, at other slots and decode spans.
+    from llamarl.lib.generate import Batch, Engine, SamplingParams
+
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=tuple(range(3, 300)))
+    prompts = _prompts(24, seed=1)
+    batches = [Batch(prompts[i:i + 6], list(range(i, i + 6)), tag=i // 6) for i in range(0, 24, 6)]
+
+    def engine():
+        return Engine(model, params, max_batch=8, batch_invariant=True, check_every=4)
+
+    streamed = {b.tag: [(c.tokens, c.logprobs) for c in out] for b, out in engine().stream(batches, seed=3, samples_per_prompt=2)}
+    for b in batches:
+        alone = engine().generate(b.prompts, seed=3, keys=b.keys, samples_per_prompt=2)
+        assert streamed[b.tag] == [(c.tokens, c.logprobs) for c in alone], b.tag
