@@ -262,16 +262,17 @@ class Engine:
         self.tokens[sl], self.made[sl] = tok, 1
         self.live[sl] = ~self.is_stop[tok] & (self.params.max_new_tokens > 1)
 
-    def _store_for(self, rows: int, length: int, n: int) -> _Ring:
+    def _store_for(self, rows: int, length: int, n: int, known: int) -> _Ring:
         """The prompt store (a KV cache with a row per prompt of a prefill group, until its samples
         are admitted) for ``rows`` prompts of up to ``length`` tokens, and its ring. Called only
         while no prompt waits in the store, so a store too small is simply replaced: by one of
-        about ``prefill_tokens`` positions, at least ``rows × length``."""
+        about ``prefill_tokens`` positions (fewer rows when fewer than that many prompts are
+        ``known`` to come), at least ``rows × length``."""
         have = self.store.k[next(iter(self.store.k))].shape if self.store is not None else None
         if have is None or have[0] < rows or have[2] < length:
             self.store = self._ring = None
             m = self.model
-            rows = max(rows, self.prefill_tokens // length)
+            rows = max(rows, min(self.prefill_tokens // length, known))
             self.store = KVCache.allocate(m.model.layer_range, rows, length, *self._kv_shape, m.dtype, self.device)
         if self._ring is None or self._ring.n != n:
             self._ring = _Ring(self.store.k[next(iter(self.store.k))].shape[0], n, self.device)
@@ -452,7 +453,7 @@ class Engine:
                     break
                 group.append(p)
                 length = longer
-            ring = self._store_for(len(group), length, n)
+            ring = self._store_for(len(group), length, n, state["prompts"] - prefilled)
             keys = sequence_keys(seed, [stream_keys.pop(p) for p in group], n)
             self._prefill(group, prompts, n, self._to_device(keys), ring)
             stats["prefills"] += 1
