@@ -16,11 +16,9 @@ from __future__ import annotations
 import io
 import posixpath
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
@@ -28,6 +26,12 @@ from llamarl.lib import dtypes, hf_mapping, job, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.lib.errors import UserError
 from llamarl.lib.parallel import Topology
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+# pyarrow is imported where a part is built, read or written: shard and export, which read
+# none, do not pay its import (1.3 s of a process's start on the GPU machines).
 
 # ---- what each stage publishes: the manifest's kind ------------------------------------------------------
 
@@ -60,24 +64,26 @@ RESPONSE = "response"
 RESPONSE_TOKEN_IDS = "response_token_ids"
 RESPONSE_LOGPROBS = "response_logprobs"
 FINISH_REASON = "finish_reason"
+ROLLOUT_COLUMNS = (PROMPT_ID, SAMPLE_INDEX, PROMPT, PROMPT_TOKEN_IDS, RESPONSE, RESPONSE_TOKEN_IDS, RESPONSE_LOGPROBS,
+                   FINISH_REASON)
+"""The columns every rollout part has, in this order; then the prompts' ``keep_columns``, as they were."""
 
-ROLLOUT_SCHEMA = pa.schema([
-    (PROMPT_ID, pa.string()),
-    (SAMPLE_INDEX, pa.int32()),
-    (PROMPT, pa.string()),
-    (PROMPT_TOKEN_IDS, pa.list_(pa.int32())),
-    (RESPONSE, pa.string()),
-    (RESPONSE_TOKEN_IDS, pa.list_(pa.int32())),
-    (RESPONSE_LOGPROBS, pa.list_(pa.float32())),
-    (FINISH_REASON, pa.string()),
-])
-"""Then the prompts' ``keep_columns``, as they were."""
+
+def rollout_schema() -> pa.Schema:
+    """``ROLLOUT_COLUMNS`` with their types."""
+    import pyarrow as pa
+
+    types = (pa.string(), pa.int32(), pa.string(), pa.list_(pa.int32()), pa.string(), pa.list_(pa.int32()),
+             pa.list_(pa.float32()), pa.string())
+    return pa.schema(list(zip(ROLLOUT_COLUMNS, types)))
 
 
 def rollout_table(columns: dict[str, list], keep: dict[str, list], metadata: dict[str, str]) -> pa.Table:
-    """A rollout part: ``columns`` of ``ROLLOUT_SCHEMA``, then the kept prompt columns (their types
+    """A rollout part: ``columns`` of ``rollout_schema``, then the kept prompt columns (their types
     inferred), with ``metadata`` (actor, sampling, …) in the Parquet schema."""
-    table = pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
+    import pyarrow as pa
+
+    table = pa.Table.from_pydict(columns, schema=rollout_schema())
     for name, values in keep.items():
         table = table.append_column(name, pa.array(values))
     return table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
@@ -96,6 +102,8 @@ def term_column(term: str) -> str:
 
 
 def scores_schema(terms: Iterable[str], rm_id: str | None) -> pa.Schema:
+    import pyarrow as pa
+
     # sample_index is int64 here (int32 in the rollout) and rm_id has Arrow's null type when there
     # is no reward model: the format scores parts have always had, kept so old and new parts agree.
     return pa.schema([(PROMPT_ID, pa.string()), (SAMPLE_INDEX, pa.int64()), (SCORE, pa.float32())]
@@ -105,6 +113,8 @@ def scores_schema(terms: Iterable[str], rm_id: str | None) -> pa.Schema:
 
 def scores_table(rows: list[dict], total: list[float], terms: dict[str, list[float]], rm_id: str | None) -> pa.Table:
     """A scores part: the key of each rollout row, its ``total`` and each term's score."""
+    import pyarrow as pa
+
     data = {PROMPT_ID: [r[PROMPT_ID] for r in rows], SAMPLE_INDEX: [r[SAMPLE_INDEX] for r in rows], SCORE: total,
             **{term_column(t): v for t, v in terms.items()}, RM_ID: [rm_id] * len(rows)}
     return pa.Table.from_pydict(data, schema=scores_schema(terms, rm_id))
@@ -129,6 +139,8 @@ def published_parts(root: str) -> list[str]:
 
 def write_part(root: str, name: str, table: pa.Table) -> None:
     """Publish one part: written under a temporary name, then renamed, so it appears whole or not at all."""
+    import pyarrow.parquet as pq
+
     buf = io.BytesIO()
     pq.write_table(table, buf)
     fs, path = fsspec.core.url_to_fs(root)
@@ -149,18 +161,24 @@ def part_entries(root: str, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def read_part(root: str, name: str, columns: list[str] | None = None) -> pa.Table:
+    import pyarrow.parquet as pq
+
     fs, path = fsspec.core.url_to_fs(root)
     with fs.open(f"{path}/{PARTS}/{name}", "rb") as f:
         return pq.read_table(f, columns=columns)
 
 
 def read_part_schema(root: str, name: str) -> pa.Schema:
+    import pyarrow.parquet as pq
+
     fs, path = fsspec.core.url_to_fs(root)
     with fs.open(f"{path}/{PARTS}/{name}", "rb") as f:
         return pq.read_schema(f)
 
 
 def part_rows(root: str, name: str) -> int:
+    import pyarrow.parquet as pq
+
     fs, path = fsspec.core.url_to_fs(root)
     with fs.open(f"{path}/{PARTS}/{name}", "rb") as f:
         return pq.ParquetFile(f).metadata.num_rows
@@ -305,3 +323,9 @@ def redo_train_state(url: str) -> str:
 ACTOR = "actor"
 CRITIC = "critic"
 METRICS = "metrics.jsonl"
+
+
+def __getattr__(name: str):
+    if name == "ROLLOUT_SCHEMA":  # built on first use: pyarrow is imported only by who reads or writes parts
+        return rollout_schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

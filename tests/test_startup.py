@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each costs a stage process 0.3-6 s of imports before its first byte, and shard/export need none.
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo", "megatron", "transformers",
-         "sympy")
+         "sympy", "pyarrow")  # pyarrow: 1.3 s on the GPU machines, and shard/export read no parts
 
 
 def test_stage_and_cli_imports_stay_light():
