@@ -324,8 +324,3 @@ ACTOR = "actor"
 CRITIC = "critic"
 METRICS = "metrics.jsonl"
 
-
-def __getattr__(name: str):
-    if name == "ROLLOUT_SCHEMA":  # built on first use: pyarrow is imported only by who reads or writes parts
-        return rollout_schema()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import copy
 import json
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -33,7 +31,7 @@ import pyarrow.dataset as pads
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, dtypes, job, parallel, publish, sampling
+from llamarl.lib import background, checkpoint, dtypes, job, parallel, publish, sampling
 from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
@@ -134,9 +132,10 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     # the engine (the next chunk's sequences take slots as the last ones free them) and are
     # decoded and written behind it in another thread (its own tokenizer: a tokenizer object is
     # not to be shared across threads). Without, chunk after chunk, each drained.
-    source = _Ahead(chunks, depth=2) if overlap else chunks
+    source = background.Ahead(chunks, depth=2, name="rollout-ahead") if overlap else chunks
     decoder = copy.deepcopy(tok) if overlap else tok
-    publisher = _Behind(lambda item: _write_part(out, decoder, cfg, meta, *item), depth=2, background=overlap)
+    publisher = background.Behind(lambda item: _write_part(out, decoder, cfg, meta, *item), depth=2, background=overlap,
+                                  name="rollout-behind")
     try:
         streams = [source] if overlap else ([batch] for batch in source)
         for batches in streams:
@@ -172,7 +171,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         files = contract.part_entries(out, parts)
         rows = sum(contract.part_rows(out, p) for p in parts)
         publish.publish(out, {"kind": contract.ROLLOUT, "timing": job.timing(), "request": request, "files": files, "rows": rows,
-                              "schema": contract.ROLLOUT_SCHEMA.names + list(cfg.keep_columns), "stats": totals,
+                              "schema": list(contract.ROLLOUT_COLUMNS) + list(cfg.keep_columns), "stats": totals,
                               "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None})
         print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "
               f"{totals['truncated_prompts']} prompts truncated)", flush=True)
@@ -224,7 +223,7 @@ def _chunks(ds, cfg: RolloutConfig, columns, mine, done: set[str], tok, room: in
 def _write_part(out: str, tok, cfg: RolloutConfig, meta: dict, chunk: _Chunk, completions) -> None:
     """Publish the part of ``chunk``: its rows' responses, decoded, as a Parquet file."""
     n = cfg.sampling.samples_per_prompt
-    cols: dict[str, list] = {name: [] for name in contract.ROLLOUT_SCHEMA.names}
+    cols: dict[str, list] = {name: [] for name in contract.ROLLOUT_COLUMNS}
     extra: dict[str, list] = {k: [] for k in cfg.keep_columns}
     for i, comp in enumerate(completions):
         row, k = chunk.rows[i // n], i % n
@@ -239,104 +238,6 @@ def _write_part(out: str, tok, cfg: RolloutConfig, meta: dict, chunk: _Chunk, co
         for key in cfg.keep_columns:
             extra[key].append(row[key])
     contract.write_part(out, contract.part_name(chunk.index), contract.rollout_table(cols, extra, meta))
-
-
-class _Ahead:
-    """An iterator run ``depth`` items ahead of its consumer, in a thread; its exception is raised
-    in the consumer, at the item where it happened."""
-
-    _END = object()
-
-    def __init__(self, items, depth: int):
-        self._queue: queue.Queue = queue.Queue(depth)
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(iter(items),), name="rollout-ahead", daemon=True)
-        self._thread.start()
-
-    def _run(self, items) -> None:
-        try:
-            for item in items:
-                if not self._offer((item, None)):
-                    return
-            self._offer((self._END, None))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            self._offer((self._END, e))
-
-    def _offer(self, entry) -> bool:
-        while not self._stopping.is_set():
-            try:
-                self._queue.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def __iter__(self):
-        while True:
-            item, error = self._queue.get()
-            if error is not None:
-                raise error
-            if item is self._END:
-                return
-            yield item
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self._thread.join()
-
-
-class _Behind:
-    """``fn(item)`` for each item put, in order: in a thread of its own at most ``depth`` items
-    behind the caller (``background``), or at once. The first failure is raised by the next
-    ``put`` or by ``close`` (which waits for the rest); the items after it are not processed."""
-
-    _END = object()
-
-    def __init__(self, fn, depth: int, background: bool):
-        self._fn, self._error = fn, None
-        self._queue: queue.Queue = queue.Queue(depth)
-        self._thread = None
-        if background:
-            self._thread = threading.Thread(target=self._run, name="rollout-behind", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not self._END:
-            if self._error is None:
-                try:
-                    self._fn(item)
-                except BaseException as e:  # noqa: BLE001 - raised in the caller
-                    self._error = e
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def put(self, item) -> None:
-        if self._thread is None:
-            self._fn(item)
-            return
-        while True:
-            self._raise()
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                pass
-
-    def close(self) -> None:
-        """Wait for every item; raise the first failure."""
-        if self._thread is not None:
-            self._queue.put(self._END)
-            self._thread.join()
-        self._raise()
-
-    def stop(self) -> None:
-        """After a failure of the caller: the items queued are still processed (whole parts are
-        kept for a rerun), then the thread ends."""
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(self._END)
-            self._thread.join()
 
 
 class _Progress:
