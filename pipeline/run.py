@@ -516,5 +516,19 @@ def status(run: str) -> list[tuple[str, str, str]]:
                               ("lost", f"job {record['job']} ended without reporting; see its log in "
                                        f"{spec.run_dir}/pipeline/slurm/{record['job']}"))
                 record["status"] = state  # for the stages after it
+        if n.stage == "rollout" and spec.max_staleness:
+            why += f"; samples {n.inputs[0]}'s actor"
+        beside = _ran_beside(n.name, records)
+        if beside:
+            why += f"; ran beside {', '.join(beside)}"
         rows.append((n.name, state, why))
     return rows
+
+
+def _ran_beside(name: str, records: dict[str, dict]) -> list[str]:
+    """The stages whose last run overlapped ``name``'s in time, from their records (to the second)."""
+    mine = records[name]
+    if not (mine.get("started") and mine.get("finished")):
+        return []
+    return [other for other, r in records.items() if other != name and r.get("started") and r.get("finished")
+            and r["started"] < mine["finished"] and mine["started"] < r["finished"]]

@@ -74,6 +74,12 @@ def test_overlapped_demo_runs_a_rollout_beside_a_ppo_and_the_score_rises(tmp_pat
     sampled = publish.read_manifest(os.path.join(run_dir, "iter-003", "rollout"))["request"]["actor_id"]
     assert sampled == publish.output_id(os.path.join(run_dir, "iter-001", "ppo", "actor"))
     assert publish.require_published(os.path.join(run_dir, "export"), "hf_export")
+    # llamarl status: which actor each rollout samples, and which stages ran beside which.
+    from llamarl.pipeline.run import status
+
+    why = {name: why for name, state, why in status(run_dir)}
+    assert "samples iter-001/ppo's actor" in why["iter-003/rollout"], why
+    assert any("ran beside" in why[n] and "ppo" in why[n] for n in why if n.endswith("rollout")), why
 
 
 # ---- early start: a stage that reads only ppo's actor/ starts once it is published --------------------
