@@ -1,9 +1,15 @@
-"""One whole PPO iteration through `llamarl run`, measured stage by stage, beside TRL in the same run.
+"""One whole PPO iteration through `llamarl run`, measured stage by stage, beside TRL in the same run;
+or several iterations, overlapped (``max_staleness``) and sequential, in the same invocation.
 
     source bench/gpu_env.sh && python bench/e2e.py                  # 1 GPU: TRL, llamarl grpo, then ppo
     python bench/e2e.py --gpus 2 --layouts tp2,dp2 --skip-trl       # 2 GPUs
     python bench/e2e.py --workloads grpo --budget-s 300
     python bench/e2e.py --tiny                                     # CPU smoke run (gloo), a few minutes
+
+    # issue 18, overlapped iterations on 2 GPUs: one GPU rolls out while the other trains
+    source bench/gpu_env.sh && python bench/e2e.py --gpus 2 --workloads grpo --skip-trl \
+        --iterations 4 --max-staleness 0,1 --layouts split,dp2 --budget-s 2400
+    python bench/e2e.py --tiny --iterations 2 --max-staleness 0,1 --skip-trl   # its CPU smoke run
 
 Inputs, made once in WORK/inputs (default /tmp/e2e): a Llama-3.2-1B-shaped actor (random bf16
 weights, vocab 128256, llama3 rope scaling) with a tokenizer made here (pipeline/toy.py, 301 tokens:
@@ -21,6 +27,23 @@ scored and trained tokens per second. Per iteration (rollout + score + ppo): gen
 tokens/s/GPU and the ratio to TRL's generated tokens/s/GPU. Results: bench/results/e2e-<gpu>-<date>.json
 (appended to, one entry per invocation, rewritten after every workload); --tiny writes to WORK.
 Everything ends within --budget-s: a stage still running at its deadline is killed and recorded.
+
+Several iterations (``--iterations N``, default 1) and ``--max-staleness 0,1`` (each value a fresh
+run of the same workload and layout, so the sequential baseline, 0, is measured in the same
+invocation). The layout ``split`` is a placement: every stage at tp1 on one GPU, the local executor
+sharing out 2 GPUs between 2 stages at once (``gpus: 2``, ``max_concurrent_stages: 2``), so with
+staleness 1 rollout k+1 runs on one GPU while ppo k trains on the other; at staleness 0 the same
+placement runs the stages in turn (a rollout may start once the ppo before it has published its
+actor, while that ppo still writes its training state). With ``--tiny`` on CPU it means 2 stages
+at once of one process each (2 cores, ``threads_per_process: 1``). Per run, under ``iterations``:
+the wall of all iterations (from the first rollout's start to the end of the last iteration
+stage: rollout, score and ppo with the pipeline's bookkeeping, stages side by side counted once),
+generated and trained tokens/s in total and per GPU (the run's GPUs: 2 for ``split``, the
+layout's processes otherwise), the seconds two stages ran at once, each iteration's stages and mean
+score; and for every run with staleness > 0, ``vs_sequential``: its tokens/s over those of the
+staleness-0 run of the same layout and of the workload's best staleness-0 run (issue 18's goal:
+≥ 1.3× on 2 GPUs). Stage walls of a run whose stages overlap end when ``llamarl run`` records the
+stage done (its ``pipeline/<node>.json``), not at the next stage's start.
 """
 
 from __future__ import annotations
@@ -39,8 +62,19 @@ import time
 import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NODES = ("shard/actor", "shard/rm", "iter-001/rollout", "iter-001/scores", "iter-001/ppo", "export")
-ITERATION = ("iter-001/rollout", "iter-001/scores", "iter-001/ppo")
+SPLIT = "split"  # the --layouts name of the placement: every stage tp1 on one of 2 GPUs, 2 stages at once
+
+
+def iteration_nodes(k: int) -> tuple[str, str, str]:
+    """The stages of iteration ``k`` (1-based), as `llamarl run` names them."""
+    return f"iter-{k:03d}/rollout", f"iter-{k:03d}/scores", f"iter-{k:03d}/ppo"
+
+
+def run_nodes(iterations: int, workload: str) -> list[str]:
+    """Every stage of a run, in DAG order (shard/rm only for the workload scored by the reward model)."""
+    shards = ["shard/actor"] + (["shard/rm"] if workload == "ppo" else [])
+    return shards + [n for k in range(1, iterations + 1) for n in iteration_nodes(k)] + ["export"]
+
 
 ACTOR_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
@@ -137,30 +171,58 @@ def _build_inputs(job: dict) -> None:
 
 
 def parse_layout(name: str) -> dict:
+    if name == SPLIT:  # a placement: each stage on one device, two stages at once
+        return {"tp": 1, "dp": 1}
     m = re.fullmatch(r"(?:tp(\d+))?(?:dp(\d+))?", name)
     if not name or not m:
-        raise SystemExit(f"--layouts: {name!r} is not a layout; use e.g. tp1, tp2, dp2, tp2dp2")
+        raise SystemExit(f"--layouts: {name!r} is not a layout; use e.g. tp1, tp2, dp2, tp2dp2, {SPLIT}")
     return {"tp": int(m.group(1) or 1), "dp": int(m.group(2) or 1)}
 
 
-def write_spec(work: str, paths: dict, workload: str, layout_name: str, p: dict, export_procs: int) -> tuple[str, str]:
+def run_devices(layout_name: str) -> int:
+    """The devices a run holds: 2 for the split placement (one per concurrent stage), else every
+    stage's processes."""
+    lay = parse_layout(layout_name)
+    return 2 if layout_name == SPLIT else lay["tp"] * lay["dp"]
+
+
+def run_name(workload: str, layout_name: str, staleness: int | None) -> str:
+    """``grpo-tp1`` as before; ``grpo-split-s1`` when the invocation compares staleness values or
+    runs several iterations (``staleness`` not None)."""
+    return f"{workload}-{layout_name}" + ("" if staleness is None else f"-s{staleness}")
+
+
+def executor_spec(layout_name: str, gpus: int) -> dict:
+    """The local executor; for the split placement with two stages at once, each on its own GPU
+    (``gpus``: 0 on CPU, where each stage's one process takes one core)."""
+    if layout_name != SPLIT:
+        return {"kind": "local"}
+    return {"kind": "local", "options": {"max_concurrent_stages": 2} | ({"gpus": gpus} if gpus else {})}
+
+
+def write_spec(work: str, paths: dict, workload: str, layout_name: str, p: dict, export_procs: int, *,
+               iterations: int = 1, staleness: int | None = None, gpus: int = 0) -> tuple[str, str]:
+    """The run spec of one run; ``staleness`` None is today's single sequential run (no
+    ``max_staleness`` in the spec); ``gpus``: what the split placement shares out."""
     lay = parse_layout(layout_name)
     stage = {"tp": lay["tp"], "dp": lay["dp"]}
     spec = {
-        "name": f"{workload}-{layout_name}",
+        "name": run_name(workload, layout_name, staleness),
         "storage": f"{work}/runs",
         "actor": paths["actor"],
         "prompts": paths["prompts"],
-        "iterations": 1,
+        "iterations": iterations,
+        **({} if staleness is None else {"max_staleness": staleness}),
         "layout": {"shard": {"tp": lay["tp"]}, "rollout": stage, "score": stage, "ppo": stage,
-                   "export": {"procs": export_procs}},
+                   # split: each stage's processes get GPUs of their own, export's too (2 at most)
+                   "export": {"procs": min(export_procs, 2) if layout_name == SPLIT else export_procs}},
         "rollout": {"id_column": "id", "chunk_size": p["chunk_size"], "max_batch": p["max_batch"],
                     "sampling": {"samples_per_prompt": p["samples"], "max_new_tokens": p["max_new_tokens"],
                                  "temperature": 1.0, "seed": 0}},
         "ppo": {"mini_batch_size": p["mini_batch"], "ppo_epochs": 1, "kl_coef": 0.05,
                 "micro_batch_tokens": p["micro_batch_tokens"], "seed": 0},
         "export": {},
-        "executor": {"kind": "local"},
+        "executor": executor_spec(layout_name, gpus),
     }
     if workload == "grpo":
         spec["score"] = {"rewards": [{"name": p["reward"]["name"], "weight": 1.0, "args": p["reward"]["args"]}]}
@@ -220,6 +282,7 @@ def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float 
     order: list[str] = []
     errors: list[str] = []
     last_exception = [None]
+    overlapped = [False]  # a stage started beside another
 
     def read():
         with open(log_path, "w") as log:
@@ -231,6 +294,7 @@ def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float 
                 if m:
                     starts[m.group(1)] = now
                     order.append(m.group(1))
+                    overlapped[0] = overlapped[0] or "(beside" in line
                     echo(f"  {now - t0:7.1f}s {line.rstrip()}")
                 elif line.startswith("error:"):
                     errors.append(line.strip())
@@ -256,7 +320,7 @@ def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float 
     t_end = time.time()
     reader.join(timeout=10)
     return {"rc": proc.returncode, "t0": t0, "t_end": t_end, "starts": starts, "order": order, "killed": killed,
-            "error": errors[-1] if errors else None, "exception": last_exception[0]}
+            "error": errors[-1] if errors else None, "exception": last_exception[0], "overlapped": overlapped[0]}
 
 
 # ---- measurements ------------------------------------------------------------------------------------
@@ -294,20 +358,49 @@ def _rate(n, seconds):
     return round(n / seconds, 2) if n is not None and seconds else None
 
 
-def measure_run(run_dir: str, res: dict, world: int, gpus: GpuMemory, workload: str) -> dict:
-    """Per-stage and per-iteration numbers of a finished (or cut off) `llamarl run`."""
+def _record(run_dir: str, node: str) -> tuple[dict, float | None]:
+    """The pipeline's record of a stage and when it was last written ({} and None if there is none)."""
+    path = f"{run_dir}/pipeline/{node.replace('/', '.')}.json"
+    try:
+        with open(path) as f:
+            return json.load(f), os.path.getmtime(path)
+    except (OSError, json.JSONDecodeError):
+        return {}, None
+
+
+def _recorded_end(run_dir: str, node: str) -> float | None:
+    """When `llamarl run` recorded the stage done or failed."""
+    record, written = _record(run_dir, node)
+    return written if record.get("status") in ("done", "failed") else None
+
+
+def stage_spans(run_dir: str, res: dict) -> dict[str, tuple[float, float]]:
+    """(start, stop) of every stage that started. One stage at a time (no ``beside``): a stage
+    stops where the next starts (its publishing and the pipeline's bookkeeping included), as
+    always; when stages overlapped, where `llamarl run` recorded it done."""
+    order, starts = res["order"], res["starts"]
+    spans = {}
+    for i, node in enumerate(order):
+        if res["overlapped"]:
+            stop = _recorded_end(run_dir, node) or res["t_end"]
+        else:
+            stop = starts[order[i + 1]] if i + 1 < len(order) else res["t_end"]
+        spans[node] = (starts[node], stop)
+    return spans
+
+
+def measure_run(run_dir: str, res: dict, world: int, gpus: GpuMemory, workload: str, iterations: int = 1) -> dict:
+    """Per-stage numbers of a finished (or cut off) `llamarl run`; ``world``: each stage's processes."""
     stages = {}
-    nodes = [n for n in NODES if n != "shard/rm" or workload == "ppo"]
-    order = res["order"]
-    for node in nodes:
+    spans = stage_spans(run_dir, res)
+    for node in run_nodes(iterations, workload):
         out = f"{run_dir}/{node}"
         st = {"status": "not run"}
-        if node in res["starts"]:
-            i = order.index(node)
-            t_start = res["starts"][node]
-            t_stop = res["starts"][order[i + 1]] if i + 1 < len(order) else res["t_end"]
+        if node in spans:
+            t_start, t_stop = spans[node]
             m = _manifest(out)
-            failed_here = i == len(order) - 1 and (res["rc"] != 0 or res["killed"])
+            # The stage that was running when the run failed or was cut off (with overlap, maybe two).
+            failed_here = (res["rc"] != 0 or bool(res["killed"])) and _record(run_dir, node)[0].get("status") != "done"
             st = {"status": "ok" if m else "timeout" if failed_here and res["killed"] else "failed",
                   "wall_s": round(t_stop - t_start, 2), "peak_gpu_gb": gpus.peak_gb(t_start, t_stop)}
             if failed_here and m:
@@ -332,11 +425,7 @@ def measure_run(run_dir: str, res: dict, world: int, gpus: GpuMemory, workload: 
 
 
 def _record_error(run_dir: str, node: str) -> str | None:
-    try:
-        with open(f"{run_dir}/pipeline/{node.replace('/', '.')}.json") as f:
-            return json.load(f).get("error")
-    except (OSError, json.JSONDecodeError):
-        return None
+    return _record(run_dir, node)[0].get("error")
 
 
 def _stage_throughput(node: str, out: str, m: dict | None, st: dict, world: int) -> None:
@@ -384,7 +473,8 @@ def _stage_throughput(node: str, out: str, m: dict | None, st: dict, world: int)
 
 
 def iteration_numbers(stages: dict, res: dict, world: int) -> dict:
-    it = [stages.get(n, {}) for n in ITERATION]
+    """The first iteration of a sequential run, its stages' walls summed."""
+    it = [stages.get(n, {}) for n in iteration_nodes(1)]
     if not all(s.get("status") == "ok" for s in it):
         return {"complete": False}
     wall = sum(s["wall_s"] for s in it)
@@ -396,6 +486,84 @@ def iteration_numbers(stages: dict, res: dict, world: int) -> dict:
            "generated_tok_s_per_gpu": _rate(gen / world, wall), "trained_tok_s_per_gpu": _rate(trained / world, wall),
            "generated_tok_s_per_gpu_with_shard_export": _rate(gen / world, everything),
            "mean_score": it[2].get("mean_score"), "kl": it[2].get("kl")}
+
+
+def _overlap_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds during which at least two of ``spans`` ran at once."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    both, running, last = 0.0, 0, None
+    for t, step in edges:
+        if running >= 2:
+            both += t - last
+        running, last = running + step, t
+    return both
+
+
+def iterations_numbers(stages: dict, res: dict, run_dir: str, iterations: int, staleness: int, devices: int) -> dict:
+    """All iterations of a run together: their wall (the first rollout's start to the end of the
+    last of their stages: rollout, score and ppo with the pipeline's bookkeeping, stages side by
+    side counted once; export, which may start from the last actor before that ppo ends, left
+    out), tokens/s in total and per device, and each iteration's stages."""
+    names = [n for k in range(1, iterations + 1) for n in iteration_nodes(k)]
+    its = [stages.get(n, {}) for n in names]
+    if not all(s.get("status") == "ok" for s in its):
+        return {"complete": False, "iterations": iterations, "max_staleness": staleness}
+    spans = stage_spans(run_dir, res)
+    t_first = res["starts"][names[0]]
+    wall = max(spans[n][1] for n in names) - t_first
+    gen = sum(stages[n]["generated_tokens"] for n in names if n.endswith("/rollout"))
+    trained = sum(stages[n]["trained_tokens"] for n in names if n.endswith("/ppo"))
+    per = []
+    for k in range(1, iterations + 1):
+        ro, sc, po = (stages[n] for n in iteration_nodes(k))
+        per.append({"iteration": k, "rollout_s": ro["wall_s"], "scores_s": sc["wall_s"], "ppo_s": po["wall_s"],
+                    "generated_tokens": ro["generated_tokens"], "trained_tokens": po["trained_tokens"],
+                    "mean_score": po.get("mean_score"), "kl": po.get("kl"),
+                    "sampled_from": _sampled_from(run_dir, iteration_nodes(k)[0]),
+                    "rollout_started_s": round(res["starts"][iteration_nodes(k)[0]] - t_first, 2),
+                    "ppo_done_s": round(spans[iteration_nodes(k)[2]][1] - t_first, 2)})
+    return {"complete": True, "iterations": iterations, "max_staleness": staleness, "gpus": devices,
+            "overlapped": res["overlapped"], "wall_s": round(wall, 2),
+            "stage_sum_s": round(sum(s["wall_s"] for s in its), 2),
+            "two_stages_at_once_s": round(_overlap_s([spans[n] for n in names]), 2),
+            "llamarl_run_wall_s": round(res["t_end"] - res["t0"], 2),
+            "generated_tokens": gen, "trained_tokens": trained,
+            "generated_tok_s": _rate(gen, wall), "trained_tok_s": _rate(trained, wall),
+            "generated_tok_s_per_gpu": _rate(gen / devices, wall),
+            "trained_tok_s_per_gpu": _rate(trained / devices, wall), "per_iteration": per}
+
+
+def _sampled_from(run_dir: str, rollout: str) -> str | None:
+    """The actor a rollout sampled from (its manifest's ``request.actor``), relative to the run."""
+    actor = ((_manifest(f"{run_dir}/{rollout}") or {}).get("request") or {}).get("actor")
+    return os.path.relpath(actor, run_dir) if actor and actor.startswith(run_dir) else actor
+
+
+def attach_staleness_ratios(inv: dict) -> None:
+    """``vs_sequential`` of every complete run with staleness > 0: its tokens/s over those of the
+    staleness-0 run of the same workload and layout, and of the workload's fastest staleness-0 run."""
+    done = [r for r in inv["runs"] if (r.get("iterations") or {}).get("complete")]
+    for run in done:
+        it = run["iterations"]
+        if not it["max_staleness"]:
+            continue
+        base = [r for r in done if r["workload"] == run["workload"] and not r["iterations"]["max_staleness"]]
+        same = next((r for r in base if r["layout"] == run["layout"]), None)
+        best = max(base, key=lambda r: r["iterations"]["generated_tok_s"], default=None)
+
+        def ratios(b):
+            if b is None:
+                return None
+            bi = b["iterations"]
+            return {"baseline": b["name"], "baseline_wall_s": bi["wall_s"],
+                    "generated_tok_s_ratio": round(it["generated_tok_s"] / bi["generated_tok_s"], 3),
+                    "trained_tok_s_ratio": round(it["trained_tok_s"] / bi["trained_tok_s"], 3),
+                    "generated_tok_s_per_gpu_ratio": round(it["generated_tok_s_per_gpu"]
+                                                           / bi["generated_tok_s_per_gpu"], 3),
+                    "wall_ratio_sequential_over_overlapped": round(bi["wall_s"] / it["wall_s"], 3)}
+
+        it["vs_sequential"] = {"same_layout": ratios(same), "best_sequential": ratios(best),
+                               "goal": "issue 18: >= 1.3x generated tokens/s on 2 GPUs"}
 
 
 # ---- TRL ---------------------------------------------------------------------------------------------
@@ -605,6 +773,7 @@ def attach_trl_ratios(inv: dict) -> None:
 
 def write_results(path: str, inv: dict) -> None:
     attach_trl_ratios(inv)
+    attach_staleness_ratios(inv)
     data = {"bench": "e2e", "invocations": []}
     if os.path.exists(path):
         try:
@@ -626,13 +795,15 @@ def table(inv: dict) -> str:
     def f(v, fmt="{:.1f}"):
         return "-" if v is None else fmt.format(v)
 
+    width = max([11] + [len(r.get("name", "")) for r in inv["runs"]])
+
     def row(name, stage, status, wall="", to_work="", work="", rest=""):
-        return f"{name:<11} {stage:<17} {status:<8} {wall:>7} {to_work:>8} {work:>7}  {rest}"
+        return f"{name:<{width}} {stage:<17} {status:<8} {wall:>7} {to_work:>8} {work:>7}  {rest}"
 
     lines = [row("run", "stage", "status", "wall s", "to work", "work s", "throughput (wall) | peak GPU GB")]
     lines.append("-" * len(lines[0]))
     for run in inv["runs"]:
-        name = f"{run['workload']}/{run['layout']}"
+        name = run.get("name") or f"{run['workload']}/{run['layout']}"
         if not run["stages"]:
             lines.append(row(name, "-", run["status"], rest=run.get("error") or ""))
         for node, st in run["stages"].items():
@@ -648,6 +819,19 @@ def table(inv: dict) -> str:
             lines.append(row("", "= iteration", "", f(it["wall_s"]), rest=(
                 f"{it['generated_tok_s_per_gpu']:,.0f} gen, {it['trained_tok_s_per_gpu']:,.0f} trained tok/s/GPU"
                 + (f", {vs}× TRL" if vs else "") + f"; with shard + export {f(it['wall_with_shard_export_s'])} s")))
+        its = run.get("iterations") or {}
+        if its.get("complete"):
+            lines.append(row("", f"= {its['iterations']} iterations", f"s={its['max_staleness']}", f(its["wall_s"]), rest=(
+                f"{its['generated_tok_s']:,.1f} gen, {its['trained_tok_s']:,.1f} trained tok/s "
+                f"({its['generated_tok_s_per_gpu']:,.1f}, {its['trained_tok_s_per_gpu']:,.1f} per GPU of "
+                f"{its['gpus']}); two stages at once {its['two_stages_at_once_s']:.1f} s; mean score "
+                + " → ".join(f(x["mean_score"], "{:.3f}") for x in its["per_iteration"]))))
+            labels = {"same_layout": "  vs s=0, layout", "best_sequential": "  vs best s=0"}
+            for which, r in (its.get("vs_sequential") or {}).items():
+                if isinstance(r, dict):
+                    lines.append(row("", labels[which], "", rest=(
+                        f"{r['generated_tok_s_ratio']:.2f}× generated tok/s, {r['trained_tok_s_ratio']:.2f}× trained "
+                        f"tok/s, {r['wall_ratio_sequential_over_overlapped']:.2f}× wall (over {r['baseline']})")))
     trl = inv.get("trl")
     if trl:
         its = [i["seconds"] for i in trl.get("iterations", [])]
@@ -665,8 +849,12 @@ def main():
     ap.add_argument("--work", default="/tmp/e2e", help="work dir: inputs, runs, logs (default /tmp/e2e)")
     ap.add_argument("--workloads", default="grpo,ppo", help="grpo, ppo or both (default grpo,ppo)")
     ap.add_argument("--gpus", type=int, choices=(1, 2), default=1)
-    ap.add_argument("--layouts", help="layouts of rollout/score/ppo (shard's tp follows): tp1 | tp2 | dp2 …; "
-                                      "default tp1 on 1 GPU, tp2,dp2 on 2")
+    ap.add_argument("--layouts", help="layouts of rollout/score/ppo (shard's tp follows): tp1 | tp2 | dp2 … | "
+                                      f"{SPLIT} (every stage tp1 on one of 2 GPUs, 2 stages at once); default tp1 on "
+                                      f"1 GPU, tp2,dp2 on 2; with a --max-staleness above 0: {SPLIT} on 2 GPUs and --tiny")
+    ap.add_argument("--iterations", type=int, default=1, help="PPO iterations per run (default 1)")
+    ap.add_argument("--max-staleness", default="0", help="comma-separated max_staleness values, each a fresh run of "
+                                                         "every workload and layout (default 0: sequential), e.g. 0,1")
     ap.add_argument("--skip-trl", action="store_true", help="do not run TRL (grpo)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, few prompts and tokens, gloo")
     ap.add_argument("--budget-s", type=float, default=540, help="the whole script ends within this (default 540)")
@@ -695,11 +883,27 @@ def main():
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not workloads or any(w not in ("grpo", "ppo") for w in workloads):
         raise SystemExit(f"--workloads {args.workloads!r}: use grpo, ppo or grpo,ppo")
-    layouts = [x.strip() for x in (args.layouts or ("tp1" if args.gpus == 1 or args.tiny else "tp2,dp2")).split(",")]
+    try:
+        stalenesses = [int(x) for x in args.max_staleness.split(",") if x.strip()]
+    except ValueError:
+        stalenesses = []
+    if not stalenesses or min(stalenesses) < 0 or len(set(stalenesses)) < len(stalenesses):
+        raise SystemExit(f"--max-staleness {args.max_staleness!r}: use distinct values >= 0, e.g. 0,1")
+    if args.iterations < 1:
+        raise SystemExit(f"--iterations {args.iterations}: at least 1")
+    # Several iterations or staleness values: runs are named and reported per staleness ("iterations");
+    # otherwise every name and number is as it always was.
+    several = args.iterations > 1 or stalenesses != [0]
+    overlap = max(stalenesses) > 0
+    default_layouts = (SPLIT if overlap and (args.gpus == 2 or args.tiny) else
+                       "tp1" if args.gpus == 1 or args.tiny else "tp2,dp2")
+    layouts = [x.strip() for x in (args.layouts or default_layouts).split(",")]
     dev = device_info()
+    split_gpus = args.gpus if dev["kind"] == "cuda" else 0  # what the split placement shares out
     for name in layouts:
-        lay = parse_layout(name)
-        world = lay["tp"] * lay["dp"]
+        world = run_devices(name)
+        if name == SPLIT and dev["kind"] == "cuda" and args.gpus != 2:
+            raise SystemExit(f"--layouts {SPLIT}: puts two stages on two GPUs at once; use --gpus 2")
         if world > args.gpus and not args.tiny:
             raise SystemExit(f"--layouts {name}: needs {world} GPUs, --gpus is {args.gpus}")
         if dev["kind"] == "cuda" and world > dev["count"]:
@@ -729,6 +933,18 @@ def main():
                                    "loop: actor, and the critic with gae), all ranks together",
                "peak_gpu_gb": "max of nvidia-smi memory.used over all GPUs during the stage (includes other processes)"},
            "inputs": None, "runs": [], "trl": None}
+    if several:
+        inv.update(iterations=args.iterations, max_staleness=stalenesses)
+        inv["measured"].update({
+            "stage wall_s": inv["measured"]["stage wall_s"] + "; when stages overlapped, to `llamarl run` recording it "
+                                                              "done (pipeline/<node>.json written)",
+            "iterations": "all iterations of a run: wall from the first rollout's '[stage] running' line to the "
+                          "end of the last iteration stage (overlapping stages counted once; export, which may "
+                          "start before the last ppo ends, left out); tokens/s over that wall; per GPU = divided "
+                          f"by the run's GPUs ({SPLIT}: 2; else the layout's processes); two_stages_at_once_s: "
+                          "seconds with two stages running",
+            "vs_sequential": "runs with max_staleness > 0: tokens/s over the staleness-0 run of the same layout "
+                             "(same_layout) and over the workload's fastest staleness-0 run (best_sequential)"})
     echo(f"e2e: {dev['name']} × {dev['count']}, workloads {workloads}, layouts {layouts}, budget {args.budget_s:.0f} s → {out}")
     try:
         inv["inputs"] = make_inputs(work, args.tiny, p["prompts"], deadline)
@@ -742,21 +958,26 @@ def main():
 
     # TRL first: it is short and predictable, and whatever it leaves goes to the llamarl runs.
     jobs = [("trl", "grpo", None)] if "grpo" in workloads and not args.skip_trl else []
-    jobs += [("llamarl", w, lay) for w in ("grpo", "ppo") if w in workloads for lay in layouts]
-    reserve = {"llamarl": 60 if args.tiny else 150, "trl": 60 if args.tiny else 90}
+    jobs += [("llamarl", w, lay, s) for w in ("grpo", "ppo") if w in workloads for lay in layouts for s in stalenesses]
+    reserve = {"llamarl": (60 if args.tiny else 150) + (args.iterations - 1) * (30 if args.tiny else 90),
+               "trl": 60 if args.tiny else 90}
     gpus = GpuMemory()
     try:
-        for j, (kind, workload, lay) in enumerate(jobs):
+        for j, (kind, workload, lay, *staleness) in enumerate(jobs):
+            staleness = staleness[0] if several and staleness else None  # None: today's single run
+            name = run_name(workload, lay or "", staleness)
+            label = name if several else f"{workload} {lay}"
             now = time.time()
-            later = sum(reserve[k] for k, _, _ in jobs[j + 1:])
+            later = sum(reserve[job[0]] for job in jobs[j + 1:])
             job_deadline = min(deadline, max(deadline - later, now + min(reserve[kind], deadline - now)))
             if now >= deadline - 1:
-                echo(f"[{'TRL' if kind == 'trl' else f'llamarl {workload} {lay}'}] not started: the budget is spent")
+                echo(f"[{'TRL' if kind == 'trl' else f'llamarl {label}'}] not started: the budget is spent")
                 skipped = {"status": "not run", "error": "budget spent before it could start"}
                 if kind == "trl":
                     inv["trl"] = {**skipped, "iterations": []}
                 else:
-                    inv["runs"].append({"workload": workload, "layout": lay, **skipped, "stages": {}, "iteration": {}})
+                    inv["runs"].append({"workload": workload, "layout": lay, **skipped, "stages": {}, "iteration": {}}
+                                       | ({"name": name, "max_staleness": staleness, "iterations": {}} if several else {}))
                 continue
             if kind == "trl":
                 echo(f"[TRL GRPOTrainer] {args.trl_iterations} iteration(s), deadline in {job_deadline - now:.0f} s")
@@ -764,25 +985,39 @@ def main():
                                      args.trl_gradient_checkpointing == "on", args.trl_python, echo)
                 write_results(out, inv)
                 continue
-            world = parse_layout(lay)["tp"] * parse_layout(lay)["dp"]
-            spec, run_dir = write_spec(work, paths, workload, lay, p, export_procs)
-            echo(f"[llamarl {workload} {lay}] {spec}, deadline in {job_deadline - now:.0f} s")
-            log = f"{work}/logs/{workload}-{lay}.log"
+            world = parse_layout(lay)["tp"] * parse_layout(lay)["dp"]  # each stage's processes
+            devices = run_devices(lay)  # the run's
+            spec, run_dir = write_spec(work, paths, workload, lay, p, export_procs, iterations=args.iterations,
+                                       staleness=staleness, gpus=split_gpus)
+            echo(f"[llamarl {label}] {spec}, deadline in {job_deadline - now:.0f} s")
+            log = f"{work}/logs/{name}.log"
             res = run_pipeline(spec, run_dir, job_deadline, args.stage_timeout_s, log, echo)
-            stages = measure_run(run_dir, res, world, gpus, workload)
+            stages = measure_run(run_dir, res, world, gpus, workload, args.iterations)
             ok = res["rc"] == 0 and not res["killed"]
             run = {"workload": workload, "layout": lay, "layout_detail": parse_layout(lay), "processes": world,
                    "spec": spec, "log": log, "status": "ok" if ok else ("timeout" if res["killed"] else "failed"),
                    "error": None if ok else (res["killed"] or res["error"] or res["exception"] or f"exit status {res['rc']}"),
-                   "stages": stages, "iteration": iteration_numbers(stages, res, world)}
+                   "stages": stages,
+                   "iteration": iteration_numbers(stages, res, devices) if args.iterations == 1 else {}}
+            if several:
+                run.update(name=name, max_staleness=staleness, gpus=devices, executor=executor_spec(lay, split_gpus),
+                           iterations=iterations_numbers(stages, res, run_dir, args.iterations, staleness, devices))
             inv["runs"].append(run)
             if not args.keep_runs:
                 shutil.rmtree(run_dir, ignore_errors=True)
             write_results(out, inv)
-            it = run["iteration"]
-            echo(f"  {run['status']}" + (f": iteration {it['wall_s']} s, {it['generated_tok_s_per_gpu']:,.0f} generated "
-                                        f"tok/s/GPU, {it['trained_tok_s_per_gpu']:,.0f} trained tok/s/GPU"
-                                        if it.get("complete") else f": {run['error']}"))
+            it = run["iterations"] if several else run["iteration"]
+            if not it.get("complete"):
+                echo(f"  {run['status']}: {run['error'] or 'incomplete'}")
+            elif several:
+                echo(f"  {run['status']}: {args.iterations} iteration(s) in {it['wall_s']} s (two stages at once "
+                     f"{it['two_stages_at_once_s']} s), {it['generated_tok_s']:,.1f} generated tok/s "
+                     f"({it['generated_tok_s_per_gpu']:,.1f}/GPU), {it['trained_tok_s']:,.1f} trained tok/s "
+                     f"({it['trained_tok_s_per_gpu']:,.1f}/GPU); mean score "
+                     + " → ".join(f"{x['mean_score']:.3f}" for x in it["per_iteration"]))
+            else:
+                echo(f"  {run['status']}: iteration {it['wall_s']} s, {it['generated_tok_s_per_gpu']:,.0f} generated "
+                     f"tok/s/GPU, {it['trained_tok_s_per_gpu']:,.0f} trained tok/s/GPU")
     finally:
         gpus.close()
     inv["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -6,16 +6,36 @@ shard → 3 × (rollout → score → ppo) → export with the local executor (2
 gloo). The reward is the RM's score plus a rule the tiny actor can learn quickly (the share of
 vowels in its response), so the mean score visibly rises. Rerunning resumes: finished stages are
 skipped.
+
+    python -m llamarl.pipeline.demo                    # the above (make demo)
+    python -m llamarl.pipeline.demo --overlap          # overlapped: max_staleness 1, 2 stages at once
+    python -m llamarl.pipeline.demo --compare-overlap  # max_staleness 0 and 1, fresh runs, both walls
+
+``--overlap`` and ``--compare-overlap`` use the placement overlap needs on a small machine: every
+stage on one process (one core), two stages at once (``max_concurrent_stages: 2``), so with
+``max_staleness: 1`` a rollout runs on one core while the ppo before it trains on the other. The
+comparison runs the same spec with ``max_staleness`` 0 and 1 (nothing else differs), each
+``--repeats`` times (alternating which goes first), from scratch, and prints each wall, the
+medians and the mean score per iteration; the numbers also go to DEMO_DIR/compare-overlap.json.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import shutil
+import statistics
+import subprocess
 import sys
+import time
 
 import yaml
 
 DEMO_DIR = os.environ.get("LLAMARL_DEMO_DIR", "demo-run")
+# The overlap placement: one process a stage, two stages at once.
+OVERLAP_LAYOUT = {"shard": {"tp": 1}, "rollout": {"tp": 1}, "score": {"tp": 1}, "ppo": {"tp": 1}, "export": {"procs": 1}}
+OVERLAP_EXECUTOR = {"kind": "local", "options": {"threads_per_process": 1, "max_concurrent_stages": 2}}
 
 
 def vowel_ratio(response: str, row: dict) -> float:
@@ -24,8 +44,10 @@ def vowel_ratio(response: str, row: dict) -> float:
     return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
 
 
-def make_inputs(root: str) -> str:
-    """Models, prompts and the run spec under ``root``; returns the spec's path."""
+def make_inputs(root: str, staleness: int | None = None) -> str:
+    """Models, prompts and the run spec under ``root``; returns the spec's path. ``staleness``
+    None: the demo of ``make demo`` (``demo.yaml``, run ``demo``); 0 or 1: the overlap placement
+    with that ``max_staleness`` (``demo-s0.yaml``, run ``demo-s0``; ``demo-s1`` …)."""
     from llamarl.pipeline import toy
 
     inputs = os.path.join(root, "inputs")
@@ -33,8 +55,9 @@ def make_inputs(root: str) -> str:
         toy.make_llama(os.path.join(inputs, "actor"), tokenizer_corpus=toy.CORPUS_A)
         toy.make_llama(os.path.join(inputs, "rm"), kind="score", seed=1, tokenizer_corpus=toy.CORPUS_B)
         toy.make_prompts(os.path.join(inputs, "prompts.jsonl"), n=32)
+    name = "demo" if staleness is None else f"demo-s{staleness}"
     spec = {
-        "name": "demo",
+        "name": name,
         "storage": os.path.abspath(root),
         "actor": os.path.abspath(os.path.join(inputs, "actor")),
         "reward_model": os.path.abspath(os.path.join(inputs, "rm")),
@@ -49,17 +72,93 @@ def make_inputs(root: str) -> str:
                 "micro_batch_tokens": 4096, "seed": 0},
         "export": {},
     }
-    path = os.path.join(root, "demo.yaml")
+    if staleness is not None:
+        spec.update(max_staleness=staleness, layout=OVERLAP_LAYOUT, executor=OVERLAP_EXECUTOR)
+    path = os.path.join(root, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(spec, f, sort_keys=False)
     return path
 
 
-def main() -> None:
+def timed_run(spec: str, log: str) -> dict:
+    """A fresh `llamarl run SPEC` (its run directory removed first): its wall time, the CPU time of
+    it and its stages, the machine's load average (1 min) before and after, and the mean score of
+    each iteration."""
+    from llamarl.pipeline.spec import load_spec
+
+    run_dir = load_spec(spec).run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cpu, load = _children_cpu_s(), os.getloadavg()[0]
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], stdout=out,
+                              stderr=subprocess.STDOUT)
+    wall = time.monotonic() - started
+    cpu = _children_cpu_s() - cpu
+    if proc.returncode:
+        raise SystemExit(f"`llamarl run {spec}` failed (exit status {proc.returncode}); see {log}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        scores = [json.loads(line)["mean_score"] for line in f if line.strip()]
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "load": [round(load, 2), round(os.getloadavg()[0], 2)],
+            "mean_score": [round(s, 4) for s in scores]}
+
+
+def _children_cpu_s() -> float:
+    """User + system seconds of every finished child process (and theirs)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def compare_overlap(root: str, repeats: int) -> dict:
+    """The demo with max_staleness 0 and 1 on the overlap placement, ``repeats`` fresh runs each
+    (alternating which goes first); prints and returns every run, the median walls and the median
+    of each back-to-back pair's ratio (on a machine others share, a pair sees about the same load)."""
+    specs = {s: make_inputs(root, s) for s in (0, 1)}
+    os.makedirs(os.path.join(root, "logs"), exist_ok=True)
+    print(f"overlap comparison: {os.cpu_count()} cores, every stage on 1 process, max_concurrent_stages 2, "
+          f"3 iterations, {repeats} fresh run(s) each", flush=True)
+    runs: dict[int, list[dict]] = {0: [], 1: []}
+    for r in range(repeats):
+        for s in ((0, 1) if r % 2 == 0 else (1, 0)):
+            result = timed_run(specs[s], os.path.join(root, "logs", f"demo-s{s}-{r + 1}.log"))
+            runs[s].append(result)
+            print(f"  max_staleness {s}, run {r + 1}: {result['wall_s']:6.1f} s (CPU {result['cpu_s']:.0f} s, load "
+                  f"{result['load'][0]:.1f} → {result['load'][1]:.1f})   mean score "
+                  + " → ".join(f"{x:.3f}" for x in result["mean_score"]), flush=True)
+    median = {s: statistics.median(x["wall_s"] for x in runs[s]) for s in runs}
+    pairs = [a["wall_s"] / b["wall_s"] for a, b in zip(runs[0], runs[1])]
+    summary = {"cores": os.cpu_count(), "repeats": repeats, "placement": {"layout": OVERLAP_LAYOUT,
+                                                                         "executor": OVERLAP_EXECUTOR},
+               "runs": {f"max_staleness_{s}": runs[s] for s in runs},
+               "median_wall_s": {f"max_staleness_{s}": median[s] for s in runs},
+               "speedup": round(median[0] / median[1], 3), "pair_speedups": [round(x, 3) for x in pairs],
+               "median_pair_speedup": round(statistics.median(pairs), 3)}
+    with open(os.path.join(root, "compare-overlap.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"median wall: sequential (max_staleness 0) {median[0]:.1f} s, overlapped (max_staleness 1) "
+          f"{median[1]:.1f} s: {summary['speedup']:.2f}x (run by run: "
+          f"{', '.join(f'{x:.2f}x' for x in pairs)})", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m llamarl.pipeline.demo", description=__doc__.split("\n\n")[0])
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--overlap", action="store_true", help="run the demo overlapped: max_staleness 1, every stage "
+                                                            "on 1 process, 2 stages at once (run demo-s1)")
+    how.add_argument("--compare-overlap", action="store_true", help="time fresh runs with max_staleness 0 and 1 "
+                                                                    "on that placement and print both walls")
+    ap.add_argument("--repeats", type=int, default=2, help="--compare-overlap: fresh runs of each (default 2)")
+    args = ap.parse_args(argv)
+    os.makedirs(DEMO_DIR, exist_ok=True)
+    if args.compare_overlap:
+        compare_overlap(DEMO_DIR, max(1, args.repeats))
+        return
     from llamarl.pipeline.cli import app
 
-    os.makedirs(DEMO_DIR, exist_ok=True)
-    spec = make_inputs(DEMO_DIR)
+    spec = make_inputs(DEMO_DIR, 1 if args.overlap else None)
     print(f"run spec: {spec}", flush=True)
     sys.argv = ["llamarl", "run", spec]
     app()

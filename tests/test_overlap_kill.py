@@ -1,0 +1,138 @@
+"""Overlapped iterations resume like sequential ones: a `llamarl run` with max_staleness 1 and two
+stages at once, killed with its stage processes at seeded random moments (while the first two
+rollouts run, while a ppo trains beside the next rollout, then anywhere) and rerun to the end,
+publishes the same last actor and critic, metrics and export, bit for bit, as a run never killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+from test_overlap import _spec
+from test_pipeline import _cli, _records
+
+from llamarl.pipeline import demo
+from llamarl.pipeline.spec import load_spec
+
+pytestmark = pytest.mark.slow
+
+SEED = 18
+# The demo's models and prompts on the overlap placement (one process a stage, two stages at once),
+# scored by the rule alone (no reward model to shard): 3 iterations, so rollouts 1 and 2 run side by
+# side and rollout 3 beside ppo 2.
+SMALL = dict(iterations=3, reward_model=None, layout=demo.OVERLAP_LAYOUT, executor=demo.OVERLAP_EXECUTOR,
+             score={"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio", "weight": 1.0}]})
+
+
+def _running(run_dir: str) -> list[str]:
+    return sorted(name.removesuffix(".json") for name, r in _records(run_dir).items() if r.get("status") == "running")
+
+
+def _run_killed(spec: str, run_dir: str, after: int, delay: float, beside: str | None) -> tuple[list[str], list[str]]:
+    """`llamarl run SPEC` killed with its whole process group ``delay`` seconds after it started
+    its ``after``-th stage — with ``beside``, after a stage started beside another on a line that
+    matches it, at the first moment after that when two stages are running. Returns the stages it
+    had started and those recorded running when it was killed; ([], []) if it ended first."""
+    proc = subprocess.Popen([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    started, seen = [], threading.Condition()
+
+    def read():
+        for line in proc.stdout:
+            m = re.match(r"\[(\S+)\] running ", line)
+            with seen:
+                if m:
+                    started.append((m.group(1), line))
+                seen.notify_all()
+        with seen:
+            started.append(None)  # the run's output ended
+            seen.notify_all()
+
+    threading.Thread(target=read, daemon=True).start()
+    with seen:
+        seen.wait_for(lambda: None in started or len(started) >= after and (
+            beside is None or any("(beside" in line and re.search(beside, line) for _, line in started)), timeout=600)
+    time.sleep(delay)
+    while beside is not None and proc.poll() is None and len(_running(run_dir)) < 2:
+        time.sleep(0.02)
+    with seen:
+        if proc.poll() is not None or None in started:
+            return [], []
+        names, running = [name for name, _ in started], _running(run_dir)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return names, running
+
+
+def _files(folder: str) -> dict[str, bytes]:
+    """Every file under ``folder`` but the manifests (which hold their creation time) and DCP's
+    ``.metadata`` (the checkpoint's path and a random save id; the tensors are in the other files)."""
+    out = {}
+    for d, _, names in os.walk(folder):
+        for name in names:
+            if name not in ("llamarl.json", ".metadata"):
+                path = os.path.join(d, name)
+                out[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return out
+
+
+def _metrics(path: str) -> list[dict]:
+    """Metrics rows without their timings."""
+    with open(path) as f:
+        return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in f if line.strip()]
+
+
+def test_overlapped_run_killed_at_random_moments_then_rerun_gives_the_same_bytes(tmp_path):
+    reference = _spec(tmp_path, 1, **SMALL)
+    data = yaml.safe_load(open(reference))
+    data["name"] = "killed"
+    killed = tmp_path / "killed.yaml"
+    killed.write_text(yaml.safe_dump(data))
+    ref_dir, killed_dir = load_spec(reference).run_dir, load_spec(str(killed)).run_dir
+
+    t0 = time.monotonic()
+    proc = _cli("run", reference)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(beside" in proc.stdout
+    whole = time.monotonic() - t0
+
+    rng = random.Random(SEED)
+    # (after the run's n-th stage start, seconds after it, on a stage started beside another like
+    # this): while the first two rollouts run; while a ppo trains beside the next rollout; anywhere.
+    plan = [(1, rng.uniform(0.0, 1.5), ""), (1, rng.uniform(0.0, 2.0), r"ppo.*beside.*rollout|rollout.*beside.*ppo"),
+            (rng.randint(1, 3), rng.uniform(0.5, 3.0), None)]
+    hits = []
+    for n, delay, beside in plan:
+        started, running = _run_killed(str(killed), killed_dir, n, delay, beside)
+        assert started, f"the run ended before kill {len(hits) + 1}: {hits}"
+        assert beside is None or len(running) >= 2, running
+        hits.append((started[-1], running))
+    print(f"uninterrupted run {whole:.0f} s; killed (last stage started, stages running): {hits}")
+    finished_before = {k: v for k, v in _records(killed_dir).items() if v.get("status") == "done"}
+
+    rerun = _cli("run", str(killed))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    after = _records(killed_dir)
+    for name, record in finished_before.items():  # no finished stage was redone
+        assert after[name]["finished"] == record["finished"] and after[name]["output_id"] == record["output_id"], name
+
+    last = os.path.join("iter-003", "ppo")
+    for part in ("actor", "critic"):
+        a, b = _files(os.path.join(ref_dir, last, part)), _files(os.path.join(killed_dir, last, part))
+        assert sorted(a) == sorted(b) and all(a[k] == b[k] for k in a), (part, hits)
+    assert _metrics(os.path.join(ref_dir, last, "metrics.jsonl")) == _metrics(os.path.join(killed_dir, last, "metrics.jsonl"))
+    assert _metrics(os.path.join(ref_dir, "metrics.jsonl")) == _metrics(os.path.join(killed_dir, "metrics.jsonl"))
+    a = load_file(os.path.join(ref_dir, "export", "model.safetensors"))
+    b = load_file(os.path.join(killed_dir, "export", "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and (a[k] == b[k]).all() for k in a), hits
