@@ -10,6 +10,8 @@ clients) lives on the executor object and no spec can set it.
 from __future__ import annotations
 
 import json
+import random
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -118,6 +120,36 @@ def stage_args(stage: str, config: Any) -> list[str]:
 
 def stage_command(stage: str, config: Any) -> list[str]:
     return [sys.executable, *stage_args(stage, config)]
+
+
+def _listening(port: int) -> socket.socket:
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", port))
+
+
+def free_port() -> int:
+    """A port free on every interface of this host, for a stage's rendezvous (rank 0's store
+    listens on it). Drawn at random below the kernel's ephemeral range, which outgoing
+    connections take their ports from: a port from that range (what binding port 0 gives) was
+    taken by another process between this check and the stage's own bind now and then, two
+    stages starting at once or other jobs on the host."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low = 10000 if ephemeral_low > 12000 else 1024
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randint(low, max(low, ephemeral_low - 1))
+        try:
+            with _listening(port):
+                return port
+        except OSError:
+            continue
+    with _listening(0) as s:  # a crowded host: whatever the kernel gives
+        return s.getsockname()[1]
 
 
 def per_node(nprocs: int, nodes: int) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -23,13 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llamarl.lib.errors import EXIT_USER_ERROR, UserError
 
-from .executor import ExecutorBase, StageResult, per_node, stage_command
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .executor import ExecutorBase, StageResult, free_port, per_node, stage_command
 
 
 class LocalOptions(BaseModel):

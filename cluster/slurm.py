@@ -27,21 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llamarl.lib.errors import UserError
 
-from .executor import ExecutorBase, StageResult, per_node, stage_args
+from .executor import ExecutorBase, StageResult, free_port, per_node, stage_args
 
 PORT_WAIT_S = 300.0
 """How long tasks wait for rank 0's port: Slurm starts a job's tasks together, so only a rank 0
 that died before publishing makes them wait this long."""
-
-
-def _free_port() -> int:
-    """A port free on every interface of this host, as c10d's store will listen on."""
-    if socket.has_dualstack_ipv6():
-        server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-    else:
-        server = socket.create_server(("", 0))
-    with server:
-        return server.getsockname()[1]
 
 
 def agree_on_port(folder: str, rank: int, attempt: str, timeout_s: float = PORT_WAIT_S) -> int:
@@ -55,7 +45,7 @@ def agree_on_port(folder: str, rank: int, attempt: str, timeout_s: float = PORT_
     """
     path = os.path.join(folder, f"master_port.{attempt}")
     if rank == 0:
-        port = _free_port()
+        port = free_port()
         with open(f"{path}.tmp", "w") as f:
             f.write(str(port))
         os.replace(f"{path}.tmp", path)  # whole, or not there: a reader never sees half a number

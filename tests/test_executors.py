@@ -167,3 +167,17 @@ def test_the_pipeline_records_a_failed_stage_with_its_one_line_error(tmp_path):
         run_spec(spec, echo=lambda m: None)
     shard_actor = build_dag(spec)[0]
     assert shard_actor.name == "shard/actor" and read_record(spec.run_dir, shard_actor)["error"] == error
+
+
+def test_free_ports_come_from_below_the_ephemeral_range():
+    """Outgoing connections take their ports from the ephemeral range: a rendezvous port drawn
+    there (binding port 0) was now and then taken before the stage bound it."""
+    import socket
+
+    from llamarl.cluster.executor import free_port
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(p < low for p in ports) and len(ports) > 1
+    with socket.create_server(("", ports.pop())):
+        pass  # and free to listen on
