@@ -19,7 +19,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 from test_overlap import _spec
-from test_pipeline import _cli, _records
+from test_pipeline import _cli, _records, rerun_redoing_nothing_finished
 
 from llamarl.pipeline import demo
 from llamarl.pipeline.spec import load_spec
@@ -119,13 +119,7 @@ def test_overlapped_run_killed_at_random_moments_then_rerun_gives_the_same_bytes
         assert beside is None or len(running) >= 2, running
         hits.append((started[-1], running))
     print(f"uninterrupted run {whole:.0f} s; killed (last stage started, stages running): {hits}")
-    finished_before = {k: v for k, v in _records(killed_dir).items() if v.get("status") == "done"}
-
-    rerun = _cli("run", str(killed))
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    after = _records(killed_dir)
-    for name, record in finished_before.items():  # no finished stage was redone
-        assert after[name]["finished"] == record["finished"] and after[name]["output_id"] == record["output_id"], name
+    rerun_redoing_nothing_finished(str(killed), killed_dir)
 
     last = os.path.join("iter-003", "ppo")
     for part in ("actor", "critic"):

@@ -32,6 +32,17 @@ def _records(run_dir) -> dict[str, dict]:
     return {f: json.load(open(os.path.join(d, f))) for f in os.listdir(d) if f.endswith(".json")}
 
 
+def rerun_redoing_nothing_finished(spec: str, run_dir: str) -> None:
+    """`llamarl run SPEC` again after a kill: it ends well, and every stage finished before keeps
+    its record (finish time, output id): none was redone."""
+    finished_before = {k: v for k, v in _records(run_dir).items() if v.get("status") == "done"}
+    rerun = _cli("run", spec)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    after = _records(run_dir)
+    for name, record in finished_before.items():
+        assert after[name]["finished"] == record["finished"] and after[name]["output_id"] == record["output_id"], name
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
@@ -124,13 +135,7 @@ def test_killed_at_a_random_point_then_rerun_gives_the_same_export(demo_run, tmp
     time.sleep(delay)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    finished_before = {k: v for k, v in _records(killed_dir).items() if v.get("status") == "done"}
-
-    rerun = _cli("run", str(killed_spec))
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    after = _records(killed_dir)
-    for name, record in finished_before.items():  # no completed stage was redone
-        assert after[name]["finished"] == record["finished"] and after[name]["output_id"] == record["output_id"], name
+    rerun_redoing_nothing_finished(str(killed_spec), killed_dir)
     a = load_file(os.path.join(run_dir, "export", "model.safetensors"))
     b = load_file(os.path.join(killed_dir, "export", "model.safetensors"))
     assert sorted(a) == sorted(b) and all((a[k] == b[k]).all() for k in a), f"killed after {delay:.0f}s"
