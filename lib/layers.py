@@ -17,6 +17,12 @@ backward each one Triton kernel, nothing in fp32 kept for backward); the matmuls
 communication stay outside, eager, so the regions are the same at every layout. Each fused
 function computes what its eager twin does (``tests/test_fusions.py``), rounding once instead of
 after every op.
+
+Gradient accumulation fusion (``linear``, as megatron's ``gradient_accumulation_fusion``): where
+a bf16 weight has an fp32 ``main_grad`` (``lib.optim.GradBuffer``) and fusions are on, the weight
+gradient of its linear is computed by one GEMM that adds into ``main_grad`` in fp32 (cuBLAS with
+an fp32 C matrix: ``torch.addmm(..., out_dtype=torch.float32)`` on CUDA), instead of a bf16
+gradient written out, then read and added into ``main_grad`` by a hook, once per micro-batch.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_per_rank, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.gather_input(x), self.weight, self.bias)
+        return linear(self.gather_input(x), self.weight, self.bias)
 
     def gather_input(self, x: torch.Tensor) -> torch.Tensor:
         return column_input(x, self.tp_group, self.sequence_parallel)
@@ -74,7 +80,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = output_reduce(y, self.tp_group, self.sequence_parallel)
         if self.bias is not None:
             bias = mappings.copy_to_tp(self.bias, self.tp_group) if self.sequence_parallel else self.bias
@@ -86,6 +92,80 @@ def output_reduce(y: torch.Tensor, tp_group: ProcessGroup | None, sequence_paral
     """Partial sums over TP made whole: reduce-scattered to this rank's tokens under SP, else
     all-reduced."""
     return mappings.reduce_scatter_to_sp(y, tp_group) if sequence_parallel else mappings.reduce_from_tp(y, tp_group)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; when training a lower-precision weight that has an fp32 ``main_grad`` with
+    fusions on (``wgrad_fusion_on``), its gradient is added into ``main_grad`` by the
+    weight-gradient GEMM itself and never materialised (``.grad`` stays None; the input's and the
+    bias's gradients are as usual)."""
+    if (torch.is_grad_enabled() and weight.requires_grad and weight.dtype != torch.float32
+            and getattr(weight, "main_grad", None) is not None and wgrad_fusion_on(weight.device)):
+        return _LinearGradIntoMain.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class _LinearGradIntoMain(torch.autograd.Function):
+    """``y = x Wᵀ + b``. Backward: ``dx = dy W`` and ``db = Σ dy`` as F.linear's; ``dW = dyᵀ x`` is
+    accumulated into ``W.main_grad`` (fp32) by ``accumulate_wgrad``, and returned as None."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = (dy2 @ weight).view(*dy.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
+        accumulate_wgrad(weight.main_grad, dy2, x.reshape(-1, x.shape[-1]))
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, None, db
+
+
+def accumulate_wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+    """``main_grad += dyᵀ x`` (``dy [N, out]``, ``x [N, in]``, ``main_grad [out, in]`` fp32): on CUDA one
+    cuBLAS GEMM with fp32 output and accumulation; elsewhere the operands upcast to fp32 (CPU has
+    no mixed-dtype addmm; the reference for tests)."""
+    if main_grad.is_cuda:
+        torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
+    else:
+        main_grad.addmm_(dy.t().float(), x.float())
+
+
+WGRAD_ENV = "LLAMARL_FUSED_WGRAD"
+
+
+def wgrad_fusion_on(device: torch.device) -> bool:
+    """Whether ``linear`` accumulates weight gradients into ``main_grad`` in its GEMM:
+    ``LLAMARL_FUSED_WGRAD`` = ``auto`` (default: on CUDA where ``fusions_on`` and torch's
+    mixed-dtype ``addmm`` works), ``1`` (everywhere; on CPU by upcasting: for tests) or ``0``
+    (never: the bf16 gradient, added into ``main_grad`` by ``GradBuffer``'s hook)."""
+    mode = os.environ.get(WGRAD_ENV, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{WGRAD_ENV}={mode!r}: use auto, 0 or 1")
+    if mode != "auto":
+        return mode == "1"
+    return device.type == "cuda" and fusions_on(device) and _fp32_addmm_works(device.index)
+
+
+@functools.cache
+def _fp32_addmm_works(index: int | None) -> bool:
+    """torch's ``addmm(..., out_dtype=float32)`` on bf16 operands into an fp32 ``out`` (torch ≥ 2.8 on
+    CUDA), checked once per device against the fp32 product."""
+    dev = torch.device("cuda", index) if index is not None else torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(64, 32, device=dev, generator=g).bfloat16()
+    b = torch.randn(64, 48, device=dev, generator=g).bfloat16()
+    acc = torch.ones(32, 48, device=dev)
+    try:
+        torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    ref = 1 + a.float().t() @ b.float()
+    return bool(((acc - ref).abs().max() <= 1e-3 * ref.abs().max()).item())
 
 
 class VocabParallelEmbedding(nn.Module):

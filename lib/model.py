@@ -28,6 +28,7 @@ from .layers import (
     VocabParallelEmbedding,
     column_input,
     fusions_on,
+    linear,
     rotary_qk,
     swiglu,
 )
@@ -59,7 +60,7 @@ class ParallelAttention(nn.Module):
             w = mappings.sum_replicated_kv_grad(w, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
             if b is not None:
                 b = mappings.sum_replicated_kv_grad(b, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
-        qkv = F.linear(self.qkv_proj.gather_input(x), w, b)
+        qkv = linear(self.qkv_proj.gather_input(x), w, b)
         q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         q, k = rotary_qk(q.reshape(-1, self.heads, self.head_dim), k.reshape(-1, self.kv_heads, self.head_dim),
                          cos, sin, fused=fused)
@@ -245,7 +246,7 @@ class ParallelLlamaForCausalLM(ParallelLlama):
 
     def _head(self, hidden, batch):
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        logits = F.linear(column_input(hidden, self.tp_group, self.layout.sequence_parallel), weight)
+        logits = linear(column_input(hidden, self.tp_group, self.layout.sequence_parallel), weight)
         valid = self.cfg.vocab_size - self.vocab_start
         if valid < logits.shape[-1]:
             cols = torch.arange(logits.shape[-1], device=logits.device)

@@ -33,8 +33,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _accumulate(p: torch.nn.Parameter) -> None:
-    p.main_grad.add_(p.grad)
-    p.grad = None
+    if p.grad is not None:  # None: the linear added it into main_grad itself (lib.layers.linear)
+        p.main_grad.add_(p.grad)
+        p.grad = None
 
 
 class GradBuffer:
@@ -42,7 +43,8 @@ class GradBuffer:
 
     fp32 parameters get ``.grad`` = that view, so autograd accumulates in place. Lower-precision
     parameters get a hook that adds each backward's ``.grad`` into the view and frees it: micro-batch
-    accumulation happens in fp32, and a bf16 gradient lives for one backward only."""
+    accumulation happens in fp32, and a bf16 gradient lives for one backward only. The weights of
+    linears, with fusions on, skip that: their GEMM adds into the view (``lib.layers.linear``)."""
 
     def __init__(self, model):
         self.model = model

@@ -4,6 +4,10 @@
   model with ``fused=True`` against ``fused=False``, logits and every gradient, on CPU (inductor's
   C++ backend; ~40 s of compilation on a cold cache) and on CUDA (``gpu``: bf16, both measured
   against fp32).
+* Gradient accumulation fusion (``lib.layers.linear``: the weight-gradient GEMM adds into the fp32
+  ``main_grad``): against F.linear's gradient added by ``GradBuffer``'s hook, one linear against
+  float64 and a whole bf16 model over two micro-batches; on CPU by upcasting, on CUDA through
+  torch's mixed-dtype ``addmm`` (``gpu``).
 * The Triton vocabulary kernels of ``lib.vocab_parallel`` (log-probs, entropy, both; at TP 1 and 2):
   against the torch ops. On CPU through Triton's interpreter when Triton is installed (it is not
   a dependency: skipped otherwise), on CUDA compiled (``gpu``).
@@ -19,7 +23,7 @@ import torch
 
 import tiny
 from distpool import DistPool
-from llamarl.lib import attention, parallel, vocab_parallel
+from llamarl.lib import attention, layers, optim, parallel, vocab_parallel
 from llamarl.lib.config import ParallelLayout, pad_vocab
 from llamarl.lib.model import ParallelLlamaForCausalLM
 
@@ -103,6 +107,108 @@ def test_fused_regions_match_eager_tp2_sp(pool2):
     # Sequence parallel: the norms' weights are mapped (gradient summed over TP) outside the region.
     for errs in pool2.run(fused_vs_eager, 2, True):
         assert max(errs.values()) < 1e-5, errs
+
+
+# ---- gradient accumulation fusion: the weight gradient added into main_grad by its GEMM ---------
+
+
+def _linear_wgrad_errors(device, fused: bool, n=96, d_in=48, d_out=80, seed=0):
+    """One bf16 linear run twice (two micro-batches) into an fp32 ``main_grad`` that starts random:
+    relative errors of ``main_grad``, ``dx`` and the bias gradient against float64."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.nn.Parameter(torch.randn(d_out, d_in, generator=g).bfloat16().to(device))
+    b = torch.nn.Parameter(torch.randn(d_out, generator=g).bfloat16().to(device))
+    start = torch.randn(d_out, d_in, generator=g)
+    w.main_grad = start.clone().to(device)
+    if not fused:
+        w.register_post_accumulate_grad_hook(optim._accumulate)
+    ref_w, ref_dx, errs = start.double(), [], {}
+    for mb in range(2):
+        x = torch.randn(n, d_in, generator=g).bfloat16().to(device).requires_grad_()
+        dy = torch.randn(n, d_out, generator=g).bfloat16().to(device)
+        y = layers.linear(x, w, b) if fused else torch.nn.functional.linear(x, w, b)
+        assert (y.grad_fn.name() == "_LinearGradIntoMainBackward") == fused
+        y.backward(dy)
+        assert w.grad is None  # fused: never materialised; unfused: freed by the hook
+        ref_w = ref_w + dy.double().cpu().t() @ x.double().cpu()
+        ref_dx = dy.double().cpu() @ w.double().cpu()
+        errs[f"dx{mb}"] = ((x.grad.double().cpu() - ref_dx).norm() / ref_dx.norm()).item()
+    errs["main_grad"] = ((w.main_grad.double().cpu() - ref_w).norm() / (ref_w - start.double()).norm()).item()
+    return errs
+
+
+def test_linear_adds_its_weight_gradient_into_main_grad(monkeypatch):
+    monkeypatch.setenv(layers.WGRAD_ENV, "1")
+    fused = _linear_wgrad_errors("cpu", True)
+    monkeypatch.setenv(layers.WGRAD_ENV, "0")
+    unfused = _linear_wgrad_errors("cpu", False)
+    # CPU: dyᵀx from the bf16 operands in fp32, added in fp32 (no bf16 rounding of the gradient).
+    assert fused["main_grad"] < 1e-6, fused
+    assert unfused["main_grad"] > 1e-3, unfused  # the bf16 gradient the fusion avoids
+    for k in ("dx0", "dx1"):
+        assert fused[k] == unfused[k], (fused, unfused)  # the input's gradient: the same GEMM
+
+
+def test_wgrad_fusion_only_where_asked(monkeypatch):
+    w = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16))
+    x = torch.zeros(2, 3, dtype=torch.bfloat16)
+    w.main_grad = torch.zeros(4, 3)
+    monkeypatch.setenv(layers.WGRAD_ENV, "auto")
+    assert not layers.wgrad_fusion_on(torch.device("cpu"))  # auto: CUDA only
+    assert layers.linear(x, w).grad_fn.name() != "_LinearGradIntoMainBackward"
+    monkeypatch.setenv(layers.WGRAD_ENV, "1")
+    assert layers.linear(x, w).grad_fn.name() == "_LinearGradIntoMainBackward"
+    with torch.no_grad():
+        assert layers.linear(x, w).grad_fn is None
+    del w.main_grad  # no buffer (raw training, after free_gradients): F.linear
+    assert layers.linear(x, w).grad_fn.name() != "_LinearGradIntoMainBackward"
+    w32 = torch.nn.Parameter(torch.zeros(4, 3))
+    w32.main_grad = w32.grad = torch.zeros(4, 3)  # fp32: autograd accumulates in place already
+    assert layers.linear(x.float(), w32).grad_fn.name() != "_LinearGradIntoMainBackward"
+
+
+def grad_buffer_fused_vs_hook(device="cpu", dtype=torch.bfloat16):
+    """A bf16 model's ``main_grad`` after two micro-batches, wgrad fusion on against off: the
+    largest relative difference over parameters, and the names whose gradient went where."""
+    parallel.init(1, 1)
+    hf = tiny.hf_model()
+    out = {}
+    for mode in ("0", "1"):
+        os.environ[layers.WGRAD_ENV] = mode
+        try:
+            with torch.device(device):
+                model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(), dtype=dtype, fused=False)
+            model.load_hf_state_dict(hf.state_dict())
+            grads = optim.GradBuffer(model)
+            for side, lengths in (("left", (7, 12, 3)), ("right", (5, 9, 16, 2))):
+                ids, mask, pos = (t.to(device) for t in tiny.batch(side, lengths=lengths))
+                _loss(model, ids, mask, pos)
+        finally:
+            os.environ.pop(layers.WGRAD_ENV)
+        assert all(p.grad is None for p in grads.params)
+        out[mode] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    a, b = out["0"], out["1"]
+    assert all(a[n].abs().max() > 0 for n in a)  # every parameter got its gradient either way
+    return max(((a[n] - b[n]).norm() / a[n].norm()).item() for n in a)
+
+
+def test_grad_buffer_with_wgrad_fusion_matches_the_hook_path():
+    # The same bf16 forward and input gradients; only the weights' gradients are rounded to bf16
+    # (unfused) or not (fused) before the fp32 sum: a difference of bf16's rounding, no more.
+    assert grad_buffer_fused_vs_hook() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_wgrad_fusion_on_cuda():
+    # torch's addmm(out_dtype=float32) into main_grad: as exact as the fp32 upcast (fp32
+    # accumulation of the bf16 products), and the model-level sum as the hook's.
+    assert layers._fp32_addmm_works(torch.cuda.current_device())
+    fused = _linear_wgrad_errors("cuda", True, n=4096, d_in=512, d_out=768)
+    unfused = _linear_wgrad_errors("cuda", False, n=4096, d_in=512, d_out=768)
+    print({"fused": fused, "unfused": unfused})
+    assert fused["main_grad"] < 1e-5 and unfused["main_grad"] > 1e-3, (fused, unfused)
+    assert grad_buffer_fused_vs_hook("cuda") < 1e-2
 
 
 # ---- equal-length packed sequences as one dense SDPA batch ---------------------------------------
