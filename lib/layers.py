@@ -203,9 +203,11 @@ class RMSNorm(nn.Module):
         next residual stream. ``fused``: one compiled kernel (see the module's docstring)."""
         weight = mappings.copy_to_tp(self.weight, self.tp_group) if self.sequence_parallel else self.weight
         if residual is None:
-            return _fused(_rms_norm, 0)(x, weight, self.eps) if fused else weight * rms_normalize(x, self.eps)
+            if fused:
+                return compiled_region(region_rms_norm, 0)(x, weight, self.eps)
+            return weight * rms_normalize(x, self.eps)
         if fused:
-            return _fused(_add_rms_norm, 0, 1)(x, residual, weight, self.eps)
+            return compiled_region(region_add_rms_norm, 0, 1)(x, residual, weight, self.eps)
         x = x + residual
         return x, weight * rms_normalize(x, self.eps)
 
@@ -269,7 +271,7 @@ def rotary_qk(q, k, cos, sin, *, fused: bool = False) -> tuple[torch.Tensor, tor
     """``apply_rotary`` to queries and keys; ``fused``: both in one compiled kernel, and only
     ``cos``/``sin`` kept for backward (rotation is linear in q and k)."""
     if fused:
-        return _fused(_rotary_qk, 0, 1, 2, 3)(q, k, cos, sin)
+        return compiled_region(region_rotary_qk, 0, 1, 2, 3)(q, k, cos, sin)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
@@ -277,7 +279,7 @@ def swiglu(gate_up: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` of the gate_up projection ``[tokens, 2 * ffn]``; ``fused``: one compiled
     kernel, keeping only ``gate_up`` for backward (SiLU recomputed there)."""
     if fused:
-        return _fused(_swiglu, 0)(gate_up)
+        return compiled_region(region_swiglu, 0)(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -297,35 +299,46 @@ def fusions_on(device: torch.device) -> bool:
     return mode == "1" or (mode == "auto" and device.type == "cuda")
 
 
-def _rms_norm(x, weight, eps: float):
+FUSED_LAYERS_ENV = "LLAMARL_FUSED_LAYERS"
+
+
+def fused_layers_on() -> bool:
+    """``LLAMARL_FUSED_LAYERS`` = ``1``: where the regions run at TP 1, a decoder layer is two
+    compiled regions with its matmuls inside (norm + qkv + rotary; output projection + residual
+    add + norm + MLP + residual add), attention eager between them: fewer calls through the
+    compiled code's host path per layer, at the cost of the weight gradients leaving the regions
+    in bf16 (no gradient accumulation fusion for those four). ``0``: the four small regions."""
+    mode = os.environ.get(FUSED_LAYERS_ENV, "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"{FUSED_LAYERS_ENV}={mode!r}: use 0 or 1")
+    return mode == "1"
+
+
+def region_rms_norm(x, weight, eps: float):
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _add_rms_norm(x, residual, weight, eps: float):
+def region_add_rms_norm(x, residual, weight, eps: float):
     s = x + residual
-    return s, _rms_norm(s, weight, eps)
+    return s, region_rms_norm(s, weight, eps)
 
 
-def _rotary_qk(q, k, cos, sin):
+def region_rotary_qk(q, k, cos, sin):
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def _swiglu(gate_up):
+def region_swiglu(gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 @functools.cache
-def _compiled(fn):
-    return torch.compile(fn, fullgraph=True)
-
-
-def _fused(fn, *token_args: int):
+def compiled_region(fn, *token_args: int):
     """``fn`` compiled once per process and shape family: the token dimension (dim 0 of the
     arguments ``token_args``) is symbolic from the first call, so micro-batches of any length
     reuse one kernel; every layer shares it (weights are arguments, not guarded by identity)."""
-    compiled = _compiled(fn)
+    compiled = torch.compile(fn, fullgraph=True)
 
     def call(*args):
         for i in token_args:

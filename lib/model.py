@@ -27,8 +27,14 @@ from .layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     column_input,
+    compiled_region,
+    fused_layers_on,
     fusions_on,
     linear,
+    region_add_rms_norm,
+    region_rms_norm,
+    region_rotary_qk,
+    region_swiglu,
     rotary_qk,
     swiglu,
 )
@@ -39,7 +45,7 @@ class ParallelAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, tp_group: ProcessGroup | None, sp: bool, dtype: torch.dtype):
         super().__init__()
         tp = group_size(tp_group)
-        self.tp_group = tp_group
+        self.tp_group, self.tp_group_size = tp_group, tp
         self.head_dim = cfg.head_dim
         self.heads = cfg.num_heads // tp
         self.kv_heads = max(cfg.num_kv_heads // tp, 1)
@@ -93,10 +99,40 @@ class DecoderLayer(nn.Module):
         self.mlp = ParallelMLP(cfg, tp_group, sp, dtype)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, fused: bool = False):
-        """``fused``: norms, residual add, rotary and SwiGLU as compiled regions (``lib.layers``)."""
+        """``fused``: norms, residual add, rotary and SwiGLU as compiled regions (``lib.layers``);
+        at TP 1 with ``LLAMARL_FUSED_LAYERS=1`` (``fused_layers_on``), two regions with the
+        matmuls inside: everything before attention, and everything after it."""
+        if fused and self.self_attn.tp_group_size == 1 and fused_layers_on():
+            return self._two_regions(x, cos, sin, meta)
         attn = self.self_attn(self.input_layernorm(x, fused=fused), cos, sin, meta, self.index, fused)
         x, h = self.post_attention_layernorm(x, attn, fused=fused)
         return x + self.mlp(h, fused)
+
+    def _two_regions(self, x, cos, sin, meta: AttentionMetadata):
+        a, mlp = self.self_attn, self.mlp
+        eps = self.input_layernorm.eps
+        q, k, v = compiled_region(_attention_in, 0, 4, 5)(
+            x, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, cos, sin, eps, a.heads, a.kv_heads,
+            a.head_dim)
+        out = attention(q, k, v, meta, self.index).reshape(-1, a.q_rows)
+        return compiled_region(_attention_out_and_mlp, 0, 1)(
+            out, x, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, eps)
+
+
+def _attention_in(x, norm_w, qkv_w, qkv_b, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """A decoder layer before attention, at TP 1: norm, the qkv projection, rotary."""
+    qkv = F.linear(region_rms_norm(x, norm_w, eps), qkv_w, qkv_b)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = region_rotary_qk(q.reshape(-1, heads, head_dim), k.reshape(-1, kv_heads, head_dim), cos, sin)
+    return q, k, v.reshape(-1, kv_heads, head_dim)
+
+
+def _attention_out_and_mlp(attn, x, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b, eps: float):
+    """A decoder layer after attention, at TP 1: the output projection, residual add + norm, the
+    MLP and its residual add."""
+    x, h = region_add_rms_norm(x, F.linear(attn, o_w, o_b), norm_w, eps)
+    return x + F.linear(region_swiglu(F.linear(h, gate_up_w, gate_up_b)), down_w, down_b)
 
 
 class ParallelLlamaModel(nn.Module):

@@ -102,6 +102,13 @@ def test_fused_regions_match_eager_on_cpu():
     assert max(errs.values()) < 1e-5, errs
 
 
+def test_fused_layers_match_eager_on_cpu(monkeypatch):
+    # LLAMARL_FUSED_LAYERS=1: a layer as two regions with its matmuls inside (TP 1).
+    monkeypatch.setenv(layers.FUSED_LAYERS_ENV, "1")
+    errs = fused_vs_eager(rmpad=True)
+    assert max(errs.values()) < 1e-5, errs
+
+
 @pytest.mark.slow
 def test_fused_regions_match_eager_tp2_sp(pool2):
     # Sequence parallel: the norms' weights are mapped (gradient summed over TP) outside the region.
@@ -382,6 +389,12 @@ def test_fused_bf16_model_as_close_to_fp32_as_eager_bf16():
     """bf16 is not bit-exact either way (the regions round once, eager rounds after every op), so
     the fused model must be as close to fp32 as the eager bf16 model is: within 1.25x its error."""
     eager, fused = _errors_vs_fp32(False), _errors_vs_fp32(True)
-    print({"eager": eager, "fused": fused})
+    os.environ[layers.FUSED_LAYERS_ENV] = "1"
+    try:
+        fused_layers = _errors_vs_fp32(True)
+    finally:
+        os.environ.pop(layers.FUSED_LAYERS_ENV)
+    print({"eager": eager, "fused": fused, "fused_layers": fused_layers})
     for k in eager:
         assert fused[k] <= 1.25 * eager[k] + 1e-4, (k, eager, fused)
+        assert fused_layers[k] <= 1.25 * eager[k] + 1e-4, (k, eager, fused_layers)
