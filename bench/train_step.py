@@ -26,6 +26,29 @@ masters and their copy into the bf16 weights, the step's metrics read back. Case
 (16 sequences of 512–1536 tokens, 16384 in all, micro-batches of 4096). Tokens/s counts every token through forward and backward (the
 stage's ``update_tokens``); ``ratio_<case>_over_llamarl`` is the issue-16 goal (≥ 0.8).
 
+``--env-variant NAME:VAR=VAL[,VAR=VAL][@VARIANT+VARIANT]`` (repeatable): lib/'s variants again
+(``llamarl`` and the ppo cases, or those named after ``@``) with these environment variables set,
+as ``NAME/llamarl``, ``NAME/ppo``, … — ablations of the fusion switches (``LLAMARL_FUSED_WGRAD``,
+``LLAMARL_FUSED_LAYERS``) in the same run; ``ratio_NAME/CASE_over_NAME/llamarl`` divides by the raw
+step of the same environment, ``ratio_NAME/CASE_over_llamarl`` (where that did not run) by the
+default one. The JSON is rewritten after every variant.
+
+Several GPUs (the 8B goals), under torchrun, one process per GPU, ``tp × pp`` processes::
+
+    torchrun --nproc-per-node 2 bench/train_step.py --shape 8b --tp 2 [--sp] --out FILE
+    torchrun --nproc-per-node 2 bench/train_step.py --shape 8b --pp 2 [--micro-batches 8] --out FILE
+    torchrun --nproc-per-node 2 bench/train_step.py --small --pp 2      # CPU smoke run, gloo
+
+``--shape 8b`` is Llama-3.1-8B (hidden 4096, 32 layers, 32 / 8 heads, ffn 14336, vocab 128256). The
+step is lib/'s (``llamarl`` only: HF has no TP/PP step to compare): the 8 × 2048 tokens in
+``--micro-batches`` micro-batches (default: one sequence each at PP > 1 or at 8B, else one) through
+``lib.schedule.forward_backward`` (1F1B over the stages), vocab-parallel cross-entropy, torch's
+AdamW on each rank's shards. Reported: tokens/s, MFU per GPU (the step's FLOPs over ``tp × pp``
+GPUs), each rank's peak memory, and with PP the bubble — its 1F1B share ``(pp − 1) / (m + pp − 1)``
+and, on CUDA, measured from a trace of two steps on every rank: the share of the step during which
+the rank runs no compute kernel (NCCL kernels, which spin while a peer is not ready, and idle
+gaps count; host gaps too).
+
 ``--host-profile``: a cProfile of two steps of each lib/ variant (top functions by own and
 cumulative time). Every variant records torch._dynamo's counters over its build and steps
 (compiles, recompiles, graph breaks). ``--skip-hf`` leaves HF out (profiling runs).
@@ -307,8 +330,10 @@ def host_profile(step, dev, steps=2, top=25) -> dict:
     return out
 
 
-def measure(name, build, args, dev, n, flops, tokens, profile_dir, host=False, traces=False):
-    """One variant, in its own scope: its model and optimizer are freed before the next."""
+def measure(name, build, args, dev, n, flops, tokens, profile_dir, host=False, traces=False, label=None):
+    """One variant, in its own scope: its model and optimizer are freed before the next. ``label``:
+    its name in the profile's files (default ``name``)."""
+    label = (label or name).replace("/", "-")
     env = "0" if name == "llamarl-eager" else None
     with fused_env(env):
         dyn0 = _dynamo_counters()
@@ -329,7 +354,7 @@ def measure(name, build, args, dev, n, flops, tokens, profile_dir, host=False, t
         out["dynamo_counters"] = _counters_delta(dyn0, _dynamo_counters())  # compiles, recompiles, graph breaks
         if profile_dir:
             with ppo_scopes(step):
-                out["profile"] = profile(step, name, profile_dir, dev, keep_trace=traces or name == "llamarl")
+                out["profile"] = profile(step, label, profile_dir, dev, keep_trace=traces or label == "llamarl")
         if host:
             out["host_profile"] = host_profile(step, dev)
             print(f"{name}: host profile, {out['host_profile']['wall_s_per_step'] * 1e3:.1f} ms a step under cProfile\n"
@@ -361,7 +386,9 @@ CATEGORIES = ("matmul", "attention fwd", "attention bwd", "elementwise (norm, ro
               "cross-entropy", "optimizer", "embedding", "memcpy/memset", "idle",
               # the ppo cases' own (zero elsewhere)
               "grad accumulate into fp32", "grad zero, norm, clip", "masters -> bf16 weights",
-              "rl loss (fwd)", "batches (padding, to device)")
+              "rl loss (fwd)", "batches (padding, to device)",
+              # several GPUs
+              "nccl collectives (tp/sp)", "nccl send/recv (pp, incl. waiting)")
 _CE_OPS = ("_logprob", "_klogprob", "_entropy", "_kentropy", "_klogprobentropy", "nll_loss", "log_softmax",
            "cross_entropy", "stats_kernel", "grad_kernel")
 _GEMM = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "wgmma", "splitk")
@@ -383,6 +410,9 @@ def categorize(kernel: str, cat: str, stack: list[str]) -> str:
         return "rl loss (fwd)"
     if cat in ("gpu_memcpy", "gpu_memset"):
         return "memcpy/memset"
+    if "nccl" in k:
+        return "nccl send/recv (pp, incl. waiting)" if ("sendrecv" in k or "send" in k or "recv" in k) \
+            else "nccl collectives (tp/sp)"
     if any(w in k for w in ("flash", "fmha", "attention", "attn", "sdpa")):
         # Backward: the kernel says so, or autograd's engine launched it (the forward's own
         # wrapper op may be named "GeneratedBackwardFor_...": not a sign).
@@ -449,9 +479,16 @@ def summarize_trace(path: str, steps: int) -> dict:
         first, last = min(first, e["ts"]), max(last, e["ts"] + e["dur"])
     span = (last - first) if gpu else 0.0
     busy["idle"] = max(span - sum(busy.values()), 0.0)
+    # The time some compute kernel runs (the union over streams; no NCCL, copies or memsets).
+    compute, end = 0.0, float("-inf")
+    for ts, te in sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu
+                         if e["cat"] == "kernel" and "nccl" not in e["name"].lower()):
+        if te > end:
+            compute += te - max(ts, end)
+            end = te
     ms = {c: busy.get(c, 0.0) / 1e3 / steps for c in CATEGORIES}
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
-    return {"step_ms": span / 1e3 / steps, "ms": ms, "unattributed_launches": sum(1 for e in gpu if (e.get("args") or {}).get("correlation") not in stacks),
+    return {"step_ms": span / 1e3 / steps, "ms": ms, "compute_ms": compute / 1e3 / steps, "unattributed_launches": sum(1 for e in gpu if (e.get("args") or {}).get("correlation") not in stacks),
             "top_kernels": [{"name": n, "ms": t / 1e3 / steps, "calls_per_step": c / steps, "category": cat}
                             for n, (t, c, cat) in top]}
 
@@ -479,7 +516,7 @@ def profile(step, name, out_dir, dev, steps=2, keep_trace=False) -> dict:
 
 
 def profile_table(res: dict) -> str:
-    names = [n for n in res.get("variants", ("llamarl", "llamarl-eager", "hf")) if "profile" in res.get(n, {})]
+    names = [n for n in res.get("variants", ("llamarl", "llamarl-eager", "hf")) if (res.get(n) or {}).get("profile")]
     lines = ["| category | " + " | ".join(f"{n} ms/step | %" for n in names) + " |",
              "|---|" + "---|---|" * len(names)]
     for c in CATEGORIES:
@@ -498,9 +535,194 @@ def profile_table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_variant(name, label, args, hf_cfg, ids, dtype, fused, dev, n, batch, seq, tokens, flops, no_embed, L, h):
+    """One variant ``name`` (llamarl, llamarl-eager, a ppo case, hf), reported as ``label``."""
+    if name in PPO_CASES:
+        lengths = ppo_lengths(name, batch, seq)
+        budget = {"ppo-1mb": tokens, "ppo-mb8k": tokens // 2}.get(name, 4096 if not args.small else seq)
+        build, bargs = build_ppo, (hf_cfg, name, lengths, budget, dev)
+        vflops, vtokens = flops_of(no_embed, L, h, lengths), sum(lengths)
+    else:
+        build, bargs = (build_hf if name == "hf" else build_lib), (hf_cfg, ids, dtype, fused, dev)
+        vflops, vtokens = flops, tokens
+    out = measure(name, build, bargs, dev, n, vflops, vtokens, args.profile,
+                  host=args.host_profile and name != "hf", traces=args.traces, label=label)
+    print(label, json.dumps({k: v for k, v in out.items() if k not in ("profile", "ppo", "host_profile")}), flush=True)
+    if "ppo" in out:
+        print(label, json.dumps({k: v for k, v in out["ppo"].items() if k != "lengths"}), flush=True)
+    return out
+
+
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "small": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000),
+}
+
+
+def params_no_embed(shape: dict) -> int:
+    """Parameters that do matmul work per token: the layers and the head (not the embedding)."""
+    h, f, v, L = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    return L * (h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h) + h + v * h
+
+
+def _env_variants(specs: list[str]) -> dict[str, tuple[dict[str, str], list[str] | None]]:
+    """``NAME:VAR=VAL[,VAR=VAL][@VARIANT+VARIANT]`` → {NAME: (environment, variants or None: all)}."""
+    out = {}
+    for spec in specs:
+        name, _, rest = spec.partition(":")
+        assigns, _, only = rest.partition("@")
+        pairs = [a.split("=", 1) for a in assigns.split(",") if a]
+        if not name or not pairs or any(len(p) != 2 for p in pairs):
+            raise SystemExit(f"--env-variant {spec!r}: NAME:VAR=VAL[,VAR=VAL][@VARIANT+VARIANT]")
+        out[name] = (dict(pairs), only.split("+") if only else None)
+    return out
+
+
+@contextlib.contextmanager
+def env_set(values: dict[str, str]):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def build_parallel(model_cfg, layout, ids, micro_batches, dtype, dev):
+    """lib/'s model on this rank's TP/PP shard, the step over ``micro_batches`` through
+    ``lib.schedule.forward_backward`` (1F1B), torch's AdamW on the rank's own parameters."""
+    from llamarl.lib import schedule, vocab_parallel
+    from llamarl.lib.model import ParallelLlamaForCausalLM
+
+    with torch.device(dev):
+        model = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
+    with torch.no_grad():  # random weights drawn on the device (random_reader's full tensors: slow at 8B)
+        g = torch.Generator(device=dev).manual_seed(1 + model.topology.pp_rank * 1000 + model.topology.tp_rank)
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02, generator=g)
+    fused = {"fused": True} if dev == "cuda" else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
+    chunks = ids.chunk(micro_batches)
+    batches = [model.make_batch(c) for c in chunks]
+    labels = [b.flat(torch.roll(c, -1, 1)) for b, c in zip(batches, chunks)]
+    losses = []
+
+    def loss_fn(logits, labels_mb):
+        return vocab_parallel.cross_entropy(logits, labels_mb, model.tp_group).mean() / len(batches)
+
+    def step():
+        out = schedule.forward_backward(model, batches, loss_fn, labels)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if out:
+            losses.append(torch.stack(out).sum())
+
+    return model, step, losses
+
+
+def parallel_main(args, world, shape, batch, seq, n):
+    """The step at TP × PP, one process per GPU (torchrun): rank 0 writes the results."""
+    import torch.distributed as dist
+    from transformers import LlamaConfig as HFConfig
+
+    from llamarl.lib import parallel
+    from llamarl.lib.config import LlamaConfig, ParallelLayout
+
+    tp, pp = args.tp, args.pp
+    if world != tp * pp:
+        raise SystemExit(f"--tp {tp} --pp {pp} needs tp*pp = {tp * pp} processes (torchrun --nproc-per-node "
+                         f"{tp * pp}), not {world}")
+    if args.ppo or args.ablate or args.env_variant:
+        raise SystemExit("--ppo, --ablate and --env-variant are single-process options")
+    # One sequence a micro-batch at PP > 1 (the 1F1B schedule needs several) and at 8B (16384 tokens of
+    # 8B activations at once would not fit an 80 GB GPU at TP 2 without recompute).
+    m = args.micro_batches or (batch if pp > 1 or args.shape == "8b" else 1)
+    if batch % m:
+        raise SystemExit(f"--micro-batches {m} does not divide the batch of {batch} sequences")
+    topo = parallel.init(tp, pp)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    hf_cfg = HFConfig(**shape, max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0)
+    model_cfg = LlamaConfig.from_hf(hf_cfg.to_dict())
+    layout = ParallelLayout(tp=tp, pp=pp, sequence_parallel=args.sp, remove_padding=True)
+    layout.check(model_cfg)
+    g = torch.Generator().manual_seed(0)  # the same tokens on every rank
+    ids = torch.randint(0, shape["vocab_size"], (batch, seq), generator=g).to(dev)
+    tokens = batch * seq
+    flops = flops_per_step(params_no_embed(shape), shape["num_hidden_layers"], shape["hidden_size"], seq, tokens)
+    rank = dist.get_rank()
+    label = f"llamarl-rank{rank}"
+    dyn0 = _dynamo_counters()
+    model, step, losses = build_parallel(model_cfg, layout, ids, m, dtype, dev)
+    t0 = time.perf_counter()
+    times = step_times(step, n, dev)
+    mine = {"rank": rank, "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank,
+            "step_s_median": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
+            "warmup_and_timed_s": time.perf_counter() - t0,
+            "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None,
+            "params": sum(p.numel() for p in model.parameters()),
+            "first_losses": [round(float(x), 5) for x in losses[:3]]}
+    if dev == "cuda":  # the bubble, measured: a trace of two steps on every rank
+        prof = profile(step, label, args.profile or "/tmp/train_step-profile", dev)
+        mine["profile"] = prof
+        mine["no_compute_fraction"] = 1 - prof["compute_ms"] / prof["step_ms"] if prof["step_ms"] else None
+    mine["dynamo_counters"] = _counters_delta(dyn0, _dynamo_counters())
+    ranks: list = [None] * world
+    dist.all_gather_object(ranks, mine)
+    if rank == 0:
+        dt = max(r["step_s_median"] for r in ranks)  # the step ends when the slowest rank's does
+        res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+               "gpus": world, "torch": torch.__version__, "shape": shape, "shape_name": "small" if args.small else args.shape,
+               "batch": batch, "seq": seq, "tokens_per_step": tokens, "dtype": str(dtype), "steps": n,
+               "layout": {"tp": tp, "pp": pp, "sequence_parallel": args.sp, "micro_batches": m},
+               "flops_per_step": flops, "variants": ["llamarl"]}
+        res["llamarl"] = {
+            "tok_s": tokens / dt, "tok_s_per_gpu": tokens / dt / world, "step_s_median": dt,
+            "mfu": flops / dt / world / PEAK_TFLOPS,
+            "peak_gb": max((r["peak_gb"] or 0) for r in ranks) if dev == "cuda" else None,
+            "peak_gb_per_rank": [r["peak_gb"] for r in ranks],
+            "ranks": ranks,
+        }
+        if pp > 1:
+            res["llamarl"]["pp_bubble_1f1b"] = (pp - 1) / (m + pp - 1)
+            fractions = [r.get("no_compute_fraction") for r in ranks]
+            res["llamarl"]["pp_bubble_measured_per_rank"] = fractions if dev == "cuda" else None
+        res.update(llamarl_tok_s=res["llamarl"]["tok_s"], llamarl_mfu=res["llamarl"]["mfu"],
+                   llamarl_peak_gb=res["llamarl"]["peak_gb"])
+        if args.out:
+            _write(args.out, res)
+        print(json.dumps({k: v for k, v in res["llamarl"].items() if k != "ranks"}, indent=1))
+    parallel.shutdown()
+
+
+def _write(path: str, res: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as fh:
+        fh.write(json.dumps(res, indent=1) + "\n")
+    os.replace(path + ".tmp", path)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--small", action="store_true", help="a tiny shape (CPU smoke runs)")
+    ap.add_argument("--shape", choices=("1b", "8b"), default="1b", help="Llama-3.2-1B or Llama-3.1-8B")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (under torchrun)")
+    ap.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism")
+    ap.add_argument("--micro-batches", type=int, help="under torchrun: micro-batches a step (default: one "
+                                                      "sequence each at PP > 1 or at 8B, else 1)")
+    ap.add_argument("--env-variant", action="append", default=[], metavar="NAME:VAR=VAL[,VAR=VAL]",
+                    help="lib/'s variants again with these environment variables (repeatable; "
+                         "@VARIANT+VARIANT: only those)")
     ap.add_argument("--ablate", action="store_true", help="also lib/ with LLAMARL_FUSED=0 (the unfused path)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 20; --small 2)")
     ap.add_argument("--ppo", action="store_true", help="also the ppo stage's update (one optimizer step) on the same tokens")
@@ -514,19 +736,16 @@ def main():
     args = ap.parse_args()
     from transformers import LlamaConfig as HFConfig
 
+    shape = SHAPES["small" if args.small else args.shape]
+    batch, seq, n = (2, 64, 2) if args.small else (8, 2048, 20)
+    n = args.steps or n
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 or args.tp > 1 or args.pp > 1:
+        return parallel_main(args, world, shape, batch, seq, n)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29545")
     from llamarl.lib import parallel
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.small:
-        shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=1000)
-        batch, seq, n = 2, 64, 2
-    else:
-        shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256)
-        batch, seq, n = 8, 2048, 20
-    n = args.steps or n
     hf_cfg = HFConfig(**shape, max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0)
     hf_cfg._attn_implementation = "sdpa"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -541,9 +760,8 @@ def main():
     except ImportError:
         pass
     ids = torch.randint(0, shape["vocab_size"], (batch, seq), device=dev)
-    h, f, v, L = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
-    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
-    no_embed = L * (h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h) + h + v * h
+    h, L = shape["hidden_size"], shape["num_hidden_layers"]
+    no_embed = params_no_embed(shape)
     flops = flops_per_step(no_embed, L, h, seq, tokens)
     res["flops_per_step"] = flops
 
@@ -551,23 +769,21 @@ def main():
     cases = [c for c in args.ppo_cases.split(",") if c] if args.ppo else []
     if any(c not in PPO_CASES for c in cases):
         raise SystemExit(f"--ppo-cases {args.ppo_cases!r}: of {', '.join(PPO_CASES)}")
-    variants = ["llamarl"] + (["llamarl-eager"] if args.ablate else []) + cases + ([] if args.skip_hf else ["hf"])
+    envs = _env_variants(args.env_variant)
+    lib_variants = ["llamarl"] + (["llamarl-eager"] if args.ablate else []) + cases
+    variants = lib_variants + ([] if args.skip_hf else ["hf"]) + [
+        f"{e}/{v}" for e, (_, only) in envs.items() for v in lib_variants
+        if v != "llamarl-eager" and (only is None or v in only)]
     res["variants"] = variants
-    for name in variants:
-        if name in PPO_CASES:
-            lengths = ppo_lengths(name, batch, seq)
-            budget = {"ppo-1mb": tokens, "ppo-mb8k": tokens // 2}.get(name, 4096 if not args.small else seq)
-            build, bargs = build_ppo, (hf_cfg, name, lengths, budget, dev)
-            vflops, vtokens = flops_of(no_embed, L, h, lengths), sum(lengths)
-        else:
-            build, bargs = (build_hf if name == "hf" else build_lib), (hf_cfg, ids, dtype, fused, dev)
-            vflops, vtokens = flops, tokens
-        res[name] = measure(name, build, bargs, dev, n, vflops, vtokens, args.profile,
-                            host=args.host_profile and name != "hf", traces=args.traces)
-        print(name, json.dumps({k: v for k, v in res[name].items() if k not in ("profile", "ppo", "host_profile")}),
-              flush=True)
-        if "ppo" in res[name]:
-            print(name, json.dumps({k: v for k, v in res[name]["ppo"].items() if k != "lengths"}), flush=True)
+    if envs:
+        res["env_variants"] = {e: env for e, (env, _) in envs.items()}
+    for full_name in variants:
+        env_name, _, name = full_name.rpartition("/")
+        with env_set(envs[env_name][0] if env_name else {}):
+            res[full_name] = _run_variant(name, full_name, args, hf_cfg, ids, dtype, fused, dev, n, batch, seq, tokens,
+                                          flops, no_embed, L, h)
+        if args.out:  # what is measured so far, in case the run is cut short
+            _write(args.out, res)
     # The flat keys bench/report.py and earlier result files use.
     for name, key in (("llamarl", "llamarl"), ("hf", "hf")):
         if name in res:
@@ -579,12 +795,13 @@ def main():
         res["peak_memory_llamarl_over_hf"] = res["llamarl_peak_gb"] / res["hf_peak_gb"]
     for c in cases:  # issue 16: the ppo update at >= 0.8x the raw step's tokens/s
         res[f"ratio_{c}_over_llamarl"] = res[c]["tok_s"] / res["llamarl"]["tok_s"]
+        for e in envs:  # each against the raw step of the same environment (or the default's)
+            if f"{e}/{c}" in res:
+                raw = f"{e}/llamarl" if f"{e}/llamarl" in res else "llamarl"
+                res[f"ratio_{e}/{c}_over_{raw}"] = res[f"{e}/{c}"]["tok_s"] / res[raw]["tok_s"]
     parallel.shutdown()
-    text = json.dumps(res, indent=1)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+        _write(args.out, res)
     if args.profile:
         table = profile_table(res)
         with open(os.path.join(args.profile, "profile.md"), "w") as fh:
