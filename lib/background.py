@@ -1,13 +1,16 @@
-"""Work beside the caller, in a thread: an iterator read ahead of its consumer (``Ahead``), and
-a function applied behind its producer (``Behind``), each a bounded queue away. A stage overlaps
-its host work with the device this way: rollout reads and tokenizes the next chunks ahead and
-decodes and publishes the last ones behind while the engine generates. Failures reach the caller,
-at the item where they happened; nothing waits forever on a thread that has failed."""
+"""Work beside the caller, in a thread: an iterator read ahead of its consumer (``Ahead``), a
+function applied behind its producer (``Behind``), each a bounded queue away, and one call started
+now whose result is taken later (``Soon``). A stage overlaps its host work with the device this
+way: rollout loads its tokenizer and compiles its sampler while it loads the weights, reads and
+tokenizes the next chunks ahead and decodes and publishes the last ones behind while the engine
+generates. Failures reach the caller, at the item where they happened; nothing waits forever on a
+thread that has failed."""
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 
 
 class Ahead:
@@ -106,3 +109,31 @@ class Behind:
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(self._END)
             self._thread.join()
+
+
+class Soon:
+    """``fn(*args)`` started now in a thread of its own; ``result()`` waits for it and returns its
+    value or raises its exception, in the caller. A stage starts slow independent steps this way
+    (loading the tokenizer, compiling the sampler) while it does the rest of its start-up."""
+
+    def __init__(self, fn, *args, name: str = "soon"):
+        self._value, self._error, self.seconds = None, None, None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        t = time.perf_counter()
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller
+            self._error = e
+        self.seconds = time.perf_counter() - t
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value

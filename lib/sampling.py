@@ -141,6 +141,25 @@ def _compiled_row_stats():
     return torch.compile(_row_stats, dynamic=True)
 
 
+def warm_up(params: SamplingParams, vocab: int, vocab_start: int, dtype: torch.dtype, device: torch.device,
+            rows: int = 16) -> None:
+    """Compile the per-shard pass (what ``sample(..., compiled=True)`` runs) for a vocabulary slice
+    of ``vocab`` entries starting at ``vocab_start`` and logits of ``dtype``, on dummy inputs, so
+    that the engine's first draw finds it compiled (rows are dynamic: one compilation serves every
+    batch of 2 rows or more). Safe in a thread: the rollout stage compiles while it loads the
+    weights. On a warm inductor cache (``TORCHINDUCTOR_CACHE_DIR``) this mostly loads kernels."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the thread's current device (``set_device`` is per thread)
+    with torch.no_grad():
+        logits = torch.zeros(rows, vocab, dtype=dtype, device=device)
+        keys = torch.zeros(rows, 2, dtype=torch.int64, device=device)
+        steps = torch.zeros(rows, dtype=torch.int64, device=device)
+        lo = torch.full((rows,), float("-inf"), device=device)
+        _compiled_row_stats()(logits, keys, steps, lo, vocab_start, params.temperature)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # torch 2.13 renamed it (the old name warns); torch 2.11 on the GPU image has only the old one.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from dataclasses import dataclass
 
@@ -33,11 +34,13 @@ import torch.distributed as dist
 
 from llamarl.lib import background, checkpoint, dtypes, job, parallel, publish, sampling
 from llamarl.lib import tokenizer as toklib
-from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
+from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype, pad_vocab
 from llamarl.lib.errors import UserError
 from llamarl.lib.generate import Batch, Engine, SamplingParams
 from llamarl.stages import contract
 from llamarl.stages.config import RolloutConfig
+
+_IMPORTED = time.time()
 
 
 def open_prompts(url: str) -> pads.Dataset:
@@ -76,6 +79,7 @@ def iter_chunks(ds: pads.Dataset, chunk_size: int, columns: list[str], mine):
 def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     """``overlap=False`` (for tests and measurements): chunk after chunk, each drained, with its
     tokenizing and writing in between — the same parts, byte for byte."""
+    spans = _Spans()
     actor = cfg.actor.rstrip("/")
     out = cfg.out.rstrip("/")
     manifest = contract.require_checkpoint(actor, "lm", "rollout's actor")
@@ -87,11 +91,19 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     if room < 1:
         raise UserError(f"sampling.max_new_tokens={s.max_new_tokens} leaves no room for a prompt within {actor}'s "
                         f"max_position_embeddings={model_cfg.max_position_embeddings}; lower max_new_tokens")
-    dtype = compute_dtype(cfg.dtype, parallel.device())
-    tok = toklib.load(actor)
-    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-                            stop_token_ids=tuple(sorted(set(toklib.stop_token_ids(actor, tok)) | set(s.stop_token_ids))))
-    params.check()
+    # What does not wait for the process group starts now, in threads: the tokenizer (transformers'
+    # import is seconds) and, on a GPU, the sampler's compilation (seconds more, on a cold inductor
+    # cache), while the prompts are opened, the process group joined and the weights loaded.
+    tokenizer = background.Soon(toklib.load, actor, name="rollout-tokenizer")
+    device = _local_device()
+    dtype = compute_dtype(cfg.dtype, device)
+    compiling = None
+    if device.type == "cuda":
+        rank_in_tp = int(os.environ.get("RANK", "0")) % cfg.tp
+        shard = pad_vocab(model_cfg.vocab_size, cfg.tp) // cfg.tp
+        compiling = background.Soon(sampling.warm_up, SamplingParams(temperature=s.temperature), shard,
+                                    rank_in_tp * shard, dtype, device, name="rollout-compile")
+    spans.mark("manifest")
     ds = open_prompts(cfg.prompts)
     columns = [cfg.prompt_column] + ([cfg.id_column] if cfg.id_column else []) + list(cfg.keep_columns)
     missing = [c for c in columns if c not in ds.schema.names]
@@ -99,9 +111,11 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         raise UserError(f"{cfg.prompts}: no column(s) {', '.join(missing)}; it has {', '.join(ds.schema.names)}")
     if ds.count_rows() == 0:
         raise UserError(f"{cfg.prompts}: no prompts (0 rows); point at a file with at least one")
+    spans.mark("prompts")
 
     topo = parallel.init(cfg.tp, 1, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="rollout")
     rank = dist.get_rank()
+    spans.mark("process_group")
     actor_id = publish.output_id(actor)
     # The sampler's version is part of what the rows are: a new draw algorithm redoes old rollouts.
     request = {"kind": contract.ROLLOUT, "actor": actor, "actor_id": actor_id, "prompts": cfg.prompts,
@@ -110,12 +124,22 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     if contract.skip_if_current(out, {"request": request}, "already rolled out with this actor and config", request):
         return
     job.verify_input(actor, manifest, f"{contract.MODEL}/")
-
     done = set(contract.published_parts(out))
+    spans.mark("prepare_and_verify")
 
     model = _build_actor(model_cfg, layout, dtype, parallel.device())
+    spans.mark("build")
     checkpoint.load_model(model, f"{actor}/{contract.MODEL}")
     model.eval()
+    spans.mark("load")
+    tok = tokenizer.result()
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                            stop_token_ids=tuple(sorted(set(toklib.stop_token_ids(actor, tok)) | set(s.stop_token_ids))))
+    params.check()
+    spans.mark("tokenizer_wait")
+    if compiling is not None:
+        compiling.result()
+    spans.mark("compile_wait")
 
     # One engine for all chunks: its KV cache and captured decode steps are reused. Batch-invariant:
     # a chunk's rows are the same bits whatever chunks ran beside it, so a rerun that skips the
@@ -123,7 +147,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     engine = Engine(model, params, max_batch=cfg.max_batch, batch_invariant=True)
     meta = {"actor": actor, "actor_id": actor_id, "sampling": json.dumps(s.model_dump()), "seed": str(s.seed),
             "sampler": sampling.SAMPLER, "tp": str(cfg.tp), "dtype": dtypes.name(dtype)}
-    progress = _Progress(enabled=rank == 0)
+    progress = _Progress(enabled=rank == 0, first=spans.mark_once)
     stats = {"chunks": 0, "rows": 0, "truncated_prompts": 0, "new_tokens": 0, "skipped_chunks": 0, "engine_s": 0.0}
     writer = topo.tp_rank == 0
     t0 = time.perf_counter()
@@ -148,7 +172,9 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
                 if writer:
                     publisher.put((batch.tag, completions))
             stats["engine_s"] += engine.stats["busy_s"]
+        spans.mark("engine")
         publisher.close()
+        spans.mark("last_part_written")
     finally:
         publisher.stop()
         if overlap:
@@ -159,6 +185,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     all_stats: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_stats, stats if writer else None)
     dist.barrier()
+    spans.mark("gathered")
     if rank == 0:
         parts = contract.published_parts(out)
         totals = {k: sum(s_[k] for s_ in all_stats if s_) for k in stats if k != "engine_s"}
@@ -170,12 +197,47 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
             raise RuntimeError(f"{out}: {len(parts)} parts published, {expected} expected")
         files = contract.part_entries(out, parts)
         rows = sum(contract.part_rows(out, p) for p in parts)
+        spans.mark("manifest_entries")
+        background_s = {"tokenizer": tokenizer.seconds, "sampler_compile": compiling.seconds if compiling else None}
         publish.publish(out, {"kind": contract.ROLLOUT, "timing": job.timing(), "request": request, "files": files, "rows": rows,
                               "schema": list(contract.ROLLOUT_COLUMNS) + list(cfg.keep_columns), "stats": totals,
-                              "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None})
+                              "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None,
+                              "spans_s": spans.seconds(), "background_s": background_s})
         print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "
               f"{totals['truncated_prompts']} prompts truncated)", flush=True)
     dist.barrier()
+
+
+def _local_device() -> torch.device:
+    """The device this rank will compute on, before the process group is joined (which sets it)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+class _Spans:
+    """Rank 0's start-up and tear-down profile for the manifest (``spans_s``): seconds from the
+    process's start to the stage's first step (``imports``: interpreter, imports, config), then
+    between steps, in order; ``first_tokens``: the engine's first progress report."""
+
+    def __init__(self):
+        self.t0 = job.process_start_time() or _IMPORTED
+        self.steps = [("imports", time.time())]
+
+    def mark(self, step: str) -> None:
+        self.steps.append((step, time.time()))
+
+    def mark_once(self, step: str) -> None:
+        if all(name != step for name, _ in self.steps):
+            self.mark(step)
+
+    def seconds(self) -> dict[str, float]:
+        out, last = {}, self.t0
+        for name, t in self.steps:
+            out[name] = round(t - last, 3)
+            last = t
+        out["total"] = round(last - self.t0, 3)
+        return out
 
 
 def _build_actor(model_cfg, layout, dtype, device):
@@ -243,8 +305,8 @@ def _write_part(out: str, tok, cfg: RolloutConfig, meta: dict, chunk: _Chunk, co
 class _Progress:
     """A progress line on rank 0: chunks done and new tokens per second."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, first=None):
+        self.enabled, self._first = enabled, first
         self.count, self.chunks, self.t0 = 0, 0, time.perf_counter()
         self._bar = None
         if enabled:
@@ -257,6 +319,9 @@ class _Progress:
             self._bar.start()
 
     def tokens(self, n: int) -> None:
+        if self._first is not None and n:
+            self._first("first_tokens")
+            self._first = None
         self.count += n
         if self._bar:
             rate = self.count / max(time.perf_counter() - self.t0, 1e-9)
