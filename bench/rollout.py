@@ -10,6 +10,10 @@ Workloads (random weights, random prompts of ``prompt_len`` tokens, temperature 
   For each, the memory-bandwidth bound: every decode step reads the weights once (all but the
   embedding table, of which it reads ``batch`` rows) and each sequence's KV cache so far; the bound
   is those bytes over the device-to-device copy bandwidth measured in the same run.
+* ``drain`` (``--drain-slots``): the rollout stage's batch-invariant stream (chunks of 64, random
+  stops, 8 × slots prompts) against the default engine, same prompts: tokens/s and the seconds
+  from the window where nothing is left to admit to the end (``drain_s``), where the invariant
+  engine keeps running every slot and the default one shrinks its step.
 * ``stops``: continuous batching, ``cb_slots`` slots for ``cb_prompts`` prompts, a stop set of
   ``stop_tokens`` token ids (random weights hit it with probability ≈ stop_tokens / vocab per step,
   so lengths are random, mean well below ``new``), against the same slots and prompts with no stops.
@@ -81,6 +85,9 @@ def main():
     ap.add_argument("--only-cb", action="store_true", help="the continuous-batching workloads only")
     ap.add_argument("--cb-prompts", type=int, help="prompts of the continuous-batching workloads (default 512)")
     ap.add_argument("--cb-every", default="1,2,4,16", help="check_every values to compare")
+    ap.add_argument("--drain-slots", default="64,256",
+                    help="slot counts of the drain workload (batch-invariant stream against the default engine); '' skips it")
+    ap.add_argument("--only-drain", action="store_true", help="the drain workload only")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
     ap.add_argument("--dp", type=int, default=None, help="data-parallel groups (under torchrun; default: the rest)")
     ap.add_argument("--chunk", type=int, default=64, help="prompts per chunk of the parallel workload")
@@ -130,7 +137,7 @@ def main():
     compiled = res["sampler_compiled"]
 
     fixed = {}
-    for bs in [] if args.only_cb else batches:
+    for bs in [] if args.only_cb or args.only_drain else batches:
         params = SamplingParams(temperature=1.0, max_new_tokens=new)
         engine = Engine(ours, params, max_batch=bs, compiled=compiled)
         out, secs = timed(lambda: engine.generate(prompts[:bs], seed=1), dev)
@@ -151,7 +158,7 @@ def main():
 
     # Continuous batching: random stop lengths against fixed lengths, same slots and prompts.
     cb = {"slots": cb_slots, "prompts": cb_prompts, "stop_tokens": stop_tokens}
-    for every in [int(e) for e in args.cb_every.split(",")]:
+    for every in [] if args.only_drain else [int(e) for e in args.cb_every.split(",")]:
         for name, stops in (("fixed_length", ()), ("random_stops", tuple(range(3, 3 + stop_tokens)))):
             params = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=stops)
             engine = Engine(ours, params, max_batch=cb_slots, compiled=compiled, check_every=every)
@@ -175,11 +182,15 @@ def main():
         cb[f"ratio_every{every}"] = cb[f"random_stops_every{every}"]["new_tok_s"] / cb[f"fixed_length_every{every}"]["new_tok_s"]
         res["continuous_batching"] = cb
         _save(res, args.out)
+    drain_slots = [int(x) for x in args.drain_slots.split(",") if x] if not args.small else [cb_slots]
+    if drain_slots:
+        res["drain"] = _drain(ours, prompts, drain_slots, new, stop_tokens, compiled, dev, args.small)
+        _save(res, args.out)
     engine = ours = None  # free the cache and weights before HF's model
     if dev == "cuda":
         torch.cuda.empty_cache()
 
-    if not args.skip_hf:
+    if not args.skip_hf and not args.only_drain:
         bs = batches[0]
         with torch.device(dev):
             hf = LlamaForCausalLM(hf_cfg).to(dtype).eval()
@@ -195,6 +206,39 @@ def main():
     parallel.shutdown()
     print(json.dumps(res, indent=1))
     _save(res, args.out)
+
+
+def _drain(model, prompts, slots_list, new, stop_tokens, compiled, dev, small) -> dict:
+    """What batch invariance costs at a stream's end: the rollout stage's stream (chunks of 64
+    prompts, or 4 with --small; random stops, so responses end early and the slots empty unevenly)
+    with ``batch_invariant`` (every step runs all slots to the end) against the default engine
+    (live sequences compacted into the lowest slots, smaller buckets as the stream drains), the same
+    prompts and draws. ``drain_*``: from the window where nothing was left to admit to the end."""
+    from llamarl.lib.generate import Batch, Engine, SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=tuple(range(3, 3 + stop_tokens)))
+    chunk = 4 if small else 64
+    out = {"stop_tokens": stop_tokens, "chunk": chunk, "new_tokens": new}
+    for slots in slots_list:
+        n = min(len(prompts), 8 * slots) if not small else len(prompts)
+        batches = [Batch(prompts[i:i + chunk], list(range(i, min(i + chunk, n))), tag=i // chunk) for i in range(0, n, chunk)]
+        row = {"slots": slots, "prompts": n}
+        for name, invariant in (("batch_invariant", True), ("default", False)):
+            engine = Engine(model, params, max_batch=slots, compiled=compiled, batch_invariant=invariant)
+            comps, secs = timed(lambda: [c for _, cs in engine.stream(batches, seed=2) for c in cs], dev)
+            made = sum(len(c.tokens) for c in comps)
+            st = engine.stats
+            row[name] = {"engine_slots": engine.slots, "new_tok_s": made / secs, "seconds": secs, "tokens": made, "mean_len": made / len(comps),
+                         "steps": st["steps"], "slot_steps": st["slot_steps"], "drain_s": st["drain_s"],
+                         "drain_steps": st["drain_steps"], "drain_slot_steps": st["drain_slot_steps"],
+                         "drain_fraction_of_time": st["drain_s"] / secs if secs else None}
+        inv, base = row["batch_invariant"], row["default"]
+        row["invariant_over_default_tok_s"] = inv["new_tok_s"] / base["new_tok_s"]
+        row["extra_s"] = inv["seconds"] - base["seconds"]
+        row["extra_drain_s"] = inv["drain_s"] - base["drain_s"]
+        print(json.dumps({"drain": row}), flush=True)
+        out[str(slots)] = row
+    return out
 
 
 def _workload(small: bool):

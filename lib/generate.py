@@ -372,8 +372,12 @@ class Engine:
         if n < 1:
             raise ValueError(f"samples_per_prompt={n} must be >= 1")
         t_start, outside = time.perf_counter(), 0.0
+        # drain_*: from the window in which the last sequence had a slot (nothing left to admit)
+        # to the end — where a batch-invariant engine still runs every slot.
         self.stats = stats = {"windows": 0, "steps": 0, "slot_steps": 0, "admissions": 0, "prefills": 0,
-                              "prefill_tokens": 0, "host_wait_s": 0.0, "batches": 0, "source_s": 0.0, "busy_s": 0.0}
+                              "prefill_tokens": 0, "host_wait_s": 0.0, "batches": 0, "source_s": 0.0, "busy_s": 0.0,
+                              "drain_steps": 0, "drain_slot_steps": 0, "drain_s": 0.0}
+        drain_from = None  # (time, steps, slot_steps) when nothing was left to admit
         source = iter(batches)
         queue: deque[int] = deque()  # sequences waiting for a slot; sequence q is prompt q // n's sample q % n
         prompts: dict[int, list[int]] = {}  # prompt -> its token ids, until its last sample is admitted
@@ -494,6 +498,8 @@ class Engine:
         it, snap, fetched = 0, None, None
         while True:
             it += 1
+            if drain_from is None and not queue and state["exhausted"]:
+                drain_from = (time.perf_counter(), stats["steps"], stats["slot_steps"])
             active = [s for s in range(S) if slot_seq[s] >= 0]
             new_snap = None
             if active:
@@ -545,6 +551,10 @@ class Engine:
                 yield record.batch, record.completions
                 outside += time.perf_counter() - t0
             stats["busy_s"] = time.perf_counter() - t_start - outside
+            if drain_from is not None:
+                stats["drain_s"] = time.perf_counter() - drain_from[0]
+                stats["drain_steps"] = stats["steps"] - drain_from[1]
+                stats["drain_slot_steps"] = stats["slot_steps"] - drain_from[2]
             if snap is None and fetched is None and not queue and state["exhausted"] and not where:
                 return
 
