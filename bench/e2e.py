@@ -268,11 +268,18 @@ class GpuMemory:
             self.proc.kill()
 
 
-def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float | None, log_path: str, echo) -> dict:
+def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float | None, log_path: str, echo,
+                 compile_cache: str | None = None) -> dict:
     """`llamarl run SPEC` in its own process group; the start time of every stage (from its
-    "[node] running" line), how it ended, and the error line of a failure."""
+    "[node] running" line), how it ended, and the error line of a failure. ``compile_cache``: an
+    empty folder made for this run, its stages' ``TORCHINDUCTOR_CACHE_DIR`` (None: torch's default)."""
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: every stage is measured
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "250"}
+    if compile_cache:
+        shutil.rmtree(compile_cache, ignore_errors=True)
+        os.makedirs(compile_cache)
+        env["TORCHINDUCTOR_CACHE_DIR"] = compile_cache
+        env.pop("TRITON_CACHE_DIR", None)  # inductor keeps Triton's under its own
     cmd = [sys.executable, "-m", "llamarl.pipeline.cli", "run", spec]
     t0 = time.time()
     # cwd: not the repo root, whose llamarl/ folder would hide an installed (non-editable) llamarl.
@@ -443,7 +450,11 @@ def _stage_throughput(node: str, out: str, m: dict | None, st: dict, world: int)
         engine = (m.get("stats") or {}).get("engine_s")
         # issue 15's goal: the stage's wall time within 1.15x of the engine's own time
         st.update(engine_s=engine, wall_over_engine=round(wall / engine, 3) if engine and wall else None,
-                  work_over_engine=round(work / engine, 3) if engine and work else None)
+                  work_over_engine=round(work / engine, 3) if engine and work else None,
+                  not_engine_s=round(wall - engine, 2) if engine and wall else None,
+                  # rank 0's steps (stages/rollout.py: imports, manifest, prompts, process group, …,
+                  # engine, last part written) and what ran beside them (tokenizer, sampler compile)
+                  spans_s=m.get("spans_s"), background_s=m.get("background_s"))
     elif node.endswith("/scores"):
         rows = m.get("rows")
         st.update(sequences=rows, seq_s_wall=_rate(rows, wall), seq_s_work=_rate(rows, work))
@@ -516,7 +527,9 @@ def iterations_numbers(stages: dict, res: dict, run_dir: str, iterations: int, s
     per = []
     for k in range(1, iterations + 1):
         ro, sc, po = (stages[n] for n in iteration_nodes(k))
-        per.append({"iteration": k, "rollout_s": ro["wall_s"], "scores_s": sc["wall_s"], "ppo_s": po["wall_s"],
+        per.append({"iteration": k, "rollout_s": ro["wall_s"], "rollout_startup_s": ro.get("to_first_work_s"),
+                    "rollout_engine_s": ro.get("engine_s"), "rollout_wall_over_engine": ro.get("wall_over_engine"),
+                    "scores_s": sc["wall_s"], "ppo_s": po["wall_s"],
                     "generated_tokens": ro["generated_tokens"], "trained_tokens": po["trained_tokens"],
                     "mean_score": po.get("mean_score"), "kl": po.get("kl"),
                     "sampled_from": _sampled_from(run_dir, iteration_nodes(k)[0]),
@@ -813,6 +826,10 @@ def table(inv: dict) -> str:
             rest = f"{thr} | {f(st.get('peak_gpu_gb'))}" if "error" not in st else (st["error"] or "")[:100]
             lines.append(row(name, node, st["status"], f(st.get("wall_s")), f(st.get("to_first_work_s")), f(st.get("work_s")),
                              rest))
+            if st.get("wall_over_engine"):
+                lines.append(row("", "  engine", "", f(st.get("engine_s")), rest=(
+                    f"wall / engine {st['wall_over_engine']:.2f}×, work / engine {st['work_over_engine']:.2f}×, "
+                    f"not engine {f(st.get('not_engine_s'))} s")))
         it = run.get("iteration", {})
         if it.get("complete"):
             vs = it.get("vs_trl", {}).get("generated_tok_s_per_gpu_ratio")
@@ -866,6 +883,10 @@ def main():
     ap.add_argument("--trl-gradient-checkpointing", choices=("on", "off"), default="on",
                     help="TRL's gradient_checkpointing (its default: on)")
     ap.add_argument("--trl-python", default=sys.executable, help="interpreter for TRL's process (default this one)")
+    ap.add_argument("--compile-cache", choices=("fresh", "machine"), default="fresh",
+                    help="torch.compile's caches: fresh (default): an empty TORCHINDUCTOR_CACHE_DIR per run, so its "
+                         "first rollout compiles cold and later ones find what it left, whatever ran on this machine "
+                         "before; machine: torch's default (/tmp/torchinductor_$USER), as a user's stages get it")
     ap.add_argument("--keep-runs", action="store_true", help="keep run directories (a 1B run holds 25-50 GB of checkpoints)")
     ap.add_argument("--out", help="results JSON (default bench/results/e2e-<gpu>-<date>.json; tiny: WORK/…)")
     ap.add_argument("--make-inputs", help=argparse.SUPPRESS)
@@ -931,7 +952,13 @@ def main():
                "rollout tokens": "generated (response_token_ids)", "ppo tokens": "(prompt + response) × ppo_epochs",
                "ppo update_tok_s": "ppo tokens / the summed per-step seconds of metrics.jsonl (the optimizer-step "
                                    "loop: actor, and the critic with gae), all ranks together",
-               "peak_gpu_gb": "max of nvidia-smi memory.used over all GPUs during the stage (includes other processes)"},
+               "peak_gpu_gb": "max of nvidia-smi memory.used over all GPUs during the stage (includes other processes)",
+               "rollout engine_s": "the engine's own time (manifest stats.engine_s; the first prefill and CUDA graph "
+                                   "captures included, the sampler's compile not: it runs beside the weight load); "
+                                   "wall_over_engine: the stage's wall over it (issue 15: <= 1.15); not_engine_s: "
+                                   "wall - engine_s; spans_s: rank 0's steps from process start",
+               "compile cache": "--compile-cache: fresh = an empty TORCHINDUCTOR_CACHE_DIR per run (iteration 1 cold, "
+                                "later iterations warm); machine = torch's default"},
            "inputs": None, "runs": [], "trl": None}
     if several:
         inv.update(iterations=args.iterations, max_staleness=stalenesses)
@@ -991,7 +1018,8 @@ def main():
                                        staleness=staleness, gpus=split_gpus)
             echo(f"[llamarl {label}] {spec}, deadline in {job_deadline - now:.0f} s")
             log = f"{work}/logs/{name}.log"
-            res = run_pipeline(spec, run_dir, job_deadline, args.stage_timeout_s, log, echo)
+            cache = f"{work}/compile-cache/{name}" if args.compile_cache == "fresh" else None
+            res = run_pipeline(spec, run_dir, job_deadline, args.stage_timeout_s, log, echo, cache)
             stages = measure_run(run_dir, res, world, gpus, workload, args.iterations)
             ok = res["rc"] == 0 and not res["killed"]
             run = {"workload": workload, "layout": lay, "layout_detail": parse_layout(lay), "processes": world,
