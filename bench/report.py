@@ -33,15 +33,17 @@ def e2e(path: str) -> list[str]:
                        f"{inv['date']} (`{os.path.basename(path)}`, invocation {inv['id']})\n")
             out.append("| stage | wall s | process start → work s | work s | throughput (wall) | peak GPU GB |")
             out.append("|---|---|---|---|---|---|")
-            for name in STAGES:
-                s = run["stages"].get(name)
-                if not s:
+            for name in [n for n in STAGES if n in run["stages"]] + [n for n in run["stages"] if n not in STAGES]:
+                s = run["stages"][name]
+                if s.get("status") == "not run":
                     continue
                 if "generated_tokens" in s:
                     tput = f"{_fmt(s.get('tok_s_per_gpu_wall'))} gen tok/s/GPU"
                     if s.get("wall_over_engine"):
                         tput += (f"; engine {s['engine_s']:.1f} s, wall / engine {s['wall_over_engine']:.2f}×, "
                                  f"work / engine {s['work_over_engine']:.2f}×")
+                        if s.get("not_engine_s") is not None:
+                            tput += f", not engine {s['not_engine_s']:.1f} s"
                 elif "trained_tokens" in s:
                     tput = (f"{_fmt(s.get('tok_s_per_gpu_wall'))} trained tok/s/GPU; update loop "
                             f"{_fmt(s.get('update_tok_s'))} tok/s; phases s: "
@@ -109,15 +111,17 @@ def train_step(path: str) -> list[str]:
 def rollout(path: str) -> list[str]:
     r = json.load(open(path))
     out = [f"\n**rollout engine** — {r['device']}, {r['date']} (`{os.path.basename(path)}`), prompts of "
-           f"{r['prompt_len']} → {r['new_tokens']} new tokens, {r['sampling']}\n",
-           "| batch | llamarl new tok/s | HF static compiled | ratio | bandwidth bound | measured | fraction of bound |",
-           "|---|---|---|---|---|---|---|"]
+           f"{r['prompt_len']} → {r['new_tokens']} new tokens, {r['sampling']}\n"]
+    if r.get("fixed"):
+        out += ["| batch | llamarl new tok/s | HF static compiled | ratio | bandwidth bound | measured | fraction of bound |",
+                "|---|---|---|---|---|---|---|"]
     hf = r.get("hf_static_compiled") or {}
     for bs, v in (r.get("fixed") or {}).items():
         ratio = f"**{v['new_tok_s'] / hf['new_tok_s']:.2f}×**" if hf and int(bs) == hf.get("batch") else ""
         out.append(f"| {bs} | {v['new_tok_s']:,.0f} | {_fmt(hf.get('new_tok_s')) if ratio else ''} | {ratio} | "
                    f"{_fmt(v.get('bandwidth_bound_s'), '.3f')} s | {v['seconds']:.3f} s | "
                    f"{_fmt(v.get('fraction_of_bandwidth_bound'), '.2f')} |")
+    out += _rollout_drain(r) + _rollout_parallel(r)
     for key in ("continuous_batching", "continuous_batching_2048_prompts"):
         cb = r.get(key)
         if not cb:
@@ -131,6 +135,50 @@ def rollout(path: str) -> list[str]:
             f, s = cb[f"fixed_length_every{e}"], cb[f"random_stops_every{e}"]
             out.append(f"| {cb['prompts']} | {e} | {f['new_tok_s']:,.0f} | {s['new_tok_s']:,.0f} | **{cb[k]:.2f}** | "
                        f"{s['mean_len']:.0f} | {s['slot_utilisation']:.2f} |")
+    return out
+
+
+def _rollout_parallel(r: dict) -> list[str]:
+    """``bench/rollout.py --tp N / --dp N``: one GPU against the layout, in the same run."""
+    par = r.get("parallel")
+    if not par:
+        return []
+    tp, dp = par["tp"], par["dp"]
+    one, lay = r.get("one_gpu") or {}, r.get(f"tp{tp}_dp{dp}") or {}
+    out = ["", f"Several devices ({r.get('gpus') or 'CPU'} × {r['device']}, {r.get('backend')}): {par['prompts']} prompts "
+               f"in chunks of {par['chunk']}, {par['max_batch']} slots per engine, {par['engine']}:", "",
+           "| layout | new tok/s | seconds | tokens | speed-up over one device | efficiency | same tokens as one device |",
+           "|---|---|---|---|---|---|---|"]
+    if one:
+        out.append(f"| one device (TP1) | {one['new_tok_s']:,.0f} | {one['seconds']:.2f} | {one['tokens']:,} | 1.00× | | |")
+    if lay:
+        out.append(f"| TP{tp} × DP{dp} | {lay['new_tok_s']:,.0f} | {lay['seconds']:.2f} | {lay['tokens']:,} | "
+                   f"**{lay['speedup_over_one_gpu']:.2f}×** | {lay['efficiency']:.0%} | "
+                   f"{lay['same_tokens_as_one_gpu']:.2f} |")
+    else:
+        out.append(f"| TP{tp} × DP{dp} | – (not in the file: the run ended before it) | | | | | |")
+    return out
+
+
+def _rollout_drain(r: dict) -> list[str]:
+    """``bench/rollout.py --drain-slots``: the batch-invariant stream against the default engine."""
+    dr = r.get("drain")
+    if not dr:
+        return []
+    out = ["", f"Batch invariance at a stream's end (the stage's stream: chunks of {dr['chunk']}, random stops from "
+               f"{dr['stop_tokens']} stop ids, ≤ {dr['new_tokens']} new tokens; drain: from the window where nothing "
+               "is left to admit to the end):", "",
+           "| slots | prompts | batch-invariant tok/s | default tok/s | ratio | extra s | drain s (invariant / default) "
+           "| drain slot-steps (invariant / default) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for key, row in dr.items():
+        if not isinstance(row, dict):
+            continue
+        inv, base = row["batch_invariant"], row["default"]
+        out.append(f"| {inv.get('engine_slots', row['slots'])} | {row['prompts']} | {inv['new_tok_s']:,.0f} | "
+                   f"{base['new_tok_s']:,.0f} | **{row['invariant_over_default_tok_s']:.2f}** | {row['extra_s']:.2f} | "
+                   f"{inv['drain_s']:.2f} / {base['drain_s']:.2f} | {inv['drain_slot_steps']:,} / "
+                   f"{base['drain_slot_steps']:,} |")
     return out
 
 
