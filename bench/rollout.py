@@ -184,7 +184,10 @@ def main():
         _save(res, args.out)
     drain_slots = [int(x) for x in args.drain_slots.split(",") if x] if not args.small else [cb_slots]
     if drain_slots:
-        res["drain"] = _drain(ours, prompts, drain_slots, new, stop_tokens, compiled, dev, args.small)
+        g = torch.Generator().manual_seed(3)
+        count = 4 * cb_slots if args.small else 8 * max(drain_slots)
+        drain_prompts = torch.randint(3, shape["vocab_size"], (count, plen), generator=g).tolist()
+        res["drain"] = _drain(ours, drain_prompts, drain_slots, new, stop_tokens, compiled, dev, args.small)
         _save(res, args.out)
     engine = ours = None  # free the cache and weights before HF's model
     if dev == "cuda":
