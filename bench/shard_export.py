@@ -8,7 +8,8 @@ Llama-3.2-1B shape, bf16, random weights. Measures, on one machine:
     (→ HF dir, PROCS processes): whole-command wall time (process start and imports included) and
     the stage's own time;
   * loading the sharded checkpoint into lib/'s model on the GPU (``checkpoint.load_model``).
-Checks the export is bit-identical to the HF source. Prints one JSON object and writes it to
+Each ``--repeat`` times (medians reported, every run kept; the first lib/ load pays CUDA's and the
+reader's first-use costs). Checks the export is bit-identical to the HF source. Prints one JSON object and writes it to
 bench/results/shard_export-<device>-<date>.json (``--out`` elsewhere).
 """
 
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -44,6 +46,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--workdir", default="/tmp/llamarl-bench")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement; medians reported, all kept")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/shard_export-<device>-<date>.json)")
     args = ap.parse_args()
     from safetensors.torch import load_file
@@ -66,11 +69,18 @@ def main():
     with torch.device(dev):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
 
-    if dev == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    model.save_pretrained(hf_dir)
-    res["save_pretrained_s"] = time.perf_counter() - t
+    saves = []
+    for i in range(args.repeat):  # into a fresh directory each time; the first one is kept
+        target = hf_dir if i == 0 else os.path.join(args.workdir, f"hf{i}")
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.save_pretrained(target)
+        saves.append(time.perf_counter() - t)
+        if i:
+            shutil.rmtree(target)
+    res["save_pretrained_runs_s"] = saves
+    res["save_pretrained_s"] = statistics.median(saves)
     size = dir_bytes(hf_dir)
     res["GB"] = size / 1e9
     res["save_pretrained_GB_s"] = size / res["save_pretrained_s"] / 1e9
@@ -82,12 +92,18 @@ def main():
     res["from_pretrained_GB_s"] = size / (time.perf_counter() - t) / 1e9
     del m2
 
-    wall, work, line = timed_cli("stage", "shard", hf_dir, ckpt, "--tp", str(args.procs))
-    res.update(shard_wall_s=wall, shard_work_s=work, shard_GB_s_wall=size / wall / 1e9,
-               shard_GB_s_work=size / work / 1e9 if work else None)
-    wall, work, line = timed_cli("stage", "export", ckpt, out, "--procs", str(args.procs))
-    res.update(export_wall_s=wall, export_work_s=work, export_GB_s_wall=size / wall / 1e9,
-               export_GB_s_work=size / work / 1e9 if work else None)
+    for stage, args_of in (("shard", lambda dst: ("stage", "shard", hf_dir, dst, "--tp", str(args.procs))),
+                           ("export", lambda dst: ("stage", "export", ckpt, dst, "--procs", str(args.procs)))):
+        runs = []
+        for i in range(args.repeat):  # each into a fresh directory (a published one would be skipped)
+            dst = {"shard": ckpt, "export": out}[stage] + (f".{i}" if i else "")
+            runs.append(timed_cli(*args_of(dst))[:2])
+            if i:
+                shutil.rmtree(dst)
+        wall = statistics.median(w for w, _ in runs)
+        work = statistics.median(k for _, k in runs) if all(k is not None for _, k in runs) else None
+        res.update({f"{stage}_runs_s": runs, f"{stage}_wall_s": wall, f"{stage}_work_s": work,
+                    f"{stage}_GB_s_wall": size / wall / 1e9, f"{stage}_GB_s_work": size / work / 1e9 if work else None})
 
     # lib/ loading the sharded checkpoint onto the GPU (what rollout/score/ppo do), TP=1.
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
@@ -99,11 +115,15 @@ def main():
     ours_cfg = LlamaConfig.from_dict(publish.require_published(ckpt)["model_config"])
     with torch.device(dev):
         ours = ParallelLlamaForCausalLM(ours_cfg, ParallelLayout(), dtype=torch.bfloat16)
-    t = time.perf_counter()
-    checkpoint.load_model(ours, f"{ckpt}/model")
-    if dev == "cuda":
-        torch.cuda.synchronize()
-    res["lib_load_GB_s"] = size / (time.perf_counter() - t) / 1e9
+    loads = []
+    for _ in range(args.repeat):
+        t = time.perf_counter()
+        checkpoint.load_model(ours, f"{ckpt}/model")
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        loads.append(time.perf_counter() - t)
+    res["lib_load_runs_s"] = loads
+    res["lib_load_GB_s"] = size / statistics.median(loads) / 1e9
     parallel.shutdown()
 
     a = {}

@@ -11,8 +11,9 @@ The files are DCP's, byte for byte in layout (``FsspecWriter``'s: a ``.metadata`
 loads what DCP wrote), but reading and writing are our own, for three reasons:
 
 * start-up: importing ``torch.distributed.checkpoint`` costs every process 0.45 s of CPU and
-  ~50 MB (it pulls in DTensor and sympy) before its first byte; ``.metadata`` is written and read
-  through records that stand in for DCP's classes;
+  ~50 MB (it pulls in DTensor and sympy) before its first byte; the files are written, and
+  ``.metadata`` read, by lib/dcp_format.py, which needs no torch at all (shard and export run
+  without it);
 * checksums: every file is hashed as it is written (``publish.open_write``), so the manifest costs
   no second read;
 * reads: a rank's items are read in coalesced ranges of up to ``BLOCK_BYTES`` by ``READ_THREADS``
@@ -31,20 +32,16 @@ import io
 import os
 import pickle
 import threading
-import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import fsspec
 import torch
-import torch.distributed as dist
 
-from . import hf_mapping, job, publish
-
-METADATA = ".metadata"
-DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION (checked in tests)
+from . import dcp_format, dtypes, hf_mapping, job
+from .dcp_format import DCP_VERSION, METADATA  # noqa: F401 — part of this module's interface
+from .dtypes import HostTensor
 
 
 class Chunks:
@@ -68,19 +65,6 @@ def _pieces(state: dict) -> dict[str, tuple[torch.Size, dict[tuple[int, ...], to
             out[fqn] = (obj.shape, {(0,) * obj.dim(): obj})
         else:
             raise TypeError(f"checkpoint state {fqn!r}: {type(obj).__name__}; only tensors and Chunks are stored")
-    return out
-
-
-def _world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def _all_gather(obj) -> list:
-    rank, world = _world()
-    if world == 1:
-        return [obj]
-    out: list = [None] * world
-    dist.all_gather_object(out, obj)
     return out
 
 
@@ -116,229 +100,29 @@ def model_state(model, tensors: dict[str, torch.Tensor] | None = None, suffix: s
     return {k: Chunks(shapes[k[: len(k) - len(suffix)] if suffix else k], v) for k, v in pieces.items()}
 
 
-# ---- DCP's metadata, without importing DCP --------------------------------------------------------
-# ``.metadata`` is a pickle of DCP's dataclasses (torch.distributed.checkpoint.metadata). These
-# records stand in for them, field for field: reading, the pickle's DCP names resolve to them;
-# writing, they are pickled and their names rewritten to DCP's (``_dcp_pickle``), so that DCP's own
-# reader gets its own classes back.
-
-_DCP_CLASSES = {"torch.distributed.checkpoint.metadata": (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-    "MetadataIndex", "StorageMeta"), "torch.distributed.checkpoint.filesystem": ("_StorageInfo",)}
-
-
-class _Record:
-    transform_descriptors = None  # _StorageInfo leaves it out when empty
-    index = None
-
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
-
-    def __getstate__(self):
-        if type(self).__name__ == "_dcp_TensorProperties":  # DCP's TensorProperties pickles a tuple
-            return (self.dtype, torch.strided, False, _dcp__MEM_FORMAT_ENCODING(0), False)
-        return self.__dict__
-
-    def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 5:  # TensorProperties' tuple
-            self.dtype, self.layout, self.requires_grad, _fmt, self.pin_memory = state
-        else:
-            state, slots = state if isinstance(state, tuple) else (state, None)
-            self.__dict__.update(state or {})
-            self.__dict__.update(slots or {})
-
-
-class _dcp__MEM_FORMAT_ENCODING(int):  # noqa: N801 — DCP's enum, pickled as ENUM(value)
-    def __reduce__(self):
-        return type(self), (int(self),)
-
-
-_RECORDS, _DCP_NAMES = {}, {}
-for _module, _names in _DCP_CLASSES.items():
-    for _name in _names:
-        _cls = type(f"_dcp_{_name}", (_Record,), {"__module__": __name__})
-        globals()[_cls.__name__] = _RECORDS[(_module, _name)] = _cls
-        _DCP_NAMES[f"{__name__} {_cls.__name__}"] = f"{_module}\n{_name}\n"
-_DCP_NAMES[f"{__name__} _dcp__MEM_FORMAT_ENCODING"] = "torch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
-
-
-def _record(name: str, **fields) -> _Record:
-    module = next(m for m, names in _DCP_CLASSES.items() if name in names)
-    return _RECORDS[(module, name)](**fields)
-
-
-def _dcp_pickle(obj) -> bytes:
-    """``pickle.dumps(obj)`` with our records' class names replaced by DCP's (protocol 2: a GLOBAL
-    is its text, and no opcode refers to byte positions, so the rewrite is exact)."""
-    import pickletools
-
-    raw = pickle.dumps(obj, protocol=2)
-    out, last = [], 0
-    for op, arg, pos in pickletools.genops(raw):
-        if op.name == "GLOBAL" and arg in _DCP_NAMES:
-            end = raw.index(b"\n", raw.index(b"\n", pos) + 1) + 1
-            out += [raw[last:pos], b"c", _DCP_NAMES[arg].encode()]
-            last = end
-    return b"".join([*out, raw[last:]])
-
-
 # ---- writing ------------------------------------------------------------------------------------
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the CPU as DCP stores it: a tensor that is its whole storage (a view of a larger
-    one is copied, or ``torch.save`` would store all of it); from a GPU through pinned memory."""
+    """``t`` on the CPU, contiguous (an item stores exactly its tensor); from a GPU through
+    pinned memory."""
     t = t.detach()
     if t.device.type == "cpu":
-        whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-        return t if whole else t.clone()
+        return t.contiguous()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
     host.copy_(t, non_blocking=True)
     torch.cuda.current_stream(t.device).synchronize()
     return host
 
 
-def _assign(plans: list[list[tuple]]) -> list[set]:
-    """Which rank writes each chunk: its only holder, or of several holders (replicated kv heads,
-    DP copies) the one with the fewest bytes so far. The same answer on every rank."""
-    holders: dict[tuple, list[int]] = defaultdict(list)
-    size: dict[tuple, int] = {}
-    for r, plan in enumerate(plans):
-        for fqn, off, _shape, nbytes in plan:
-            holders[(fqn, off)].append(r)
-            size[(fqn, off)] = nbytes
-    load = [0] * len(plans)
-    mine: list[set] = [set() for _ in plans]
-    for key, rs in holders.items():
-        if len(rs) == 1:
-            mine[rs[0]].add(key)
-            load[rs[0]] += size[key]
-    for key in sorted((k for k, rs in holders.items() if len(rs) > 1), key=lambda k: (-size[k], k)):
-        r = min(holders[key], key=lambda r: (load[r], r))
-        mine[r].add(key)
-        load[r] += size[key]
-    return mine
-
-
-@contextmanager
-def _without_zip_crc32():
-    """``torch.save`` without the CRC32 of each zip record: the slowest part of writing (≈ 1 GB/s),
-    and redundant here: every file's checksum is in the manifest and verified before reading, and
-    ``torch.load`` (DCP's reader) does not check it."""
-    try:
-        from torch.utils.serialization import config
-    except ImportError:  # torch < 2.6 has no switch
-        yield
-        return
-    before = config.save.compute_crc32
-    config.save.compute_crc32 = False
-    try:
-        yield
-    finally:
-        config.save.compute_crc32 = before
-
-
-def _write_file(url: str, items: list[tuple[str, tuple, torch.Tensor]]) -> list[tuple]:
-    """One ``.distcp`` file: each item a ``torch.save`` archive, back to back. Returns
-    ``(fqn, offsets, file, begin, length)`` per item."""
-    name = url.rsplit("/", 1)[1]
-    out = []
-    with publish.open_write(url) as f:
-        for fqn, off, t in items:
-            begin = f.tell()
-            torch.save(_host(t), f)
-            out.append((fqn, off, name, begin, f.tell() - begin))
-    return out
-
-
-def _check_tiling(url: str, tensors: dict[str, tuple], chunks: dict[str, list]) -> None:
-    """Each tensor's chunks cover it exactly once (what DCP's global plan validation checks)."""
-    for fqn, (size, _dtype) in tensors.items():
-        cs = chunks[fqn]
-        vol = sum(int(torch.Size(sz).numel()) for _, sz in cs)
-        overlap = any(all(a0 < b0 + bs and b0 < a0 + as_ for a0, as_, b0, bs in zip(ao, asz, bo, bsz))
-                      for i, (ao, asz) in enumerate(cs) for bo, bsz in cs[i + 1 :])
-        if vol != int(torch.Size(size).numel()) or overlap:
-            raise ValueError(f"{url}: the chunks of {fqn} do not tile its {list(size)} exactly "
-                             f"({len(cs)} chunks, {vol} elements{', overlapping' if overlap else ''})")
-
-
-def _write_metadata(url: str, tensors: dict[str, tuple], written: list[tuple]) -> None:
-    """The ``.metadata`` pickle DCP writes (its classes, its fields), to a temporary name, then moved."""
-    chunks: dict[str, list] = defaultdict(list)
-    for fqn, off, shape, *_ in written:
-        chunks[fqn].append((off, shape))
-    _check_tiling(url, tensors, chunks)
-    state_md, storage, index = {}, {}, {}
-    for fqn in sorted(tensors):
-        size, dtype = tensors[fqn]
-        cs = sorted(chunks[fqn])
-        index.update({(fqn, off): i for i, (off, _) in enumerate(cs)})
-        state_md[fqn] = _record("TensorStorageMetadata", properties=_record("TensorProperties", dtype=dtype),
-                                size=torch.Size(size), chunks=[_record("ChunkStorageMetadata", offsets=torch.Size(o),
-                                                                       sizes=torch.Size(sz)) for o, sz in cs])
-    for fqn, off, _shape, name, begin, length in written:
-        key = _record("MetadataIndex", fqn=fqn, offset=torch.Size(off), index=index[(fqn, off)])
-        storage[key] = _record("_StorageInfo", relative_path=name, offset=begin, length=length)
-    md = _record("Metadata", state_dict_metadata=state_md, planner_data={fqn: (fqn,) for fqn in state_md},
-                 storage_data=storage, storage_meta=_record("StorageMeta", checkpoint_id=url, save_id=str(uuid.uuid4()),
-                                                            load_id=None, modules=[]), version=DCP_VERSION)
-    fs, path = fsspec.core.url_to_fs(url)
-    tmp = f"{path}/{METADATA}.tmp"
-    with publish.open_write(fs.unstrip_protocol(tmp)) as f:
-        f.write(_dcp_pickle(md))
-    fs.mv(tmp, f"{path}/{METADATA}")
-    publish.moved(fs, tmp, f"{path}/{METADATA}")
-
-
 def save(state: dict, url: str, threads: int = 4) -> None:
-    """Collective: every rank of the default group calls it with its own state (tensors or
-    ``Chunks``); a chunk held by several ranks is written once. Each rank writes its chunks into up
-    to ``threads`` files at once (a training state is tens of GB per rank), each hashed as it is
-    written (``publish.file_entry`` then costs no read); the lowest rank writes ``.metadata`` last.
-    A failure on any rank raises on every rank, and leaves no ``.metadata``."""
-    url = url.rstrip("/")
-    rank, world = _world()
-    pieces = _pieces(state)
-    plan = [(fqn, off, tuple(t.shape), t.numel() * t.element_size()) for fqn, (_, ps) in pieces.items() for off, t in ps.items()]
-    tensors = {fqn: (tuple(size), next(iter(ps.values())).dtype) for fqn, (size, ps) in pieces.items() if ps}
-    plans = _all_gather((plan, tensors))
-    mine = _assign([p for p, _ in plans])[rank]
-    items = sorted(((fqn, off, t) for fqn, (_, ps) in pieces.items() for off, t in ps.items() if (fqn, off) in mine),
-                   key=lambda it: -it[2].numel() * it[2].element_size())
-    buckets: list[list] = [[] for _ in range(max(1, threads))]
-    sizes = [0] * len(buckets)
-    for it in items:  # largest first, each to the lightest file (DCP's split)
-        i = sizes.index(min(sizes))
-        buckets[i].append(it)
-        sizes[i] += it[2].numel() * it[2].element_size()
-    buckets = [b for b in buckets if b]
-    error, cause, written = None, None, []
-    try:
-        fs, path = fsspec.core.url_to_fs(url)
-        fs.makedirs(path, exist_ok=True)
-        with _without_zip_crc32(), ThreadPoolExecutor(max(1, len(buckets))) as pool:
-            for part in pool.map(_write_file, [f"{url}/__{rank}_{i}.distcp" for i in range(len(buckets))], buckets):
-                written += part
-    except Exception as e:  # reported on every rank below
-        error, cause = f"rank {rank}: {type(e).__name__}: {e}", e
-    shapes = {(fqn, off): shape for fqn, off, shape, _ in plan}
-    results = _all_gather((error, [(fqn, off, shapes[(fqn, off)], name, b, n) for fqn, off, name, b, n in written]))
-    error = next((e for e, _ in results if e), None)
-    if rank == 0 and error is None:
-        all_tensors: dict = {}
-        for _, t in plans:
-            for fqn, v in t.items():
-                if all_tensors.setdefault(fqn, v) != v:
-                    error = f"{fqn} is {v} on one rank and {all_tensors[fqn]} on another"
-        try:
-            if error is None:
-                _write_metadata(url, all_tensors, [w for _, ws in results for w in ws])
-        except Exception as e:
-            error, cause = f"rank 0: {type(e).__name__}: {e}", e
-    error = job.agree(error)
-    if error is not None:
-        raise RuntimeError(f"saving the checkpoint {url} failed: {error}") from cause
+    """Collective: every rank of the stage calls it with its own state (tensors or ``Chunks``); a
+    chunk held by several ranks is written once (``dcp_format.save``: files hashed as written,
+    ``.metadata`` last, a failure on any rank raised on every rank)."""
+    pieces = [dcp_format.Piece(fqn, tuple(size), tuple(off), tuple(t.shape), dtypes.name(t.dtype),
+                               lambda t=t: HostTensor.of(_host(t)))
+              for fqn, (size, ps) in _pieces(state).items() for off, t in ps.items()]
+    dcp_format.save(pieces, url, threads)
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -348,35 +132,20 @@ READ_THREADS = 8
 _GAP_BYTES = 1 << 20  # items this close are read in one range, the bytes between them included
 
 
-class _MetaUnpickler(pickle.Unpickler):
-    """``.metadata`` into ``_Record``s; a name it does not know means a format it does not either
-    (``read_metadata`` then lets DCP's own classes read it)."""
-
-    def find_class(self, module, name):
-        if (module, name) in _RECORDS:
-            return _RECORDS[(module, name)]
-        if (module, name) == ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"):
-            return int
-        if (module, name) == ("torch.serialization", "_get_layout"):
-            return torch.serialization._get_layout
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-
 def read_metadata(url: str):
     """DCP metadata: ``state_dict_metadata`` (every stored tensor's ``size``, ``properties.dtype``
-    and ``chunks``) and ``storage_data`` (where each chunk lies)."""
-    fs, path = fsspec.core.url_to_fs(url.rstrip("/"))
-    data = fs.cat_file(f"{path}/{METADATA}")
+    — its name, a str — and ``chunks``) and ``storage_data`` (where each chunk lies)."""
     try:
-        return _MetaUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, AttributeError, TypeError, ValueError):
-        import torch.distributed.checkpoint  # noqa: F401 — another version's classes: DCP's own reader
+        return dcp_format.read_metadata(url)
+    except dcp_format.FormatError:  # another DCP version's classes: DCP's own reader
+        import torch.distributed.checkpoint  # noqa: F401
 
-        return pickle.loads(data)
+        fs, path = fsspec.core.url_to_fs(url.rstrip("/"))
+        md = pickle.loads(fs.cat_file(f"{path}/{METADATA}"))
+        for stored in md.state_dict_metadata.values():
+            if hasattr(stored, "properties"):
+                stored.properties.dtype = dcp_format.DType(dtypes.name(stored.properties.dtype))
+        return md
 
 
 @dataclass
@@ -765,7 +534,7 @@ def load(state: dict, url: str, block_bytes: int | None = None, threads: int | N
         with torch.no_grad():
             _read(url, _plan(state, read_metadata(url), url), block_bytes or BLOCK_BYTES, threads or READ_THREADS)
     except Exception as e:  # reported on every rank below
-        error, cause = f"rank {_world()[0]}: {type(e).__name__}: {e}", e
+        error, cause = f"rank {job.rank_world()[0]}: {type(e).__name__}: {e}", e
     error = job.agree(error)
     if error is not None:
         raise RuntimeError(f"loading the checkpoint {url} failed: {error}") from cause
@@ -777,5 +546,4 @@ def load_model(model, url: str) -> None:
         for p in model.parameters():
             p.zero_()  # vocabulary padding rows are not in the checkpoint: they must read as zeros
         load(model_state(model), url)
-    if dist.is_initialized():
-        dist.barrier()
+    job.barrier()

@@ -17,11 +17,14 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+from .config import LlamaConfig, pad_vocab, split_layers
 
-from .config import LlamaConfig, pad_vocab
+if TYPE_CHECKING:
+    import torch
+# torch is imported by the functions that build tensors: the mapping itself (names, shapes,
+# slices) serves stages that never import it (shard, export).
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,29 @@ def hf_shapes(cfg: LlamaConfig, head: str = "lm") -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def stage_param_names(cfg: LlamaConfig, head: str, pp: int, pp_rank: int) -> list[str]:
+    """Our parameter names on pipeline stage ``pp_rank`` of ``pp`` (any TP rank: TP splits
+    parameters, never names them), as lib/model.py's models name them: the embedding on the first
+    stage, the layers of ``split_layers``, the final norm and the head on the last. With tied
+    embeddings the head is the embedding (pp 1) or the last stage's copy of it."""
+    names = ["model.embed_tokens.weight"] if pp_rank == 0 else []
+    for n in split_layers(cfg.num_layers, pp)[pp_rank]:
+        p = f"model.layers.{n}."
+        names += [p + "input_layernorm.weight", p + "self_attn.qkv_proj.weight"]
+        names += [p + "self_attn.qkv_proj.bias"] if cfg.attention_bias else []
+        names += [p + "self_attn.o_proj.weight"] + ([p + "self_attn.o_proj.bias"] if cfg.attention_bias else [])
+        names += [p + "post_attention_layernorm.weight", p + "mlp.gate_up_proj.weight"]
+        names += [p + "mlp.gate_up_proj.bias"] if cfg.mlp_bias else []
+        names += [p + "mlp.down_proj.weight"] + ([p + "mlp.down_proj.bias"] if cfg.mlp_bias else [])
+    if pp_rank == pp - 1:
+        names.append("model.norm.weight")
+        if head == "score":
+            names.append("score.weight")
+        elif not (cfg.tie_word_embeddings and pp == 1):
+            names.append("lm_head.weight")
+    return names
+
+
 def _whole(cfg: LlamaConfig, name: str) -> Slice:
     shape = hf_shapes(cfg, "score" if name == "score.weight" else "lm").get(name)
     if shape is None:
@@ -120,7 +146,7 @@ def _whole(cfg: LlamaConfig, name: str) -> Slice:
 # ---- reading and writing shards ----------------------------------------------------------------
 
 # (hf_name, dim, start, stop) -> the rows/cols that exist in the HF tensor, as a tensor.
-SliceReader = Callable[[str, int, int, int], torch.Tensor]
+SliceReader = Callable[[str, int, int, int], "torch.Tensor"]
 
 
 def read_slice(read: SliceReader, s: Slice, hf_size: int) -> torch.Tensor:
@@ -133,6 +159,8 @@ def read_slice(read: SliceReader, s: Slice, hf_size: int) -> torch.Tensor:
     if part is None:
         raise ValueError(f"slice {s} lies entirely in padding")
     pad_shape[s.dim] = s.stop - stop
+    import torch
+
     return torch.cat([part, part.new_zeros(pad_shape)], dim=s.dim)
 
 
@@ -141,6 +169,8 @@ def build_local(cfg: LlamaConfig, tp: int, tp_rank: int, name: str, read: SliceR
     shapes = hf_shapes(cfg, head)
     slices = param_slices(cfg, tp, tp_rank, name)
     parts = [read_slice(read, s, shapes[s.hf_name][s.dim]) for s in slices]
+    import torch
+
     return torch.cat(parts, dim=slices[0].dim)
 
 
@@ -153,6 +183,8 @@ def random_reader(cfg: LlamaConfig, seed: int, std: float = 0.02) -> SliceReader
     """A reader over a random HF checkpoint: each tensor drawn from its own generator (seeded by
     ``seed`` and the tensor's name), norms at one. The same weights whatever the layout that
     reads them, which is what makes TP/PP runs comparable without a checkpoint."""
+    import torch
+
     cache: dict[str, torch.Tensor] = {}
     shapes = hf_shapes(cfg, "lm") | hf_shapes(cfg, "score")
 

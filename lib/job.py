@@ -21,9 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-import torch.distributed as dist
-
 from .errors import EXIT_PEER_LOST, EXIT_STATUS_ENV, EXIT_USER_ERROR, UserError
+from .iogroup import IOGroup, PeerLost
 
 C = TypeVar("C")
 
@@ -54,13 +53,77 @@ def _load(cls, argv):
     parser.error("give --config or --config-json")
 
 
+# ---- the stage's processes: torch.distributed's group, or an IOGroup ------------------------------
+# Stages that compute join torch.distributed (lib/parallel.py); stages that only move bytes join an
+# ``IOGroup`` (``join_io_group``) and never import torch. The collectives below serve both.
+
+_io_group: IOGroup | None = None
+
+
+def _dist():
+    """torch.distributed when this process is in its process group, else None (without importing
+    torch: a process that never imported it is in no such group)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
+def join_io_group(timeout_s: float) -> None:
+    """Join the stage's processes (torchrun's environment) as an ``IOGroup``; nothing to do in a
+    process already in a torch.distributed group (tests run stages so)."""
+    global _io_group
+    if _dist() is None and _io_group is None:
+        token = "|".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_PORT"))
+        _io_group = IOGroup.from_env(timeout_s, token + "|" + " ".join(sys.argv[1:]))
+        mark("process_group")
+
+
+def rank_world() -> tuple[int, int]:
+    if (dist := _dist()) is not None:
+        return dist.get_rank(), dist.get_world_size()
+    if _io_group is not None:
+        return _io_group.rank, _io_group.world
+    return 0, 1
+
+
+def all_gather_object(obj) -> list:
+    """Collective: every rank's ``obj``, by rank."""
+    if (dist := _dist()) is not None:
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return _io_group.all_gather(obj) if _io_group is not None else [obj]
+
+
+def broadcast_object(obj=None):
+    """Collective: rank 0's ``obj`` on every rank."""
+    if (dist := _dist()) is not None:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return _io_group.broadcast(obj) if _io_group is not None else obj
+
+
+def barrier() -> None:
+    if (dist := _dist()) is not None:
+        dist.barrier()
+    elif _io_group is not None:
+        _io_group.barrier()
+
+
+def _leave() -> None:
+    global _io_group
+    if (dist := _dist()) is not None:
+        dist.destroy_process_group()
+    if _io_group is not None:
+        _io_group.close()
+        _io_group = None
+
+
 def agree(error: str | None) -> str | None:
     """Collective: the first error any rank hit (by rank), or None if none did."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if rank_world()[1] == 1:
         return error
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e is not None), None)
+    return next((e for e in all_gather_object(error) if e is not None), None)
 
 
 @dataclass(frozen=True)
@@ -74,8 +137,6 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
     for a user error (printed by rank 0 as ``error: …``) or a lost peer (printed by every rank
     that saw it), None when done. Bugs keep their traceback. The process group is gone afterwards,
     either way. The one path into a stage: ``main`` for processes, ``cluster.slurm``'s tasks."""
-    from . import liveness
-
     mark("imported")
     try:
         config = _load(cls, argv)
@@ -95,9 +156,9 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
         return Failure(EXIT_PEER_LOST, error)
     finally:
         mark("end")
-        liveness.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if (liveness := sys.modules.get(f"{__package__}.liveness")) is not None:  # torch.distributed's stages
+            liveness.stop()
+        _leave()
         _write_profile()
     return None
 
@@ -108,19 +169,23 @@ _PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken 
 
 def _lost_peer(e: BaseException) -> bool:
     """Did ``e`` come from a collective or the rendezvous losing another process (not a bug here)?"""
-    dist_error = getattr(dist, "DistError", ())
+    if isinstance(e, PeerLost):
+        return True
+    dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", ())
     return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_SIGNS))
 
 
 def _peer_error(e: BaseException) -> str:
     from . import liveness
 
+    if isinstance(e, PeerLost):  # it names the process already
+        return f"{e}; the stage stopped, nothing unfinished is published: rerun it to resume"
     text = " ".join(str(e).split())
     text = re.sub(r"^\[[^\]]*\] ", "", text)  # gloo prefixes its source file and line
     text = text.split(" This is typically caused")[0][:200]  # and may add advice meant for its own bug tracker
     me = f"rank {os.environ.get('RANK', '0')} on {socket.gethostname()}"
     master = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    if not dist.is_initialized() or "waiting for clients" in text or "client socket has timed out" in text:
+    if _dist() is None or "waiting for clients" in text or "client socket has timed out" in text:
         return (f"{me}: the stage's processes did not all join the rendezvous at {master} within "
                 f"collective_timeout_s ({text}); check that every node started and can reach {master}")
     lost = liveness.lost_ranks()
@@ -209,7 +274,7 @@ def verify_input(root: str, manifest: dict, prefix: str = "") -> None:
     from . import publish
 
     names = sorted(k for k in manifest["files"] if k.startswith(prefix))
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = rank_world()
     error = None
     try:
         publish.verify(root, manifest["files"], publish.share(manifest["files"], names, rank, world))
@@ -224,20 +289,16 @@ def file_entries(root: str, names: list[str]) -> dict:
     was written: that rank's entry is used. The rest are read and hashed, each rank a share."""
     from . import publish
 
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = rank_world()
     known = {n: e for n in names if (e := publish.written_entry(f"{root}/{n}")) is not None}
     if world > 1:
-        parts: list = [None] * world
-        dist.all_gather_object(parts, known)
-        known = {k: v for p in parts for k, v in p.items()}
+        known = {k: v for p in all_gather_object(known) for k, v in p.items()}
     rest = [n for n in names if n not in known]
     if not rest:
         return {n: known[n] for n in names}
     mine = publish.file_entries(root, rest[rank::world])
     if world > 1:
-        parts = [None] * world
-        dist.all_gather_object(parts, mine)
-        mine = {k: v for p in parts for k, v in p.items()}
+        mine = {k: v for p in all_gather_object(mine) for k, v in p.items()}
     return {n: known.get(n) or mine[n] for n in names}
 
 
@@ -250,14 +311,10 @@ def prepare_output(out: str, is_current, request: dict | None = None) -> str:
     _work_start = _work_start or time.time()
 
     decision, error = None, None
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank_world()[0] == 0:
         try:
             decision = publish.prepare(out, is_current, request)
         except UserError as e:
             error = str(e)
     check(error)
-    if dist.is_initialized():
-        box = [decision]
-        dist.broadcast_object_list(box, src=0)
-        decision = box[0]
-    return decision
+    return broadcast_object(decision)

@@ -4,23 +4,29 @@
 S3 or NFS should fetch only those bytes: the format is an 8-byte header length, a JSON header
 with each tensor's dtype, shape and byte range, then raw little-endian data — so a row range of a
 tensor is one range read, and a column range is read in bounded row blocks.
+
+No torch here: tensors are read into and written from numpy arrays of their storage
+(``dtypes.HostTensor``), so that shard and export, which only move bytes, never import it; torch
+callers get views of the same memory (``read``, and ``write_file`` takes torch tensors too).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
+from typing import Callable
 
 import fsspec
-import torch
+import numpy as np
 
 from . import publish
-from .dtypes import SAFETENSORS_CODES
+from .dtypes import SAFETENSORS_CODES, HostTensor, numpy_storage
 from .errors import UserError
 
-# A header's dtype code ("BF16") → torch dtype, from lib/dtypes.py's table.
-CODES = {code: getattr(torch, name) for code, name in SAFETENSORS_CODES.items()}
+# A header's dtype code ("BF16") → torch's name of the dtype ("bfloat16"), from lib/dtypes.py's table.
+CODES = SAFETENSORS_CODES
 
 # Column slices are read this many source bytes at a time, bounding the extra memory per rank.
 _BLOCK_BYTES = 16 << 20
@@ -32,7 +38,7 @@ class SafetensorsError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class TensorInfo:
-    dtype: torch.dtype
+    dtype: str  # torch's name: "bfloat16"
     shape: tuple[int, ...]
     begin: int  # absolute byte offset in the file
     end: int
@@ -66,37 +72,40 @@ class SafetensorsFile:
                 raise SafetensorsError(f"{url}: truncated ({size} bytes, tensor {name} ends at {end}); re-copy the file")
             self.tensors[name] = TensorInfo(CODES[info["dtype"]], tuple(info["shape"]), begin, end)
 
-    def _read(self, begin: int, end: int, dtype: torch.dtype, shape) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
+    def _read(self, f, begin: int, end: int, dtype: str, shape):
+        out = np.empty(shape, dtype=numpy_storage(dtype))
         if end > begin:
-            # Straight into the tensor's memory: no intermediate bytes object.
-            buf = memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
-            with self.fs.open(self.path, "rb") as f:
-                f.seek(begin)
-                if f.readinto(buf) != end - begin:
-                    raise SafetensorsError(f"{self.url}: short read; the file changed while being read")
+            f.seek(begin)  # straight into the array's memory: no intermediate bytes object
+            if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != end - begin:
+                raise SafetensorsError(f"{self.url}: short read; the file changed while being read")
         return out
 
-    def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def read_host(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> HostTensor:
         """Rows (dim 0) or columns (dim 1) ``start:stop`` of tensor ``name``."""
         info = self.tensors[name]
         shape = info.shape
         stop = shape[dim] if stop is None else stop
-        itemsize = torch.empty((), dtype=info.dtype).element_size()
-        if dim == 0:
-            row = itemsize * (int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
-            return self._read(info.begin + start * row, info.begin + stop * row, info.dtype, (stop - start, *shape[1:]))
-        if dim != 1 or len(shape) != 2:
-            raise ValueError(f"only row or column slices of 2-D tensors are supported ({name}, dim {dim})")
-        rows, cols = shape
-        row_bytes = cols * itemsize
-        step = max(1, _BLOCK_BYTES // row_bytes)
-        out = torch.empty((rows, stop - start), dtype=info.dtype)
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            block = self._read(info.begin + r0 * row_bytes, info.begin + r1 * row_bytes, info.dtype, (r1 - r0, cols))
-            out[r0:r1] = block[:, start:stop]
-        return out
+        itemsize = numpy_storage(info.dtype).itemsize
+        with self.fs.open(self.path, "rb") as f:
+            if dim == 0:
+                row = itemsize * math.prod(shape[1:])
+                data = self._read(f, info.begin + start * row, info.begin + stop * row, info.dtype, (stop - start, *shape[1:]))
+                return HostTensor(info.dtype, data)
+            if dim != 1 or len(shape) != 2:
+                raise ValueError(f"only row or column slices of 2-D tensors are supported ({name}, dim {dim})")
+            rows, cols = shape
+            row_bytes = cols * itemsize
+            step = max(1, _BLOCK_BYTES // row_bytes)
+            out = np.empty((rows, stop - start), dtype=numpy_storage(info.dtype))
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                block = self._read(f, info.begin + r0 * row_bytes, info.begin + r1 * row_bytes, info.dtype, (r1 - r0, cols))
+                out[r0:r1] = block[:, start:stop]
+        return HostTensor(info.dtype, out)
+
+    def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None):
+        """``read_host`` as a torch tensor."""
+        return self.read_host(name, dim, start, stop).torch()
 
 
 class SafetensorsCheckpoint:
@@ -131,34 +140,53 @@ class SafetensorsCheckpoint:
     def info(self, name: str) -> TensorInfo:
         return self.files[self.where[name]].tensors[name]
 
-    def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+    def read_host(self, name: str, dim: int, start: int, stop: int) -> HostTensor:
+        return self.files[self.where[name]].read_host(name, dim, start, stop)
+
+    def read(self, name: str, dim: int, start: int, stop: int):
         return self.files[self.where[name]].read(name, dim, start, stop)
 
 
-# torch dtype → a header's dtype code, from the same table.
-_CODE_OF = {dtype: code for code, dtype in CODES.items()}
+# torch's name of a dtype → a header's dtype code, from the same table.
+_CODE_OF = {name: code for code, name in CODES.items()}
 
 
-def write_file(url: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict:
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor to write whose bytes are fetched when its turn comes (``get()``): a file's
+    header needs only dtypes and shapes, so a writer need not hold the whole file in memory."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    get: Callable[[], HostTensor]
+
+
+def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None) -> dict:
     """Write a safetensors file at any fsspec URL, streamed from the tensors' memory (no copy of the
     whole file) and hashed on the way; returns its manifest entry (``bytes`` and checksum).
+    ``tensors``: ``HostTensor``s, ``Deferred``s or CPU torch tensors.
 
     The layout is the safetensors library's: header JSON padded with spaces to 8 bytes, tensors
     ordered by element size (largest first, so each starts aligned), then name, with no gaps."""
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    host = {n: t if isinstance(t, (HostTensor, Deferred)) else HostTensor.of(t) for n, t in tensors.items()}
+    specs = {n: (t.dtype, tuple(t.shape), math.prod(t.shape) * numpy_storage(t.dtype).itemsize) for n, t in host.items()}
+    order = sorted(host, key=lambda n: (-numpy_storage(specs[n][0]).itemsize, n))
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name in order:
-        t = tensors[name]
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _CODE_OF[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
+        dtype, shape, nbytes = specs[name]
+        header[name] = {"dtype": _CODE_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     with publish.open_write(url) as f:
         f.write(struct.pack("<Q", len(head)) + head)
         for name in order:
-            t = tensors[name].detach().cpu().contiguous()
-            if t.numel():
-                f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+            t = host[name].get() if isinstance(host[name], Deferred) else host[name]
+            if (t.dtype, tuple(t.shape)) != specs[name][:2]:
+                raise ValueError(f"{url}: {name} came as {t.dtype} {list(t.shape)}, planned as "
+                                 f"{specs[name][0]} {list(specs[name][1])}")
+            if t.nbytes:
+                f.write(memoryview(np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)))
+            del t
     return f.entry()

@@ -19,19 +19,17 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import fsspec
-import torch
-import torch.distributed as dist
 
 from llamarl.lib import dtypes, hf_mapping, job, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.lib.errors import UserError
-from llamarl.lib.parallel import Topology
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-# pyarrow is imported where a part is built, read or written: shard and export, which read
-# none, do not pay its import (1.3 s of a process's start on the GPU machines).
+# No torch and no pyarrow at import: shard and export, which only move bytes, run without either
+# (torch is 4.5 s of a process's start on the GPU machines, pyarrow 1.3 s); pyarrow is imported
+# where a part is built, read or written.
 
 # ---- what each stage publishes: the manifest's kind ------------------------------------------------------
 
@@ -49,7 +47,7 @@ def skip_if_current(out: str, expect: dict, done: str, request: dict | None = No
     for this run: resumed when it holds our unfinished output of the same ``request``, else emptied."""
     if job.prepare_output(out, lambda m: all(m.get(k) == v for k, v in expect.items()), request) != "skip":
         return False
-    if dist.get_rank() == 0:
+    if job.rank_world()[0] == 0:
         print(f"{out}: {done}, nothing to do", flush=True)
     return True
 
@@ -232,13 +230,15 @@ def hf_side_files(manifest: dict) -> list[str]:
     return sorted(k.removeprefix(f"{HF}/") for k in manifest["files"] if k.startswith(f"{HF}/"))
 
 
-def checkpoint_manifest(model_cfg: LlamaConfig, head: str, dtype: torch.dtype, hf_config: dict, source: dict,
-                        files: dict, topo: Topology, **extra: Any) -> dict:
-    """The manifest of a checkpoint written by a job of topology ``topo`` (the written layout).
+def checkpoint_manifest(model_cfg: LlamaConfig, head: str, dtype, hf_config: dict, source: dict,
+                        files: dict, topo, **extra: Any) -> dict:
+    """The manifest of a checkpoint written by a job of topology ``topo`` (the written layout: a
+    ``parallel.Topology``, or anything with its ``tp`` and ``pp``). ``dtype``: torch's or its name.
 
     ``source``: ``{url, files}`` of the HF checkpoint the weights come from (ppo's carry their
     actor's along). ``extra``: what only one writer knows (shard's ``ranks``, ppo's ``train_state``)."""
-    return {"kind": CHECKPOINT, "head": head, "dtype": dtypes.name(dtype), "model_config": model_cfg.to_dict(),
+    return {"kind": CHECKPOINT, "head": head, "dtype": dtype if isinstance(dtype, str) else dtypes.name(dtype),
+            "model_config": model_cfg.to_dict(),
             "hf_config": hf_config, "written_layout": {"tp": topo.tp, "pp": topo.pp},
             "tensors": {n: list(s) for n, s in hf_mapping.hf_shapes(model_cfg, head).items()},
             "source": source, "files": files, "timing": job.timing(), **extra}

@@ -12,17 +12,21 @@ and dtype, and the byte total. A smaller or renamed model fails loudly instead o
 from __future__ import annotations
 
 import json
+import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-import torch
-import torch.distributed as dist
-
-from llamarl.lib import checkpoint, dtypes, hf_mapping, job, parallel, publish
+from llamarl.lib import dcp_format, dtypes, hf_mapping, job, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.lib.errors import UserError
-from llamarl.lib.safetensors_io import SafetensorsFile, write_file
+from llamarl.lib.safetensors_io import Deferred, SafetensorsFile, write_file
 from llamarl.stages import contract
 from llamarl.stages.config import ExportConfig
+
+# No torch here: export moves bytes (numpy arrays of the tensors' storage, lib/dtypes.HostTensor)
+# over a torch-free process group (lib/iogroup.py), and starts in a fraction of a second.
+
+READ_AHEAD = 4  # tensors read (and converted) at once by each rank's threads, in file order
 
 
 def plan_files(shapes: dict[str, tuple], itemsize: int, max_bytes: int) -> list[list[str]]:
@@ -30,7 +34,7 @@ def plan_files(shapes: dict[str, tuple], itemsize: int, max_bytes: int) -> list[
     tensor gets a file of its own)."""
     files, current, size = [], [], 0
     for name, shape in shapes.items():
-        n = itemsize * int(torch.Size(shape).numel())
+        n = itemsize * math.prod(shape)
         if current and size + n > max_bytes:
             files.append(current)
             current, size = [], 0
@@ -45,15 +49,24 @@ def file_names(n: int) -> list[str]:
     return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def hf_config_for(manifest: dict, head: str, dtype: torch.dtype) -> dict:
+def hf_config_for(manifest: dict, head: str, dtype: str) -> dict:
     cfg = LlamaConfig.from_dict(manifest["model_config"])
     out = {**manifest.get("hf_config", {})}
     out.update(cfg.to_hf("LlamaForCausalLM" if head == "lm" else "LlamaForSequenceClassification"))
     out.pop("rope_parameters", None)  # rope_theta / rope_scaling above are the source of truth
-    out["torch_dtype"] = dtypes.name(dtype)
+    out["torch_dtype"] = dtype
     if head == "score":
         out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return out
+
+
+def _read_metadata(url: str):
+    try:
+        return dcp_format.read_metadata(url)
+    except dcp_format.FormatError:  # another DCP version's classes: read through torch's (rare)
+        from llamarl.lib import checkpoint
+
+        return checkpoint.read_metadata(url)
 
 
 def run(cfg: ExportConfig) -> None:
@@ -62,7 +75,9 @@ def run(cfg: ExportConfig) -> None:
     model_cfg = LlamaConfig.from_dict(manifest["model_config"])
     head = manifest["head"]
     shapes = hf_mapping.hf_shapes(model_cfg, head)
-    stored = checkpoint.read_metadata(f"{src}/{contract.MODEL}").state_dict_metadata
+    model_url = f"{src}/{contract.MODEL}"
+    md = _read_metadata(model_url)
+    stored = md.state_dict_metadata
     missing = [n for n in shapes if n not in stored]
     if missing:
         raise UserError(f"{src}: the checkpoint lacks {len(missing)} tensors of its model (first: {missing[0]}); "
@@ -70,43 +85,41 @@ def run(cfg: ExportConfig) -> None:
     for n, shape in shapes.items():
         if tuple(stored[n].size) != tuple(shape):
             raise UserError(f"{src}: {n} is stored with shape {list(stored[n].size)}, its config implies {list(shape)}")
-    src_dtype = stored[next(iter(shapes))].properties.dtype
-    out_dtype = dtypes.torch_dtype(cfg.dtype) if cfg.dtype else src_dtype
+    src_dtype = str(stored[next(iter(shapes))].properties.dtype)
+    out_dtype = dtypes.torch_name(cfg.dtype) if cfg.dtype else src_dtype
 
-    # Pure I/O on CPU tensors; any number of processes, each writing whole files.
-    parallel.init(1, 1, backend="gloo", timeout_s=cfg.collective_timeout_s)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    t0 = time.perf_counter()  # after start-up (imports, process groups): the work itself
+    # Any number of processes, each writing whole files.
+    job.join_io_group(cfg.collective_timeout_s)
+    rank, world = job.rank_world()
+    t0 = time.perf_counter()  # after start-up (imports, process group): the work itself
 
     if cfg.verify:
         job.verify_input(src, manifest)
 
-    expect = {"kind": contract.HF_EXPORT, "head": head, "dtype": dtypes.name(out_dtype),
+    expect = {"kind": contract.HF_EXPORT, "head": head, "dtype": out_dtype,
               "source": {"url": src, "created": manifest["created"], "files": manifest["files"]}}
     if contract.skip_if_current(dst, expect, "already exported from this checkpoint"):
         return
 
-    itemsize = torch.empty((), dtype=out_dtype).element_size()
-    groups = plan_files(shapes, itemsize, int(cfg.max_shard_gb * 2**30))
+    groups = plan_files(shapes, dtypes.itemsize(out_dtype), int(cfg.max_shard_gb * 2**30))
     names = file_names(len(groups))
     written: dict[str, dict] = {}
-    # Round r: rank k writes file r*world + k. Loading is collective, so every rank takes part in
-    # every round, with an empty request when it has no file left.
-    for r in range(-(-len(groups) // world)):
-        i = r * world + rank
-        tensors = {n: torch.empty(shapes[n], dtype=stored[n].properties.dtype) for n in groups[i]} if i < len(groups) else {}
-        checkpoint.load(tensors, f"{src}/{contract.MODEL}")
-        if tensors:
-            out = {n: t.to(out_dtype) for n, t in tensors.items()}
-            url = f"{dst}/{names[i]}"
-            written[names[i]] = write_file(url, out, metadata={"format": "pt"})  # hashed as written
-            del out
-        del tensors
-    parts: list = [None] * world
-    dist.all_gather_object(parts, written)
-    files = {k: v for p in parts for k, v in p.items()}
-
     error = None
+    try:
+        with ThreadPoolExecutor(READ_AHEAD) as pool:
+            for i in range(rank, len(groups), world):  # rank k writes files k, k + world, …
+                def read(name: str):
+                    t = dcp_format.read_whole(model_url, md, name)
+                    return t.to(out_dtype)
+
+                tensors = {n: Deferred(out_dtype, tuple(shapes[n]), get)
+                           for n, get in _ahead(pool, read, sorted(groups[i])).items()}
+                written[names[i]] = write_file(f"{dst}/{names[i]}", tensors, metadata={"format": "pt"})  # hashed as written
+    except (OSError, dcp_format.FormatError) as e:
+        error = f"rank {rank}: {src}: {e}; the checkpoint is damaged: reshard it"
+    job.check(error)
+    files = {k: v for part in job.all_gather_object(written) for k, v in part.items()}
+
     if rank == 0:
         try:
             _write_side_files(src, dst, manifest, head, out_dtype, groups, names, files)
@@ -119,7 +132,22 @@ def run(cfg: ExportConfig) -> None:
         dt = time.perf_counter() - t0
         total = sum(v["bytes"] for k, v in files.items() if k.endswith(".safetensors"))
         print(f"{dst}: exported {total / 1e9:.2f} GB ({len(names)} file(s)) in {dt:.1f}s ({total / 1e9 / dt:.2f} GB/s)", flush=True)
-    dist.barrier()
+    job.barrier()
+
+
+def _ahead(pool: ThreadPoolExecutor, read, names: list[str]):
+    """``{name: () -> read(name)}``, to be called in the order of ``names``: up to ``READ_AHEAD``
+    reads run ahead of the one being written, and each tensor is dropped once written."""
+    futures = {}
+
+    def get(name: str):
+        i = names.index(name)
+        for n in names[i : i + READ_AHEAD]:
+            if n not in futures:
+                futures[n] = pool.submit(read, n)
+        return futures.pop(name).result()
+
+    return {name: (lambda name=name: get(name)) for name in names}
 
 
 def _write_side_files(src, dst, manifest, head, dtype, groups, names, files) -> None:
@@ -135,8 +163,8 @@ def _write_side_files(src, dst, manifest, head, dtype, groups, names, files) -> 
         gen = {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
         put("generation_config.json", json.dumps(gen, indent=2).encode())
     if len(names) > 1:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        total = sum(itemsize * int(torch.Size(s).numel()) for s in hf_mapping.hf_shapes(LlamaConfig.from_dict(manifest["model_config"]), head).values())
+        itemsize = dtypes.itemsize(dtype)
+        total = sum(itemsize * math.prod(s) for s in hf_mapping.hf_shapes(LlamaConfig.from_dict(manifest["model_config"]), head).values())
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: fname for group, fname in zip(groups, names) for n in group}}
         put("model.safetensors.index.json", json.dumps(index, indent=2).encode())
@@ -144,7 +172,7 @@ def _write_side_files(src, dst, manifest, head, dtype, groups, names, files) -> 
 
 def _check_written(dst, shapes, dtype, groups, names) -> None:
     """Re-read every written header: the exact set of names, shapes, dtype and bytes expected."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtypes.itemsize(dtype)
     seen: dict[str, str] = {}
     total = 0
     for group, fname in zip(groups, names):
@@ -156,12 +184,12 @@ def _check_written(dst, shapes, dtype, groups, names) -> None:
                 raise UserError(f"{dst}: {n} written twice ({seen[n]} and {fname}); export failed, nothing published")
             seen[n] = fname
             if tuple(info.shape) != tuple(shapes[n]) or info.dtype != dtype:
-                raise UserError(f"{dst}/{fname}: {n} is {dtypes.name(info.dtype)} {list(info.shape)}, expected "
-                                f"{dtypes.name(dtype)} {list(shapes[n])}; export failed, nothing published")
+                raise UserError(f"{dst}/{fname}: {n} is {info.dtype} {list(info.shape)}, expected "
+                                f"{dtype} {list(shapes[n])}; export failed, nothing published")
             total += info.end - info.begin
     if set(seen) != set(shapes):
         raise UserError(f"{dst}: {len(set(shapes) - set(seen))} tensors were not written; export failed, nothing published")
-    expected = sum(itemsize * int(torch.Size(s).numel()) for s in shapes.values())
+    expected = sum(itemsize * math.prod(s) for s in shapes.values())
     if total != expected:
         raise UserError(f"{dst}: wrote {total} bytes of weights, expected {expected}; export failed, nothing published")
 

@@ -19,15 +19,16 @@ import resource
 import time
 
 import fsspec
-import torch
-import torch.distributed as dist
 
-from llamarl.lib import checkpoint, dtypes, hf_mapping, job, parallel, publish
+from llamarl.lib import dcp_format, dtypes, hf_mapping, job, publish
 from llamarl.lib.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import SafetensorsCheckpoint
 from llamarl.stages import contract
 from llamarl.stages.config import ShardConfig
+
+# No torch here: shard moves bytes (numpy arrays of the tensors' storage, lib/dtypes.HostTensor)
+# over a torch-free process group (lib/iogroup.py), and starts in a fraction of a second.
 
 
 def head_of(hf_config: dict) -> str:
@@ -39,39 +40,23 @@ def head_of(hf_config: dict) -> str:
     return "lm"
 
 
-def _model_class(head: str):
-    from llamarl.lib.model import ParallelLlamaForCausalLM, ParallelLlamaForScore
-
-    return ParallelLlamaForCausalLM if head == "lm" else ParallelLlamaForScore
-
-
-def _check_weights(src: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, root: str) -> torch.dtype:
-    """Every tensor the config implies exists with the implied shape; returns the source dtype."""
+def _check_weights(src: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, root: str) -> str:
+    """Every tensor the config implies exists with the implied shape; returns the source dtype's name."""
     expected = hf_mapping.hf_shapes(cfg, head)
     missing = [n for n in expected if n not in src.where]
     if missing:
         raise UserError(f"{root}: {len(missing)} tensors that config.json implies are missing (first: {missing[0]}); "
                         "the weights do not match the config")
-    dtypes = set()
+    found = set()
     for name, shape in expected.items():
         info = src.info(name)
         if tuple(info.shape) != tuple(shape):
             raise UserError(f"{root}/{src.where[name]}: {name} has shape {list(info.shape)} but config.json implies "
                             f"{list(shape)}; the config and the weights disagree")
-        dtypes.add(info.dtype)
-    if len(dtypes) != 1:
-        raise UserError(f"{root}: mixed weight dtypes {sorted(map(str, dtypes))}; pass --dtype to choose one")
-    return dtypes.pop()
-
-
-def _local_param_names(cfg: LlamaConfig, head: str, layout: ParallelLayout) -> list[str]:
-    # The model is built for its parameter names only: on the CPU, and its weights never touched
-    # (its layers allocate with torch.empty: no memory is committed; test_peak_memory_... checks).
-    # Not on the meta device: its first computation there (the rotary frequencies) imports
-    # torch._dynamo, 0.3-0.8 s and ~80 MB in every process.
-    with torch.device("cpu"):
-        model = _model_class(head)(cfg, layout, dtype=torch.bfloat16)
-    return [n for n, _ in model.named_parameters()]
+        found.add(info.dtype)
+    if len(found) != 1:
+        raise UserError(f"{root}: mixed weight dtypes {sorted(found)}; pass --dtype to choose one")
+    return found.pop()
 
 
 def _rss_bytes() -> int:
@@ -81,6 +66,27 @@ def _rss_bytes() -> int:
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _pieces(weights: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, layout: ParallelLayout, rank: int,
+            dtype: str) -> list[dcp_format.Piece]:
+    """The chunks rank ``rank`` of the layout owns (the slices of the HF tensors its parameters
+    are made of), each read from the source files when it is written."""
+    tp_rank, pp_rank = rank % layout.tp, rank // layout.tp  # lib/parallel.py's order, dp = 1
+    shapes = hf_mapping.hf_shapes(cfg, head)
+    pieces: dict[tuple, dcp_format.Piece] = {}
+    for name in hf_mapping.stage_param_names(cfg, head, layout.pp, pp_rank):
+        for s in hf_mapping.param_slices(cfg, layout.tp, tp_rank, name):
+            size = shapes[s.hf_name]
+            stop = min(s.stop, size[s.dim])  # rows past the end are vocabulary padding: not stored
+            if stop <= s.start:
+                continue
+            off, shape = [0] * len(size), list(size)
+            off[s.dim], shape[s.dim] = s.start, stop - s.start
+            pieces[(s.hf_name, tuple(off))] = dcp_format.Piece(
+                s.hf_name, size, tuple(off), tuple(shape), dtype,
+                lambda s=s, stop=stop: weights.read_host(s.hf_name, s.dim, s.start, stop).to(dtype))
+    return list(pieces.values())
 
 
 def run(cfg: ShardConfig) -> None:
@@ -96,40 +102,27 @@ def run(cfg: ShardConfig) -> None:
     layout.check(model_cfg)
     weights = SafetensorsCheckpoint(src)
     src_dtype = _check_weights(weights, model_cfg, head, src)
-    out_dtype = dtypes.torch_dtype(cfg.dtype) if cfg.dtype else src_dtype
+    out_dtype = dtypes.torch_name(cfg.dtype) if cfg.dtype else src_dtype
 
-    # Pure I/O on CPU tensors: gloo even where GPUs are present.
-    topo = parallel.init(cfg.tp, cfg.pp, dp=1, backend="gloo", timeout_s=cfg.collective_timeout_s, stage="shard")
-    rank = dist.get_rank()
-    t0 = time.perf_counter()  # after start-up (imports, process groups): the work itself
+    job.join_io_group(cfg.collective_timeout_s)
+    rank, world = job.rank_world()
+    if world != cfg.tp * cfg.pp:
+        raise UserError(f"shard runs with tp*pp*dp = {cfg.tp}*{cfg.pp}*1 = {cfg.tp * cfg.pp} processes, not {world}; "
+                        "launch it through `llamarl stage` or `llamarl run`, which start that many")
+    t0 = time.perf_counter()  # after start-up (imports, process group): the work itself
 
     source_files = sorted(set(weights.where.values()) | {n for n in contract.SIDE_FILES if fs.exists(f"{src_path}/{n}")}
                           | ({"model.safetensors.index.json"} if fs.exists(f"{src_path}/model.safetensors.index.json") else set()))
     source = {"url": src, "files": job.file_entries(src, source_files)}
-    expect = {"kind": contract.CHECKPOINT, "head": head, "dtype": dtypes.name(out_dtype), "source": source}
+    expect = {"kind": contract.CHECKPOINT, "head": head, "dtype": out_dtype, "source": source}
     if contract.skip_if_current(dst, expect, "already sharded from this source"):
         return
 
-    # This rank's slices, read straight from the source files.
     rss_before = _rss_bytes()
-    state: dict[str, checkpoint.Chunks] = {}
-    shapes = hf_mapping.hf_shapes(model_cfg, head)
-    nbytes = 0
-    for name in _local_param_names(model_cfg, head, layout):
-        for s in hf_mapping.param_slices(model_cfg, topo.tp, topo.tp_rank, name):
-            stop = min(s.stop, shapes[s.hf_name][s.dim])
-            if stop <= s.start:
-                continue
-            piece = weights.read(s.hf_name, s.dim, s.start, stop).to(out_dtype)
-            off = [0] * len(shapes[s.hf_name])
-            off[s.dim] = s.start
-            chunks = state.setdefault(s.hf_name, checkpoint.Chunks(shapes[s.hf_name], {}))
-            chunks.pieces[tuple(off)] = piece
-            nbytes += piece.numel() * piece.element_size()
-    checkpoint.save(state, f"{dst}/{contract.MODEL}")
-    del state
-    ranks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, {"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,
+    pieces = _pieces(weights, model_cfg, head, layout, rank, out_dtype)
+    dcp_format.save(pieces, f"{dst}/{contract.MODEL}")
+    nbytes = sum(p.nbytes for p in pieces)
+    ranks = job.all_gather_object({"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,
                                    "peak_rss_bytes": _peak_rss_bytes()})
 
     fs_dst, dst_path = fsspec.core.url_to_fs(dst)
@@ -138,15 +131,14 @@ def run(cfg: ShardConfig) -> None:
     if rank == 0:
         side = contract.copy_side_files(src, contract.SIDE_FILES, f"{dst}/{contract.HF}")
         files.update({f"{contract.HF}/{name}": entry for name, entry in side.items()})
-        publish.publish(dst, contract.checkpoint_manifest(model_cfg, head, out_dtype, hf_config, source, files, topo,
+        publish.publish(dst, contract.checkpoint_manifest(model_cfg, head, out_dtype, hf_config, source, files, layout,
                                                           ranks=ranks))
-    dist.barrier()
-    total = torch.tensor([nbytes], dtype=torch.float64)
-    dist.all_reduce(total)
+    job.barrier()
     if rank == 0:
         dt = time.perf_counter() - t0
-        print(f"{dst}: sharded {total.item() / 1e9:.2f} GB for tp={cfg.tp} pp={cfg.pp} in {dt:.1f}s "
-              f"({total.item() / 1e9 / dt:.2f} GB/s)", flush=True)
+        total = sum(r["owned_bytes"] for r in ranks)
+        print(f"{dst}: sharded {total / 1e9:.2f} GB for tp={cfg.tp} pp={cfg.pp} in {dt:.1f}s "
+              f"({total / 1e9 / dt:.2f} GB/s)", flush=True)
 
 
 if __name__ == "__main__":
