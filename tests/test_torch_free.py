@@ -215,3 +215,20 @@ def test_shard_and_export_processes_never_import_torch(tmp_path):
     ours = LlamaForCausalLM.from_pretrained(out).state_dict()
     ref = LlamaForCausalLM.from_pretrained(src).state_dict()
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
+
+
+@pytest.mark.slow
+def test_shard_under_torchrun(tmp_path):
+    # torchrun's agent holds MASTER_PORT (its store) for its workers: the IOGroup takes the next port.
+    from llamarl.cluster.executor import free_port
+    from llamarl.lib import publish
+    from llamarl.stages.config import ShardConfig
+
+    src, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    tiny.hf_model("lm").save_pretrained(src)
+    cfg = ShardConfig(src=src, dst=ckpt, tp=2).model_dump_json()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "-m", "llamarl.stages.shard", "--config-json", cfg],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert publish.read_manifest(ckpt)["written_layout"] == {"tp": 2, "pp": 1}
