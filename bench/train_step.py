@@ -128,6 +128,20 @@ def fused_env(value: str | None):
             os.environ["LLAMARL_FUSED"] = old
 
 
+_READERS: dict = {}
+
+
+def random_weights(cfg):
+    """``init_random(seed=0)``'s weights, drawn once per process and kept (on the host) for every
+    variant after the first: drawing 1.5 B numbers costs seconds a variant."""
+    from llamarl.lib import hf_mapping
+
+    key = repr(cfg)
+    if key not in _READERS:
+        _READERS[key] = hf_mapping.random_reader(cfg, 0)
+    return _READERS[key]
+
+
 def build_lib(hf_cfg, ids, dtype, fused, dev):
     """lib/'s model, optimizer and step (cross-entropy through ``lib.vocab_parallel``)."""
     from llamarl.lib import vocab_parallel
@@ -136,7 +150,7 @@ def build_lib(hf_cfg, ids, dtype, fused, dev):
 
     with torch.device(dev):
         model = ParallelLlamaForCausalLM(LlamaConfig.from_hf(hf_cfg.to_dict()), ParallelLayout(), dtype=dtype)
-    model.init_random(seed=0)
+    model.load_hf(random_weights(model.cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
     batch = model.make_batch(ids)
     labels = batch.flat(torch.roll(ids, -1, 1))
@@ -218,7 +232,7 @@ def build_ppo(hf_cfg, case, lengths, micro_batch_tokens, dev):
     layout.check(model_cfg)
     with torch.device(dev):
         actor = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
-    actor.init_random(seed=0)
+    actor.load_hf(random_weights(model_cfg))
     trainers = {contract.ACTOR: Trainer(actor, cfg.actor_lr, cfg, None, None, 0)}
 
     g = torch.Generator().manual_seed(1)

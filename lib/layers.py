@@ -99,10 +99,73 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fusions on (``wgrad_fusion_on``), its gradient is added into ``main_grad`` by the
     weight-gradient GEMM itself and never materialised (``.grad`` stays None; the input's and the
     bias's gradients are as usual)."""
-    if (torch.is_grad_enabled() and weight.requires_grad and weight.dtype != torch.float32
-            and getattr(weight, "main_grad", None) is not None and wgrad_fusion_on(weight.device)):
+    if wgrad_target(weight) is not None:
         return _LinearGradIntoMain.apply(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def wgrad_target(weight: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 ``main_grad`` a linear's weight-gradient GEMM should add into (see ``linear``), or None."""
+    if (torch.is_grad_enabled() and weight.requires_grad and weight.dtype != torch.float32
+            and getattr(weight, "main_grad", None) is not None and wgrad_fusion_on(weight.device)):
+        return weight.main_grad
+    return None
+
+
+def region_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  main_grad: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` inside a compiled region: with ``main_grad`` (``wgrad_target``'s, passed in as a
+    region argument) through the ``llamarl::linear_grad_into_main`` op, whose backward adds the
+    weight gradient into it (see below)."""
+    y = F.linear(x, weight) if main_grad is None else torch.ops.llamarl.linear_grad_into_main(x, weight, main_grad)
+    return y if bias is None else y + bias
+
+
+# Inside a compiled region the fused linear is two custom ops. main_grad enters as an argument
+# (saved for backward, so its version counter is checked there); the backward op writes into its
+# memory through an alias with a version counter of its own and declares no mutation: nothing in a
+# graph reads main_grad, and a declared one would fail that check wherever another micro-batch's
+# backward has run between this one's forward and backward (1F1B). Its output is dx, so it is
+# never dead code.
+@torch.library.custom_op("llamarl::linear_grad_into_main", mutates_args=())
+def _linear_grad_into_main_op(x: torch.Tensor, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+@_linear_grad_into_main_op.register_fake
+def _(x, weight, main_grad):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("llamarl::linear_grad_into_main_backward", mutates_args=())
+def _linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    accumulate_wgrad(own_version(main_grad), dy2, x.reshape(-1, x.shape[-1]))
+    return (dy2 @ weight).view(x.shape)
+
+
+@_linear_backward_op.register_fake
+def _(dy, x, weight, main_grad):
+    return x.new_empty(x.shape)
+
+
+def _linear_op_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _linear_op_backward(ctx, dy):
+    x, weight, main_grad = ctx.saved_tensors
+    return torch.ops.llamarl.linear_grad_into_main_backward(dy, x, weight, main_grad), None, None
+
+
+_linear_grad_into_main_op.register_autograd(_linear_op_backward, setup_context=_linear_op_setup)
+
+
+def own_version(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory (same offset, shape, strides) with its own version counter:
+    in-place writes through it are not seen by autograd's checks of ``t``."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                                               t.stride())
 
 
 class _LinearGradIntoMain(torch.autograd.Function):
@@ -303,12 +366,13 @@ FUSED_LAYERS_ENV = "LLAMARL_FUSED_LAYERS"
 
 
 def fused_layers_on() -> bool:
-    """``LLAMARL_FUSED_LAYERS`` = ``1``: where the regions run at TP 1, a decoder layer is two
-    compiled regions with its matmuls inside (norm + qkv + rotary; output projection + residual
-    add + norm + MLP + residual add), attention eager between them: fewer calls through the
-    compiled code's host path per layer, at the cost of the weight gradients leaving the regions
-    in bf16 (no gradient accumulation fusion for those four). ``0``: the four small regions."""
-    mode = os.environ.get(FUSED_LAYERS_ENV, "0")
+    """``LLAMARL_FUSED_LAYERS`` = ``1`` (the default): where the regions run at TP 1, a decoder
+    layer is two compiled regions with its matmuls inside (norm + qkv + rotary; output projection
+    + residual add + norm + MLP + residual add), attention eager between them: fewer calls through
+    the compiled code's host path per layer. The four linears inside keep gradient accumulation
+    fusion (``region_linear``). ``0``: the four small regions (always at TP > 1, where the
+    matmuls' communication stays outside the regions)."""
+    mode = os.environ.get(FUSED_LAYERS_ENV, "1")
     if mode not in ("0", "1"):
         raise ValueError(f"{FUSED_LAYERS_ENV}={mode!r}: use 0 or 1")
     return mode == "1"

@@ -32,11 +32,13 @@ from .layers import (
     fusions_on,
     linear,
     region_add_rms_norm,
+    region_linear,
     region_rms_norm,
     region_rotary_qk,
     region_swiglu,
     rotary_qk,
     swiglu,
+    wgrad_target,
 )
 from .parallel import Topology, group_rank, group_size
 
@@ -111,28 +113,33 @@ class DecoderLayer(nn.Module):
     def _two_regions(self, x, cos, sin, meta: AttentionMetadata):
         a, mlp = self.self_attn, self.mlp
         eps = self.input_layernorm.eps
-        q, k, v = compiled_region(_attention_in, 0, 4, 5)(
-            x, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, cos, sin, eps, a.heads, a.kv_heads,
-            a.head_dim)
+        qkv, o, gate_up, down = a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+        # Each linear's fp32 main_grad goes in as an argument where its gradient is fused into it.
+        q, k, v = compiled_region(_attention_in, 0, 5, 6)(
+            x, self.input_layernorm.weight, qkv.weight, qkv.bias, wgrad_target(qkv.weight), cos, sin, eps, a.heads,
+            a.kv_heads, a.head_dim)
         out = attention(q, k, v, meta, self.index).reshape(-1, a.q_rows)
         return compiled_region(_attention_out_and_mlp, 0, 1)(
-            out, x, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
-            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, eps)
+            out, x, self.post_attention_layernorm.weight,
+            *(t for lin in (o, gate_up, down) for t in (lin.weight, lin.bias, wgrad_target(lin.weight))), eps)
 
 
-def _attention_in(x, norm_w, qkv_w, qkv_b, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
-    """A decoder layer before attention, at TP 1: norm, the qkv projection, rotary."""
-    qkv = F.linear(region_rms_norm(x, norm_w, eps), qkv_w, qkv_b)
+def _attention_in(x, norm_w, qkv_w, qkv_b, qkv_g, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """A decoder layer before attention, at TP 1: norm, the qkv projection, rotary. ``*_g``: the
+    weight's fp32 main_grad (``region_linear``) or None."""
+    qkv = region_linear(region_rms_norm(x, norm_w, eps), qkv_w, qkv_b, qkv_g)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = region_rotary_qk(q.reshape(-1, heads, head_dim), k.reshape(-1, kv_heads, head_dim), cos, sin)
     return q, k, v.reshape(-1, kv_heads, head_dim)
 
 
-def _attention_out_and_mlp(attn, x, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b, eps: float):
+def _attention_out_and_mlp(attn, x, norm_w, o_w, o_b, o_g, gate_up_w, gate_up_b, gate_up_g, down_w, down_b, down_g,
+                           eps: float):
     """A decoder layer after attention, at TP 1: the output projection, residual add + norm, the
     MLP and its residual add."""
-    x, h = region_add_rms_norm(x, F.linear(attn, o_w, o_b), norm_w, eps)
-    return x + F.linear(region_swiglu(F.linear(h, gate_up_w, gate_up_b)), down_w, down_b)
+    x, h = region_add_rms_norm(x, region_linear(attn, o_w, o_b, o_g), norm_w, eps)
+    gate_up = region_linear(h, gate_up_w, gate_up_b, gate_up_g)
+    return x + region_linear(region_swiglu(gate_up), down_w, down_b, down_g)
 
 
 class ParallelLlamaModel(nn.Module):

@@ -5,7 +5,7 @@ Mixed precision as Megatron does it: parameters (and so activations) may be bf16
 number that accumulates is fp32 — gradients summed over micro-batches and reduced over DP, the
 master weights AdamW updates, and its moments.
 
-* ``GradBuffer``: every parameter's gradient accumulates into ``p.main_grad``, an fp32 view into
+* ``GradBuffer``: every parameter's gradient accumulates into ``p.main_grad``, an fp32 piece of
   one flat buffer, so the data-parallel reduction is one fp32 all-reduce, not one per tensor.
 * ``GradBuffer.clip``: the norm of the *whole* model's gradient, whatever the layout: each TP/PP
   rank adds its shards, and pieces held by several ranks (replicated norms, kv heads replicated
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, hf_mapping, parallel
+from .layers import own_version
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -59,7 +60,10 @@ class GradBuffer:
         self.buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=dev)
         offset = 0
         for p in self.params:
-            p.main_grad = self.buffer[offset : offset + p.numel()].view_as(p)
+            # Each its own version counter (not a view's, shared with the buffer): autograd may
+            # save one for backward (the fused linears of lib.layers.region_linear), and writes
+            # into the others between that forward and backward must not fail its check.
+            p.main_grad = own_version(self.buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
             if p.dtype == torch.float32:
                 p.grad = p.main_grad

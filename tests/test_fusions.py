@@ -94,8 +94,9 @@ def fused_vs_eager(tp=1, sp=False, rmpad=True, device="cpu", dtype=torch.float32
     }
 
 
-def test_fused_regions_match_eager_on_cpu():
+def test_fused_regions_match_eager_on_cpu(monkeypatch):
     # Inductor's CPU code computes the regions in fp32 like the eager ops: agreement to rounding.
+    monkeypatch.setenv(layers.FUSED_LAYERS_ENV, "0")  # the four small regions (TP > 1's)
     errs = fused_vs_eager(rmpad=True)
     assert max(errs.values()) < 1e-5, errs
     errs = fused_vs_eager(rmpad=False)  # the padded (SDPA) path; the regions are already compiled
@@ -103,7 +104,7 @@ def test_fused_regions_match_eager_on_cpu():
 
 
 def test_fused_layers_match_eager_on_cpu(monkeypatch):
-    # LLAMARL_FUSED_LAYERS=1: a layer as two regions with its matmuls inside (TP 1).
+    # LLAMARL_FUSED_LAYERS=1 (the default at TP 1): a layer as two regions with its matmuls inside.
     monkeypatch.setenv(layers.FUSED_LAYERS_ENV, "1")
     errs = fused_vs_eager(rmpad=True)
     assert max(errs.values()) < 1e-5, errs
@@ -174,25 +175,38 @@ def test_wgrad_fusion_only_where_asked(monkeypatch):
     assert layers.linear(x.float(), w32).grad_fn.name() != "_LinearGradIntoMainBackward"
 
 
-def grad_buffer_fused_vs_hook(device="cpu", dtype=torch.bfloat16):
+def grad_buffer_fused_vs_hook(device="cpu", dtype=torch.bfloat16, fused=False, fused_layers="0"):
     """A bf16 model's ``main_grad`` after two micro-batches, wgrad fusion on against off: the
-    largest relative difference over parameters, and the names whose gradient went where."""
+    largest relative difference over parameters. ``fused``/``fused_layers``: the compiled regions
+    (small, or the layer's two with the linears inside)."""
     parallel.init(1, 1)
     hf = tiny.hf_model()
-    out = {}
+    out, calls = {}, []
+    real = layers.accumulate_wgrad
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
     for mode in ("0", "1"):
-        os.environ[layers.WGRAD_ENV] = mode
+        os.environ.update({layers.WGRAD_ENV: mode, layers.FUSED_LAYERS_ENV: fused_layers})
+        layers.accumulate_wgrad = counted
+        calls.clear()
         try:
             with torch.device(device):
-                model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(), dtype=dtype, fused=False)
+                model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(), dtype=dtype, fused=fused)
             model.load_hf_state_dict(hf.state_dict())
             grads = optim.GradBuffer(model)
             for side, lengths in (("left", (7, 12, 3)), ("right", (5, 9, 16, 2))):
                 ids, mask, pos = (t.to(device) for t in tiny.batch(side, lengths=lengths))
                 _loss(model, ids, mask, pos)
         finally:
+            layers.accumulate_wgrad = real
             os.environ.pop(layers.WGRAD_ENV)
+            os.environ.pop(layers.FUSED_LAYERS_ENV)
         assert all(p.grad is None for p in grads.params)
+        # fused: 4 linears a layer and the head, per micro-batch, through accumulate_wgrad
+        assert len(calls) == (2 * (4 * model.cfg.num_layers + 1) if mode == "1" else 0), (mode, len(calls))
         out[mode] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
     a, b = out["0"], out["1"]
     assert all(a[n].abs().max() > 0 for n in a)  # every parameter got its gradient either way
@@ -203,6 +217,49 @@ def test_grad_buffer_with_wgrad_fusion_matches_the_hook_path():
     # The same bf16 forward and input gradients; only the weights' gradients are rounded to bf16
     # (unfused) or not (fused) before the fp32 sum: a difference of bf16's rounding, no more.
     assert grad_buffer_fused_vs_hook() < 1e-2
+
+
+def test_wgrad_fusion_inside_the_fused_layer_regions():
+    # LLAMARL_FUSED_LAYERS=1: the linears inside the compiled regions add into main_grad through
+    # the llamarl::linear_grad_into_main op (its backward mutates main_grad in place).
+    assert grad_buffer_fused_vs_hook(fused=True, fused_layers="1") < 1e-2
+
+
+def wgrad_fusion_under_1f1b(micro_batches=4) -> float:
+    """PP 2, fused layers: main_grad with wgrad fusion against the hook path after a 1F1B pass (a
+    micro-batch's backward runs between the next one's forward and backward)."""
+    from llamarl.lib import schedule
+
+    parallel.init(1, 2)
+    hf = tiny.hf_model(num_hidden_layers=4)
+    out = {}
+    for mode in ("0", "1"):
+        os.environ.update({layers.WGRAD_ENV: mode, layers.FUSED_LAYERS_ENV: "1"})
+        try:
+            model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(pp=2), dtype=torch.bfloat16, fused=True)
+            model.load_hf_state_dict(hf.state_dict())
+            optim.GradBuffer(model)
+            batches, labels = [], []
+            for i in range(micro_batches):
+                ids, mask, pos = tiny.batch("right", seed=i, lengths=(5 + i, 9, 3))
+                batches.append(model.make_batch(ids, mask, pos))
+                labels.append(batches[-1].flat(torch.roll(ids, -1, 1)))
+            schedule.forward_backward(model, batches, lambda lg, lb: vocab_parallel.log_probs(lg, lb).sum(), labels)
+        finally:
+            os.environ.pop(layers.WGRAD_ENV)
+            os.environ.pop(layers.FUSED_LAYERS_ENV)
+        out[mode] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    parallel.destroy_model_parallel()
+    a, b = out["0"], out["1"]
+    return max(((a[n] - b[n]).norm() / a[n].norm()).item() for n in a)
+
+
+@pytest.mark.slow
+def test_wgrad_fusion_in_fused_layers_under_1f1b(pool2):
+    # main_grad is saved for backward by the compiled regions: writes into it between a forward
+    # and its backward (another micro-batch's) must not trip autograd's version check.
+    for err in pool2.run(wgrad_fusion_under_1f1b):
+        assert err < 2e-2, err  # four micro-batches of bf16-rounded gradients on the hook path
 
 
 @pytest.mark.gpu
@@ -216,6 +273,7 @@ def test_wgrad_fusion_on_cuda():
     print({"fused": fused, "unfused": unfused})
     assert fused["main_grad"] < 1e-5 and unfused["main_grad"] > 1e-3, (fused, unfused)
     assert grad_buffer_fused_vs_hook("cuda") < 1e-2
+    assert grad_buffer_fused_vs_hook("cuda", fused=True, fused_layers="1") < 1e-2
 
 
 # ---- equal-length packed sequences as one dense SDPA batch ---------------------------------------
@@ -366,8 +424,16 @@ def test_vocab_kernels_on_cuda_llama_vocab(n, vocab):
     assert all(v < (4e-3 if k.endswith("grad") else 1e-4) for k, v in errs.items()), errs
 
 
-def _errors_vs_fp32(fused: bool):
+def _errors_vs_fp32(fused: bool, fused_layers: str = "0"):
     """Relative errors of a bf16 CUDA model (fused or eager) against the fp32 CUDA eager model."""
+    os.environ[layers.FUSED_LAYERS_ENV] = fused_layers
+    try:
+        return _errors_vs_fp32_in_env(fused)
+    finally:
+        os.environ.pop(layers.FUSED_LAYERS_ENV)
+
+
+def _errors_vs_fp32_in_env(fused: bool):
     parallel.init(1, 1)
     hf = tiny.hf_model(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=2,
                        head_dim=32, vocab_size=1000)
@@ -388,12 +454,7 @@ def _errors_vs_fp32(fused: bool):
 def test_fused_bf16_model_as_close_to_fp32_as_eager_bf16():
     """bf16 is not bit-exact either way (the regions round once, eager rounds after every op), so
     the fused model must be as close to fp32 as the eager bf16 model is: within 1.25x its error."""
-    eager, fused = _errors_vs_fp32(False), _errors_vs_fp32(True)
-    os.environ[layers.FUSED_LAYERS_ENV] = "1"
-    try:
-        fused_layers = _errors_vs_fp32(True)
-    finally:
-        os.environ.pop(layers.FUSED_LAYERS_ENV)
+    eager, fused, fused_layers = _errors_vs_fp32(False), _errors_vs_fp32(True), _errors_vs_fp32(True, "1")
     print({"eager": eager, "fused": fused, "fused_layers": fused_layers})
     for k in eager:
         assert fused[k] <= 1.25 * eager[k] + 1e-4, (k, eager, fused)
