@@ -348,8 +348,8 @@ def measure(name, build, args, dev, n, flops, tokens, profile_dir, host=False, t
     """One variant, in its own scope: its model and optimizer are freed before the next. ``label``:
     its name in the profile's files (default ``name``)."""
     label = (label or name).replace("/", "-")
-    env = "0" if name == "llamarl-eager" else None
-    with fused_env(env):
+    # llamarl-eager: LLAMARL_FUSED=0; the others run in the environment as it is (--env-variant's).
+    with fused_env("0") if name == "llamarl-eager" else contextlib.nullcontext():
         dyn0 = _dynamo_counters()
         model, step, losses = build(*args)
         t0 = time.perf_counter()
@@ -794,25 +794,35 @@ def main():
     for full_name in variants:
         env_name, _, name = full_name.rpartition("/")
         with env_set(envs[env_name][0] if env_name else {}):
-            res[full_name] = _run_variant(name, full_name, args, hf_cfg, ids, dtype, fused, dev, n, batch, seq, tokens,
-                                          flops, no_embed, L, h)
+            try:
+                res[full_name] = _run_variant(name, full_name, args, hf_cfg, ids, dtype, fused, dev, n, batch, seq,
+                                              tokens, flops, no_embed, L, h)
+            except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
+                import traceback
+
+                res[full_name] = {"error": repr(e)[:2000], "traceback": traceback.format_exc()[-4000:]}
+                print(full_name, "FAILED", res[full_name]["traceback"], flush=True)
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
         if args.out:  # what is measured so far, in case the run is cut short
             _write(args.out, res)
     # The flat keys bench/report.py and earlier result files use.
     for name, key in (("llamarl", "llamarl"), ("hf", "hf")):
-        if name in res:
+        if "tok_s" in res.get(name, {}):
             res.update({f"{key}_tok_s": res[name]["tok_s"], f"{key}_mfu": res[name]["mfu"],
                         f"{key}_peak_gb": res[name]["peak_gb"]})
-    if "hf" in res:
+    if "hf_tok_s" in res and "llamarl_tok_s" in res:
         res["ratio_llamarl_over_hf"] = res["llamarl_tok_s"] / res["hf_tok_s"]
     if res.get("llamarl_peak_gb") and res.get("hf_peak_gb"):
         res["peak_memory_llamarl_over_hf"] = res["llamarl_peak_gb"] / res["hf_peak_gb"]
+    def ratio(a, b):
+        if "tok_s" in res.get(a, {}) and "tok_s" in res.get(b, {}):
+            res[f"ratio_{a}_over_{b}"] = res[a]["tok_s"] / res[b]["tok_s"]
+
     for c in cases:  # issue 16: the ppo update at >= 0.8x the raw step's tokens/s
-        res[f"ratio_{c}_over_llamarl"] = res[c]["tok_s"] / res["llamarl"]["tok_s"]
+        ratio(c, "llamarl")
         for e in envs:  # each against the raw step of the same environment (or the default's)
-            if f"{e}/{c}" in res:
-                raw = f"{e}/llamarl" if f"{e}/llamarl" in res else "llamarl"
-                res[f"ratio_{e}/{c}_over_{raw}"] = res[f"{e}/{c}"]["tok_s"] / res[raw]["tok_s"]
+            ratio(f"{e}/{c}", f"{e}/llamarl" if f"{e}/llamarl" in res else "llamarl")
     parallel.shutdown()
     if args.out:
         _write(args.out, res)
