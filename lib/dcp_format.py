@@ -168,6 +168,8 @@ class _Unpickler(pickle.Unpickler):
             return _get_layout
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath"):  # DCP's writer keeps its checkpoint_id so
+            return lambda *parts: "/".join(parts).replace("//", "/")
         if module == "torch" and name == "Size":
             return Size
         if module == "torch" and name in _DTYPES:
@@ -556,33 +558,100 @@ def read_metadata(url: str) -> _Record:
     return loads_metadata(fs.cat_file(f"{path}/{METADATA}"))
 
 
+_EDGE_BYTES = 64 << 10  # of a large item, what is read to find its tensor: its first and last bytes
+
+
 def read_whole(url: str, md: _Record, fqn: str) -> HostTensor:
-    """Tensor ``fqn`` of the checkpoint at ``url``, assembled from its chunks (each item read in
-    one range; its bytes copied into place)."""
+    """Tensor ``fqn`` of the checkpoint at ``url``, assembled from its chunks: a chunk of whole
+    rows (split along dim 0, or the whole tensor) is read straight into its place once its item's
+    first and last bytes have said where its data lies; any other is read whole and copied."""
     import fsspec
     import numpy as np
 
     fs, path = fsspec.core.url_to_fs(url.rstrip("/"))
     stored = md.state_dict_metadata[fqn]
     dtype = str(stored.properties.dtype)
-    out = np.empty(tuple(stored.size), dtype=numpy_storage(dtype))
+    size = tuple(stored.size)
+    out = np.empty(size, dtype=numpy_storage(dtype))
+    flat = out.reshape(-1).view(np.uint8)
+    row_bytes = math.prod(size[1:]) * out.itemsize if size else out.itemsize
     storage = {(k.fqn, tuple(k.offset)): v for k, v in md.storage_data.items() if k.fqn == fqn}
     covered = 0
     for chunk in stored.chunks:
         info = storage[(fqn, tuple(chunk.offsets))]
         if info.transform_descriptors:
             raise FormatError(f"{fqn} was written with DCP stream extensions {info.transform_descriptors}")
-        item = memoryview(bytearray(info.length))
-        _read_into(fs, f"{path}/{info.relative_path}", info.offset, item)
+        file = f"{path}/{info.relative_path}"
+        region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+        rows = size and all(o == 0 for o in chunk.offsets[1:]) and tuple(chunk.sizes[1:]) == size[1:]
+        piece = None
+        if rows and info.length > 2 * _EDGE_BYTES:
+            piece = _parse_edges(fs, file, info.offset, info.length)
+            if piece is not None and _dense(piece) and str(piece.dtype) == dtype and tuple(piece.shape) == tuple(chunk.sizes):
+                start = chunk.offsets[0] * row_bytes if size else 0
+                _read_into(fs, file, info.offset + piece.offset, memoryview(flat[start : start + piece_bytes(piece)]))
+                covered += math.prod(chunk.sizes)
+                continue
+        item = memoryview(np.empty(info.length, dtype=np.uint8))  # not zeroed: every byte is read
+        _read_into(fs, file, info.offset, item)
         piece = parse_item(item)
         if str(piece.dtype) != dtype or tuple(piece.shape) != tuple(chunk.sizes):
             raise FormatError(f"{fqn} at {list(chunk.offsets)}: the item holds {piece.dtype} {list(piece.shape)}, "
                               f"the metadata says {dtype} {list(chunk.sizes)}")
-        out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))] = item_array(item, piece)
+        out[region] = item_array(item, piece)
         covered += math.prod(chunk.sizes)
     if covered != out.size:
         raise FormatError(f"the stored chunks of {fqn} cover {covered} of its {out.size} elements")
     return HostTensor(dtype, out)
+
+
+def piece_bytes(piece: StoredTensor) -> int:
+    return math.prod(piece.shape) * numpy_storage(piece.dtype).itemsize
+
+
+def _dense(piece: StoredTensor) -> bool:
+    """Whether the item's tensor is contiguous (its bytes one run, in row-major order)."""
+    expect = 1
+    for n, st in zip(reversed(piece.shape), reversed(piece.stride)):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True
+
+
+def _parse_edges(fs, file: str, begin: int, length: int) -> StoredTensor | None:
+    """``parse_item`` of a large item from its first and last ``_EDGE_BYTES`` (None when those do
+    not hold its directory and pickle: an unusual archive, read whole instead)."""
+    import numpy as np
+
+    head = np.empty(_EDGE_BYTES, dtype=np.uint8)
+    tail = np.empty(_EDGE_BYTES, dtype=np.uint8)
+    _read_into(fs, file, begin, memoryview(head))
+    _read_into(fs, file, begin + length - _EDGE_BYTES, memoryview(tail))
+    try:
+        return parse_item(_Sparse(memoryview(head), memoryview(tail), length))
+    except (FormatError, IndexError, struct.error, KeyError, pickle.UnpicklingError, ValueError):
+        return None
+
+
+class _Sparse:
+    """The bytes of an item of which only its ``head`` and ``tail`` were read; slicing into the
+    hole between them raises IndexError."""
+
+    def __init__(self, head: memoryview, tail: memoryview, length: int):
+        self.head, self.tail, self.length = head, tail, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice):
+        start, stop, _ = key.indices(self.length)
+        if stop <= len(self.head):
+            return self.head[start:stop]
+        tail_start = self.length - len(self.tail)
+        if start >= tail_start:
+            return self.tail[start - tail_start : stop - tail_start]
+        raise IndexError("outside the bytes read")
 
 
 def _read_into(fs, path: str, begin: int, view: memoryview) -> None:

@@ -232,3 +232,37 @@ def test_shard_under_torchrun(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert publish.read_manifest(ckpt)["written_layout"] == {"tp": 2, "pp": 1}
+
+
+@pytest.mark.parametrize("edge", [1024, 64 << 10], ids=["rows-read-in-place", "items-read-whole"])
+def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, edge):
+    # What export reads: whole tensors from chunks split by rows (read straight into place when
+    # their items are large: every item here, with a small edge) or by columns (copied), written
+    # by lib/ or by DCP's own writer (whose items torch.save writes, strided ones included).
+    import torch.distributed.checkpoint as dcp
+
+    from llamarl.lib import checkpoint
+    from llamarl.lib.checkpoint import Chunks
+
+    monkeypatch.setattr(dcp_format, "_EDGE_BYTES", edge)
+    in_place = []
+    real = dcp_format._parse_edges
+    monkeypatch.setattr(dcp_format, "_parse_edges", lambda *a: in_place.append(real(*a)) or in_place[-1])
+    g = torch.Generator().manual_seed(3)
+    full = {"rows": torch.randn(96, 40, generator=g).to(torch.bfloat16), "cols": torch.randn(24, 50, generator=g),
+            "vec": torch.randn(3000, generator=g).to(torch.float16)}
+    ours = str(tmp_path / "ours")
+    checkpoint.save({"rows": Chunks((96, 40), {(0, 0): full["rows"][:32], (32, 0): full["rows"][32:]}),
+                     "cols": Chunks((24, 50), {(0, 0): full["cols"][:, :20], (0, 20): full["cols"][:, 20:]}),
+                     "vec": full["vec"]}, ours, threads=2)
+    theirs = str(tmp_path / "theirs")
+    dcp.save({"rows": full["rows"], "cols": full["cols"].t().contiguous().t(), "vec": full["vec"]},
+             storage_writer=dcp.FileSystemWriter(theirs, thread_count=2))
+    for url in (ours, theirs):
+        md = dcp_format.read_metadata(url)
+        for name, t in full.items():
+            got = dcp_format.read_whole(url, md, name)
+            assert got.dtype == str(t.dtype).removeprefix("torch.") and torch.equal(got.torch(), t), (url, name)
+    # Parsed from their edges: rows (2 chunks of ours, 1 of DCP's), vec (1 each) and DCP's cols (one
+    # chunk, the whole tensor: but stored strided, so read whole after all); our cols chunks are not rows.
+    assert len([p for p in in_place if p is not None]) == (6 if edge == 1024 else 0)
