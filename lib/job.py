@@ -271,16 +271,34 @@ def verify_input(root: str, manifest: dict, prefix: str = "") -> None:
     """Collective: the files of a published input under ``prefix`` checked against its manifest
     (sizes and checksums), each rank a share of the bytes (several files at a time); a damaged file
     fails every rank in one line."""
+    check(start_verify(root, manifest, prefix).result())
+
+
+def start_verify(root: str, manifest: dict, prefix: str = ""):
+    """``verify_input``'s share of this rank, on a thread: a future of this rank's error (None when
+    its files are whole). Not collective: the caller agrees on the result (``check``) before it
+    publishes anything made from the input — a stage that reads while its input is verified."""
+    from concurrent.futures import Future
+    from threading import Thread
+
     from . import publish
 
     names = sorted(k for k in manifest["files"] if k.startswith(prefix))
     rank, world = rank_world()
-    error = None
-    try:
-        publish.verify(root, manifest["files"], publish.share(manifest["files"], names, rank, world))
-    except UserError as e:
-        error = str(e)
-    check(error)
+    mine = publish.share(manifest["files"], names, rank, world)
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            publish.verify(root, manifest["files"], mine)
+            done.set_result(None)
+        except UserError as e:
+            done.set_result(str(e))
+        except BaseException as e:  # noqa: BLE001 — raised where the result is asked for
+            done.set_exception(e)
+
+    Thread(target=run, name="llamarl-verify", daemon=True).start()
+    return done
 
 
 def file_entries(root: str, names: list[str]) -> dict:

@@ -266,6 +266,14 @@ def prepare(root: str, is_current: Callable[[dict], bool], request: dict | None 
     return "fresh"
 
 
+def discard(root: str) -> None:
+    """Remove our unfinished output at ``root`` (its marker there, no manifest): what a stage that
+    failed on bad input made of it. Anything else is left as it is."""
+    fs, path = _fs(root)
+    if fs.exists(f"{path}/{INCOMPLETE}") and not fs.exists(f"{path}/{MANIFEST}"):
+        fs.rm(path, recursive=True)
+
+
 def output_id(root: str) -> str:
     """A short id of a published output: the hash of its manifest (which hashes every file)."""
     fs, path = _fs(root)

@@ -93,13 +93,14 @@ def run(cfg: ExportConfig) -> None:
     rank, world = job.rank_world()
     t0 = time.perf_counter()  # after start-up (imports, process group): the work itself
 
-    if cfg.verify:
-        job.verify_input(src, manifest)
+    # The input's checksums are verified while it is read: nothing made from it is published
+    # before every rank's share checked out (a damaged file's error wins over what reading it did).
+    verifying = job.start_verify(src, manifest) if cfg.verify else None
 
     expect = {"kind": contract.HF_EXPORT, "head": head, "dtype": out_dtype,
               "source": {"url": src, "created": manifest["created"], "files": manifest["files"]}}
     if contract.skip_if_current(dst, expect, "already exported from this checkpoint"):
-        return
+        return  # (the input's verification, a daemon thread, goes with the process)
 
     groups = plan_files(shapes, dtypes.itemsize(out_dtype), int(cfg.max_shard_gb * 2**30))
     names = file_names(len(groups))
@@ -115,9 +116,13 @@ def run(cfg: ExportConfig) -> None:
                 tensors = {n: Deferred(out_dtype, tuple(shapes[n]), get)
                            for n, get in _ahead(pool, read, sorted(groups[i])).items()}
                 written[names[i]] = write_file(f"{dst}/{names[i]}", tensors, metadata={"format": "pt"})  # hashed as written
-    except (OSError, dcp_format.FormatError) as e:
+    except (OSError, dcp_format.FormatError, ValueError) as e:
         error = f"rank {rank}: {src}: {e}; the checkpoint is damaged: reshard it"
-    job.check(error)
+    error = job.agree((verifying.result() if verifying else None) or error)
+    if error is not None:  # bad input: what was written from it goes (it was only ever ours, unpublished)
+        if rank == 0:
+            publish.discard(dst)
+        raise UserError(error)
     files = {k: v for part in job.all_gather_object(written) for k, v in part.items()}
 
     if rank == 0:

@@ -17,6 +17,7 @@ import json
 import os
 import resource
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 
@@ -113,8 +114,19 @@ def run(cfg: ShardConfig) -> None:
 
     source_files = sorted(set(weights.where.values()) | {n for n in contract.SIDE_FILES if fs.exists(f"{src_path}/{n}")}
                           | ({"model.safetensors.index.json"} if fs.exists(f"{src_path}/model.safetensors.index.json") else set()))
-    source = {"url": src, "files": job.file_entries(src, source_files)}
-    expect = {"kind": contract.CHECKPOINT, "head": head, "dtype": out_dtype, "source": source}
+    # The source's checksums go into the manifest, and say whether a published output is current.
+    # When the output is not published (the usual case) nothing waits for them: each rank hashes its
+    # share of the source files on a thread while it writes its chunks.
+    hashing = ThreadPoolExecutor(1, thread_name_prefix="llamarl-hash").submit(
+        publish.file_entries, src, source_files[rank::world])
+
+    def source() -> dict:
+        return {"url": src, "files": {k: v for part in job.all_gather_object(hashing.result()) for k, v in part.items()}}
+
+    published = job.broadcast_object(publish.read_manifest(dst) is not None if rank == 0 else None)
+    expect = {"kind": contract.CHECKPOINT, "head": head, "dtype": out_dtype}
+    if published:
+        expect["source"] = source()
     if contract.skip_if_current(dst, expect, "already sharded from this source"):
         return
 
@@ -125,14 +137,16 @@ def run(cfg: ShardConfig) -> None:
     ranks = job.all_gather_object({"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,
                                    "peak_rss_bytes": _peak_rss_bytes()})
 
+    if not published:
+        expect["source"] = source()
     fs_dst, dst_path = fsspec.core.url_to_fs(dst)
     written = sorted(p.rsplit("/", 1)[-1] for p in fs_dst.ls(f"{dst_path}/{contract.MODEL}", detail=False))
     files = {f"{contract.MODEL}/{k}": v for k, v in job.file_entries(f"{dst}/{contract.MODEL}", written).items()}
     if rank == 0:
         side = contract.copy_side_files(src, contract.SIDE_FILES, f"{dst}/{contract.HF}")
         files.update({f"{contract.HF}/{name}": entry for name, entry in side.items()})
-        publish.publish(dst, contract.checkpoint_manifest(model_cfg, head, out_dtype, hf_config, source, files, layout,
-                                                          ranks=ranks))
+        publish.publish(dst, contract.checkpoint_manifest(model_cfg, head, out_dtype, hf_config, expect["source"], files,
+                                                          layout, ranks=ranks))
     job.barrier()
     if rank == 0:
         dt = time.perf_counter() - t0
