@@ -18,11 +18,18 @@ communication stay outside, eager, so the regions are the same at every layout. 
 function computes what its eager twin does (``tests/test_fusions.py``), rounding once instead of
 after every op.
 
+At TP 1 (``LLAMARL_FUSED_LAYERS``, on by default) a decoder layer is instead two regions with its
+matmuls inside — everything before attention and everything after it — so a layer costs two
+calls through the compiled code's host path instead of four plus five eager matmuls
+(``lib.model.DecoderLayer``).
+
 Gradient accumulation fusion (``linear``, as megatron's ``gradient_accumulation_fusion``): where
 a bf16 weight has an fp32 ``main_grad`` (``lib.optim.GradBuffer``) and fusions are on, the weight
 gradient of its linear is computed by one GEMM that adds into ``main_grad`` in fp32 (cuBLAS with
 an fp32 C matrix: ``torch.addmm(..., out_dtype=torch.float32)`` on CUDA), instead of a bf16
 gradient written out, then read and added into ``main_grad`` by a hook, once per micro-batch.
+By default for the eager linears (the head; all of them at TP > 1); inside the fused layer
+regions only on request (``wgrad_fusion_on``).
 """
 
 from __future__ import annotations
@@ -104,10 +111,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def wgrad_target(weight: torch.Tensor) -> torch.Tensor | None:
-    """The fp32 ``main_grad`` a linear's weight-gradient GEMM should add into (see ``linear``), or None."""
+def wgrad_target(weight: torch.Tensor, in_region: bool = False) -> torch.Tensor | None:
+    """The fp32 ``main_grad`` a linear's weight-gradient GEMM should add into (see ``linear``), or
+    None. ``in_region``: for a linear inside a compiled region (``region_linear``)."""
     if (torch.is_grad_enabled() and weight.requires_grad and weight.dtype != torch.float32
-            and getattr(weight, "main_grad", None) is not None and wgrad_fusion_on(weight.device)):
+            and getattr(weight, "main_grad", None) is not None and wgrad_fusion_on(weight.device, in_region)):
         return weight.main_grad
     return None
 
@@ -201,17 +209,23 @@ def accumulate_wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor)
 WGRAD_ENV = "LLAMARL_FUSED_WGRAD"
 
 
-def wgrad_fusion_on(device: torch.device) -> bool:
-    """Whether ``linear`` accumulates weight gradients into ``main_grad`` in its GEMM:
-    ``LLAMARL_FUSED_WGRAD`` = ``auto`` (default: on CUDA where ``fusions_on`` and torch's
-    mixed-dtype ``addmm`` works), ``1`` (everywhere; on CPU by upcasting: for tests) or ``0``
-    (never: the bf16 gradient, added into ``main_grad`` by ``GradBuffer``'s hook)."""
+def wgrad_fusion_on(device: torch.device, in_region: bool = False) -> bool:
+    """Whether a linear accumulates its weight gradient into ``main_grad`` in its GEMM:
+    ``LLAMARL_FUSED_WGRAD`` = ``auto`` (default: the eager linears on CUDA where ``fusions_on`` and
+    torch's mixed-dtype ``addmm`` works; not those inside the compiled layer regions, ``in_region``),
+    ``1`` (everywhere, inside the regions too; on CPU by upcasting: for tests) or ``0`` (never: the
+    bf16 gradient, added into ``main_grad`` by ``GradBuffer``'s hook).
+
+    Inside the regions the fusion is two custom ops a linear, whose calls go through torch's
+    Python custom-op dispatch on every forward and backward: on one H100 (1B shape, 4 micro-batches
+    of 4096 tokens) that host time cost more than the ~5 ms of GPU time a micro-batch it saves
+    (0.74x the raw step against 0.81x without it, docs/training.md), hence not by default."""
     mode = os.environ.get(WGRAD_ENV, "auto")
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"{WGRAD_ENV}={mode!r}: use auto, 0 or 1")
     if mode != "auto":
         return mode == "1"
-    return device.type == "cuda" and fusions_on(device) and _fp32_addmm_works(device.index)
+    return not in_region and device.type == "cuda" and fusions_on(device) and _fp32_addmm_works(device.index)
 
 
 @functools.cache
@@ -369,9 +383,9 @@ def fused_layers_on() -> bool:
     """``LLAMARL_FUSED_LAYERS`` = ``1`` (the default): where the regions run at TP 1, a decoder
     layer is two compiled regions with its matmuls inside (norm + qkv + rotary; output projection
     + residual add + norm + MLP + residual add), attention eager between them: fewer calls through
-    the compiled code's host path per layer. The four linears inside keep gradient accumulation
-    fusion (``region_linear``). ``0``: the four small regions (always at TP > 1, where the
-    matmuls' communication stays outside the regions)."""
+    the compiled code's host path per layer. The four linears inside fuse their gradient
+    accumulation only with ``LLAMARL_FUSED_WGRAD=1`` (``wgrad_fusion_on``). ``0``: the four small
+    regions (always at TP > 1, where the matmuls' communication stays outside the regions)."""
     mode = os.environ.get(FUSED_LAYERS_ENV, "1")
     if mode not in ("0", "1"):
         raise ValueError(f"{FUSED_LAYERS_ENV}={mode!r}: use 0 or 1")

@@ -163,6 +163,7 @@ def test_wgrad_fusion_only_where_asked(monkeypatch):
     w.main_grad = torch.zeros(4, 3)
     monkeypatch.setenv(layers.WGRAD_ENV, "auto")
     assert not layers.wgrad_fusion_on(torch.device("cpu"))  # auto: CUDA only
+    assert not layers.wgrad_fusion_on(torch.device("cuda"), in_region=True)  # auto: not in the layer regions
     assert layers.linear(x, w).grad_fn.name() != "_LinearGradIntoMainBackward"
     monkeypatch.setenv(layers.WGRAD_ENV, "1")
     assert layers.linear(x, w).grad_fn.name() == "_LinearGradIntoMainBackward"
@@ -220,8 +221,9 @@ def test_grad_buffer_with_wgrad_fusion_matches_the_hook_path():
 
 
 def test_wgrad_fusion_inside_the_fused_layer_regions():
-    # LLAMARL_FUSED_LAYERS=1: the linears inside the compiled regions add into main_grad through
-    # the llamarl::linear_grad_into_main op (its backward mutates main_grad in place).
+    # LLAMARL_FUSED_LAYERS=1 with LLAMARL_FUSED_WGRAD=1: the linears inside the compiled regions
+    # add into main_grad through the llamarl::linear_grad_into_main op (its backward op writes
+    # into main_grad's memory).
     assert grad_buffer_fused_vs_hook(fused=True, fused_layers="1") < 1e-2
 
 
