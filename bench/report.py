@@ -14,7 +14,6 @@ import os
 import sys
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
-STAGES = ("shard/actor", "shard/rm", "iter-001/rollout", "iter-001/scores", "iter-001/ppo", "export")
 
 
 def _fmt(x, spec=",.0f"):
@@ -33,7 +32,7 @@ def e2e(path: str) -> list[str]:
                        f"{inv['date']} (`{os.path.basename(path)}`, invocation {inv['id']})\n")
             out.append("| stage | wall s | process start → work s | work s | throughput (wall) | peak GPU GB |")
             out.append("|---|---|---|---|---|---|")
-            for name in [n for n in STAGES if n in run["stages"]] + [n for n in run["stages"] if n not in STAGES]:
+            for name in run["stages"]:  # in the run's order (bench/e2e.py's run_nodes)
                 s = run["stages"][name]
                 if s.get("status") == "not run":
                     continue
