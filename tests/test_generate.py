@@ -265,6 +265,34 @@ def test_the_engines_own_time_leaves_out_its_source_and_consumer(pool1):
     assert 0 < stats["busy_s"] <= wall - stats["source_s"] - 0.9 + 0.05, (wall, stats)
 
 
+def drain_stats():
+    from llamarl.lib.generate import Batch, Engine
+
+    _, model = _model(1)
+    prompts = [[5 + i, 17, 33 + i] for i in range(24)]
+    batches = [Batch(prompts[i:i + 6], list(range(i, i + 6))) for i in range(0, 24, 6)]
+    params = SamplingParams(max_new_tokens=24, stop_token_ids=tuple(range(40, 90)))  # random lengths
+    out = {}
+    for invariant in (True, False):
+        engine = Engine(model, params, max_batch=8, batch_invariant=invariant, check_every=2)
+        tokens = [c.tokens for _, cs in engine.stream(batches, seed=1) for c in cs]
+        out[invariant] = (tokens, dict(engine.stats))
+    return out
+
+
+def test_the_stream_reports_its_drain(pool1):
+    # drain_*: from the window where nothing was left to admit to the stream's end; a batch-invariant
+    # engine runs every slot there, the default one compacts and steps smaller buckets.
+    out = pool1.run(drain_stats)[0]
+    (tok_i, inv), (tok_d, base) = out[True], out[False]
+    assert tok_i == tok_d and len({len(t) for t in tok_i}) > 1  # the same draws; lengths vary
+    for st in (inv, base):
+        assert 0 < st["drain_steps"] <= st["steps"] and 0 < st["drain_slot_steps"] <= st["slot_steps"]
+        assert 0 < st["drain_s"] <= st["busy_s"] + st["source_s"] + 1e-3
+    assert inv["drain_slot_steps"] == 8 * inv["drain_steps"]  # all slots, every step
+    assert base["drain_slot_steps"] < inv["drain_slot_steps"]
+
+
 def sampler_tp2_vs_tp1(params, seed):
     parallel.init(2, 1)
     group, rank = parallel.tp_group(), parallel.topology().tp_rank
