@@ -24,7 +24,12 @@ and 256 prompts. Workloads, each a fresh 1-iteration run (shard → rollout → 
 Per stage: wall time (from `llamarl run`'s own stage lines), and from the stage manifest's
 ``timing`` (when the stage writes one) process start → first work and work time; generated,
 scored and trained tokens per second. Per iteration (rollout + score + ppo): generated and trained
-tokens/s/GPU and the ratio to TRL's generated tokens/s/GPU. Results: bench/results/e2e-<gpu>-<date>.json
+tokens/s/GPU and the ratio to TRL's generated tokens/s/GPU. A rollout stage also has its engine's own
+time (``engine_s``), ``wall_over_engine`` (issue 15: ≤ 1.15), ``not_engine_s`` and rank 0's steps
+from its manifest (``spans_s``: imports, …, tokenizer_wait, compile_wait, first_tokens, engine;
+``background_s``). ``--compile-cache fresh`` (default) gives each run an empty
+TORCHINDUCTOR_CACHE_DIR, so with ``--iterations 2`` iteration 1's rollout compiles cold and
+iteration 2's finds the cache. Results: bench/results/e2e-<gpu>-<date>.json
 (appended to, one entry per invocation, rewritten after every workload); --tiny writes to WORK.
 Everything ends within --budget-s: a stage still running at its deadline is killed and recorded.
 
