@@ -15,7 +15,9 @@ A rank's chunks go through one stream of the engine (lib/generate.py ``Engine.st
 chunk's sequences take the slots as the last ones free them, so the batch never drains at a chunk
 boundary. The prompts are read and tokenized ahead in one thread, the responses decoded and the
 parts written behind in another, while the engine runs; parts are still published one at a time,
-each whole. Formats: docs/formats.md.
+each whole. Before that, the tokenizer loads and the sampler compiles (a process of its own first,
+on a GPU) beside the process group, the checks and the weights; the manifest's ``spans_s`` say
+where the stage's time went (docs/generation.md). Formats: docs/formats.md.
 """
 
 from __future__ import annotations
