@@ -123,50 +123,51 @@ def wgrad_target(weight: torch.Tensor, in_region: bool = False) -> torch.Tensor 
 def region_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   main_grad: torch.Tensor | None) -> torch.Tensor:
     """``linear`` inside a compiled region: with ``main_grad`` (``wgrad_target``'s, passed in as a
-    region argument) through the ``llamarl::linear_grad_into_main`` op, whose backward adds the
-    weight gradient into it (see below)."""
-    y = F.linear(x, weight) if main_grad is None else torch.ops.llamarl.linear_grad_into_main(x, weight, main_grad)
+    region argument) its backward adds the weight gradient into it (``_RegionLinear``, below)."""
+    y = F.linear(x, weight) if main_grad is None else _RegionLinear.apply(x, weight, main_grad)
     return y if bias is None else y + bias
 
 
-# Inside a compiled region the fused linear is two custom ops. main_grad enters as an argument
-# (saved for backward, so its version counter is checked there); the backward op writes into its
-# memory through an alias with a version counter of its own and declares no mutation: nothing in a
-# graph reads main_grad, and a declared one would fail that check wherever another micro-batch's
-# backward has run between this one's forward and backward (1F1B). Its output is dx, so it is
-# never dead code.
-@torch.library.custom_op("llamarl::linear_grad_into_main", mutates_args=())
-def _linear_grad_into_main_op(x: torch.Tensor, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+class _RegionLinear(torch.autograd.Function):
+    """``x Wᵀ`` for ``region_linear``, traced into the compiled region: the forward is the plain
+    matmul, the backward the ``llamarl::linear_grad_into_main_backward`` op."""
+
+    @staticmethod
+    def forward(ctx, x, weight, main_grad):
+        ctx.save_for_backward(x, weight, main_grad)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, main_grad = ctx.saved_tensors
+        return torch.ops.llamarl.linear_grad_into_main_backward(dy, x, weight, main_grad), None, None
 
 
-@_linear_grad_into_main_op.register_fake
-def _(x, weight, main_grad):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+# Inside a compiled region the fused linear is an autograd.Function that dynamo traces: its forward
+# the plain matmul, its backward one op. main_grad enters the region as an argument (saved for
+# backward, so its version counter is checked there); the op writes into its memory through an
+# alias with a version counter of its own and declares no mutation: nothing in a graph reads
+# main_grad, and a declared one would fail that check wherever another micro-batch's backward has
+# run between this one's forward and backward (1F1B). Its output is dx, so it is never dead code.
+# A plain torch.library kernel: dispatching it costs ~7-12 us of host time against ~28-37 through
+# torch.library.custom_op's wrapper (dev CPU, torch 2.13), on every backward of every linear.
+_OPS = torch.library.Library("llamarl", "FRAGMENT")
+_OPS.define("linear_grad_into_main_backward(Tensor dy, Tensor x, Tensor weight, Tensor main_grad) -> Tensor")
 
 
-@torch.library.custom_op("llamarl::linear_grad_into_main_backward", mutates_args=())
-def _linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+def _linear_backward_op(dy, x, weight, main_grad):
     dy2 = dy.reshape(-1, dy.shape[-1])
     accumulate_wgrad(own_version(main_grad), dy2, x.reshape(-1, x.shape[-1]))
     return (dy2 @ weight).view(x.shape)
 
 
-@_linear_backward_op.register_fake
+for _key in ("CPU", "CUDA"):
+    _OPS.impl("linear_grad_into_main_backward", _linear_backward_op, _key)
+
+
+@torch.library.register_fake("llamarl::linear_grad_into_main_backward")
 def _(dy, x, weight, main_grad):
     return x.new_empty(x.shape)
-
-
-def _linear_op_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _linear_op_backward(ctx, dy):
-    x, weight, main_grad = ctx.saved_tensors
-    return torch.ops.llamarl.linear_grad_into_main_backward(dy, x, weight, main_grad), None, None
-
-
-_linear_grad_into_main_op.register_autograd(_linear_op_backward, setup_context=_linear_op_setup)
 
 
 def own_version(t: torch.Tensor) -> torch.Tensor:
@@ -216,10 +217,11 @@ def wgrad_fusion_on(device: torch.device, in_region: bool = False) -> bool:
     ``1`` (everywhere, inside the regions too; on CPU by upcasting: for tests) or ``0`` (never: the
     bf16 gradient, added into ``main_grad`` by ``GradBuffer``'s hook).
 
-    Inside the regions the fusion is two custom ops a linear, whose calls go through torch's
-    Python custom-op dispatch on every forward and backward: on one H100 (1B shape, 4 micro-batches
-    of 4096 tokens) that host time cost more than the ~5 ms of GPU time a micro-batch it saves
-    (0.74x the raw step against 0.81x without it, docs/training.md), hence not by default."""
+    Inside the regions the fusion was first two ``torch.library.custom_op`` calls a linear, whose
+    Python dispatch on every forward and backward cost more host time on one H100 (1B shape, 4
+    micro-batches of 4096 tokens) than the ~5 ms of GPU time a micro-batch it saves (0.74x the raw
+    step against 0.81x without it, docs/training.md), hence not by default. It is now one plain
+    kernel in the backward alone (``_RegionLinear``), not yet timed on a GPU."""
     mode = os.environ.get(WGRAD_ENV, "auto")
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"{WGRAD_ENV}={mode!r}: use auto, 0 or 1")

@@ -222,8 +222,8 @@ def test_grad_buffer_with_wgrad_fusion_matches_the_hook_path():
 
 def test_wgrad_fusion_inside_the_fused_layer_regions():
     # LLAMARL_FUSED_LAYERS=1 with LLAMARL_FUSED_WGRAD=1: the linears inside the compiled regions
-    # add into main_grad through the llamarl::linear_grad_into_main op (its backward op writes
-    # into main_grad's memory).
+    # add into main_grad in their backward (lib.layers._RegionLinear, traced into the region; its
+    # backward op llamarl::linear_grad_into_main_backward writes into main_grad's memory).
     assert grad_buffer_fused_vs_hook(fused=True, fused_layers="1") < 1e-2
 
 
