@@ -42,6 +42,15 @@ def timed_cli(*args) -> tuple[float, float | None, str]:
     return wall, float(m.group(1)) if m else None, proc.stdout.strip()
 
 
+def has_bytecode() -> bool:
+    """Whether the installed packages have their bytecode (an ordinary pip install): without it
+    every process compiles what it imports (the GPU machines before bench/gpu_env.sh compiles it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("numpy")
+    return bool(spec and spec.origin and os.path.exists(importlib.util.cache_from_source(spec.origin)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--procs", type=int, default=4)
@@ -58,7 +67,7 @@ def main():
     hf_dir, ckpt, out = (os.path.join(args.workdir, n) for n in ("hf", "ckpt", "out"))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-           "cpus": os.cpu_count(), "torch": torch.__version__, "procs": args.procs}
+           "cpus": os.cpu_count(), "torch": torch.__version__, "procs": args.procs, "bytecode": has_bytecode()}
     import transformers
 
     res["transformers"] = transformers.__version__

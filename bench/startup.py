@@ -119,6 +119,15 @@ def importtime(module: str, top: int = 12) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
+def has_bytecode() -> bool:
+    """Whether the installed packages have their bytecode (an ordinary pip install): without it
+    every process compiles what it imports (the GPU machines before bench/gpu_env.sh compiles it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("numpy")
+    return bool(spec and spec.origin and os.path.exists(importlib.util.cache_from_source(spec.origin)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--procs", type=int, nargs="+", default=[1, 4])
@@ -131,6 +140,7 @@ def main() -> None:
     src = os.path.join(work, "hf")
     tiny_hf(src)
     res = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+           "bytecode": has_bytecode(),
            "model": "tiny Llama (2 layers, hidden 64)", "repeat": args.repeat, "runs": {}}
     try:
         import torch

@@ -39,7 +39,11 @@ def _fs(url: str):
 # It guards against damage, not tampering. Each file's entry names its algorithm (the key holding
 # the digest); entries of older manifests with "sha256" still verify.
 CHECKSUM = "xxh3_128"
-ALGORITHMS = ("xxh3_128", "sha256")
+# A file hashed by reading it, not while writing it (a shard stage's source): XXH3-128 of the
+# XXH3-128 digests of its 64 MiB blocks, so several threads hash one file at once.
+TREE = "xxh3_128_tree"
+TREE_BLOCK = 64 << 20
+ALGORITHMS = ("xxh3_128", TREE, "sha256")
 _BLOCK = 16 << 20  # bytes read at a time when hashing a file
 
 
@@ -49,13 +53,16 @@ def hasher(algorithm: str = CHECKSUM):
         import xxhash
 
         return xxhash.xxh3_128()
-    if algorithm not in ALGORITHMS:
-        raise PublishError(f"unknown checksum algorithm {algorithm!r}; this version knows {', '.join(ALGORITHMS)}")
+    if algorithm not in ALGORITHMS or algorithm == TREE:  # TREE hashes blocks, not a stream: ``checksum``
+        raise PublishError(f"unknown checksum algorithm {algorithm!r} for a stream; this version knows "
+                           f"{', '.join(a for a in ALGORITHMS if a != TREE)}")
     return hashlib.new(algorithm)
 
 
-def checksum(url: str, algorithm: str = CHECKSUM, chunk: int = _BLOCK) -> str:
+def checksum(url: str, algorithm: str = CHECKSUM, chunk: int = _BLOCK, threads: int = 4) -> str:
     """The checksum of a whole file, read again (writers hash as they write: ``open_write``)."""
+    if algorithm == TREE:
+        return _tree_checksum(url, threads)
     h = hasher(algorithm)
     buf = bytearray(chunk)
     view = memoryview(buf)
@@ -63,6 +70,35 @@ def checksum(url: str, algorithm: str = CHECKSUM, chunk: int = _BLOCK) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+def _tree_checksum(url: str, threads: int, read_bytes: int = 4 << 20) -> str:
+    """``TREE`` of a file: its blocks hashed by ``threads`` threads, each reading ``read_bytes`` at
+    a time (what it holds)."""
+    import xxhash
+
+    fs, path = _fs(url)
+    size = fs.size(path)
+
+    def block(start: int) -> bytes:
+        h = xxhash.xxh3_128()
+        buf = bytearray(read_bytes)
+        with fs.open(path, "rb") as f:
+            f.seek(start)
+            left = min(TREE_BLOCK, size - start)
+            while left:
+                n = f.readinto(memoryview(buf)[: min(read_bytes, left)])
+                if not n:
+                    raise PublishError(f"{url}: short read; the file changed while being hashed")
+                h.update(memoryview(buf)[:n])
+                left -= n
+        return h.digest()
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        digests = list(pool.map(block, range(0, size, TREE_BLOCK)))
+    return xxhash.xxh3_128(b"".join(digests)).hexdigest()
 
 
 # ---- hashing while writing -----------------------------------------------------------------------
@@ -176,24 +212,25 @@ def open_write(url: str, algorithm: str = CHECKSUM) -> Iterator[HashingWriter]:
     record(fs, path, writer)
 
 
-def file_entry(url: str) -> dict[str, Any]:
-    """``{"bytes": size, CHECKSUM: digest}`` of a file for a manifest: hashed while it was written
-    when this process wrote it (``open_write``), read and hashed otherwise."""
+def file_entry(url: str, algorithm: str = CHECKSUM) -> dict[str, Any]:
+    """``{"bytes": size, algorithm: digest}`` of a file for a manifest: hashed while it was written
+    when this process wrote it (``open_write``), read and hashed otherwise (``TREE``: by several
+    threads)."""
     known = written_entry(url)
     if known is not None:
         return known
     fs, path = _fs(url)
-    return {"bytes": fs.size(path), CHECKSUM: checksum(url)}
+    return {"bytes": fs.size(path), algorithm: checksum(url, algorithm)}
 
 
-def file_entries(root: str, names: list[str], threads: int = 8) -> dict[str, dict[str, Any]]:
+def file_entries(root: str, names: list[str], threads: int = 8, algorithm: str = CHECKSUM) -> dict[str, dict[str, Any]]:
     """``file_entry`` of each ``root/name``, several files at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     if not names:
         return {}
     with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
-        return dict(zip(names, pool.map(lambda n: file_entry(f"{root}/{n}"), names)))
+        return dict(zip(names, pool.map(lambda n: file_entry(f"{root}/{n}", algorithm), names)))
 
 
 def write_bytes(url: str, data: bytes) -> dict[str, Any]:

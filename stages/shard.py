@@ -116,14 +116,19 @@ def run(cfg: ShardConfig) -> None:
                           | ({"model.safetensors.index.json"} if fs.exists(f"{src_path}/model.safetensors.index.json") else set()))
     # The source's checksums go into the manifest, and say whether a published output is current.
     # When the output is not published (the usual case) nothing waits for them: each rank hashes its
-    # share of the source files on a thread while it writes its chunks.
+    # share of the source files on a thread while it writes its chunks (``TREE``: a 3 GB file in
+    # blocks, by several threads; the files are read, not written, here).
+    # A published output's own algorithm is used to compare with it (older ones: xxh3_128 streams).
+    published = job.broadcast_object(publish.read_manifest(dst) if rank == 0 else None)
+    before = {n: next((a for a in publish.ALGORITHMS if a in e), publish.TREE)
+              for n, e in ((published or {}).get("source") or {}).get("files", {}).items()}
+    mine = source_files[rank::world]
     hashing = ThreadPoolExecutor(1, thread_name_prefix="llamarl-hash").submit(
-        publish.file_entries, src, source_files[rank::world])
+        lambda: {n: publish.file_entry(f"{src}/{n}", before.get(n, publish.TREE)) for n in mine})
 
     def source() -> dict:
         return {"url": src, "files": {k: v for part in job.all_gather_object(hashing.result()) for k, v in part.items()}}
 
-    published = job.broadcast_object(publish.read_manifest(dst) is not None if rank == 0 else None)
     expect = {"kind": contract.CHECKPOINT, "head": head, "dtype": out_dtype}
     if published:
         expect["source"] = source()

@@ -117,3 +117,20 @@ def test_memory_filesystem_writes_are_hashed_too():
     entry = publish.write_bytes(url, b"z" * 4097)
     assert entry == {"bytes": 4097, "xxh3_128": xxhash.xxh3_128(b"z" * 4097).hexdigest()}
     assert publish.file_entry(url) == entry == {"bytes": 4097, "xxh3_128": publish.checksum(url)}
+
+
+def test_tree_checksum_is_the_digest_of_its_blocks_digests(tmp_path, monkeypatch):
+    import xxhash
+
+    monkeypatch.setattr(publish, "TREE_BLOCK", 1000)
+    data = os.urandom(3500)
+    (tmp_path / "f").write_bytes(data)
+    blocks = [xxhash.xxh3_128(data[i : i + 1000]).digest() for i in range(0, 3500, 1000)]
+    want = xxhash.xxh3_128(b"".join(blocks)).hexdigest()
+    assert publish._tree_checksum(str(tmp_path / "f"), threads=3, read_bytes=300) == want
+    entry = publish.file_entry(str(tmp_path / "f"), publish.TREE)
+    assert entry == {"bytes": 3500, publish.TREE: want}
+    publish.verify(str(tmp_path), {"f": entry})  # verifies as any other entry
+    (tmp_path / "f").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(publish.PublishError, match="does not match its xxh3_128_tree checksum"):
+        publish.verify(str(tmp_path), {"f": {**entry, "bytes": 3500}})
