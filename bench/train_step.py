@@ -622,7 +622,10 @@ def build_parallel(model_cfg, layout, ids, micro_batches, dtype, dev):
     with torch.no_grad():  # random weights drawn on the device (random_reader's full tensors: slow at 8B)
         g = torch.Generator(device=dev).manual_seed(1 + model.topology.pp_rank * 1000 + model.topology.tp_rank)
         for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02, generator=g)
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02, generator=g)
     fused = {"fused": True} if dev == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
     chunks = ids.chunk(micro_batches)
@@ -695,7 +698,8 @@ def parallel_main(args, world, shape, batch, seq, n):
     if rank == 0:
         dt = max(r["step_s_median"] for r in ranks)  # the step ends when the slowest rank's does
         res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-               "gpus": world, "torch": torch.__version__, "shape": shape, "shape_name": "small" if args.small else args.shape,
+               "gpus": world, "torch": torch.__version__, "shape": shape,
+               "shape_name": "small" if args.small else args.shape,
                "batch": batch, "seq": seq, "tokens_per_step": tokens, "dtype": str(dtype), "steps": n,
                "layout": {"tp": tp, "pp": pp, "sequence_parallel": args.sp, "micro_batches": m},
                "flops_per_step": flops, "variants": ["llamarl"]}

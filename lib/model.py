@@ -117,8 +117,8 @@ class DecoderLayer(nn.Module):
         # Each linear's fp32 main_grad goes in as an argument where its gradient is fused into it
         # (LLAMARL_FUSED_WGRAD=1 only: see lib.layers.wgrad_fusion_on).
         q, k, v = compiled_region(_attention_in, 0, 5, 6)(
-            x, self.input_layernorm.weight, qkv.weight, qkv.bias, wgrad_target(qkv.weight, True), cos, sin, eps, a.heads,
-            a.kv_heads, a.head_dim)
+            x, self.input_layernorm.weight, qkv.weight, qkv.bias, wgrad_target(qkv.weight, True), cos, sin, eps,
+            a.heads, a.kv_heads, a.head_dim)
         out = attention(q, k, v, meta, self.index).reshape(-1, a.q_rows)
         return compiled_region(_attention_out_and_mlp, 0, 1)(
             out, x, self.post_attention_layernorm.weight,

@@ -238,7 +238,8 @@ def wgrad_fusion_under_1f1b(micro_batches=4) -> float:
     for mode in ("0", "1"):
         os.environ.update({layers.WGRAD_ENV: mode, layers.FUSED_LAYERS_ENV: "1"})
         try:
-            model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(pp=2), dtype=torch.bfloat16, fused=True)
+            model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(pp=2), dtype=torch.bfloat16,
+                                             fused=True)
             model.load_hf_state_dict(hf.state_dict())
             optim.GradBuffer(model)
             batches, labels = [], []
