@@ -207,8 +207,10 @@ class ExportConfig(StageConfig):
     src: str = path("A published llamarl checkpoint directory (any fsspec URL).")
     dst: str = path("Output HF directory (any fsspec URL).", kind=OUTPUT)
     dtype: StoredDtype | None = Field(None, description="Output dtype: bf16 | fp16 | fp32; default: the checkpoint's.")
-    max_shard_gb: float = Field(2.0, gt=0, description="Largest safetensors file, in GB; bigger models are split "
-                                                       "with an index, as HF does.")
+    max_shard_gb: float = Field(1.0, gt=0, description="Largest safetensors file, in GB; bigger models are split "
+                                                       "with an index, as HF does. A file is what one process "
+                                                       "writes (and a loader reads) at once: more files, more "
+                                                       "of them in parallel.")
     verify: bool = placement(True, "Check the checkpoint's files against their checksums before reading.")
 
 
