@@ -86,8 +86,9 @@ def rank_world() -> tuple[int, int]:
 
 
 def all_gather_object(obj) -> list:
-    """Collective: every rank's ``obj``, by rank."""
-    if (dist := _dist()) is not None:
+    """Collective: every rank's ``obj``, by rank. Alone (a world of one) no collective runs: on
+    NCCL the first one would build a communicator, most of a second."""
+    if (dist := _dist()) is not None and dist.get_world_size() > 1:
         out: list = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
         return out
@@ -96,7 +97,7 @@ def all_gather_object(obj) -> list:
 
 def broadcast_object(obj=None):
     """Collective: rank 0's ``obj`` on every rank."""
-    if (dist := _dist()) is not None:
+    if (dist := _dist()) is not None and dist.get_world_size() > 1:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -104,7 +105,7 @@ def broadcast_object(obj=None):
 
 
 def barrier() -> None:
-    if (dist := _dist()) is not None:
+    if (dist := _dist()) is not None and dist.get_world_size() > 1:
         dist.barrier()
     elif _io_group is not None:
         _io_group.barrier()

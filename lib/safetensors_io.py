@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -161,10 +163,15 @@ class Deferred:
     get: Callable[[], HostTensor]
 
 
-def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None) -> dict:
-    """Write a safetensors file at any fsspec URL, streamed from the tensors' memory (no copy of the
-    whole file) and hashed on the way; returns its manifest entry (``bytes`` and checksum).
-    ``tensors``: ``HostTensor``s, ``Deferred``s or CPU torch tensors.
+def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None, threads: int = 1) -> dict:
+    """Write a safetensors file at any fsspec URL; returns its manifest entry (``bytes`` and
+    checksum). ``tensors``: ``HostTensor``s, ``Deferred``s (fetched when their turn comes, up to
+    ``threads`` at once) or CPU torch tensors.
+
+    On a local filesystem with ``threads`` > 1, ``threads`` threads each fetch a tensor and write
+    it at its offset (the header fixes every offset up front), and the file is then hashed as a
+    block tree (``publish.TREE``, several threads): one stream to a file writes at ~1.5 GB/s. Elsewhere
+    (object stores write streams only) the tensors go out in order, hashed on the way.
 
     The layout is the safetensors library's: header JSON padded with spaces to 8 bytes, tensors
     ordered by element size (largest first, so each starts aligned), then name, with no gaps."""
@@ -172,21 +179,68 @@ def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None) 
     specs = {n: (t.dtype, tuple(t.shape), math.prod(t.shape) * numpy_storage(t.dtype).itemsize) for n, t in host.items()}
     order = sorted(host, key=lambda n: (-numpy_storage(specs[n][0]).itemsize, n))
     header: dict = {"__metadata__": metadata} if metadata else {}
-    offset = 0
+    offset, offsets = 0, {}
     for name in order:
         dtype, shape, nbytes = specs[name]
         header[name] = {"dtype": _CODE_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offsets[name] = offset
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with publish.open_write(url) as f:
-        f.write(struct.pack("<Q", len(head)) + head)
-        for name in order:
-            t = host[name].get() if isinstance(host[name], Deferred) else host[name]
-            if (t.dtype, tuple(t.shape)) != specs[name][:2]:
-                raise ValueError(f"{url}: {name} came as {t.dtype} {list(t.shape)}, planned as "
-                                 f"{specs[name][0]} {list(specs[name][1])}")
-            if t.nbytes:
-                f.write(memoryview(np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)))
-            del t
+    head = struct.pack("<Q", len(head) + (-len(head) % 8)) + head + b" " * (-len(head) % 8)
+
+    def fetch(name: str) -> memoryview:
+        t = host[name].get() if isinstance(host[name], Deferred) else host[name]
+        if (t.dtype, tuple(t.shape)) != specs[name][:2]:
+            raise ValueError(f"{url}: {name} came as {t.dtype} {list(t.shape)}, planned as "
+                             f"{specs[name][0]} {list(specs[name][1])}")
+        return memoryview(np.ascontiguousarray(t.data).reshape(-1).view(np.uint8))
+
+    fs, path = fsspec.core.url_to_fs(url)
+    if threads > 1 and getattr(fs, "local_file", False):
+        return _write_local_parallel(fs, path, head, order, offsets, len(head) + offset, fetch, threads)
+    with publish.open_write(url) as f, ThreadPoolExecutor(max(1, threads)) as pool:
+        f.write(head)
+        ahead: dict = {}
+        for i, name in enumerate(order):
+            for later in order[i : i + max(1, threads)]:  # fetched ahead of the one written
+                if later not in ahead:
+                    ahead[later] = pool.submit(fetch, later)
+            data = ahead.pop(name).result()
+            if len(data):
+                f.write(data)
+            del data
     return f.entry()
+
+
+def _write_local_parallel(fs, path: str, head: bytes, order: list[str], offsets: dict, size: int, fetch,
+                          threads: int) -> dict:
+    import os
+
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        publish.first_write_time = publish.first_write_time or time.time()
+        _pwrite(fd, memoryview(head), 0)
+
+        def put(name: str) -> None:
+            data = fetch(name)
+            _pwrite(fd, data, len(head) + offsets[name])
+
+        with ThreadPoolExecutor(threads) as pool:
+            for done in [pool.submit(put, n) for n in order]:
+                done.result()
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return publish.file_entry(fs.unstrip_protocol(path), publish.TREE)
+
+
+def _pwrite(fd: int, data: memoryview, at: int) -> None:
+    import os
+
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], at + done)

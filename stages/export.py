@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from llamarl.lib import dcp_format, dtypes, hf_mapping, job, publish
 from llamarl.lib.config import LlamaConfig
@@ -26,7 +25,7 @@ from llamarl.stages.config import ExportConfig
 # No torch here: export moves bytes (numpy arrays of the tensors' storage, lib/dtypes.HostTensor)
 # over a torch-free process group (lib/iogroup.py), and starts in a fraction of a second.
 
-READ_AHEAD = 4  # tensors read (and converted) at once by each rank's threads, in file order
+THREADS = 4  # tensors read, converted and written at once by each rank (safetensors_io.write_file)
 
 
 def plan_files(shapes: dict[str, tuple], itemsize: int, max_bytes: int) -> list[list[str]]:
@@ -107,15 +106,11 @@ def run(cfg: ExportConfig) -> None:
     written: dict[str, dict] = {}
     error = None
     try:
-        with ThreadPoolExecutor(READ_AHEAD) as pool:
-            for i in range(rank, len(groups), world):  # rank k writes files k, k + world, …
-                def read(name: str):
-                    t = dcp_format.read_whole(model_url, md, name)
-                    return t.to(out_dtype)
-
-                tensors = {n: Deferred(out_dtype, tuple(shapes[n]), get)
-                           for n, get in _ahead(pool, read, sorted(groups[i])).items()}
-                written[names[i]] = write_file(f"{dst}/{names[i]}", tensors, metadata={"format": "pt"})  # hashed as written
+        for i in range(rank, len(groups), world):  # rank k writes files k, k + world, …
+            tensors = {n: Deferred(out_dtype, tuple(shapes[n]),
+                                   lambda n=n: dcp_format.read_whole(model_url, md, n).to(out_dtype))
+                       for n in groups[i]}
+            written[names[i]] = write_file(f"{dst}/{names[i]}", tensors, metadata={"format": "pt"}, threads=THREADS)
     except (OSError, dcp_format.FormatError, ValueError) as e:
         error = f"rank {rank}: {src}: {e}; the checkpoint is damaged: reshard it"
     error = job.agree((verifying.result() if verifying else None) or error)
@@ -138,21 +133,6 @@ def run(cfg: ExportConfig) -> None:
         total = sum(v["bytes"] for k, v in files.items() if k.endswith(".safetensors"))
         print(f"{dst}: exported {total / 1e9:.2f} GB ({len(names)} file(s)) in {dt:.1f}s ({total / 1e9 / dt:.2f} GB/s)", flush=True)
     job.barrier()
-
-
-def _ahead(pool: ThreadPoolExecutor, read, names: list[str]):
-    """``{name: () -> read(name)}``, to be called in the order of ``names``: up to ``READ_AHEAD``
-    reads run ahead of the one being written, and each tensor is dropped once written."""
-    futures = {}
-
-    def get(name: str):
-        i = names.index(name)
-        for n in names[i : i + READ_AHEAD]:
-            if n not in futures:
-                futures[n] = pool.submit(read, n)
-        return futures.pop(name).result()
-
-    return {name: (lambda name=name: get(name)) for name in names}
 
 
 def _write_side_files(src, dst, manifest, head, dtype, groups, names, files) -> None:

@@ -247,6 +247,9 @@ def test_manifest_checksums_are_those_of_the_files_and_old_sha256_checkpoints_ex
     for root in (ckpt, out):  # hashed while written, by the rank that wrote each file
         for name, entry in publish.read_manifest(str(root))["files"].items():
             data = (root / name).read_bytes()
+            if root == out and name.endswith(".safetensors"):  # written by several threads: a block tree
+                assert entry == {"bytes": len(data), publish.TREE: publish._tree_checksum(str(root / name), 1)}, name
+                continue
             assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}, name
     # The same checkpoint as an older llamarl published it: sha256 entries. It still exports,
     # and a flipped byte is still caught.

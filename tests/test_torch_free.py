@@ -266,3 +266,31 @@ def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, 
     # Parsed from their edges: rows (2 chunks of ours, 1 of DCP's), vec (1 each) and DCP's cols (one
     # chunk, the whole tensor: but stored strided, so read whole after all); our cols chunks are not rows.
     assert len([p for p in in_place if p is not None]) == (6 if edge == 1024 else 0)
+
+
+def test_safetensors_written_by_threads_at_offsets_is_the_same_file(tmp_path):
+    # Local files: tensors fetched and written at their offsets by several threads, then hashed as
+    # a block tree; a stream elsewhere (memory:// here), in order. The same bytes either way, and
+    # what safetensors itself writes.
+    import fsspec
+    from safetensors.numpy import save as st_save
+
+    from llamarl.lib import publish
+    from llamarl.lib.safetensors_io import Deferred, write_file
+
+    g = np.random.default_rng(0)
+    arrays = {f"t{i}": g.standard_normal((17 + i, 9)).astype(np.float32) for i in range(7)}
+    host = {n: HostTensor("float32", a) for n, a in arrays.items()}
+    lazy = {n: Deferred("float32", a.shape, lambda n=n: host[n]) for n, a in arrays.items()}
+    a = write_file(str(tmp_path / "a.safetensors"), lazy, threads=4)
+    b = write_file(str(tmp_path / "b.safetensors"), host, threads=1)
+    c = write_file("memory://llamarl-test/c.safetensors", lazy, threads=4)
+    data = (tmp_path / "a.safetensors").read_bytes()
+    assert data == (tmp_path / "b.safetensors").read_bytes() == fsspec.filesystem("memory").cat("/llamarl-test/c.safetensors")
+    assert data == st_save(arrays)
+    assert publish.TREE in a and "xxh3_128" in b and "xxh3_128" in c
+    publish.verify(str(tmp_path), {"a.safetensors": a, "b.safetensors": b})
+    wrong = {**lazy, "t3": Deferred("float32", (1, 1), lambda: host["t3"])}
+    with pytest.raises(ValueError, match="t3 came as float32"):
+        write_file(str(tmp_path / "d.safetensors"), wrong, threads=4)
+    assert not (tmp_path / "d.safetensors").exists()
