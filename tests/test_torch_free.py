@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -294,3 +295,29 @@ def test_safetensors_written_by_threads_at_offsets_is_the_same_file(tmp_path):
     with pytest.raises(ValueError, match="t3 came as float32"):
         write_file(str(tmp_path / "d.safetensors"), wrong, threads=4)
     assert not (tmp_path / "d.safetensors").exists()
+
+
+def test_forked_and_started_processes_shard_alike(tmp_path):
+    # `llamarl stage` forks the processes of shard and export (their imports done); started as
+    # new interpreters instead, the same bytes come out, and a user error is one line, status 2.
+    from llamarl.cluster.local import LocalExecutor, LocalOptions
+    from llamarl.stages.config import ShardConfig
+
+    src = str(tmp_path / "hf")
+    tiny.hf_model("lm").save_pretrained(src)
+    code = ("import sys, json; from llamarl.cluster.local import LocalExecutor, LocalOptions; "
+            "from llamarl.stages.config import ShardConfig; "
+            "r = LocalExecutor(LocalOptions(fork=sys.argv[1] == '1')).run('shard', ShardConfig(src=sys.argv[2], "
+            "dst=sys.argv[3], tp=int(sys.argv[4])), int(sys.argv[4])); print(json.dumps([r.code, r.error]))")
+    out = {}
+    for fork in ("1", "0"):
+        dst = str(tmp_path / f"ckpt{fork}")
+        proc = subprocess.run([sys.executable, "-c", code, fork, src, dst, "2"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("[0, null]"), proc.stdout + proc.stderr
+        out[fork] = {f: (tmp_path / f"ckpt{fork}" / "model" / f).read_bytes()
+                     for f in os.listdir(tmp_path / f"ckpt{fork}" / "model")}
+    assert out["1"].keys() == out["0"].keys() and all(out["1"][f] == out["0"][f] for f in out["1"] if f != ".metadata")
+    proc = subprocess.run([sys.executable, "-c", code, "1", str(tmp_path / "nowhere"), str(tmp_path / "x"), "2"],
+                          capture_output=True, text=True, timeout=300)
+    code_, error = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert code_ == 2 and "config.json not found" in error, proc.stdout + proc.stderr
