@@ -359,7 +359,16 @@ def _zip64_values(extra: bytes) -> list[int]:
 
 def parse_item(item: memoryview) -> StoredTensor:
     """Where the one tensor of an item (a ``torch.save`` archive, written here or by torch) lies;
-    ``FormatError`` for any other archive."""
+    ``FormatError`` for any other archive, or damaged bytes."""
+    try:
+        return _parse_item(item)
+    except (struct.error, KeyError, UnicodeDecodeError, pickle.UnpicklingError, EOFError, TypeError, ValueError) as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"not a tensor item ({type(e).__name__}: {e})") from None
+
+
+def _parse_item(item: memoryview) -> StoredTensor:
     records = _records(item)
     if "byteorder" in records:
         at, n = records["byteorder"]

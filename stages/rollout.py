@@ -139,15 +139,23 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
 
     if contract.skip_if_current(out, {"request": request}, "already rolled out with this actor and config", request):
         return
-    job.verify_input(actor, manifest, f"{contract.MODEL}/")
+    # The weights are verified while they load: nothing is made from them before every rank's
+    # share of the files checked out.
+    verifying = job.start_verify(actor, manifest, f"{contract.MODEL}/")
     done = set(contract.published_parts(out))
     spans.mark("prepare_and_verify")
 
     model = _build_actor(model_cfg, layout, dtype, parallel.device())
     spans.mark("build")
-    checkpoint.load_model(model, f"{actor}/{contract.MODEL}")
+    try:
+        checkpoint.load_model(model, f"{actor}/{contract.MODEL}")
+    except RuntimeError:
+        job.check(verifying.result())  # a damaged file: its one line, on every rank (a collective)
+        raise
     model.eval()
     spans.mark("load")
+    job.check(verifying.result())
+    spans.mark("verify_wait")
     tok = tokenizer.result()
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
                             stop_token_ids=tuple(sorted(set(toklib.stop_token_ids(actor, tok)) | set(s.stop_token_ids))))

@@ -297,3 +297,21 @@ def test_the_sampler_warm_up_process_reads_the_stage_config(actor, prompts, tmp_
     bad = cfg.model_copy(update={"actor": str(tmp_path / "nothing")})
     gone = subprocess.run(run + [json.dumps(bad.to_json())], capture_output=True, text=True, timeout=120, cwd="/")
     assert gone.returncode == 2 and "nothing" in gone.stderr
+
+
+def test_tokenizer_loads_as_autotokenizer_would_without_its_imports(tmp_path):
+    # A generic fast tokenizer (Llama 3's class, and what save_pretrained of one writes) is loaded
+    # as that class: the same tokenizer AutoTokenizer gives, without importing every model's config.
+    toy.make_tokenizer(str(tmp_path / "hf"))
+    code = ("import json, sys; from llamarl.lib import tokenizer as T; tok = T.load(sys.argv[1]); "
+            "print(json.dumps([type(tok).__name__, T.fingerprint(tok), T.encode_prompt(tok, 'the cat sat'), "
+            "'transformers.models.auto.tokenization_auto' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    name, fingerprint, ids, auto = json.loads(out.stdout.strip().splitlines()[-1])
+    from transformers import AutoTokenizer
+
+    from llamarl.lib import tokenizer as toklib
+
+    ref = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert (name, fingerprint, ids) == (type(ref).__name__, toklib.fingerprint(ref), toklib.encode_prompt(ref, "the cat sat"))
+    assert not auto
