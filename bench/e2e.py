@@ -39,7 +39,9 @@ invocation). The layout ``split`` is a placement: every stage at tp1 on one GPU,
 sharing out 2 GPUs between 2 stages at once (``gpus: 2``, ``max_concurrent_stages: 2``), so with
 staleness 1 rollout k+1 runs on one GPU while ppo k trains on the other; at staleness 0 the same
 placement runs the stages in turn (a rollout may start once the ppo before it has published its
-actor, while that ppo still writes its training state). With ``--tiny`` on CPU it means 2 stages
+actor, while that ppo still writes its training state). The layout ``shared`` is the same on one
+GPU: every stage at tp1, two at once on that GPU (a rollout beside the training-state write of the
+ppo before it; both fit in its memory at the 1B shape). With ``--tiny`` on CPU it means 2 stages
 at once of one process each (2 cores, ``threads_per_process: 1``). Per run, under ``iterations``:
 the wall of all iterations (from the first rollout's start to the end of the last iteration
 stage: rollout, score and ppo with the pipeline's bookkeeping, stages side by side counted once),
@@ -68,6 +70,7 @@ import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPLIT = "split"  # the --layouts name of the placement: every stage tp1 on one of 2 GPUs, 2 stages at once
+SHARED = "shared"  # every stage tp1 on the one GPU, 2 stages at once on it (a rollout beside a ppo's state write)
 
 
 def iteration_nodes(k: int) -> tuple[str, str, str]:
@@ -176,7 +179,7 @@ def _build_inputs(job: dict) -> None:
 
 
 def parse_layout(name: str) -> dict:
-    if name == SPLIT:  # a placement: each stage on one device, two stages at once
+    if name in (SPLIT, SHARED):  # a placement: each stage on one device, two stages at once
         return {"tp": 1, "dp": 1}
     m = re.fullmatch(r"(?:tp(\d+))?(?:dp(\d+))?", name)
     if not name or not m:
@@ -188,7 +191,7 @@ def run_devices(layout_name: str) -> int:
     """The devices a run holds: 2 for the split placement (one per concurrent stage), else every
     stage's processes."""
     lay = parse_layout(layout_name)
-    return 2 if layout_name == SPLIT else lay["tp"] * lay["dp"]
+    return 2 if layout_name == SPLIT else 1 if layout_name == SHARED else lay["tp"] * lay["dp"]
 
 
 def run_name(workload: str, layout_name: str, staleness: int | None) -> str:
@@ -200,6 +203,8 @@ def run_name(workload: str, layout_name: str, staleness: int | None) -> str:
 def executor_spec(layout_name: str, gpus: int) -> dict:
     """The local executor; for the split placement with two stages at once, each on its own GPU
     (``gpus``: 0 on CPU, where each stage's one process takes one core)."""
+    if layout_name == SHARED:  # gpus unset: every stage sees the one GPU
+        return {"kind": "local", "options": {"max_concurrent_stages": 2}}
     if layout_name != SPLIT:
         return {"kind": "local"}
     return {"kind": "local", "options": {"max_concurrent_stages": 2} | ({"gpus": gpus} if gpus else {})}
