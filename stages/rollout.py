@@ -110,7 +110,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         raise UserError(f"sampling.max_new_tokens={s.max_new_tokens} leaves no room for a prompt within {actor}'s "
                         f"max_position_embeddings={model_cfg.max_position_embeddings}; lower max_new_tokens")
     # What does not wait for the process group starts now, in threads: the tokenizer (transformers'
-    # import: 14 s on the GPU machines) and, on a GPU, the sampler's compilation (after the warm-up
+    # import: 3 s on the GPU machines) and, on a GPU, the sampler's compilation (after the warm-up
     # process's, a cache hit), while the prompts are opened, the process group joined and the
     # weights loaded.
     tokenizer = background.Soon(toklib.load, actor, name="rollout-tokenizer")
