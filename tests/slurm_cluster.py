@@ -118,7 +118,7 @@ SchedulerType=sched/backfill
         """Stop a running job's tasks where they are, so it cannot finish while a test looks at it."""
         self.run(["scontrol", "suspend", job_id])
 
-    def requeue_suspended(self, job_id: str, timeout_s: float = 60) -> None:
+    def requeue_suspended(self, job_id: str, timeout_s: float = 180) -> None:
         """``scontrol requeue`` a suspended job and start it again at once.
 
         A requeue of a running job races it: a fast stage may finish first and the test proves
@@ -126,9 +126,10 @@ SchedulerType=sched/backfill
         requeued job's start by minutes: both are undone once it is pending again."""
         self.run(["scontrol", "requeue", job_id])
         deadline = time.monotonic() + timeout_s
-        while self.run(["squeue", "-h", "-j", job_id, "-o", "%T"], check=False).stdout.strip() != "PENDING":
+        # Its suspended tasks are killed first (slurmd, busy under a loaded CI, took over 60 s once).
+        while (state := self.run(["squeue", "-h", "-j", job_id, "-o", "%T"], check=False).stdout.strip()) != "PENDING":
             if time.monotonic() > deadline:
-                raise SlurmError(f"job {job_id} not pending {timeout_s} s after its requeue{self.logs()}")
+                raise SlurmError(f"job {job_id} not pending {timeout_s} s after its requeue (state {state!r}){self.logs()}")
             time.sleep(0.2)
         self.run(["scontrol", "release", job_id])
         self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])

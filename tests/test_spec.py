@@ -213,7 +213,7 @@ GOLDEN_KEYS = {
     "rollout": "d4dd6eb639158a02",
     "score": "c61100ef0a15e5cb",
     "ppo": "86bd9e8d8ca45629",
-    "export": "9da24f69a4590439",
+    "export": "70aba1e5750d6545",
 }
 
 
