@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import io
-import os
 import pickle
 import threading
 from collections import defaultdict
@@ -348,27 +347,6 @@ def _ranges(reads: list[_Read], block_bytes: int) -> list[tuple[str, int, int, l
     return out
 
 
-def _read_into(fs, path: str, begin: int, view: memoryview) -> None:
-    """Bytes ``begin:begin+len(view)`` of a file into ``view`` (local files: ``preadv``, no
-    intermediate copy; others: one range request)."""
-    if getattr(fs, "local_file", False):
-        fd = os.open(fs._strip_protocol(path), os.O_RDONLY)
-        try:
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], begin + done)
-                if n <= 0:
-                    raise OSError(f"{path}: short read at byte {begin + done}; the file changed while being read")
-                done += n
-        finally:
-            os.close(fd)
-    else:
-        data = fs.cat_file(path, begin, begin + len(view))
-        if len(data) != len(view):
-            raise OSError(f"{path}: short read at byte {begin}; the file changed while being read")
-        view[:] = data
-
-
 _DIRECT_BYTES = 1 << 20  # items this large are read straight into their target where they can be
 _EDGE_BYTES = 64 << 10  # of such an item, what is read first: its zip directory, pickle, data offset
 
@@ -377,8 +355,8 @@ def _header(fs, path: str, r: _Read):
     """``_Stored`` of a large item, from its first and last bytes only."""
     n = r.end - r.begin
     head, tail = bytearray(min(n, _EDGE_BYTES)), bytearray(min(n, _EDGE_BYTES))
-    _read_into(fs, path, r.begin, memoryview(head))
-    _read_into(fs, path, r.end - len(tail), memoryview(tail))
+    dcp_format.read_into(fs, path, r.begin, memoryview(head))
+    dcp_format.read_into(fs, path, r.end - len(tail), memoryview(tail))
     return _Stored.parse(_Sparse(bytes(head), bytes(tail), n))
 
 
@@ -491,7 +469,7 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
                     if getattr(mine, "buf", None) is None or mine.buf.numel() < n:
                         mine.buf = torch.empty(n, dtype=torch.uint8)
                     buf = mine.buf[:n]
-                _read_into(fs, path, begin, memoryview(buf.numpy()))
+                dcp_format.read_into(fs, path, begin, memoryview(buf.numpy()))
                 if then is not None:
                     then(buf)
 
@@ -517,7 +495,7 @@ def _read_staged(fs, pool: ThreadPoolExecutor, jobs: list[tuple], threads: int) 
 
     for path, begin, n, into, then in jobs:
         buf = staging.take() if into is None else into
-        pending.append((pool.submit(_read_into, fs, path, begin, memoryview(buf[:n].numpy())), buf, n, then, into is None))
+        pending.append((pool.submit(dcp_format.read_into, fs, path, begin, memoryview(buf[:n].numpy())), buf, n, then, into is None))
         if len(pending) >= threads:
             finish_oldest()
     while pending:

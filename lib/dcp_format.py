@@ -598,11 +598,11 @@ def read_whole(url: str, md: _Record, fqn: str) -> HostTensor:
             piece = _parse_edges(fs, file, info.offset, info.length)
             if piece is not None and _dense(piece) and str(piece.dtype) == dtype and tuple(piece.shape) == tuple(chunk.sizes):
                 start = chunk.offsets[0] * row_bytes if size else 0
-                _read_into(fs, file, info.offset + piece.offset, memoryview(flat[start : start + piece_bytes(piece)]))
+                read_into(fs, file, info.offset + piece.offset, memoryview(flat[start : start + piece_bytes(piece)]))
                 covered += math.prod(chunk.sizes)
                 continue
         item = memoryview(np.empty(info.length, dtype=np.uint8))  # not zeroed: every byte is read
-        _read_into(fs, file, info.offset, item)
+        read_into(fs, file, info.offset, item)
         piece = parse_item(item)
         if str(piece.dtype) != dtype or tuple(piece.shape) != tuple(chunk.sizes):
             raise FormatError(f"{fqn} at {list(chunk.offsets)}: the item holds {piece.dtype} {list(piece.shape)}, "
@@ -635,8 +635,8 @@ def _parse_edges(fs, file: str, begin: int, length: int) -> StoredTensor | None:
 
     head = np.empty(_EDGE_BYTES, dtype=np.uint8)
     tail = np.empty(_EDGE_BYTES, dtype=np.uint8)
-    _read_into(fs, file, begin, memoryview(head))
-    _read_into(fs, file, begin + length - _EDGE_BYTES, memoryview(tail))
+    read_into(fs, file, begin, memoryview(head))
+    read_into(fs, file, begin + length - _EDGE_BYTES, memoryview(tail))
     try:
         return parse_item(_Sparse(memoryview(head), memoryview(tail), length))
     except (FormatError, IndexError, struct.error, KeyError, pickle.UnpicklingError, ValueError):
@@ -663,7 +663,7 @@ class _Sparse:
         raise IndexError("outside the bytes read")
 
 
-def _read_into(fs, path: str, begin: int, view: memoryview) -> None:
+def read_into(fs, path: str, begin: int, view: memoryview) -> None:
     """Bytes ``begin:begin+len(view)`` of a file into ``view`` (local files: ``preadv``, no
     intermediate copy; others: one range request)."""
     import os
