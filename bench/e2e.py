@@ -28,8 +28,8 @@ tokens/s/GPU and the ratio to TRL's generated tokens/s/GPU. A rollout stage also
 time (``engine_s``), ``wall_over_engine`` (issue 15: ≤ 1.15), ``not_engine_s`` and rank 0's steps
 from its manifest (``spans_s``: imports, …, tokenizer_wait, compile_wait, first_tokens, engine;
 ``background_s``). ``--compile-cache fresh`` (default) gives each run an empty
-TORCHINDUCTOR_CACHE_DIR, so with ``--iterations 2`` iteration 1's rollout compiles cold and
-iteration 2's finds the cache. Results: bench/results/e2e-<gpu>-<date>.json
+TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, so with ``--iterations 2`` iteration 1's rollout
+compiles cold and iteration 2's finds the cache. Results: bench/results/e2e-<gpu>-<date>.json
 (appended to, one entry per invocation, rewritten after every workload); --tiny writes to WORK.
 Everything ends within --budget-s: a stage still running at its deadline is killed and recorded.
 
@@ -289,7 +289,7 @@ def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float 
         shutil.rmtree(compile_cache, ignore_errors=True)
         os.makedirs(compile_cache)
         env["TORCHINDUCTOR_CACHE_DIR"] = compile_cache
-        env.pop("TRITON_CACHE_DIR", None)  # inductor keeps Triton's under its own
+        env["TRITON_CACHE_DIR"] = os.path.join(compile_cache, "triton")  # the sampler's kernel: cold too
     cmd = [sys.executable, "-m", "llamarl.pipeline.cli", "run", spec]
     t0 = time.time()
     # cwd: not the repo root, whose llamarl/ folder would hide an installed (non-editable) llamarl.
@@ -894,7 +894,8 @@ def main():
                     help="TRL's gradient_checkpointing (its default: on)")
     ap.add_argument("--trl-python", default=sys.executable, help="interpreter for TRL's process (default this one)")
     ap.add_argument("--compile-cache", choices=("fresh", "machine"), default="fresh",
-                    help="torch.compile's caches: fresh (default): an empty TORCHINDUCTOR_CACHE_DIR per run, so its "
+                    help="torch.compile's and Triton's caches: fresh (default): an empty TORCHINDUCTOR_CACHE_DIR and "
+                         "TRITON_CACHE_DIR per run, so its "
                          "first rollout compiles cold and later ones find what it left, whatever ran on this machine "
                          "before; machine: torch's default (/tmp/torchinductor_$USER), as a user's stages get it")
     ap.add_argument("--keep-runs", action="store_true", help="keep run directories (a 1B run holds 25-50 GB of checkpoints)")

@@ -44,7 +44,7 @@ import torch
 
 from .attention import Decode, KVCache, Prefill
 from .model import ParallelLlamaForCausalLM
-from .sampling import SamplingParams, sample, sequence_keys
+from .sampling import SamplingParams, fused_available, sample, sequence_keys
 
 __all__ = ["SPAN_QUANTUM", "Batch", "Completion", "Engine", "SamplingParams", "generate"]
 
@@ -97,8 +97,8 @@ class Engine:
     """Slots, cache and captured decode steps for one model and one ``SamplingParams``; reuse it
     across calls (the stage does, chunk after chunk) to keep the cache and the graphs.
 
-    ``cuda_graphs`` / ``compiled`` (the sampler's per-shard pass through ``torch.compile``) default
-    to on for CUDA and off elsewhere; ``check_every``: decode steps between host checks (a
+    ``cuda_graphs`` / ``fused`` (the sampler's per-shard pass as one Triton kernel) default to on
+    for CUDA (``fused`` where Triton is importable) and off elsewhere; ``check_every``: decode steps between host checks (a
     finished sequence's slot idles about 1.5 windows before its next sequence starts; small
     windows are cheap since the host runs behind the device);
     ``prefill_tokens``: prompt tokens per prefill forward, padded (bounds its activations and the
@@ -114,7 +114,7 @@ class Engine:
     differently.) Attention reads each slot's own keys, masked past its length."""
 
     def __init__(self, model: ParallelLlamaForCausalLM, params: SamplingParams, *, max_batch: int = 64,
-                 check_every: int = 4, cuda_graphs: bool | None = None, compiled: bool | None = None,
+                 check_every: int = 4, cuda_graphs: bool | None = None, fused: bool | None = None,
                  prefill_tokens: int = 16384, batch_invariant: bool = False):
         params.check()
         if max_batch < 1 or check_every < 1:
@@ -125,7 +125,7 @@ class Engine:
         self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not cuda:
             raise ValueError("cuda_graphs needs the model on a CUDA device")
-        self.compiled = cuda if compiled is None else compiled
+        self.fused = (cuda and fused_available()) if fused is None else fused
         self.max_batch, self.check_every, self.prefill_tokens = max_batch, check_every, prefill_tokens
         self.batch_invariant = batch_invariant
         attn = model.model.layers[str(model.model.layer_range[0])].self_attn
@@ -186,7 +186,7 @@ class Engine:
     def _sample(self, logits, keys, steps):
         m = self.model
         return sample(logits, self.params, keys, steps, vocab_start=m.vocab_start, group=m.tp_group,
-                      compiled=self.compiled)
+                      fused=self.fused)
 
     def _decode(self, b: int, span: int) -> None:
         """One decode step of slots ``[:b]``, entirely on the device (the graph's body)."""

@@ -117,7 +117,8 @@ def _row_stats(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, lo
     """This shard's part of the draw: ``[rows, 5]`` fp64 — best perturbed logit, its global token
     id, max logit, sum of ``exp(logit - max)``, the best token's logit; logits at
     ``temperature`` (1 when greedy, then unperturbed). Tokens whose logit is below ``lo`` are not
-    drawn. One pass over the slice (fused into one kernel when compiled)."""
+    drawn. Eager torch makes ~20 passes over int64 ``[rows, vocab]`` temporaries; ``_kernel`` is the
+    same arithmetic in one pass."""
     raw = logits.float()
     greedy = temperature == 0
     x = raw if greedy else raw / temperature
@@ -134,20 +135,45 @@ def _row_stats(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, lo
     return torch.stack([best.double(), (arg + vocab_start).double(), m.double(), s.double(), xa.double()], -1)
 
 
+# ---- the per-shard pass as one Triton kernel (CUDA) ---------------------------------------------
+
+
 @functools.cache
-def _compiled_row_stats():
-    # Fuses the hash, the Gumbel transform and the four reductions into one pass over the
-    # [rows, vocab] logits; eager torch would make ~20 passes over int64 [rows, vocab] temporaries.
-    return torch.compile(_row_stats, dynamic=True)
+def _kernel():
+    """``lib/sampler_kernel.py``'s kernel, compiled on first use; None without Triton (imported
+    here, not at import time, so that importing lib/ never imports Triton)."""
+    try:
+        from . import sampler_kernel
+    except ImportError:
+        return None
+    return sampler_kernel.row_stats_kernel
+
+
+def fused_available() -> bool:
+    """Whether ``sample(..., fused=True)`` can run here (Triton is importable)."""
+    return _kernel() is not None
+
+
+def _fused_row_stats(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, lo: torch.Tensor,
+                     vocab_start: int, temperature: float) -> torch.Tensor:
+    """``_row_stats`` as one Triton kernel launch (capturable in a CUDA graph once compiled)."""
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    rows, n = x.shape
+    out = torch.empty(rows, 5, dtype=torch.float64, device=x.device)
+    if rows:
+        _kernel()[(rows,)](x, x.stride(0), n, keys.contiguous(), steps.contiguous(), lo.float().contiguous(), out,
+                           vocab_start, float(temperature) or 1.0, GREEDY=temperature == 0, BLOCK=2048,
+                           num_warps=8)
+    return out
 
 
 def warm_up(params: SamplingParams, vocab: int, vocab_start: int, dtype: torch.dtype, device: torch.device,
             rows: int = 16) -> None:
-    """Compile the per-shard pass (what ``sample(..., compiled=True)`` runs) for a vocabulary slice
-    of ``vocab`` entries starting at ``vocab_start`` and logits of ``dtype``, on dummy inputs, so
-    that the engine's first draw finds it compiled (rows are dynamic: one compilation serves every
-    batch of 2 rows or more). Safe in a thread: the rollout stage compiles while it loads the
-    weights. On a warm inductor cache (``TORCHINDUCTOR_CACHE_DIR``) this mostly loads kernels."""
+    """Compile the fused per-shard pass (what ``sample(..., fused=True)`` runs) for a vocabulary
+    slice of ``vocab`` entries starting at ``vocab_start`` and logits of ``dtype``, on dummy
+    inputs, so that the engine's first draw (and its CUDA graph capture) finds it compiled. Safe in
+    a thread: the rollout stage compiles while it loads the weights. Triton keeps what it compiled
+    in its cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``): later processes load it."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the thread's current device (``set_device`` is per thread)
     with torch.no_grad():
@@ -155,7 +181,7 @@ def warm_up(params: SamplingParams, vocab: int, vocab_start: int, dtype: torch.d
         keys = torch.zeros(rows, 2, dtype=torch.int64, device=device)
         steps = torch.zeros(rows, dtype=torch.int64, device=device)
         lo = torch.full((rows,), float("-inf"), device=device)
-        _compiled_row_stats()(logits, keys, steps, lo, vocab_start, params.temperature)
+        _fused_row_stats(logits, keys, steps, lo, vocab_start, params.temperature)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -235,13 +261,13 @@ def _threshold(x: torch.Tensor, params: SamplingParams, group: ProcessGroup | No
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, steps: torch.Tensor | int = 0, *,
-           vocab_start: int = 0, group: ProcessGroup | None = None, compiled: bool = False,
+           vocab_start: int = 0, group: ProcessGroup | None = None, fused: bool = False,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of this rank's vocabulary slice ``logits [rows, vocab / tp]`` (which
     starts at global id ``vocab_start``; pass the model's TP group): ``keys [rows, 2]``
     (``sequence_keys``), ``steps`` each row's token index in its response. Returns (global token
-    ids, fp32 log-probs), identical on every TP rank. ``compiled``: the per-shard pass through
-    ``torch.compile`` (CUDA)."""
+    ids, fp32 log-probs), identical on every TP rank. ``fused``: the per-shard pass as one Triton
+    kernel (``fused_available``); on a GPU what the engine runs, on CPU Triton's interpreter."""
     rows = logits.shape[0]
     if not torch.is_tensor(steps):
         steps = torch.full((rows,), steps, dtype=torch.int64, device=logits.device)
@@ -250,8 +276,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, ste
         lo = _threshold(logits.float(), params, group)
     if lo is None:
         lo = torch.full((rows,), float("-inf"), device=logits.device)
-    stats = (_compiled_row_stats() if compiled else _row_stats)(logits, keys, steps, lo, vocab_start,
-                                                                params.temperature)
+    stats = (_fused_row_stats if fused else _row_stats)(logits, keys, steps, lo, vocab_start, params.temperature)
     parts = _all_gather(stats, group)  # [tp, rows, 5]
     win = parts[..., 0].argmax(0)  # the first shard holding the largest: the global argmax's
     best = parts.gather(0, win[None, :, None].expand(1, rows, 5))[0]

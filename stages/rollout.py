@@ -15,48 +15,32 @@ A rank's chunks go through one stream of the engine (lib/generate.py ``Engine.st
 chunk's sequences take the slots as the last ones free them, so the batch never drains at a chunk
 boundary. The prompts are read and tokenized ahead in one thread, the responses decoded and the
 parts written behind in another, while the engine runs; parts are still published one at a time,
-each whole. Before that, the tokenizer loads and the sampler compiles (a process of its own first,
-on a GPU) beside the process group, the checks and the weights; the manifest's ``spans_s`` say
+each whole. Before that, the tokenizer loads and (on a GPU) the sampler's Triton kernel compiles
+beside the process group, the checks and the weights; the manifest's ``spans_s`` say
 where the stage's time went (docs/generation.md). Formats: docs/formats.md.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import os
-import subprocess
-import sys
+import time
+from dataclasses import dataclass
 
-# A stage process (``python -m llamarl.stages.rollout``) on a machine with an NVIDIA driver starts,
-# before its own imports, a second process that compiles the sampler into the inductor cache
-# (``--warm-up-sampler``, same config): a cold compile is ~13 s of Python, and this process's own
-# start-up (its imports, the tokenizer's transformers import) is Python too, so threads would
-# take turns; a process runs beside it. This process then compiles from that cache (a hit).
-_WARM_UP_FLAG = "--warm-up-sampler"
-_warm_up_proc: subprocess.Popen | None = None
-if (__name__ == "__main__" and _WARM_UP_FLAG not in sys.argv and os.environ.get("CUDA_VISIBLE_DEVICES", "0") != ""
-        and any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/nvidia0"))):
-    _warm_up_proc = subprocess.Popen([sys.executable, "-m", "llamarl.stages.rollout", _WARM_UP_FLAG, *sys.argv[1:]],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env={k: v for k, v in os.environ.items() if k != "LLAMARL_PROFILE_DIR"})
+import fsspec
+import pyarrow as pa
+import pyarrow.dataset as pads
+import torch
+import torch.distributed as dist
 
-import copy  # noqa: E402 - after the warm-up process has started
-import json  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-import fsspec  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.dataset as pads  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from llamarl.lib import background, checkpoint, dtypes, job, parallel, publish, sampling  # noqa: E402
-from llamarl.lib import tokenizer as toklib  # noqa: E402
-from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype, pad_vocab  # noqa: E402
-from llamarl.lib.errors import UserError  # noqa: E402
-from llamarl.lib.generate import Batch, Engine, SamplingParams  # noqa: E402
-from llamarl.stages import contract  # noqa: E402
-from llamarl.stages.config import RolloutConfig  # noqa: E402
+from llamarl.lib import background, checkpoint, dtypes, job, parallel, publish, sampling
+from llamarl.lib import tokenizer as toklib
+from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype, pad_vocab
+from llamarl.lib.errors import UserError
+from llamarl.lib.generate import Batch, Engine, SamplingParams
+from llamarl.stages import contract
+from llamarl.stages.config import RolloutConfig
 
 _IMPORTED = time.time()
 
@@ -109,10 +93,9 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     if room < 1:
         raise UserError(f"sampling.max_new_tokens={s.max_new_tokens} leaves no room for a prompt within {actor}'s "
                         f"max_position_embeddings={model_cfg.max_position_embeddings}; lower max_new_tokens")
-    # What does not wait for the process group starts now, in threads: the tokenizer (transformers'
-    # import: 3 s on the GPU machines) and, on a GPU, the sampler's compilation (after the warm-up
-    # process's, a cache hit), while the prompts are opened, the process group joined and the
-    # weights loaded.
+    # What does not wait for the process group starts now, in threads: the tokenizer and, on a GPU,
+    # the sampler's kernel (Triton's cache makes that a load after the first run on a machine),
+    # while the prompts are opened, the process group joined and the weights loaded.
     tokenizer = background.Soon(toklib.load, actor, name="rollout-tokenizer")
     device = _local_device()
     dtype = compute_dtype(cfg.dtype, device)
@@ -222,8 +205,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         files = contract.part_entries(out, parts)
         rows = sum(contract.part_rows(out, p) for p in parts)
         spans.mark("manifest_entries")
-        background_s = {"tokenizer": tokenizer.seconds, "sampler_compile": compiling.seconds if compiling else None,
-                        "warm_up_process": compiling.result() if compiling else None}
+        background_s = {"tokenizer": tokenizer.seconds, "sampler_compile": compiling.seconds if compiling else None}
         publish.publish(out, {"kind": contract.ROLLOUT, "timing": job.timing(), "request": request, "files": files, "rows": rows,
                               "schema": list(contract.ROLLOUT_COLUMNS) + list(cfg.keep_columns), "stats": totals,
                               "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None,
@@ -233,46 +215,15 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     dist.barrier()
 
 
-def _stage_process_run(cfg: RolloutConfig) -> None:
-    """``run`` in a stage process: its warm-up process is not left running (after a failure, or
-    when the output was already published)."""
-    try:
-        run(cfg)
-    finally:
-        if _warm_up_proc is not None and _warm_up_proc.poll() is None:
-            _warm_up_proc.kill()
-
-
 def _sampler_slice(cfg: RolloutConfig, model_cfg: LlamaConfig) -> tuple[int, int]:
     """(entries, first global id) of this rank's vocabulary slice, as the model will have it."""
     shard = pad_vocab(model_cfg.vocab_size, cfg.tp) // cfg.tp
     return shard, int(os.environ.get("RANK", "0")) % cfg.tp * shard
 
 
-def _compile_sampler(cfg: RolloutConfig, model_cfg: LlamaConfig, dtype, device) -> dict | None:
-    """The sampler compiled for this rank (``sampling.warm_up``), after the warm-up process (if one
-    was started) has put it in the inductor cache: then this is a cache hit. What the process did."""
-    proc, seen = _warm_up_proc, None
-    if proc is not None:
-        t = time.perf_counter()
-        try:
-            proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        seen = {"exit": proc.returncode, "waited_s": round(time.perf_counter() - t, 3)}
-    t = time.perf_counter()
+def _compile_sampler(cfg: RolloutConfig, model_cfg: LlamaConfig, dtype, device) -> None:
+    """The sampler's kernel compiled (or loaded from Triton's cache) for this rank's slice."""
     sampling.warm_up(SamplingParams(temperature=cfg.sampling.temperature), *_sampler_slice(cfg, model_cfg), dtype, device)
-    return {"process": seen, "in_process_s": round(time.perf_counter() - t, 3)}
-
-
-def _warm_up_sampler(cfg: RolloutConfig) -> None:
-    """``--warm-up-sampler``: compile the sampler this stage's rank will use, into the inductor cache."""
-    manifest = contract.require_checkpoint(cfg.actor.rstrip("/"), "lm", "rollout's actor")
-    model_cfg = LlamaConfig.from_dict(manifest["model_config"])
-    device = _local_device()
-    if device.type == "cuda":
-        sampling.warm_up(SamplingParams(temperature=cfg.sampling.temperature), *_sampler_slice(cfg, model_cfg),
-                         compute_dtype(cfg.dtype, device), device)
 
 
 def _local_device() -> torch.device:
@@ -405,8 +356,4 @@ class _Progress:
 
 
 if __name__ == "__main__":
-    if _WARM_UP_FLAG in sys.argv:
-        sys.argv.remove(_WARM_UP_FLAG)
-        failure = job.execute(RolloutConfig, _warm_up_sampler)
-        os._exit(0 if failure is None else failure.code)
-    job.main(RolloutConfig, _stage_process_run)
+    job.main(RolloutConfig, run)

@@ -9,6 +9,7 @@ a collective) and the next call starts a fresh one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import traceback
@@ -90,3 +91,28 @@ class DistPool:
             if p.is_alive():
                 p.kill()
         self._procs = None
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def interpreter_pool(n):
+    """On CPU Triton kernels run in Triton's interpreter, which must be chosen before Triton is
+    first imported: in a pool of fresh processes started with ``TRITON_INTERPRET=1``."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    pool = DistPool(n)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old

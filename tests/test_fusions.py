@@ -15,45 +15,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 import torch
 
 import tiny
-from distpool import DistPool
+from distpool import interpreter_pool, triton_available
 from llamarl.lib import attention, layers, optim, parallel, vocab_parallel
 from llamarl.lib.config import ParallelLayout, pad_vocab
 from llamarl.lib.model import ParallelLlamaForCausalLM
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _interpreter_pool(n):
-    """On CPU the kernels run in Triton's interpreter, which must be chosen before Triton is first
-    imported: in a pool of fresh processes started with ``TRITON_INTERPRET=1``."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    pool = DistPool(n)
-    try:
-        yield pool
-    finally:
-        pool.close()
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
 
 # ---- compiled regions: a whole model, fused against eager -------------------------------------
@@ -388,7 +362,7 @@ def vocab_kernel_errors(tp, dtype=torch.float32, device="cpu", n=24, vocab=251, 
     return errs
 
 
-needs_triton = pytest.mark.skipif(not (CUDA or _triton_available()),
+needs_triton = pytest.mark.skipif(not (CUDA or triton_available()),
                                   reason="Triton is not installed (the kernels' CPU check runs in its interpreter)")
 
 
@@ -397,7 +371,7 @@ def test_vocab_kernels_match_torch():
     if CUDA:
         results = {d: [vocab_kernel_errors(1, d, "cuda")] for d in (torch.float32, torch.bfloat16)}
     else:
-        with _interpreter_pool(1) as pool:
+        with interpreter_pool(1) as pool:
             results = {d: pool.run(vocab_kernel_errors, 1, d) for d in (torch.float32, torch.bfloat16)}
     for dtype, per_rank in results.items():
         # bf16: the gradients are rounded to bf16 by both paths (a relative 2^-8 per element); the
@@ -410,7 +384,7 @@ def test_vocab_kernels_match_torch():
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="two ranks on one process group: the CPU (gloo) check")
 def test_vocab_kernels_match_torch_tp2():
-    with _interpreter_pool(2) as pool:
+    with interpreter_pool(2) as pool:
         for errs in pool.run(vocab_kernel_errors, 2):
             assert max(errs.values()) < 1e-5, errs
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tiny
+from distpool import interpreter_pool, triton_available
 from llamarl.lib import parallel, vocab_parallel
 from llamarl.lib.config import ParallelLayout
 from llamarl.lib.generate import SamplingParams, generate
@@ -313,6 +314,40 @@ def test_vocab_parallel_sampler_draws_what_the_whole_vocabulary_draws(pool2, par
     for (tok, lp), (tok1, lp1) in pool2.run(sampler_tp2_vs_tp1, params, 3):
         assert torch.equal(tok, tok1)
         assert torch.allclose(lp, lp1, atol=1e-5)
+
+
+def fused_sampler_vs_eager(seed):
+    """Per params: (the kernel's draw at TP2, the eager code's at TP2, the kernel's on the whole
+    vocabulary, the kernel's for the first 3 rows alone), in bf16 logits with a greedy tie."""
+    parallel.init(2, 1)
+    group, rank = parallel.tp_group(), parallel.topology().tp_rank
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(24, 6000, generator=g) * 3).bfloat16()
+    logits[0, 10] = logits[0, 5000] = 40  # a tie across column blocks and shards: the first wins
+    keys, steps = sequence_keys(seed, range(24)), torch.arange(24) * 5 + 2**33  # steps past 2^32
+    local = logits[:, rank * 3000 : (rank + 1) * 3000]
+    out = []
+    for params in (SamplingParams(), SamplingParams(temperature=0.7, top_k=50), SamplingParams(top_p=0.8),
+                   SamplingParams(temperature=0)):
+        out.append([sample(local, params, keys, steps, vocab_start=rank * 3000, group=group, fused=True),
+                    sample(local, params, keys, steps, vocab_start=rank * 3000, group=group),
+                    sample(logits, params, keys, steps, fused=True),
+                    sample(logits[:3], params, keys[:3], steps[:3], fused=True)])
+    return out
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed (the kernel's CPU check runs in its interpreter)")
+def test_the_samplers_kernel_draws_what_the_torch_code_draws():
+    # The Triton kernel (what a GPU runs) in Triton's interpreter: the same tokens as the eager code
+    # (the hash bit for bit), on every layout and batch, log-probs to float rounding.
+    with interpreter_pool(2) as pool:
+        per_rank = pool.run(fused_sampler_vs_eager, 5)
+    assert per_rank[0][3][0][0][0] == 10  # the greedy tie
+    for draws in per_rank:
+        for (tok, lp), (tok_eager, lp_eager), (tok_whole, lp_whole), (tok3, lp3) in draws:
+            assert torch.equal(tok, tok_eager) and torch.equal(tok, tok_whole) and torch.equal(tok[:3], tok3)
+            assert torch.allclose(lp, lp_eager, atol=1e-5) and torch.allclose(lp, lp_whole, atol=1e-5)
+            assert torch.equal(lp[:3], lp3)  # a row's numbers do not depend on its batch
 
 
 def test_top_p_threshold_by_bisection_equals_the_sorted_definition():

@@ -286,19 +286,6 @@ def test_the_multi_gpu_rollout_bench_runs_small_on_cpu(tmp_path, layout):
     assert "| one device (TP1) |" in text
 
 
-def test_the_sampler_warm_up_process_reads_the_stage_config(actor, prompts, tmp_path):
-    # The process a GPU stage process starts first (`--warm-up-sampler`, the stage's own arguments):
-    # it reads the config and the actor like the stage; on CPU it has nothing to compile.
-    cfg = _cfg(actor, prompts, tmp_path / "out", tp=1)
-    run = [sys.executable, "-m", "llamarl.stages.rollout", "--warm-up-sampler", "--config-json"]
-    ok = subprocess.run(run + [json.dumps(cfg.to_json())], capture_output=True, text=True, timeout=120, cwd="/")
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    assert not (tmp_path / "out").exists()  # it writes nothing
-    bad = cfg.model_copy(update={"actor": str(tmp_path / "nothing")})
-    gone = subprocess.run(run + [json.dumps(bad.to_json())], capture_output=True, text=True, timeout=120, cwd="/")
-    assert gone.returncode == 2 and "nothing" in gone.stderr
-
-
 def test_tokenizer_loads_as_autotokenizer_would_without_its_imports(tmp_path):
     # A generic fast tokenizer (Llama 3's class, and what save_pretrained of one writes) is loaded
     # as that class: the same tokenizer AutoTokenizer gives, without importing every model's config.
