@@ -189,9 +189,9 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     elapsed = time.perf_counter() - t0
     progress.close()
 
-    all_stats: list = [None] * dist.get_world_size()
-    dist.all_gather_object(all_stats, stats if writer else None)
-    dist.barrier()
+    # job's collectives: none in a world of one (on NCCL the first would build a communicator).
+    all_stats = job.all_gather_object(stats if writer else None)
+    job.barrier()
     spans.mark("gathered")
     if rank == 0:
         parts = contract.published_parts(out)
@@ -212,7 +212,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
                               "spans_s": spans.seconds(), "background_s": background_s})
         print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "
               f"{totals['truncated_prompts']} prompts truncated)", flush=True)
-    dist.barrier()
+    job.barrier()
 
 
 def _sampler_slice(cfg: RolloutConfig, model_cfg: LlamaConfig) -> tuple[int, int]:
