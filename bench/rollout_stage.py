@@ -6,8 +6,8 @@ the invocation's first run finds empty compile caches (``TORCHINDUCTOR_CACHE_DIR
 ``TRITON_CACHE_DIR``: cold), later ones what it left (warm). Per run: the command's wall, the
 process's wall (its start to its manifest), the engine's own time (``stats.engine_s``) and issue
 15's ratio ``wall / engine`` (goal ≤ 1.15) for both, rank 0's ``spans_s`` and ``background_s``.
-``--py-spy`` records every thread of the stage's processes (``py-spy record --threads
---subprocesses``, collapsed stacks next to the results) where py-spy is installed.
+``--stacks`` samples every thread's Python stack (``LLAMARL_STACKS_DIR``, lib/stack_sampler.py:
+``WORK/<run>-stacks/rank-0.stacks.jsonl``, timestamped: cut it by the manifest's spans).
 
     python bench/rollout_stage.py --prompts 256,1216 --repeats 2
 
@@ -47,24 +47,17 @@ def _prompt_file(source: str, n: int, path: str) -> str:
     return path
 
 
-def run_once(work: str, actor: str, prompts: str, cfg: str, env: dict, name: str, py_spy: str | None,
+def run_once(work: str, actor: str, prompts: str, cfg: str, env: dict, name: str, stacks: bool,
              deadline: float) -> dict:
     out = f"{work}/out/{name}"
     shutil.rmtree(out, ignore_errors=True)
     argv = ["rollout", actor, prompts, out, "--config", cfg]
     log = f"{work}/{name}.log"
-    if py_spy:
-        stacks = f"{work}/{name}.pyspy.txt"
-        cmd = [py_spy, "record", "--threads", "--subprocesses", "--rate", "200", "--format", "raw", "-o", stacks,
-               "--", sys.executable, "-m", "llamarl.pipeline.cli", "stage", *argv]
-        t = time.time()
-        with open(log, "w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                timeout=max(deadline - time.time(), 1)).returncode
-        wall = time.time() - t
-    else:
-        rc, wall = _stage(argv, env, work, log, max(deadline - time.time(), 1))
-        stacks = None
+    stacks_dir = f"{work}/{name}-stacks" if stacks else None
+    if stacks_dir:
+        shutil.rmtree(stacks_dir, ignore_errors=True)
+        env = {**env, "LLAMARL_STACKS_DIR": stacks_dir}
+    rc, wall = _stage(argv, env, work, log, max(deadline - time.time(), 1))
     res = {"name": name, "rc": rc, "command_wall_s": round(wall, 3)}
     with open(log) as f:
         res["tail"] = f.read()[-1500:]
@@ -80,7 +73,7 @@ def run_once(work: str, actor: str, prompts: str, cfg: str, env: dict, name: str
                background_s=m.get("background_s"), process_wall_s=process_wall and round(process_wall, 3),
                command_wall_over_engine=round(wall / engine, 3),
                process_wall_over_engine=process_wall and round(process_wall / engine, 3),
-               pyspy_stacks=stacks)
+               stacks=stacks_dir and f"{stacks_dir}/rank-0.stacks.jsonl")
     return res
 
 
@@ -89,7 +82,7 @@ def main():
     ap.add_argument("--work", default="/tmp/e2e", help="work dir, shared with bench/e2e.py's inputs (default /tmp/e2e)")
     ap.add_argument("--prompts", default="256", help="comma-separated prompt counts, each its own runs (default 256)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per prompt count (default 2: cold, then warm)")
-    ap.add_argument("--py-spy", action="store_true", help="record every thread with py-spy (where installed)")
+    ap.add_argument("--stacks", action="store_true", help="sample every thread's stack (LLAMARL_STACKS_DIR)")
     ap.add_argument("--budget-s", type=float, default=500, help="the whole script ends within this (default 500)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: the tiny actor, 16 new tokens")
     ap.add_argument("--out", help="results JSON (default bench/results/rollout_stage-<gpu>-<date>.json)")
@@ -116,17 +109,16 @@ def main():
         yaml.safe_dump({"id_column": "id", "chunk_size": p["chunk_size"], "max_batch": p["max_batch"],
                         "sampling": {"samples_per_prompt": p["samples"], "max_new_tokens": p["max_new_tokens"],
                                      "temperature": 1.0, "seed": 0}}, f)
-    py_spy = shutil.which("py-spy") if args.py_spy else None
     device = e2e.device_info()
     res = {"bench": "rollout_stage", "date": datetime.date.today().isoformat(), "device": device,
-           "versions": e2e.versions(), "argv": sys.argv[1:], "workload": p, "py_spy": py_spy, "runs": []}
+           "versions": e2e.versions(), "argv": sys.argv[1:], "workload": p, "runs": []}
     for n in counts:
         prompts = _prompt_file(inputs["prompts"], n, f"{work}/prompts-{n}.jsonl")
         for i in range(args.repeats):
             if time.time() > deadline - 30:
                 res["stopped"] = "budget"
                 break
-            r = run_once(work, actor, prompts, cfg, env, f"p{n}-r{i}", py_spy, deadline)
+            r = run_once(work, actor, prompts, cfg, env, f"p{n}-r{i}", args.stacks, deadline)
             r.update(prompts=n, caches="cold" if not res["runs"] else "warm")
             res["runs"].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "tail"}), flush=True)

@@ -199,7 +199,12 @@ def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -
     (``EXIT_USER_ERROR``, ``EXIT_PEER_LOST``), or 0."""
     import threading
 
+    from .stack_sampler import from_env
+
+    sampler = from_env()  # LLAMARL_STACKS_DIR: every thread's stacks, sampled (lib/stack_sampler.py)
     failure = execute(cls, run, argv)
+    if sampler is not None:
+        sampler.stop()
     if failure is not None and os.environ.get(EXIT_STATUS_ENV):
         try:
             with open(os.environ[EXIT_STATUS_ENV], "a") as f:
