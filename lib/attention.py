@@ -200,6 +200,22 @@ def varlen_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) ->
     return "sdpa"
 
 
+def warm_up(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Run the varlen path once on a few tokens, so that a model's first forward does not pay for
+    its first call: torch's ``varlen_attn`` is a ``torch.library`` custom op whose first call
+    imports ``torch._dynamo`` (sympy included: ~1 s of Python on the GPU machines), and a kernel's
+    first launch loads it. Safe in a thread: the rollout stage runs it while it loads weights."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the thread's current device
+    with torch.no_grad():
+        q = torch.zeros(8, heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(8, kv_heads, head_dim, dtype=dtype, device=device)
+        cu_seqlens = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)  # unequal: not the dense path
+        varlen_attention(q, kv, kv, cu_seqlens, 5)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def equal_lengths(num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int) -> bool:
     """Whether every packed sequence is ``max_seqlen`` long, read from host numbers only (the
     sequences' count and the longest): lengths summing to count × longest are all the longest."""

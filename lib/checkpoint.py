@@ -67,10 +67,12 @@ def _pieces(state: dict) -> dict[str, tuple[torch.Size, dict[tuple[int, ...], to
     return out
 
 
-def chunks_of(cfg, tp: int, tp_rank: int, name: str, local: torch.Tensor, head: str) -> list[tuple[str, tuple, torch.Tensor]]:
+def chunks_of(cfg, tp: int, tp_rank: int, name: str, local: torch.Tensor, head: str,
+              shapes: dict[str, tuple[int, ...]] | None = None) -> list[tuple[str, tuple, torch.Tensor]]:
     """The (hf_name, offsets, view) pieces of our parameter ``name`` held as ``local``; vocabulary
-    padding is cut off (it is not part of the HF tensor)."""
-    shapes = hf_mapping.hf_shapes(cfg, head)
+    padding is cut off (it is not part of the HF tensor). ``shapes``: ``hf_shapes`` of the model,
+    when the caller has it (a model's every parameter: computed once)."""
+    shapes = shapes or hf_mapping.hf_shapes(cfg, head)
     slices = hf_mapping.param_slices(cfg, tp, tp_rank, name)
     local = local.detach()  # views for I/O only: loading writes through them, outside autograd
     out = []
@@ -94,7 +96,7 @@ def model_state(model, tensors: dict[str, torch.Tensor] | None = None, suffix: s
     pieces: dict[str, dict] = defaultdict(dict)
     source = tensors if tensors is not None else dict(model.named_parameters())
     for name, local in source.items():
-        for hf_name, off, view in chunks_of(model.cfg, topo.tp, topo.tp_rank, name, local, model.hf_head):
+        for hf_name, off, view in chunks_of(model.cfg, topo.tp, topo.tp_rank, name, local, model.hf_head, shapes):
             pieces[hf_name + suffix][off] = view
     return {k: Chunks(shapes[k[: len(k) - len(suffix)] if suffix else k], v) for k, v in pieces.items()}
 
@@ -520,8 +522,11 @@ def load(state: dict, url: str, block_bytes: int | None = None, threads: int | N
 
 def load_model(model, url: str) -> None:
     """Fill ``model``'s parameters (any layout) from a checkpoint's DCP directory."""
+    topo, shapes = model.topology, hf_mapping.hf_shapes(model.cfg, model.hf_head)
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()  # vocabulary padding rows are not in the checkpoint: they must read as zeros
+        for name, p in model.named_parameters():
+            pieces = chunks_of(model.cfg, topo.tp, topo.tp_rank, name, p, model.hf_head, shapes)
+            if sum(view.numel() for _, _, view in pieces) < p.numel():
+                p.zero_()  # vocabulary padding rows are not in the checkpoint: they must read as zeros
         load(model_state(model), url)
     job.barrier()

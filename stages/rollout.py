@@ -34,7 +34,7 @@ import pyarrow.dataset as pads
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import background, checkpoint, dtypes, job, parallel, publish, sampling
+from llamarl.lib import attention, background, checkpoint, dtypes, job, parallel, publish, sampling
 from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype, pad_vocab
 from llamarl.lib.errors import UserError
@@ -94,14 +94,15 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         raise UserError(f"sampling.max_new_tokens={s.max_new_tokens} leaves no room for a prompt within {actor}'s "
                         f"max_position_embeddings={model_cfg.max_position_embeddings}; lower max_new_tokens")
     # What does not wait for the process group starts now, in threads: the tokenizer and, on a GPU,
-    # the sampler's kernel (Triton's cache makes that a load after the first run on a machine),
+    # the kernels' first calls (the sampler's Triton kernel: a load from Triton's cache after the
+    # first run on a machine; the prefill's attention, whose first call imports torch._dynamo),
     # while the prompts are opened, the process group joined and the weights loaded.
     tokenizer = background.Soon(toklib.load, actor, name="rollout-tokenizer")
     device = _local_device()
     dtype = compute_dtype(cfg.dtype, device)
     compiling = None
     if device.type == "cuda":
-        compiling = background.Soon(_compile_sampler, cfg, model_cfg, dtype, device, name="rollout-compile")
+        compiling = background.Soon(_warm_up_kernels, cfg, model_cfg, dtype, device, name="rollout-compile")
     spans.mark("manifest")
     ds = open_prompts(cfg.prompts)
     columns = [cfg.prompt_column] + ([cfg.id_column] if cfg.id_column else []) + list(cfg.keep_columns)
@@ -205,7 +206,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         files = contract.part_entries(out, parts)
         rows = sum(contract.part_rows(out, p) for p in parts)
         spans.mark("manifest_entries")
-        background_s = {"tokenizer": tokenizer.seconds, "sampler_compile": compiling.seconds if compiling else None}
+        background_s = {"tokenizer": tokenizer.seconds, "kernel_warm_up": compiling.seconds if compiling else None}
         publish.publish(out, {"kind": contract.ROLLOUT, "timing": job.timing(), "request": request, "files": files, "rows": rows,
                               "schema": list(contract.ROLLOUT_COLUMNS) + list(cfg.keep_columns), "stats": totals,
                               "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None,
@@ -221,9 +222,12 @@ def _sampler_slice(cfg: RolloutConfig, model_cfg: LlamaConfig) -> tuple[int, int
     return shard, int(os.environ.get("RANK", "0")) % cfg.tp * shard
 
 
-def _compile_sampler(cfg: RolloutConfig, model_cfg: LlamaConfig, dtype, device) -> None:
-    """The sampler's kernel compiled (or loaded from Triton's cache) for this rank's slice."""
+def _warm_up_kernels(cfg: RolloutConfig, model_cfg: LlamaConfig, dtype, device) -> None:
+    """The sampler's kernel compiled (or loaded from Triton's cache) for this rank's slice, and the
+    prefill's attention run once (its first call's imports), off the path to the first token."""
     sampling.warm_up(SamplingParams(temperature=cfg.sampling.temperature), *_sampler_slice(cfg, model_cfg), dtype, device)
+    attention.warm_up(device, dtype, max(model_cfg.num_heads // cfg.tp, 1), max(model_cfg.num_kv_heads // cfg.tp, 1),
+                      model_cfg.head_dim)
 
 
 def _local_device() -> torch.device:

@@ -121,3 +121,24 @@ def test_the_samplers_kernel_draws_what_the_torch_code_draws_on_llamas_vocabular
         assert (tok == tok_eager).float().mean() >= (1.0 if params.greedy else 0.98), params
         same = tok == tok_eager
         assert (lp - lp_eager)[same].abs().max() < 1e-4, params
+
+
+def test_attention_warm_up_leaves_no_imports_for_the_first_prefill():
+    # The rollout stage warms attention up in a thread while it loads: the model's first varlen
+    # call (another shape) must then import nothing (the first call imports torch._dynamo).
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from llamarl.lib import attention
+attention.warm_up(torch.device("cuda"), torch.bfloat16, 32, 8, 64)
+before = set(sys.modules)
+q = torch.randn(300, 32, 64, device="cuda", dtype=torch.bfloat16)
+kv = torch.randn(300, 8, 64, device="cuda", dtype=torch.bfloat16)
+cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
+attention.varlen_attention(q, kv, kv, cu, 200)
+print(sorted(set(sys.modules) - before))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

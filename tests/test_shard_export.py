@@ -63,7 +63,12 @@ def load_and_compare(ckpt, src, tp, pp, kind):
     cfg = LlamaConfig.from_dict(manifest["model_config"])
     cls = ParallelLlamaForCausalLM if kind == "lm" else ParallelLlamaForScore
     model = cls(cfg, ParallelLayout(tp=tp, pp=pp))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))  # whatever the load leaves unwritten shows, vocabulary padding included
     checkpoint.load_model(model, f"{ckpt}/model")
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
     hf = (AutoModelForCausalLM if kind == "lm" else AutoModelForSequenceClassification).from_pretrained(src).eval()
     ids, mask, pos = tiny.batch("left")
     with torch.no_grad():
