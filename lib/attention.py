@@ -205,7 +205,7 @@ def warm_up(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
     its first call: torch's ``varlen_attn`` is a ``torch.library`` custom op whose first call
     imports ``torch._dynamo`` (sympy included: ~1 s of Python on the GPU machines), and a kernel's
     first launch loads it. Safe in a thread: the rollout stage runs it while it loads weights."""
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the thread's current device
     with torch.no_grad():
         q = torch.zeros(8, heads, head_dim, dtype=dtype, device=device)

@@ -174,7 +174,7 @@ def warm_up(params: SamplingParams, vocab: int, vocab_start: int, dtype: torch.d
     inputs, so that the engine's first draw (and its CUDA graph capture) finds it compiled. Safe in
     a thread: the rollout stage compiles while it loads the weights. Triton keeps what it compiled
     in its cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``): later processes load it."""
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the thread's current device (``set_device`` is per thread)
     with torch.no_grad():
         logits = torch.zeros(rows, vocab, dtype=dtype, device=device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -99,3 +100,24 @@ def encode_prompt(tok, prompt, chat_template: str = "auto") -> list[int]:
 def render_prompt(prompt) -> str:
     """The prompt as stored in outputs: text as is, chat messages as JSON."""
     return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+
+
+class Local:
+    """A tokenizer in this process behind the batch interface the rollout stage uses (the same as
+    ``tokenizer_process.TokenizerProcess``'s): prompts to ids, responses to text."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eos_token_id = tok.eos_token_id
+
+    def encode_prompts(self, prompts: list, chat_template: str = "auto") -> list[list[int]]:
+        return [encode_prompt(self.tok, p, chat_template) for p in prompts]
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        return [self.tok.decode(x, skip_special_tokens=True) for x in ids]
+
+    def for_thread(self) -> "Local":
+        return Local(copy.deepcopy(self.tok))  # a tokenizer object is not to be shared across threads
+
+    def close(self) -> None:
+        pass

@@ -22,11 +22,18 @@ where the stage's time went (docs/generation.md). Formats: docs/formats.md.
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import time
-from dataclasses import dataclass
+if __name__ == "__main__":
+    # A stage process loads its tokenizer in a child process, started before its own imports: the
+    # tokenizer's import of transformers is seconds of Python, which in this process would take
+    # turns with everything else on one interpreter lock (lib/tokenizer_process.py).
+    from llamarl.lib import tokenizer_process
+
+    _TOKENIZER_PROC = tokenizer_process.spawn()
+
+import json  # noqa: E402 - after the tokenizer process has started
+import os  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import fsspec
 import pyarrow as pa
@@ -97,7 +104,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     # the kernels' first calls (the sampler's Triton kernel: a load from Triton's cache after the
     # first run on a machine; the prefill's attention, whose first call imports torch._dynamo),
     # while the prompts are opened, the process group joined and the weights loaded.
-    tokenizer = background.Soon(toklib.load, actor, name="rollout-tokenizer")
+    tokenizer = background.Soon(_load_tokenizer, actor, name="rollout-tokenizer")
     device = _local_device()
     dtype = compute_dtype(cfg.dtype, device)
     compiling = None
@@ -165,7 +172,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     # decoded and written behind it in another thread (its own tokenizer: a tokenizer object is
     # not to be shared across threads). Without, chunk after chunk, each drained.
     source = background.Ahead(chunks, depth=2, name="rollout-ahead") if overlap else chunks
-    decoder = copy.deepcopy(tok) if overlap else tok
+    decoder = tok.for_thread() if overlap else tok
     publisher = background.Behind(lambda item: _write_part(out, decoder, cfg, meta, *item), depth=2, background=overlap,
                                   name="rollout-behind")
     try:
@@ -214,6 +221,15 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "
               f"{totals['truncated_prompts']} prompts truncated)", flush=True)
     job.barrier()
+
+
+def _load_tokenizer(actor: str):
+    """The actor's tokenizer: in the stage process's tokenizer process when it has one (started
+    first thing, lib/tokenizer_process.py), else here."""
+    proc = globals().get("_TOKENIZER_PROC")
+    if proc is not None:
+        return tokenizer_process.TokenizerProcess(proc).load(actor)
+    return toklib.Local(toklib.load(actor))
 
 
 def _sampler_slice(cfg: RolloutConfig, model_cfg: LlamaConfig) -> tuple[int, int]:
@@ -287,8 +303,7 @@ def _chunks(ds, cfg: RolloutConfig, columns, mine, done: set[str], tok, room: in
             stats["skipped_chunks"] += 1
             continue
         prompts = []
-        for row in rows:
-            ids = toklib.encode_prompt(tok, row[cfg.prompt_column], cfg.chat_template)
+        for ids in tok.encode_prompts([row[cfg.prompt_column] for row in rows], cfg.chat_template):
             if len(ids) > room and cfg.overlong_prompts == "error":
                 raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has {len(ids)} prompt tokens, and with "
                                 f"max_new_tokens={s.max_new_tokens} the actor's {s.max_new_tokens + room} positions "
@@ -307,6 +322,7 @@ def _chunks(ds, cfg: RolloutConfig, columns, mine, done: set[str], tok, room: in
 def _write_part(out: str, tok, cfg: RolloutConfig, meta: dict, chunk: _Chunk, completions) -> None:
     """Publish the part of ``chunk``: its rows' responses, decoded, as a Parquet file."""
     n = cfg.sampling.samples_per_prompt
+    texts = tok.decode([comp.tokens for comp in completions])
     cols: dict[str, list] = {name: [] for name in contract.ROLLOUT_COLUMNS}
     extra: dict[str, list] = {k: [] for k in cfg.keep_columns}
     for i, comp in enumerate(completions):
@@ -315,7 +331,7 @@ def _write_part(out: str, tok, cfg: RolloutConfig, meta: dict, chunk: _Chunk, co
         cols[contract.SAMPLE_INDEX].append(k)
         cols[contract.PROMPT].append(toklib.render_prompt(row[cfg.prompt_column]))
         cols[contract.PROMPT_TOKEN_IDS].append(chunk.prompts[i // n])
-        cols[contract.RESPONSE].append(tok.decode(comp.tokens, skip_special_tokens=True))
+        cols[contract.RESPONSE].append(texts[i])
         cols[contract.RESPONSE_TOKEN_IDS].append(comp.tokens)
         cols[contract.RESPONSE_LOGPROBS].append(comp.logprobs)
         cols[contract.FINISH_REASON].append(comp.finish_reason)

@@ -286,6 +286,39 @@ def test_the_multi_gpu_rollout_bench_runs_small_on_cpu(tmp_path, layout):
     assert "| one device (TP1) |" in text
 
 
+def test_the_tokenizer_process_gives_the_ids_and_texts_of_the_tokenizer_here(tmp_path):
+    # A stage process tokenizes in a child process (lib/tokenizer_process.py): the same ids and
+    # texts as in-process, errors as one-line UserErrors, a dead child named.
+    from llamarl.lib import tokenizer as T
+    from llamarl.lib import tokenizer_process
+
+    toy.make_tokenizer(str(tmp_path / "chat" / "hf"))
+    toy.make_tokenizer(str(tmp_path / "plain" / "hf"), chat_template=None)
+    prompts = ["the cat sat", [{"role": "user", "content": "hello there"}], "ünïcode  and   spaces"]
+    local = T.Local(T.load(str(tmp_path / "chat")))
+    proc = tokenizer_process.TokenizerProcess().load(str(tmp_path / "chat"))
+    plain = tokenizer_process.TokenizerProcess().load(str(tmp_path / "plain"))
+    try:
+        assert proc.eos_token_id == local.eos_token_id is not None
+        for mode in ("auto", "never"):
+            assert proc.encode_prompts(prompts, mode) == local.encode_prompts(prompts, mode)
+        ids = local.encode_prompts(prompts) + [[5, 6, 7, local.eos_token_id]]
+        assert proc.decode(ids) == local.decode(ids)
+        with pytest.raises(UserError, match="no chat template"):
+            plain.encode_prompts([[{"role": "user", "content": "hi"}]])
+        assert plain.encode_prompts(["the cat"]) == T.Local(T.load(str(tmp_path / "plain"))).encode_prompts(["the cat"])
+        (tmp_path / "empty" / "hf").mkdir(parents=True)
+        with pytest.raises(UserError, match="has no tokenizer files"):
+            tokenizer_process.TokenizerProcess().load(str(tmp_path / "empty"))
+        plain.proc.kill()
+        plain.proc.wait()
+        with pytest.raises(RuntimeError, match="tokenizer process .* exited"):
+            plain.decode([[5]])
+    finally:
+        proc.close()
+        plain.close()
+
+
 def test_tokenizer_loads_as_autotokenizer_would_without_its_imports(tmp_path):
     # A generic fast tokenizer (Llama 3's class, and what save_pretrained of one writes) is loaded
     # as that class: the same tokenizer AutoTokenizer gives, without importing every model's config.

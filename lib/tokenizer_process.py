@@ -1,0 +1,112 @@
+"""The tokenizer in a process of its own, for a stage process whose start-up is Python-bound.
+
+A rollout stage process has, before its first token, more Python to run than one interpreter lock
+runs at once: its own imports, the weight load's bookkeeping, the kernels' first calls — and the
+tokenizer's load, most of it importing ``transformers`` (3-5 s of the lock on the GPU machines,
+docs/generation.md). Here that happens in a child process, on another core, started before the
+stage's own imports; the stage sends it the prompts of a chunk and the responses of a part, a
+batch a message, and gets ids and texts back. The child runs ``lib.tokenizer``'s code, so the ids
+and texts are those of an in-process tokenizer (``tests/test_rollout.py`` compares them).
+
+The protocol: pickled ``(op, *args)`` requests on the child's stdin, ``(status, value)`` replies
+on its stdout (its ``print``s go to stderr). It exits when its stdin closes — also when the
+stage process dies.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import threading
+
+from .errors import UserError
+
+
+class TokenizerProcess:
+    """The stage's side: ``load`` a checkpoint's tokenizer, then ``encode_prompts`` / ``decode``
+    batches, from any thread (one request at a time)."""
+
+    def __init__(self, proc: subprocess.Popen | None = None):
+        self.proc = proc or spawn()
+        self._lock = threading.Lock()
+        self.eos_token_id: int | None = None
+
+    def _call(self, op: str, *args):
+        with self._lock:
+            try:
+                pickle.dump((op, *args), self.proc.stdin)
+                self.proc.stdin.flush()
+                status, value = pickle.load(self.proc.stdout)
+            except (EOFError, BrokenPipeError, OSError) as e:
+                raise RuntimeError(f"the tokenizer process (python -m llamarl.lib.tokenizer_process) exited "
+                                   f"(status {self.proc.poll()}); its error is above") from e
+        if status == "user_error":
+            raise UserError(value)
+        if status != "ok":
+            raise RuntimeError(f"the tokenizer process: {value}")
+        return value
+
+    def load(self, checkpoint: str) -> "TokenizerProcess":
+        self.eos_token_id = self._call("load", checkpoint)["eos_token_id"]
+        return self
+
+    def encode_prompts(self, prompts: list, chat_template: str = "auto") -> list[list[int]]:
+        return self._call("encode", prompts, chat_template)
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        return self._call("decode", ids)
+
+    def for_thread(self) -> "TokenizerProcess":
+        return self  # requests are serialised by the lock
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+def spawn() -> subprocess.Popen:
+    """Start the child; it imports ``transformers`` at once, before the first request comes."""
+    return subprocess.Popen([sys.executable, "-m", "llamarl.lib.tokenizer_process"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+
+
+def _serve(requests, replies) -> None:
+    from . import tokenizer
+
+    texts = None
+    while True:
+        try:
+            op, *args = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            if op == "load":
+                texts = tokenizer.Local(tokenizer.load(args[0]))
+                value = {"eos_token_id": texts.eos_token_id}
+            elif op == "encode":
+                value = texts.encode_prompts(*args)
+            elif op == "decode":
+                value = texts.decode(*args)
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            reply = ("ok", value)
+        except UserError as e:
+            reply = ("user_error", str(e))
+        except Exception as e:  # noqa: BLE001 - sent to the stage, which raises it
+            reply = ("error", f"{type(e).__name__}: {e}")
+        pickle.dump(reply, replies)
+        replies.flush()
+
+
+if __name__ == "__main__":
+    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but replies on the pipe
+    import transformers
+
+    transformers.PreTrainedTokenizerFast  # noqa: B018 - the lazy module's import, before any request
+    _serve(requests, replies)
