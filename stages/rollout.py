@@ -23,15 +23,34 @@ where the stage's time went (docs/generation.md). Formats: docs/formats.md.
 from __future__ import annotations
 
 if __name__ == "__main__":
-    # A stage process loads its tokenizer in a child process, started before its own imports: the
-    # tokenizer's import of transformers is seconds of Python, which in this process would take
-    # turns with everything else on one interpreter lock (lib/tokenizer_process.py).
+    # A stage process's start-up is Python-bound: one interpreter lock for its imports, the weight
+    # load, the tokenizer and the kernels' first calls. So before its own imports it starts its
+    # tokenizer in a child process (transformers' import: seconds; lib/tokenizer_process.py) and,
+    # on a GPU machine, a thread importing what the kernels' first calls need.
+    import importlib
+    import os
+    import threading
+
     from llamarl.lib import tokenizer_process
 
     _TOKENIZER_PROC = tokenizer_process.spawn()
 
+    def _preload() -> None:
+        """What the kernels' first calls import (torch's varlen op: torch._dynamo; the sampler:
+        Triton and its cache key, a hash of its sources), begun beside this module's other imports:
+        the kernels' warm-up, which needs the config, then finds them done. GPU machines only."""
+        importlib.import_module("torch._dynamo")
+        try:
+            from triton.compiler.compiler import triton_key
+        except ImportError:
+            return
+        triton_key()
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES") != "" and any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/nvidia0")):
+        threading.Thread(target=_preload, name="rollout-preload", daemon=True).start()
+
 import json  # noqa: E402 - after the tokenizer process has started
-import os  # noqa: E402
+import os  # noqa: E402, F811
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
