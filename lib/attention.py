@@ -202,9 +202,9 @@ def varlen_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) ->
 
 def warm_up(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
     """Run the varlen path once on a few tokens, so that a model's first forward does not pay for
-    its first call: torch's ``varlen_attn`` is a ``torch.library`` custom op whose first call
-    imports ``torch._dynamo`` (sympy included: ~1 s of Python on the GPU machines), and a kernel's
-    first launch loads it. Safe in a thread: the rollout stage runs it while it loads weights."""
+    its first call (a kernel's first launch loads it; through torch's ``varlen_attn``, the custom
+    op's first call also imports ``torch._dynamo``). Safe in a thread: the rollout stage runs it
+    while it loads the weights."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the thread's current device
     with torch.no_grad():
@@ -259,12 +259,36 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, backend
         return _flash_attn_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
     if backend == "torch_varlen":
         fn, has_gqa = _torch_varlen()
+        if not has_gqa:
+            rep = q.shape[1] // k.shape[1]  # torch 2.11's varlen_attn has no GQA
+            k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+        if not torch.is_grad_enabled() and _direct_flash_ok:
+            out = _direct_flash(q, k, v, cu_seqlens, max_seqlen)
+            if out is not None:
+                return out
         if has_gqa:
             return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), enable_gqa=True)
-        rep = q.shape[1] // k.shape[1]  # torch 2.11's varlen_attn has no GQA
-        k, v = repeat_kv(k, rep), repeat_kv(v, rep)
         return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0))
     return _sdpa_per_sequence(q, k, v, cu_seqlens)
+
+
+_direct_flash_ok = True
+
+
+def _direct_flash(q, k, v, cu_seqlens, max_seqlen) -> torch.Tensor | None:
+    """Without gradients, the kernel torch's ``varlen_attn`` runs (its flash path: no torch version
+    so far picks cuDNN there), called as the aten op itself: ``varlen_attn`` is a
+    ``torch.library.custom_op``, whose first call imports ``torch._dynamo`` (~1 s of Python a
+    process) and whose every call pays its wrapper. The same kernel on the same tensors: the same
+    bits (``tests/test_generate_gpu.py``). None (and ``varlen_attn`` from then on) if this torch's
+    aten op takes other arguments."""
+    global _direct_flash_ok
+    try:
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
+                                                       True, False, window_size_left=-1, window_size_right=0)[0]
+    except (AttributeError, TypeError, RuntimeError):
+        _direct_flash_ok = False
+        return None
 
 
 def _sdpa_dense(q, k, v, seqs: int, seqlen: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ if __name__ == "__main__":
     # A stage process's start-up is Python-bound: one interpreter lock for its imports, the weight
     # load, the tokenizer and the kernels' first calls. So before its own imports it starts its
     # tokenizer in a child process (transformers' import: seconds; lib/tokenizer_process.py) and,
-    # on a GPU machine, a thread importing what the kernels' first calls need.
+    # on a GPU machine, a thread importing what the sampler kernel's first call needs.
     import importlib
     import os
     import threading
@@ -36,13 +36,12 @@ if __name__ == "__main__":
     _TOKENIZER_PROC = tokenizer_process.spawn()
 
     def _preload() -> None:
-        """What the kernels' first calls import (torch's varlen op: torch._dynamo; the sampler:
-        Triton and its cache key, a hash of its sources), begun beside this module's other imports:
-        the kernels' warm-up, which needs the config, then finds them done. GPU machines only."""
-        importlib.import_module("torch._dynamo")
+        """What the sampler kernel's first call needs (Triton, and its cache key: a hash of its
+        sources), begun beside this module's other imports: the kernels' warm-up, which needs the
+        config, then finds it done. GPU machines only."""
         try:
-            from triton.compiler.compiler import triton_key
-        except ImportError:
+            triton_key = importlib.import_module("triton.compiler.compiler").triton_key
+        except (ImportError, AttributeError):
             return
         triton_key()
 

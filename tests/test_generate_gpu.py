@@ -142,3 +142,19 @@ print(sorted(set(sys.modules) - before))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
+def test_varlen_attention_without_gradients_computes_what_torchs_op_computes():
+    # Without gradients the varlen path calls the flash kernel's aten op itself (no custom-op
+    # wrapper): the very bits torch's varlen_attn gives.
+    from llamarl.lib import attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(700, 32, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(700, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    cu = torch.tensor([0, 5, 300, 700], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        direct = attention.varlen_attention(q, k, v, cu, 400, backend="torch_varlen")
+    assert attention._direct_flash_ok
+    through_op = attention.varlen_attention(q.requires_grad_(), k, v, cu, 400, backend="torch_varlen")
+    assert torch.equal(direct, through_op.detach())
