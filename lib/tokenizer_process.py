@@ -19,6 +19,9 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
+
+_STARTED = time.time()
 
 from .errors import UserError
 
@@ -31,6 +34,7 @@ class TokenizerProcess:
         self.proc = proc or spawn()
         self._lock = threading.Lock()
         self.eos_token_id: int | None = None
+        self.times: dict = {}  # the child's start, imports done, tokenizer loaded: Unix seconds
 
     def _call(self, op: str, *args):
         with self._lock:
@@ -48,7 +52,8 @@ class TokenizerProcess:
         return value
 
     def load(self, checkpoint: str) -> "TokenizerProcess":
-        self.eos_token_id = self._call("load", checkpoint)["eos_token_id"]
+        reply = self._call("load", checkpoint)
+        self.eos_token_id, self.times = reply["eos_token_id"], reply["times"]
         return self
 
     def encode_prompts(self, prompts: list, chat_template: str = "auto") -> list[list[int]]:
@@ -69,15 +74,24 @@ class TokenizerProcess:
                 self.proc.kill()
 
 
-def spawn() -> subprocess.Popen:
-    """Start the child; it imports ``transformers`` at once, before the first request comes."""
-    return subprocess.Popen([sys.executable, "-m", "llamarl.lib.tokenizer_process"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE)
+def spawn(checkpoint: str | None = None) -> subprocess.Popen:
+    """Start the child; it imports ``transformers`` at once and, given the ``checkpoint`` it will
+    be asked for, loads its tokenizer before the request comes."""
+    return subprocess.Popen([sys.executable, "-m", "llamarl.lib.tokenizer_process", *([checkpoint] if checkpoint else [])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
-def _serve(requests, replies) -> None:
+def _serve(requests, replies, early: str | None) -> None:
     from . import tokenizer
 
+    def load(checkpoint: str):
+        try:
+            return tokenizer.Local(tokenizer.load(checkpoint)), time.time()
+        except Exception as e:  # noqa: BLE001 - raised again when it is asked for
+            return e, time.time()
+
+    imported = time.time()
+    loaded = {early: load(early)} if early else {}
     texts = None
     while True:
         try:
@@ -86,8 +100,11 @@ def _serve(requests, replies) -> None:
             return
         try:
             if op == "load":
-                texts = tokenizer.Local(tokenizer.load(args[0]))
-                value = {"eos_token_id": texts.eos_token_id}
+                texts, at = loaded.pop(args[0], None) or load(args[0])
+                if isinstance(texts, Exception):
+                    raise texts
+                value = {"eos_token_id": texts.eos_token_id,
+                         "times": {"started": _STARTED, "imported": imported, "loaded": at}}
             elif op == "encode":
                 value = texts.encode_prompts(*args)
             elif op == "decode":
@@ -109,4 +126,4 @@ if __name__ == "__main__":
     import transformers
 
     transformers.PreTrainedTokenizerFast  # noqa: B018 - the lazy module's import, before any request
-    _serve(requests, replies)
+    _serve(requests, replies, sys.argv[1] if len(sys.argv) > 1 else None)

@@ -33,7 +33,18 @@ if __name__ == "__main__":
 
     from llamarl.lib import tokenizer_process
 
-    _TOKENIZER_PROC = tokenizer_process.spawn()
+    def _actor() -> str | None:
+        """The actor of ``--config-json`` (how executors start a stage), for the tokenizer process
+        to load before it is asked; None otherwise (then it loads when asked)."""
+        import json
+        import sys
+
+        try:
+            return json.loads(sys.argv[sys.argv.index("--config-json") + 1])["actor"].rstrip("/")
+        except (ValueError, IndexError, KeyError, TypeError, AttributeError):
+            return None
+
+    _TOKENIZER_PROC = tokenizer_process.spawn(_actor())
 
     def _preload() -> None:
         """What the sampler kernel's first call needs (Triton, and its cache key: a hash of its
@@ -231,7 +242,8 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         files = contract.part_entries(out, parts)
         rows = sum(contract.part_rows(out, p) for p in parts)
         spans.mark("manifest_entries")
-        background_s = {"tokenizer": tokenizer.seconds, "kernel_warm_up": compiling.seconds if compiling else None}
+        background_s = {"tokenizer": tokenizer.seconds, "kernel_warm_up": compiling.seconds if compiling else None,
+                        "tokenizer_process": {k: round(v - spans.t0, 3) for k, v in getattr(tok, "times", {}).items()}}
         publish.publish(out, {"kind": contract.ROLLOUT, "timing": job.timing(), "request": request, "files": files, "rows": rows,
                               "schema": list(contract.ROLLOUT_COLUMNS) + list(cfg.keep_columns), "stats": totals,
                               "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None,

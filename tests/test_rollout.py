@@ -310,6 +310,16 @@ def test_the_tokenizer_process_gives_the_ids_and_texts_of_the_tokenizer_here(tmp
         (tmp_path / "empty" / "hf").mkdir(parents=True)
         with pytest.raises(UserError, match="has no tokenizer files"):
             tokenizer_process.TokenizerProcess().load(str(tmp_path / "empty"))
+        # Told the checkpoint at its start (as a stage process does), it loads before the request;
+        # an error then waits for the request.
+        early = tokenizer_process.TokenizerProcess(tokenizer_process.spawn(str(tmp_path / "chat")))
+        time.sleep(4)  # its imports and load take ~1.5 s here
+        asked = time.time()
+        assert early.load(str(tmp_path / "chat")).encode_prompts(prompts) == local.encode_prompts(prompts)
+        assert early.times["loaded"] < asked
+        early.close()
+        with pytest.raises(UserError, match="has no tokenizer files"):
+            tokenizer_process.TokenizerProcess(tokenizer_process.spawn(str(tmp_path / "empty"))).load(str(tmp_path / "empty"))
         plain.proc.kill()
         plain.proc.wait()
         with pytest.raises(RuntimeError, match="tokenizer process .* exited"):
