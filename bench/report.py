@@ -232,6 +232,30 @@ def startup(path: str) -> list[str]:
     return out
 
 
+def rollout_stage(path: str) -> list[str]:
+    """``bench/rollout_stage.py``: the stage alone, per run its wall against the engine's own time."""
+    r = json.load(open(path))
+    d, w = r["device"], r["workload"]
+    out = [f"\n**rollout stage** — {d['name']} × {d['count']}, {r['date']} (`{os.path.basename(path)}`), "
+           f"{w['samples']} samples × {w['max_new_tokens']} new tokens a prompt, chunks of {w['chunk_size']}, "
+           f"max_batch {w['max_batch']}; seconds\n",
+           "| prompts | caches | new tokens | engine | engine tok/s | process wall | **wall / engine** | command / engine "
+           "| imports | build + load | waiting: tokenizer, kernels | first tokens |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in r["runs"]:
+        if "engine_s" not in run:
+            out.append(f"| {run['prompts']} | {run['caches']} | failed (rc {run['rc']}) | | | | | | | | | |")
+            continue
+        sp = run.get("spans_s") or {}
+        out.append(f"| {run['prompts']} | {run['caches']} | {run['new_tokens']:,} | {run['engine_s']:.2f} | "
+                   f"{run['engine_tok_s']:,} | {_fmt(run.get('process_wall_s'), '.2f')} | "
+                   f"**{_fmt(run.get('process_wall_over_engine'), '.2f')}×** | {run['command_wall_over_engine']:.2f}× | "
+                   f"{_fmt(sp.get('imports'), '.2f')} | {sp.get('build', 0) + sp.get('load', 0):.2f} | "
+                   f"{_fmt(sp.get('tokenizer_wait'), '.2f')}, {_fmt(sp.get('compile_wait'), '.2f')} | "
+                   f"{_fmt(sp.get('first_tokens'), '.2f')} |")
+    return out
+
+
 def gpu_checks(path: str) -> list[str]:
     out = [f"\n**GPU checks** (`{os.path.basename(path)}`, from `pytest -m gpu tests/test_gpu.py`)\n",
            "| check | GPUs | result |", "|---|---|---|"]
@@ -244,7 +268,7 @@ def gpu_checks(path: str) -> list[str]:
 
 
 RENDER = {"e2e": e2e, "train_step": train_step, "gpu-checks": gpu_checks, "rollout": rollout,
-          "shard_export": shard_export, "handoff": handoff, "startup": startup}
+          "shard_export": shard_export, "handoff": handoff, "startup": startup, "rollout_stage": rollout_stage}
 
 
 def main() -> None:
@@ -265,8 +289,8 @@ def main() -> None:
         lines += train_step(path)
     for path in sorted(glob.glob(f"{RESULTS}/gpu-checks-*.jsonl")):
         lines += gpu_checks(path)
-    for prefix, render in (("rollout", rollout), ("shard_export", shard_export), ("handoff", handoff),
-                           ("startup", startup)):
+    for prefix, render in (("rollout", rollout), ("rollout_stage", rollout_stage), ("shard_export", shard_export),
+                           ("handoff", handoff), ("startup", startup)):
         for path in sorted(glob.glob(f"{RESULTS}/{prefix}-*.json")):
             lines += render(path)
     print("\n".join(lines))

@@ -39,3 +39,18 @@ def test_rollout_renders_the_multi_gpu_and_drain_fields(tmp_path):
     del r["tp1_dp2"]
     path.write_text(json.dumps(r))
     assert "not in the file" in "\n".join(report.rollout(str(path)))
+
+
+def test_rollout_stage_renders_wall_over_engine_and_a_failed_run(tmp_path):
+    run = {"name": "p16-r0", "rc": 0, "prompts": 16, "caches": "cold", "command_wall_s": 6.0, "engine_s": 4.0,
+           "new_tokens": 1019, "rows": 64, "engine_tok_s": 255, "process_wall_s": 5.0, "command_wall_over_engine": 1.5,
+           "process_wall_over_engine": 1.25,
+           "spans_s": {"imports": 2.0, "build": 0.25, "load": 0.5, "tokenizer_wait": 0.1, "compile_wait": 0.0,
+                       "first_tokens": 0.3}}
+    r = {"date": "2026-11-25", "device": {"name": "cpu", "count": 0}, "runs": [run, {"prompts": 32, "caches": "warm", "rc": 1}],
+         "workload": {"samples": 4, "max_new_tokens": 16, "chunk_size": 8, "max_batch": 32}}
+    path = tmp_path / "rollout_stage-cpu-x.json"
+    path.write_text(json.dumps(r))
+    lines = report.RENDER["rollout_stage"](str(path))
+    assert "| 16 | cold | 1,019 | 4.00 | 255 | 5.00 | **1.25×** | 1.50× | 2.00 | 0.75 | 0.10, 0.00 | 0.30 |" in lines
+    assert "| 32 | warm | failed (rc 1) | | | | | | | | | |" in lines
