@@ -15,6 +15,7 @@ stage process dies.
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -79,6 +80,16 @@ def spawn(checkpoint: str | None = None) -> subprocess.Popen:
     be asked for, loads its tokenizer before the request comes."""
     return subprocess.Popen([sys.executable, "-m", "llamarl.lib.tokenizer_process", *([checkpoint] if checkpoint else [])],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def config_json_value(argv: list[str], key: str) -> str | None:
+    """``key`` of a stage's ``--config-json`` (how every executor starts a stage), read without
+    the config's imports: the checkpoint to give ``spawn``; None when not there."""
+    try:
+        value = json.loads(argv[argv.index("--config-json") + 1])[key]
+    except (ValueError, IndexError, KeyError, TypeError):
+        return None
+    return value.rstrip("/") if isinstance(value, str) else None
 
 
 def _serve(requests, replies, early: str | None) -> None:

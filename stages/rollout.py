@@ -26,38 +26,25 @@ if __name__ == "__main__":
     # A stage process's start-up is Python-bound: one interpreter lock for its imports, the weight
     # load, the tokenizer and the kernels' first calls. So before its own imports it starts its
     # tokenizer in a child process (transformers' import: seconds; lib/tokenizer_process.py) and,
-    # on a GPU machine, a thread importing what the sampler kernel's first call needs.
+    # on a GPU machine, a thread hashing Triton's sources (its cache key, the sampler kernel's
+    # first call: ~1 s) beside those imports.
     import importlib
     import os
+    import sys
     import threading
 
     from llamarl.lib import tokenizer_process
 
-    def _actor() -> str | None:
-        """The actor of ``--config-json`` (how executors start a stage), for the tokenizer process
-        to load before it is asked; None otherwise (then it loads when asked)."""
-        import json
-        import sys
+    _TOKENIZER_PROC = tokenizer_process.spawn(tokenizer_process.config_json_value(sys.argv, "actor"))
 
+    def _triton_key() -> None:
         try:
-            return json.loads(sys.argv[sys.argv.index("--config-json") + 1])["actor"].rstrip("/")
-        except (ValueError, IndexError, KeyError, TypeError, AttributeError):
-            return None
-
-    _TOKENIZER_PROC = tokenizer_process.spawn(_actor())
-
-    def _preload() -> None:
-        """What the sampler kernel's first call needs (Triton, and its cache key: a hash of its
-        sources), begun beside this module's other imports: the kernels' warm-up, which needs the
-        config, then finds it done. GPU machines only."""
-        try:
-            triton_key = importlib.import_module("triton.compiler.compiler").triton_key
+            importlib.import_module("triton.compiler.compiler").triton_key()
         except (ImportError, AttributeError):
-            return
-        triton_key()
+            pass
 
     if os.environ.get("CUDA_VISIBLE_DEVICES") != "" and any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/nvidia0")):
-        threading.Thread(target=_preload, name="rollout-preload", daemon=True).start()
+        threading.Thread(target=_triton_key, name="rollout-triton-key", daemon=True).start()
 
 import json  # noqa: E402 - after the tokenizer process has started
 import os  # noqa: E402, F811

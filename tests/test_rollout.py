@@ -292,6 +292,9 @@ def test_the_tokenizer_process_gives_the_ids_and_texts_of_the_tokenizer_here(tmp
     from llamarl.lib import tokenizer as T
     from llamarl.lib import tokenizer_process
 
+    assert tokenizer_process.config_json_value(["--config-json", '{"actor": "s3://b/a/"}'], "actor") == "s3://b/a"
+    for argv in (["--config", "x.yaml"], ["--config-json", "{not json"], ["--config-json", "[1]"], ["--config-json"]):
+        assert tokenizer_process.config_json_value(argv, "actor") is None  # then it loads when asked
     toy.make_tokenizer(str(tmp_path / "chat" / "hf"))
     toy.make_tokenizer(str(tmp_path / "plain" / "hf"), chat_template=None)
     prompts = ["the cat sat", [{"role": "user", "content": "hello there"}], "ünïcode  and   spaces"]
