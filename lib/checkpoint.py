@@ -91,12 +91,22 @@ def model_state(model, tensors: dict[str, torch.Tensor] | None = None, suffix: s
     """The DCP state of ``model``'s parameters (or of per-parameter ``tensors`` such as optimizer
     moments, keyed like ``named_parameters``), under HF names plus ``suffix``; split as the model's
     topology splits it."""
-    topo = model.topology
+    return _state(model, _param_pieces(model, tensors if tensors is not None else dict(model.named_parameters())),
+                  suffix)
+
+
+def _param_pieces(model, source: dict[str, torch.Tensor]) -> dict[str, list[tuple[str, tuple, torch.Tensor]]]:
+    """``chunks_of`` each of ``source``'s tensors, by name."""
+    topo, shapes = model.topology, hf_mapping.hf_shapes(model.cfg, model.hf_head)
+    return {name: chunks_of(model.cfg, topo.tp, topo.tp_rank, name, local, model.hf_head, shapes)
+            for name, local in source.items()}
+
+
+def _state(model, by_param: dict[str, list[tuple[str, tuple, torch.Tensor]]], suffix: str = "") -> dict[str, Chunks]:
     shapes = hf_mapping.hf_shapes(model.cfg, model.hf_head)
     pieces: dict[str, dict] = defaultdict(dict)
-    source = tensors if tensors is not None else dict(model.named_parameters())
-    for name, local in source.items():
-        for hf_name, off, view in chunks_of(model.cfg, topo.tp, topo.tp_rank, name, local, model.hf_head, shapes):
+    for chunks in by_param.values():
+        for hf_name, off, view in chunks:
             pieces[hf_name + suffix][off] = view
     return {k: Chunks(shapes[k[: len(k) - len(suffix)] if suffix else k], v) for k, v in pieces.items()}
 
@@ -522,11 +532,11 @@ def load(state: dict, url: str, block_bytes: int | None = None, threads: int | N
 
 def load_model(model, url: str) -> None:
     """Fill ``model``'s parameters (any layout) from a checkpoint's DCP directory."""
-    topo, shapes = model.topology, hf_mapping.hf_shapes(model.cfg, model.hf_head)
+    params = dict(model.named_parameters())
+    by_param = _param_pieces(model, params)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            pieces = chunks_of(model.cfg, topo.tp, topo.tp_rank, name, p, model.hf_head, shapes)
-            if sum(view.numel() for _, _, view in pieces) < p.numel():
+        for name, p in params.items():
+            if sum(view.numel() for _, _, view in by_param[name]) < p.numel():
                 p.zero_()  # vocabulary padding rows are not in the checkpoint: they must read as zeros
-        load(model_state(model), url)
+        load(_state(model, by_param), url)
     job.barrier()

@@ -118,6 +118,3 @@ class Local:
 
     def for_thread(self) -> "Local":
         return Local(copy.deepcopy(self.tok))  # a tokenizer object is not to be shared across threads
-
-    def close(self) -> None:
-        pass

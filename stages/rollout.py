@@ -118,8 +118,8 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
                         f"max_position_embeddings={model_cfg.max_position_embeddings}; lower max_new_tokens")
     # What does not wait for the process group starts now, in threads: the tokenizer and, on a GPU,
     # the kernels' first calls (the sampler's Triton kernel: a load from Triton's cache after the
-    # first run on a machine; the prefill's attention, whose first call imports torch._dynamo),
-    # while the prompts are opened, the process group joined and the weights loaded.
+    # first run on a machine; the prefill's attention), while the prompts are opened, the process
+    # group joined and the weights loaded.
     tokenizer = background.Soon(_load_tokenizer, actor, name="rollout-tokenizer")
     device = _local_device()
     dtype = compute_dtype(cfg.dtype, device)
@@ -257,7 +257,7 @@ def _sampler_slice(cfg: RolloutConfig, model_cfg: LlamaConfig) -> tuple[int, int
 
 def _warm_up_kernels(cfg: RolloutConfig, model_cfg: LlamaConfig, dtype, device) -> None:
     """The sampler's kernel compiled (or loaded from Triton's cache) for this rank's slice, and the
-    prefill's attention run once (its first call's imports), off the path to the first token."""
+    prefill's attention run once (its kernel's first launch), off the path to the first token."""
     sampling.warm_up(SamplingParams(temperature=cfg.sampling.temperature), *_sampler_slice(cfg, model_cfg), dtype, device)
     attention.warm_up(device, dtype, max(model_cfg.num_heads // cfg.tp, 1), max(model_cfg.num_kv_heads // cfg.tp, 1),
                       model_cfg.head_dim)
