@@ -232,10 +232,32 @@ class Sampling(BaseModel):
                                      "(seed, r, k): responses depend on nothing else (not layout, batch or chunks).")
 
 
+class PromptSelection(BaseModel):
+    """Which rows of the prompts one rollout takes, as a pure function of these four numbers.
+
+    The rows form an endless stream of epochs: epoch e is a permutation of every row, drawn from
+    (``seed``, e) (the rows in file order without ``shuffle``). A rollout takes the positions
+    [``start``, ``start + count``) of that stream, so an epoch boundary inside it takes the tail of
+    one epoch and the head of the next. A row keeps its row number in the dataset as its key (its
+    prompt id without ``id_column``, and what its random streams are keyed by)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = Field(0, description="Seed of every epoch's permutation.")
+    shuffle: bool = Field(True, description="A new seeded permutation every epoch; false: the rows in file order.")
+    start: int = Field(0, ge=0, description="First position in the stream of epochs (epoch = start // rows).")
+    count: Count = Field(description="Positions taken (prompts in this rollout).")
+
+
 class RolloutConfig(StageConfig):
     actor: str = path("Published actor checkpoint (from shard or ppo).")
     prompts: str = path("Parquet or JSONL prompts: a file or a folder of them, any fsspec URL.")
     out: str = path("Output folder for the Parquet parts.", kind=OUTPUT)
+    index_cache: str | None = path("Folder where the prompts' row index is kept between rollouts (one per dataset "
+                                   "version); default: built in memory by each rollout that selects rows.", None,
+                                   kind=OUTPUT)
+    select: PromptSelection | None = Field(None, description="Take only these rows of the prompts (a run's "
+                                                             "prompts_per_iteration); null: every row, in order.")
     prompt_column: str = Field("prompt", description="Column holding the prompt: text, or chat messages "
                                                      "[{role, content}, ...].")
     id_column: str | None = Field(None, description="Column holding a prompt id; default: the row number.")

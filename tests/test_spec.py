@@ -210,7 +210,7 @@ def test_how_ppo_and_rollout_run_is_no_part_of_their_identity_but_rollout_chunks
 # "Upgrading" in docs/pipeline.md which stages an older run reruns.
 GOLDEN_KEYS = {
     "shard": "e297a2b650ef9ef1",
-    "rollout": "d4dd6eb639158a02",
+    "rollout": "b8b5198cbf14d0b6",
     "score": "c61100ef0a15e5cb",
     "ppo": "86bd9e8d8ca45629",
     "export": "70aba1e5750d6545",
