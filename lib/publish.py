@@ -22,6 +22,7 @@ from .errors import UserError
 
 MANIFEST = "llamarl.json"
 INCOMPLETE = ".llamarl-incomplete"
+RETIRED = ".llamarl-retired"
 FORMAT_VERSION = 1
 
 
@@ -255,8 +256,12 @@ def read_manifest(root: str) -> dict | None:
 
 
 def require_published(root: str, kind: str | None = None) -> dict:
-    """The manifest of ``root``, or a clear error if ``root`` is not a finished llamarl output."""
+    """The manifest of ``root``, or a clear error if ``root`` is not a finished llamarl output (or
+    one whose files were deleted: ``retire``)."""
     manifest = read_manifest(root)
+    if manifest is not None and (gone := retired(root)) is not None:
+        raise PublishError(f"{root} was deleted by its run's retention ({gone.get('why')}); rerun `llamarl run`, which "
+                           "makes again what a stage that runs needs, or keep more (retention in the run spec)")
     if manifest is None:
         fs, path = _fs(root)
         if not fs.exists(path):
@@ -309,6 +314,34 @@ def discard(root: str) -> None:
     fs, path = _fs(root)
     if fs.exists(f"{path}/{INCOMPLETE}") and not fs.exists(f"{path}/{MANIFEST}"):
         fs.rm(path, recursive=True)
+
+
+def retire(root: str, why: str, keep: tuple[str, ...] = ()) -> bool:
+    """Delete the files of the published output ``root`` but its manifest (and ``keep``), marked
+    first: its id stays (what was made from it keeps its key), and no reader takes it for whole.
+    True when it was whole before (False: not published, or retired already)."""
+    fs, path = _fs(root)
+    if read_manifest(root) is None:
+        return False
+    fresh = retired(root) is None
+    if fresh:
+        fs.pipe_file(f"{path}/{RETIRED}", json.dumps({"why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                       time.gmtime())}).encode())
+    for entry in fs.ls(path, detail=False):  # also what a retire cut short left
+        if entry.rstrip("/").rsplit("/", 1)[-1] not in (MANIFEST, RETIRED, *keep):
+            fs.rm(entry, recursive=True)
+    return fresh
+
+
+def retired(root: str) -> dict | None:
+    """What ``retire`` recorded of ``root`` (why, when), or None when its files are there."""
+    fs, path = _fs(root)
+    try:
+        return json.loads(fs.cat_file(f"{path}/{RETIRED}"))
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError:
+        return {"why": "unreadable record"}
 
 
 def output_id(root: str) -> str:

@@ -32,7 +32,7 @@ def run(
 
     from llamarl.lib.errors import UserError
     from llamarl.pipeline.run import run_spec
-    from llamarl.pipeline.spec import load_spec
+    from llamarl.pipeline.dag import load_spec
 
     console = Console()
     try:
@@ -70,13 +70,22 @@ def _print_metrics(console, run_dir: str, iterations: int) -> None:
     if not rows:
         return
     table = Table(title="per iteration (score: mean of that iteration's rollout)")
-    for col in ("iteration", "mean score", "KL", "policy loss", "value loss", "entropy"):
+    columns = {"iteration": "iteration", "mean score": "mean_score", "KL": "kl", "policy loss": "policy_loss",
+               "value loss": "value_loss", "entropy": "entropy"}
+    if any("val_score" in r for r in rows):
+        columns["validation score"] = "val_score"
+    for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["iteration"]), f"{r['mean_score']:.4f}", f"{r['kl']:.4f}", f"{r['policy_loss']:.4f}",
-                      f"{r['value_loss']:.4f}", f"{r['entropy']:.3f}")
+        table.add_row(*(_cell(r.get(key)) for key in columns.values()))
     console.print(table)
     console.print(f"plot: {run_dir}/metrics.png   export: {run_dir}/export")
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.4f}"
 
 
 @app.command("status")
@@ -86,7 +95,7 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
     from rich.table import Table
 
     from llamarl.lib.errors import UserError
-    from llamarl.pipeline.run import status
+    from llamarl.pipeline.status import status
 
     console = Console()
     try:

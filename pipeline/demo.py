@@ -55,6 +55,8 @@ def make_inputs(root: str, staleness: int | None = None) -> str:
         toy.make_llama(os.path.join(inputs, "actor"), tokenizer_corpus=toy.CORPUS_A)
         toy.make_llama(os.path.join(inputs, "rm"), kind="score", seed=1, tokenizer_corpus=toy.CORPUS_B)
         toy.make_prompts(os.path.join(inputs, "prompts.jsonl"), n=32)
+    if not os.path.exists(os.path.join(inputs, "validation.jsonl")):
+        toy.make_prompts(os.path.join(inputs, "validation.jsonl"), n=8, first=1000, id_prefix="v")
     name = "demo" if staleness is None else f"demo-s{staleness}"
     spec = {
         "name": name,
@@ -62,10 +64,14 @@ def make_inputs(root: str, staleness: int | None = None) -> str:
         "actor": os.path.abspath(os.path.join(inputs, "actor")),
         "reward_model": os.path.abspath(os.path.join(inputs, "rm")),
         "prompts": os.path.abspath(os.path.join(inputs, "prompts.jsonl")),
+        "seed": 0,
         "iterations": 3,
+        # The held-out prompts, validated after every iteration: metrics.png draws them beside the training score.
+        "validation": {"prompts": os.path.abspath(os.path.join(inputs, "validation.jsonl")), "every": 1,
+                       "pass_threshold": 0.5},
         "layout": {"shard": {"tp": 2}, "rollout": {"tp": 2}, "score": {"tp": 2}, "ppo": {"tp": 2}, "export": {"procs": 2}},
         "rollout": {"id_column": "id", "chunk_size": 32, "max_batch": 64,
-                    "sampling": {"samples_per_prompt": 4, "max_new_tokens": 12, "temperature": 1.0, "seed": 0}},
+                    "sampling": {"samples_per_prompt": 4, "max_new_tokens": 12, "temperature": 1.0}},
         "score": {"rewards": [{"name": "rm", "weight": 0.1},
                               {"name": "llamarl.pipeline.demo:vowel_ratio", "weight": 1.0}]},
         "ppo": {"mini_batch_size": 32, "ppo_epochs": 2, "actor_lr": 0.01, "critic_lr": 0.01, "kl_coef": 0.01,
@@ -84,7 +90,7 @@ def timed_run(spec: str, log: str) -> dict:
     """A fresh `llamarl run SPEC` (its run directory removed first): its wall time, the CPU time of
     it and its stages, the machine's load average (1 min) before and after, and the mean score of
     each iteration."""
-    from llamarl.pipeline.spec import load_spec
+    from llamarl.pipeline.dag import load_spec
 
     run_dir = load_spec(spec).run_dir
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,20 +1,68 @@
-"""Per-iteration metrics of a run: ``metrics.jsonl`` and ``metrics.png`` in the run directory."""
+"""Per-iteration metrics of a run: ``metrics.jsonl`` and ``metrics.png`` in the run directory.
+
+One row per finished ppo iteration: the mean score of its rollout (the policy before that
+iteration's update), the means of its per-step metrics, and — at the iterations the run validates —
+the validation of the actor it wrote: ``val_score`` (mean@n: the mean over every validation
+sample), ``val_score_<term>`` (each reward term's mean), ``val_best@n`` (each prompt's best of its n
+samples, averaged) and ``val_pass@k`` for k = 1, 2, 4, … ≤ n and n (the unbiased estimator of the
+chance that one of k samples passes: 1 − C(n−c, k) / C(n, k) for a prompt with c passing samples,
+averaged over prompts; a sample passes when its score reaches ``validation.pass_threshold``).
+The driver also hands the rows to TensorBoard and W&B (``pipeline/monitor.py``).
+"""
 
 from __future__ import annotations
 
 import io
 import json
+import math
+from collections import defaultdict
 
 import fsspec
 
 from llamarl.lib import publish
 
 PLOTTED = ("mean_score", "kl", "policy_loss", "value_loss")
+STEP_MEANS = ("kl", "policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "actor_grad_norm")
+
+
+def validation_metrics(scores_url: str, pass_threshold: float) -> dict:
+    """The validation metrics of a published scores output (of a validation rollout)."""
+    import pyarrow.parquet as pq
+
+    from llamarl.stages import contract
+
+    manifest = publish.require_published(scores_url, contract.SCORES)
+    fs, path = fsspec.core.url_to_fs(scores_url)
+    tables = []
+    for name in contract.manifest_parts(manifest):
+        with fs.open(f"{path}/{contract.PARTS}/{name}", "rb") as f:
+            tables.append(pq.read_table(f))
+    rows = [row for t in tables for row in t.to_pylist()]
+    by_prompt: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        by_prompt[row[contract.PROMPT_ID]].append(row[contract.SCORE])
+    n = min(len(s) for s in by_prompt.values())
+    terms = [c.removeprefix(f"{contract.SCORE}_") for c in (tables[0].column_names if tables else [])
+             if c.startswith(f"{contract.SCORE}_")]
+    out = {"val_score": _mean(row[contract.SCORE] for row in rows), "val_prompts": len(by_prompt), "val_samples": n}
+    for term in terms:
+        out[f"val_score_{term}"] = _mean(row[contract.term_column(term)] for row in rows)
+    out[f"val_best@{n}"] = _mean(max(s) for s in by_prompt.values())
+    passes = [sum(x >= pass_threshold for x in s) for s in by_prompt.values()]
+    for k in sorted({2 ** j for j in range(n.bit_length()) if 2 ** j <= n} | {n}):
+        out[f"val_pass@{k}"] = _mean(1 - math.comb(n - c, k) / math.comb(n, k) for c in passes)
+    return out
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 def iteration_metrics(run: str, iterations: int) -> list[dict]:
-    """One row per finished PPO iteration: the mean score of its rollout (the policy before that
-    iteration's update) and the means of its per-step metrics."""
+    """One row per finished PPO iteration (and its validation, where there is one)."""
+    from .records import read_record
+
     rows = []
     for i in range(1, iterations + 1):
         ppo_dir = f"{run}/iter-{i:03d}/ppo"
@@ -25,9 +73,12 @@ def iteration_metrics(run: str, iterations: int) -> list[dict]:
             steps = [json.loads(line) for line in f if line.strip()]
         row = {"iteration": i, "mean_score": manifest["summary"]["mean_score"],
                "mean_response_length": manifest["summary"]["mean_response_length"], "steps": len(steps)}
-        for key in ("kl", "policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "actor_grad_norm"):
+        for key in STEP_MEANS:
             values = [s[key] for s in steps if key in s]
             row[key] = sum(values) / len(values) if values else None
+        validation = (read_record(run, f"iter-{i:03d}/val-scores") or {})
+        if validation.get("status") == "done" and validation.get("metrics"):
+            row |= validation["metrics"]
         rows.append(row)
     return rows
 
@@ -41,6 +92,7 @@ def update_metrics(run: str, iterations: int) -> list[dict]:
 
 
 def plot(rows: list[dict]) -> bytes:
+    """The training score with the validation score beside it, then KL and the losses."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,7 +101,12 @@ def plot(rows: list[dict]) -> bytes:
     fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4 * len(PLOTTED), 3.2))
     xs = [r["iteration"] for r in rows]
     for ax, key in zip(axes, PLOTTED):
-        ax.plot(xs, [r[key] for r in rows], marker="o")
+        ax.plot(xs, [r[key] for r in rows], marker="o", label="train" if key == "mean_score" else None)
+        if key == "mean_score" and any("val_score" in r for r in rows):
+            validated = [r for r in rows if "val_score" in r]
+            ax.plot([r["iteration"] for r in validated], [r["val_score"] for r in validated], marker="s",
+                    label="validation")
+            ax.legend()
         ax.set_title(key.replace("_", " "))
         ax.set_xlabel("iteration")
         ax.set_xticks(xs)

@@ -1,14 +1,18 @@
-"""Running a spec: the stage DAG, the run directory, the resume rules, status.
+"""Running a spec: the stages in order, resumed, and what the run directory says of them (status).
 
 Run directory (``STORAGE/NAME``)::
 
     pipeline/spec.yaml          the spec of the latest ``llamarl run``
     pipeline/<node>.json        one record per stage: key, status, error, times, output id
     shard/actor  shard/rm       sharded initial actor and reward model
+    pipeline/prompts.json       the prompts dataset the run takes rows of (prompts_per_iteration)
+    pipeline/prompts-index/     its row index (stages/prompts.py)
+    pipeline/monitor.json       what TensorBoard and W&B were sent
     iter-001/rollout  iter-001/scores  iter-001/ppo (actor/, critic/, train_state/, metrics.jsonl)
+    iter-001/val-rollout  iter-001/val-scores       at the iterations the run validates
     …
     export/                     the final actor as an HF directory
-    metrics.jsonl  metrics.png  per iteration: score, KL, losses
+    metrics.jsonl  metrics.png  per iteration: score, KL, losses, validation
 
 A stage's *key* hashes its stage config (minus where it runs) and the ids of its inputs' published
 outputs. A stage is skipped when its output is published and its record holds the same key and
@@ -16,7 +20,8 @@ output id; otherwise its stale output is removed and it runs — and, since its 
 so does everything downstream. A stage killed half-way leaves an unpublished output that the stage
 itself resumes.
 
-A stage that reads only part of an input's output (rollout and export: ppo's ``actor/``, published
+The DAG is pipeline/dag.py's, the keys and the plan (what is done, what runs and why)
+pipeline/records.py's, retention pipeline/retention.py's. A stage that reads only part of an input's output (rollout and export: ppo's ``actor/``, published
 before ppo's training state) is keyed by that part's id and may start as soon as it is published,
 while the stage making it still runs (``Node.reads``; with an executor that runs several stages
 at once).
@@ -24,204 +29,29 @@ at once).
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable
 
 import fsspec
 
 from llamarl.cluster.executor import Executor, make_executor
 from llamarl.lib import publish
 from llamarl.lib.errors import UserError
-from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
 
-from .spec import RunSpec, StageLayout
-
-
-@dataclass
-class Node:
-    name: str  # e.g. "iter-002/ppo"
-    stage: str  # module under llamarl.stages
-    out: str
-    inputs: list[str]  # upstream node names
-    layout: StageLayout
-    make_config: Callable[[], StageConfig]
-    external: list[str] = dataclasses.field(default_factory=list)  # inputs from outside the run (HF dirs, prompts)
-    # The part of an input's output that this stage reads, when only a part: {input node: sub-path},
-    # e.g. {"iter-001/ppo": "actor"}. It is what the key names, and the stage may start once it is
-    # published, before the input's stage ends.
-    reads: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    @property
-    def nprocs(self) -> int:
-        return self.layout.procs if self.stage == "export" else self.layout.world
+from . import data
+from .dag import VALIDATE, Node, build_dag, check_spec
+from .metrics import update_metrics, validation_metrics
+from .monitor import Monitor
+from .records import (assess, fingerprint, fingerprints, input_url, must_redo, node_key, plan, published_id,
+                      read_record, write_record)
+from .retention import retire_done
+from .spec import RunSpec
 
 
 class PipelineError(UserError):
     pass
-
-
-def build_dag(spec: RunSpec) -> list[Node]:
-    """The stages of ``spec`` in an order that respects their dependencies."""
-    run, L = spec.run_dir, spec.layout
-
-    def cfg(cls, options, where: str, **wired):
-        return lambda: spec.stage_config(cls, options, where, **wired)
-
-    nodes = [Node("shard/actor", "shard", f"{run}/shard/actor", [], L.shard,
-                  cfg(ShardConfig, {}, "shard", src=spec.actor, dst=f"{run}/shard/actor", tp=L.shard.tp, pp=L.shard.pp),
-                  external=[spec.actor])]
-    if spec.reward_model:
-        nodes.append(Node("shard/rm", "shard", f"{run}/shard/rm", [], L.shard,
-                          cfg(ShardConfig, {}, "shard", src=spec.reward_model, dst=f"{run}/shard/rm", tp=L.shard.tp, pp=L.shard.pp),
-                          external=[spec.reward_model]))
-    def actor_dir(node: str) -> str:
-        return f"{run}/{node}" if node == "shard/actor" else f"{run}/{node}/actor"
-
-    def actor_only(node: str) -> dict[str, str]:
-        """A ppo's actor/ is published before its training state: a stage that reads only the
-        weights (rollout, export) need not wait for the rest."""
-        return {} if node == "shard/actor" else {node: "actor"}
-
-    actor, critic = "shard/actor", None
-    trained = ["shard/actor"]  # trained[k]: the actor after k ppo updates
-    for i in range(1, spec.iterations + 1):
-        it = f"iter-{i:03d}"
-        ro, sc, po = f"{it}/rollout", f"{it}/scores", f"{it}/ppo"
-        # With staleness s, rollout i samples from the actor of ppo i-1-s, so it need not wait for
-        # ppo i-1 … i-s: those run while it does.
-        sampler = trained[max(0, i - 1 - spec.max_staleness)]
-        nodes.append(Node(ro, "rollout", f"{run}/{ro}", [sampler], L.rollout,
-                          cfg(RolloutConfig, spec.rollout, "rollout", actor=actor_dir(sampler), prompts=spec.prompts,
-                              out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp), external=[spec.prompts],
-                          reads=actor_only(sampler)))
-        rm = {"reward_model": f"{run}/shard/rm"} if spec.reward_model else {}
-        nodes.append(Node(sc, "score", f"{run}/{sc}", [ro] + (["shard/rm"] if spec.reward_model else []), L.score,
-                          cfg(ScoreConfig, spec.score, "score", rollout=f"{run}/{ro}", out=f"{run}/{sc}",
-                              tp=L.score.tp, pp=L.score.pp, dp=L.score.dp, **rm)))
-        critic_dir = f"{run}/{critic}/critic" if critic else None
-        stale = {"off_policy": True} if sampler != actor else {}  # its samples are an older actor's
-        nodes.append(Node(po, "ppo", f"{run}/{po}", [ro, sc, actor, "shard/actor"] + ([critic] if critic else []), L.ppo,
-                          cfg(PPOConfig, spec.ppo, "ppo", rollout=f"{run}/{ro}", scores=f"{run}/{sc}",
-                              actor=actor_dir(actor), reference=f"{run}/shard/actor", critic=critic_dir,
-                              out=f"{run}/{po}", tp=L.ppo.tp, pp=L.ppo.pp, dp=L.ppo.dp, **stale)))
-        # GRPO trains no critic: the next iteration starts its own only if it needs one.
-        actor, critic = po, (po if spec.ppo.advantage == "gae" else None)
-        trained.append(po)
-    nodes.append(Node("export", "export", f"{run}/export", [actor], L.export,
-                      cfg(ExportConfig, spec.export, "export", src=actor_dir(actor), dst=f"{run}/export"),
-                      reads=actor_only(actor)))
-    return nodes
-
-
-def check_spec(spec: RunSpec) -> list[Node]:
-    """The DAG, with every stage's config of every iteration built (validated) — before anything runs."""
-    nodes = build_dag(spec)
-    for n in nodes:
-        n.make_config()
-    return nodes
-
-
-# ---- records and keys --------------------------------------------------------------------------------
-
-
-
-def _record_url(run: str, node: Node) -> str:
-    return f"{run}/pipeline/{node.name.replace('/', '.')}.json"
-
-
-def read_record(run: str, node: Node) -> dict | None:
-    fs, path = fsspec.core.url_to_fs(_record_url(run, node))
-    return json.loads(fs.cat_file(path)) if fs.exists(path) else None
-
-
-def write_record(run: str, node: Node, **fields) -> dict:
-    record = {**(read_record(run, node) or {}), **fields}
-    publish.write_bytes(_record_url(run, node), json.dumps(record, indent=1).encode())
-    return record
-
-
-def published_id(url: str) -> str | None:
-    return publish.output_id(url) if publish.read_manifest(url) is not None else None
-
-
-def fingerprint(url: str, checksums: bool = False) -> str:
-    """A content id of a file or folder outside the run: every file's name, size and modification
-    time, and with ``checksums`` its checksum too (prompts: small; an HF checkpoint is not hashed on
-    every `llamarl run`). Replacing or editing an input in place changes it (touching one without a
-    change may too: a needless rerun, never a stale result)."""
-    fs, path = fsspec.core.url_to_fs(url)
-    if not fs.exists(path):
-        return "missing"
-    found = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
-    entries = sorted((name[len(path):], info.get("size"), str(info.get("mtime") or info.get("LastModified") or info.get("ETag")),
-                      publish.checksum(fs.unstrip_protocol(name)) if checksums else None)
-                     for name, info in found.items())
-    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
-
-
-def _fingerprints(node: Node) -> dict[str, str]:
-    # Prompts (read by rollout) are hashed whole; model folders by names, sizes and times.
-    return {url: fingerprint(url, checksums=node.stage == "rollout") for url in node.external}
-
-
-def input_url(node: Node, name: str, by_name: dict[str, Node]) -> str:
-    """What ``node`` reads of its input ``name``: that node's output, or the part of it in ``node.reads``."""
-    sub = node.reads.get(name)
-    return f"{by_name[name].out}/{sub}" if sub else by_name[name].out
-
-
-def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
-    """The node's key, or None while an input is not published yet: its config (where it runs
-    aside), the output ids of what it reads of its inputs (a part's own id where it reads a part),
-    and the fingerprints of its inputs from outside the run."""
-    config = node.make_config().identity()
-    inputs = {}
-    for name in node.inputs:
-        part = f"{name}/{node.reads[name]}" if name in node.reads else name
-        inputs[part] = published_id(input_url(node, name, by_name))
-        if inputs[part] is None:
-            return None
-    external = _fingerprints(node)
-    body = json.dumps({"stage": node.stage, "config": config, "inputs": inputs, "external": external},
-                      sort_keys=True, default=str)
-    return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-
-def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -> tuple[bool, str]:
-    """(is it done, why) — for ``--dry-run`` and ``status``."""
-    if any(i in will_run for i in node.inputs):
-        return False, "an input will be redone"
-    record = read_record(run, node)
-    out_id = published_id(node.out)
-    key = node_key(node, by_name)
-    if record is None:
-        return False, "not started"
-    if record.get("status") == "failed":
-        return False, f"failed: {record.get('error')}"
-    if record.get("status") == "running":
-        job = f" as job {record['job']}" if record.get("job") else ""
-        return False, f"running{job} or interrupted (started {record.get('started')})"
-    if record.get("status") == "submitted":
-        return False, f"submitted as job {record.get('job')} ({record.get('submitted')})"
-    unfinished = next((i for i in node.reads if published_id(by_name[i].out) is None), None)
-    if unfinished is not None:  # it read a part early; that stage's rerun writes the part again
-        return False, f"{unfinished} is unfinished: its {node.reads[unfinished]}/ will be written again"
-    if out_id is None:
-        return False, "its output is missing"
-    if record.get("key") != key:
-        now = _fingerprints(node)
-        changed = [url for url in node.external if (record.get("external") or {}).get(url) != now[url]]
-        if changed:
-            return False, f"{changed[0]} changed since it ran"
-        return False, "its config or inputs changed"
-    if record.get("output_id") != out_id:
-        return False, "its output was replaced"
-    return True, f"done {record.get('finished')}"
 
 
 # ---- running ---------------------------------------------------------------------------------------------
@@ -244,21 +74,22 @@ def executor_for(spec: RunSpec) -> Executor:
 
 
 def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False, detach: bool = False,
-             echo=print) -> list[tuple[str, str]]:
+             echo=print, executor: Executor | None = None) -> list[tuple[str, str]]:
     """Run every stage that is not done, in order. Returns (node, what happened) pairs. A dry run
     plans instead, and with ``show_launch`` echoes what the executor would launch for each stage
-    that would run (``Executor.render``)."""
+    that would run (``Executor.render``). ``executor``: one to use instead of the spec's."""
     run = spec.run_dir
     nodes = check_spec(spec)
     by_name = {n.name: n for n in nodes}
-    report, will_run = [], set()
+    check_dataset(spec, record=False)
     if dry_run:
-        executor = executor_for(spec) if show_launch else None
+        report = []
+        executor = (executor or executor_for(spec)) if show_launch else None
         beside = _beside(nodes, by_name)
+        states = plan(run, nodes, by_name)
         for n in nodes:
-            done, why = assess(run, n, by_name, will_run)
+            done, why = states[n.name]
             if not done:
-                will_run.add(n.name)
                 if executor is not None:
                     echo(executor.render(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name))
                 if beside[n.name]:
@@ -269,16 +100,43 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
     from .lock import RunLock
 
     with RunLock(run, echo=echo):  # one `llamarl run` at a time per run directory
-        executor = executor_for(spec)
+        executor = executor or executor_for(spec)
         in_flight = _jobs_in_flight(run, nodes, executor)
         if in_flight:
             listed = ", ".join(f"{n} (job {j}: {state})" for n, j, state in in_flight[:3])
             raise PipelineError(f"{run}: stages of a detached run are still queued or running: {listed}"
                                 f"{' …' if len(in_flight) > 3 else ''}; follow them with `llamarl status {run}`, "
                                 f"or cancel them (scancel) before running it again")
+        check_dataset(spec, record=True)
         if detach:
             return _submit_nodes(spec, nodes, by_name, executor, echo)
         return _run_nodes(spec, nodes, by_name, executor, echo)
+
+
+def check_dataset(spec: RunSpec, record: bool) -> int | None:
+    """The number of prompts a run with ``prompts_per_iteration`` takes its rows from (None without),
+    refused in one line when an iteration would take more than there are, or when the dataset
+    changed since the run first took rows of it (its iterations would mix two datasets' rows).
+    ``record``: remember this dataset in the run directory (``pipeline/prompts.json``)."""
+    if spec.prompts_per_iteration is None:
+        return None
+    from llamarl.stages.prompts import dataset_rows
+
+    url = f"{spec.run_dir}/pipeline/prompts.json"
+    fs, path = fsspec.core.url_to_fs(url)
+    before = json.loads(fs.cat_file(path)) if fs.exists(path) else None
+    now = fingerprint(spec.prompts, checksums=True)
+    if before is not None and (before["prompts"], before["fingerprint"]) != (spec.prompts, now):
+        raise PipelineError(f"{spec.prompts}: the prompts changed since this run first took rows of them "
+                            f"({before['prompts']}, {before['rows']} rows, fingerprint {before['fingerprint']}); its "
+                            f"iterations would mix two datasets: restore them, or start a new run (another name)")
+    rows = before["rows"] if before is not None else dataset_rows(spec.prompts, data.prompts_index(spec.run_dir))
+    if spec.prompts_per_iteration > rows:
+        raise PipelineError(f"{spec.source}: prompts_per_iteration={spec.prompts_per_iteration} is more than the "
+                            f"{rows} prompts in {spec.prompts}; lower it to at most {rows}")
+    if record and before is None:
+        publish.write_bytes(url, json.dumps({"prompts": spec.prompts, "fingerprint": now, "rows": rows}).encode())
+    return rows
 
 
 def _jobs_in_flight(run: str, nodes: list[Node], executor) -> list[tuple[str, str, str]]:
@@ -302,38 +160,53 @@ class NodeRecorder:
     run_dir: str
     node: str
 
-    def _node(self) -> tuple[Node, dict[str, Node], RunSpec]:
-        from .spec import load_spec
+    def _node(self) -> tuple[Node, list[Node], RunSpec]:
+        from .dag import load_spec
 
         spec = load_spec(f"{self.run_dir}/pipeline/spec.yaml")
-        by_name = {n.name: n for n in build_dag(spec)}
-        return by_name[self.node], by_name, spec
+        nodes = build_dag(spec)
+        return next(n for n in nodes if n.name == self.node), nodes, spec
 
     def started(self, job_id: str) -> None:
         node, _, _ = self._node()
         write_record(self.run_dir, node, status="running", job=job_id, started=_now(), error=None)
 
     def ended(self, result) -> None:
-        node, by_name, spec = self._node()
+        node, nodes, spec = self._node()
         if not result.ok:
             write_record(self.run_dir, node, status="failed", error=result.error, finished=None)
             return
-        _record_done(self.run_dir, node, by_name)
-        if node.stage == "ppo":
-            from .metrics import update_metrics
-
-            update_metrics(self.run_dir, spec.iterations)
+        by_name = {n.name: n for n in nodes}
+        _record_done(spec, node, by_name)
+        monitor = Monitor(spec)
+        try:
+            _after_done(spec, node, nodes, by_name, monitor, print)
+        finally:
+            monitor.close()
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _record_done(run: str, n: Node, by_name: dict[str, Node], key: str | None = None) -> None:
+def _record_done(spec: RunSpec, n: Node, by_name: dict[str, Node], key: str | None = None) -> None:
     """``key``: the node's key when it started, if known (an input read early could have been
-    rewritten since: then the record keeps the key of what the stage read, which is now stale)."""
-    write_record(run, n, status="done", key=key or node_key(n, by_name), output_id=published_id(n.out),
-                 external=_fingerprints(n), finished=_now(), error=None)
+    rewritten since: then the record keeps the key of what the stage read, which is now stale). A
+    validation's scores also record its metrics (retention may delete the scores)."""
+    extra = {}
+    if n.role == VALIDATE and n.stage == "score":
+        extra["metrics"] = validation_metrics(n.out, spec.validation.pass_threshold)
+    write_record(spec.run_dir, n, status="done", key=key or node_key(n, by_name), output_id=published_id(n.out),
+                 external=fingerprints(n), finished=_now(), error=None, **extra)
+
+
+def _after_done(spec: RunSpec, n: Node, nodes: list[Node], by_name: dict[str, Node], monitor: Monitor,
+                echo) -> None:
+    """What follows a stage's end: the run's metrics when they changed (to its sinks too), and
+    whatever retention now lets go of."""
+    if n.stage == "ppo" or (n.role == VALIDATE and n.stage == "score"):
+        monitor.update(update_metrics(spec.run_dir, spec.iterations))
+    retire_done(spec, nodes, by_name, echo)
 
 
 def _remove_stale(n: Node, parts: set[str] = frozenset()) -> None:
@@ -359,10 +232,11 @@ def _early_parts(nodes: list[Node]) -> dict[str, set[str]]:
 
 
 def _skipped(run: str, n: Node, by_name: dict[str, Node], will_run: set[str], report: list, echo,
-             parts: set[str] = frozenset()) -> tuple[bool, str]:
+             parts: set[str] = frozenset(), redo: dict[str, str] | None = None) -> tuple[bool, str]:
     """(is ``n`` done, why); a done stage is reported skipped, a stale output (or its ``parts``
-    read early) removed before it runs."""
-    done, why = assess(run, n, by_name, will_run)
+    read early) removed before it runs. ``redo``: stages to run again whatever their records say
+    (``records.plan``: retention deleted their output and a stage that runs needs it)."""
+    done, why = (False, redo[n.name]) if n.name in (redo or {}) else assess(run, n, by_name, will_run)
     if done:
         report.append((n.name, "skipped (done)"))
         echo(f"[{n.name}] done, skipped")
@@ -387,9 +261,9 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
         echo(f"driver: {where}" + ("" if executor.launches else " (apply it: kubectl apply -f)"))
         return [("driver", where)]
     jobs: dict[str, str] = {}
-    early = _early_parts(nodes)
+    early, redo = _early_parts(nodes), must_redo(run, nodes, by_name)
     for n in nodes:
-        done, why = _skipped(run, n, by_name, set(jobs), report, echo, early.get(n.name, set()))
+        done, why = _skipped(run, n, by_name, set(jobs), report, echo, early.get(n.name, set()), redo)
         if done:
             continue
         after = [jobs[i] for i in n.inputs if i in jobs]
@@ -423,9 +297,12 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
     # of a running input (Node.reads) starts once that part is published: polled, while there is
     # room for it.
     limit = executor.concurrency or len(nodes)
-    early = _early_parts(nodes)
+    early, redo = _early_parts(nodes), must_redo(run, nodes, by_name)
     waiting, finished, running, failure = list(nodes), set(), {}, None
     keys: dict[str, str | None] = {}  # each started node's key when it started
+    # A failed validation stops only what reads it: training goes on, and the run reports it at the end.
+    given_up: dict[str, str] = {}
+    monitor = Monitor(spec)
 
     def ready(n: Node) -> bool:
         # A part of a running input is this run's: the input's stale parts were removed when it started.
@@ -439,14 +316,22 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
 
     with ThreadPoolExecutor(max_workers=min(limit, len(nodes)), thread_name_prefix="stage") as pool:
         try:
+            if monitor.active:  # a resumed run: what the sinks missed while no `llamarl run` ran
+                monitor.update(update_metrics(run, spec.iterations))
             while waiting or running:
                 for n in list(waiting) if failure is None else []:
                     if len(running) >= limit:
                         break
+                    lost = next((i for i in n.inputs if i in given_up), None)
+                    if lost is not None:
+                        waiting.remove(n)
+                        given_up[n.name] = f"{lost} failed"
+                        report.append((n.name, f"not run: {lost} failed"))
+                        continue
                     if not ready(n):
                         continue
                     waiting.remove(n)
-                    done, why = _skipped(run, n, by_name, set(), report, echo, early.get(n.name, set()))
+                    done, why = _skipped(run, n, by_name, set(), report, echo, early.get(n.name, set()), redo)
                     if done:
                         finished.add(n.name)
                         continue
@@ -469,66 +354,26 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
                     n, result = running.pop(future), future.result()
                     if not result.ok:
                         write_record(run, n, status="failed", error=result.error, finished=None)
-                        failure = failure or (n, result)
+                        if n.role == VALIDATE:
+                            given_up[n.name] = result.error
+                            echo(f"[{n.name}] failed ({result.error}); training goes on")
+                        else:
+                            failure = failure or (n, result)
                         continue
-                    _record_done(run, n, by_name, keys.get(n.name))
+                    _record_done(spec, n, by_name, keys.get(n.name))
                     finished.add(n.name)
                     report.append((n.name, "ran"))
-                    if n.stage == "ppo":
-                        from .metrics import update_metrics
-
-                        update_metrics(run, spec.iterations)
+                    _after_done(spec, n, nodes, by_name, monitor, echo)
         except BaseException:  # interrupted: the stages' processes must not outlive us
             executor.stop_all()
             raise
+        finally:
+            monitor.close()
     if failure is not None:
         n, result = failure
         raise PipelineError(f"stage {n.name} failed ({result.error}); fix it and rerun `llamarl run` — finished stages are kept")
+    failed = [name for name, why in given_up.items() if by_name[name].role == VALIDATE and "failed" not in why]
+    if failed:
+        raise PipelineError(f"validation {', '.join(failed)} failed ({given_up[failed[0]]}); every training stage "
+                            f"ran — fix it and rerun `llamarl run`, which runs only what is not done")
     return report
-
-
-def status(run: str) -> list[tuple[str, str, str]]:
-    """(node, state, why) for the run directory ``run``."""
-    from .spec import load_spec
-
-    fs, path = fsspec.core.url_to_fs(f"{run.rstrip('/')}/pipeline/spec.yaml")
-    if not fs.exists(path):
-        raise UserError(f"{run} is not a run directory (no pipeline/spec.yaml); start it with `llamarl run SPEC`")
-    spec = load_spec(f"{run.rstrip('/')}/pipeline/spec.yaml")
-    nodes = build_dag(spec)
-    by_name = {n.name: n for n in nodes}
-    records = {n.name: read_record(spec.run_dir, n) or {} for n in nodes}
-    executor = executor_for(spec)
-    rows = []
-    for n in nodes:
-        record = records[n.name]
-        done, why = assess(spec.run_dir, n, by_name, set())
-        state = "done" if done else record.get("status", "pending")
-        if state == "done" and not done:
-            state = "stale"
-        if state in ("submitted", "running") and record.get("job"):
-            queued = executor.job_state(record["job"])
-            if queued is not None:
-                why = f"job {record['job']}: {queued}"
-            else:  # left the queue without a record of its end: cancelled with a failed input, or lost
-                failed = next((i for i in n.inputs if records[i].get("status") in ("failed", "cancelled", "lost")), None)
-                state, why = (("cancelled", f"{failed} {records[failed]['status']}") if failed else
-                              ("lost", f"job {record['job']} ended without reporting; see its log in "
-                                       f"{spec.run_dir}/pipeline/slurm/{record['job']}"))
-                record["status"] = state  # for the stages after it
-        if n.stage == "rollout" and spec.max_staleness:
-            why += f"; samples {n.inputs[0]}'s actor"
-        beside = _ran_beside(n.name, records)
-        if beside:
-            why += f"; ran beside {', '.join(beside)}"
-        rows.append((n.name, state, why))
-    return rows
-
-
-def _ran_beside(name: str, records: dict[str, dict]) -> list[str]:
-    """The stages whose last run overlapped ``name``'s in time, from their records (to the second)."""
-    mine = records[name]
-    if not (mine.get("started") and mine.get("finished")):
-        return []
-    return [other for other, r in records.items() if other != name and r.get("started") and r.get("finished")
-            and r["started"] < mine["finished"] and mine["started"] < r["finished"]]

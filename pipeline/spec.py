@@ -5,7 +5,12 @@
     actor: /models/llama-1b          # HF checkpoint of the initial actor (and reference)
     reward_model: /models/rm         # HF LlamaForSequenceClassification, optional
     prompts: /data/prompts.jsonl
+    prompts_per_iteration: 512       # optional: each iteration takes the next 512 of a seeded order
+    seed: 0                          # the prompts' order and each iteration's sampling seed derive from it
     iterations: 3
+    validation: {prompts: /data/val.jsonl, every: 10, sampling: {temperature: 0}}   # optional
+    retention: {keep_last: 2}        # optional: delete older iterations' training state and weights
+    metrics: {tensorboard: /shared/tb/demo}                                          # optional
     layout: {shard: {tp: 2}, rollout: {tp: 2}, score: {tp: 2}, ppo: {tp: 2}, export: {procs: 2}}
     rollout: {...}                   # options of the rollout stage (``llamarl stage rollout --help``)
     score: {...}                     # options of the score stage (rewards, …)
@@ -16,10 +21,10 @@
 Stage options are those of each stage's config (``llamarl.stages.config``) except inputs, outputs
 and layout, which the pipeline fills in. Each stage's ``layout`` takes only the counts that stage
 uses (shard: tp, pp; rollout: tp, dp; score and ppo: tp, pp, dp; export: procs; all: nodes).
-``parse_spec`` checks the whole spec — every stage of every iteration built whole, the executor's
-options, and each stage's layout against the actor's and reward model's ``config.json`` where they
-exist — so a wrong value fails ``llamarl run`` (and ``--dry-run``) in one line before any stage
-starts, without importing torch.
+This module holds what a spec may say; ``pipeline/dag.py``'s ``load_spec`` checks a spec whole —
+every stage of every iteration built, the executor's options, and each stage's layout against the
+actor's and reward model's ``config.json`` where they exist — so a wrong value fails ``llamarl run``
+(and ``--dry-run``) in one line before any stage starts, without importing torch.
 """
 
 from __future__ import annotations
@@ -28,16 +33,31 @@ import math
 import re
 from typing import Literal
 
-import fsspec
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
 
-from llamarl.cluster.executor import validate_options
-from llamarl.lib.errors import UserError
-from llamarl.stages.config import (GROUP_ADVANTAGES, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RolloutConfig,
-                                   ScoreConfig, ShardConfig, Source, StageConfig, kind_of, options_model, validate)
+from llamarl.stages.config import (GROUP_ADVANTAGES, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RewardTerm,
+                                   RolloutConfig, Sampling, ScoreConfig, ShardConfig, Source, StageConfig, kind_of,
+                                   options_model, validate)
 
-RolloutOptions = options_model(RolloutConfig)
+def _run_sampling() -> type[BaseModel]:
+    """``rollout.sampling`` as a run spec sets it: without the seed, which the run derives."""
+
+    def no_seed(data):
+        if isinstance(data, dict) and "seed" in data:
+            raise ValueError("seed: derived for each iteration from the run's seed (no two iterations share random "
+                             "streams); remove it here and set seed at the top of the spec instead")
+        return data
+
+    fields = {name: (f.annotation, f) for name, f in Sampling.model_fields.items() if name != "seed"}
+    return create_model("RunSampling", __config__=ConfigDict(extra="forbid"), __doc__=Sampling.__doc__,
+                        __validators__={"_no_seed": model_validator(mode="before")(no_seed)}, **fields)
+
+
+RunSampling = _run_sampling()
+RolloutOptions = create_model("RolloutOptions", __base__=options_model(RolloutConfig),
+                              sampling=(RunSampling, Field(default_factory=RunSampling,
+                                                           description="How responses are drawn.")))
 ScoreOptions = options_model(ScoreConfig)
 PPOOptions = options_model(PPOConfig)
 ExportOptions = options_model(ExportConfig)
@@ -111,14 +131,88 @@ class ExecutorSpec(_Strict):
                                                             "docs/pipeline.md; checked by parse_spec.")
 
 
+def _sampling_overrides() -> type[BaseModel]:
+    """``rollout.sampling``'s fields, each optional (None: the run's), but the seed, which the run derives."""
+    fields = {name: (f.annotation | None, Field(None, description=f.description))
+              for name, f in Sampling.model_fields.items() if name != "seed"}
+    return create_model("SamplingOverrides", __config__=ConfigDict(extra="forbid"),
+                        __doc__="How validation responses are drawn: each field overrides the run's rollout.sampling.",
+                        **fields)
+
+
+SamplingOverrides = _sampling_overrides()
+
+
+class ValidationSpec(_Strict):
+    """A held-out prompt set rolled out with the then-current actor and scored, every ``every``
+    iterations and after the last; its mean score (``val_score``), per-term means, best@n and
+    pass@k land in that iteration's row of metrics.jsonl. Nothing waits for it."""
+
+    prompts: str = Field(description="Validation prompts (Parquet or JSONL, file or folder), the columns of the run's "
+                                     "prompts (rollout.prompt_column, id_column, keep_columns).")
+    every: Count = Field(10, description="Validate after every N-th iteration, and after the last.")
+    sampling: SamplingOverrides = Field(default_factory=SamplingOverrides,
+                                        description="Overrides of rollout.sampling for validation, e.g. {temperature: "
+                                                    "0} for greedy; its seed is derived from the run's seed, the same "
+                                                    "at every validation.")
+    rewards: list[RewardTerm] | None = Field(None, min_length=1, description="Reward terms of the validation score; "
+                                                                             "default: the run's score.rewards.")
+    references: str | None = Field(None, description="References for rules, joined on prompt_id (as score.references); "
+                                                     "default: none.")
+    pass_threshold: float = Field(1.0, description="A sample passes when its total score is at least this (1.0: a "
+                                                   "built-in rule's score for a right answer); pass@k counts passes.")
+
+
+class RetentionSpec(_Strict):
+    """What stays on disk as the run goes on. A deleted output stays done in the records (a rerun
+    does not redo it); what a rerun, a running stage, a validation or the export still needs is
+    never deleted. The default keeps everything."""
+
+    keep_last: Count | None = Field(None, description="Keep the ppo outputs of the last N iterations whole; of older "
+                                                      "ones delete the training state, and the actor (and critic) "
+                                                      "unless keep_every keeps it. null: keep every ppo output.")
+    keep_every: int = Field(0, ge=0, description="Also keep the actor weights of every iteration that is a multiple "
+                                                 "of this (0: none beyond keep_last).")
+    keep_samples: bool = Field(True, description="Keep every rollout and its scores; false: delete them once the ppo "
+                                                 "that trains on them has published (validation samples once their "
+                                                 "metrics are recorded).")
+
+
+class WandbSpec(_Strict):
+    project: str = Field(description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (user or team); default: W&B's own.")
+    name: str | None = Field(None, description="Display name of the W&B run; default: the run's name.")
+    mode: Literal["online", "offline"] | None = Field(None, description="W&B mode; default: W&B's own (WANDB_MODE).")
+    tags: list[str] = Field(default_factory=list, description="W&B tags.")
+
+
+class MetricsSpec(_Strict):
+    """Where the per-iteration metrics go besides RUN/metrics.jsonl and metrics.png: the same rows,
+    written by the driver."""
+
+    tensorboard: str | None = Field(None, description="Folder of TensorBoard event files (`tensorboard --logdir` it).")
+    wandb: WandbSpec | None = Field(None, description="Log to Weights & Biases (needs the wandb package).")
+
+
 class RunSpec(_Strict):
     name: str = Field(description="Run name: the run directory is STORAGE/NAME.")
     storage: str = Field(description="Root of run directories (any fsspec URL shared by all nodes).")
     actor: str = Field(description="HF checkpoint of the initial actor; also the reference.")
     prompts: str = Field(description="Prompts (Parquet or JSONL, file or folder).")
+    prompts_per_iteration: Count | None = Field(None, description="Prompts each iteration's rollout takes, the next "
+                                                                  "ones of the dataset's epochs (see shuffle); null: "
+                                                                  "every prompt, every iteration.")
+    shuffle: bool | None = Field(None, description="With prompts_per_iteration: a new seeded permutation of the "
+                                                   "prompts every epoch (null: true); false: the file's order every "
+                                                   "epoch.")
+    seed: int = Field(0, description="Run seed: the prompts' order and every iteration's sampling seed derive from it "
+                                     "(no two iterations share random streams).")
     reward_model: str | None = Field(None, description="HF reward model (LlamaForSequenceClassification, one label); "
                                                        "needed by an 'rm' reward term.")
     iterations: Count = Field(1, description="PPO iterations (rollout → score → ppo).")
+    validation: ValidationSpec | None = Field(None, description="A held-out prompt set scored as the run goes.")
+    retention: RetentionSpec = Field(default_factory=RetentionSpec, description="What is deleted as the run goes on.")
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec, description="TensorBoard and W&B.")
     max_staleness: int = Field(0, ge=0, description="How many ppo updates the actor a rollout samples from may lag "
                                                     "behind the one ppo trains: 0 = on-policy, every rollout waits "
                                                     "for the previous ppo; 1 = rollout k+1 samples from the actor "
@@ -155,6 +249,12 @@ class RunSpec(_Strict):
             raise ValueError(f"{' and '.join(grouped)} needs rollout.sampling.samples_per_prompt >= 2 (it is {n}): "
                              "each prompt's samples are compared with each other; draw more, or use advantage 'gae' "
                              "without dynamic sampling")
+        if self.shuffle is not None and self.prompts_per_iteration is None:
+            raise ValueError("shuffle orders the prompts that prompts_per_iteration takes, which is not set (every "
+                             "iteration takes every prompt); set prompts_per_iteration or remove shuffle")
+        if self.retention.keep_every and self.retention.keep_last is None:
+            raise ValueError("retention.keep_every keeps actors that retention.keep_last would delete, but keep_last is "
+                             "not set (everything is kept); set retention.keep_last or remove keep_every")
         spread = next(((name, lay.nodes) for name, lay in self.layout if lay.nodes > 1), None)
         if spread and self.executor.kind == "local":
             raise ValueError(f"layout.{spread[0]}.nodes={spread[1]} needs a cluster executor: the local executor runs "
@@ -183,70 +283,9 @@ class RunSpec(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def parse_spec(data, source: str) -> RunSpec:
-    """The spec in ``data`` (read from ``source``), checked whole: its fields, the executor's
-    options, every stage's config of every iteration, and the layouts against the models."""
-    spec = validate(RunSpec, data if data is not None else {}, source)
-    spec._source = source
-    validate_options(spec.executor.kind, spec.executor.options, Source(source, at="executor.options"))
-    from .run import check_spec  # run.py builds the stages from a spec: one wiring, used here to check it
-
-    check_spec(spec)
-    check_models(spec)
-    return spec
-
-
-def check_models(spec: RunSpec) -> None:
-    """Each stage's tp and pp against the model it runs — heads, kv heads, MLP width, layers —
-    read from the ``config.json`` of the spec's actor and reward model where they exist (plain HF
-    checkpoint folders): the very check (lib/config.py, torch-free) a stage makes when it starts,
-    hours later. Also the rollout's ``max_new_tokens`` against the actor's context."""
-    L = spec.layout
-    uses_rm = any(t.name == "rm" for t in spec.score.rewards)
-    models = {"actor": (spec.actor, [("shard", L.shard.tp, L.shard.pp, False), ("rollout", L.rollout.tp, 1, False),
-                                     ("ppo", L.ppo.tp, L.ppo.pp, spec.ppo.sequence_parallel)]),
-              "reward_model": (spec.reward_model, [("shard", L.shard.tp, L.shard.pp, False)]
-                               + ([("score", L.score.tp, L.score.pp, False)] if uses_rm else []))}
-    for key, (url, stages) in models.items():
-        if not url:
-            continue
-        config_url = f"{url.rstrip('/')}/config.json"
-        fs, path = fsspec.core.url_to_fs(config_url)
-        if not fs.exists(path):
-            continue  # not there yet (or not an HF folder): shard checks it when it starts
-        from llamarl.lib.config import ConfigError, LlamaConfig, ParallelLayout
-
-        try:
-            model = LlamaConfig.from_json(config_url)
-        except ConfigError as e:
-            raise UserError(f"{spec.source}: {key}: {e}") from None
-        for stage, tp, pp, sp in stages:
-            try:
-                ParallelLayout(tp=tp, pp=pp, sequence_parallel=sp).check(model)
-            except ConfigError as e:
-                raise UserError(f"{spec.source}: layout.{stage}: {e} (the {key.replace('_', ' ')}: {config_url})") from None
-        if key == "actor":
-            new = spec.rollout.sampling.max_new_tokens
-            if new >= model.max_position_embeddings:
-                raise UserError(f"{spec.source}: rollout.sampling.max_new_tokens={new} leaves no room for a prompt "
-                                f"within the actor's max_position_embeddings={model.max_position_embeddings} "
-                                f"({config_url}); lower max_new_tokens")
-
-
 def yaml_problem(e: yaml.YAMLError) -> str:
     """A YAML syntax error in a few words, with its line and column where yaml knows them."""
     if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:  # nearly every syntax error
         mark = e.problem_mark
         return f"line {mark.line + 1}, column {mark.column + 1}: {e.problem or e.context}"
     return str(e).splitlines()[0]
-
-
-def load_spec(path: str) -> RunSpec:
-    try:
-        with fsspec.open(path, "r") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such run spec") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML ({yaml_problem(e)})") from None
-    return parse_spec(data, path)

@@ -257,7 +257,8 @@ class RolloutConfig(StageConfig):
                                    "version); default: built in memory by each rollout that selects rows.", None,
                                    kind=OUTPUT)
     select: PromptSelection | None = Field(None, description="Take only these rows of the prompts (a run's "
-                                                             "prompts_per_iteration); null: every row, in order.")
+                                                             "prompts_per_iteration); null: every row, in order.",
+                                           **_kind(INPUT))
     prompt_column: str = Field("prompt", description="Column holding the prompt: text, or chat messages "
                                                      "[{role, content}, ...].")
     id_column: str | None = Field(None, description="Column holding a prompt id; default: the row number.")

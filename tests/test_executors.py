@@ -154,8 +154,9 @@ def test_options_documented():
 
 def test_the_pipeline_records_a_failed_stage_with_its_one_line_error(tmp_path):
     from llamarl.pipeline import demo
-    from llamarl.pipeline.run import PipelineError, build_dag, read_record, run_spec
-    from llamarl.pipeline.spec import load_spec
+    from llamarl.pipeline.dag import build_dag, load_spec
+    from llamarl.pipeline.records import read_record
+    from llamarl.pipeline.run import PipelineError, run_spec
 
     data = yaml.safe_load(open(demo.make_inputs(str(tmp_path))))
     (tmp_path / "empty").mkdir()

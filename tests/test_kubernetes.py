@@ -14,7 +14,7 @@ from llamarl.cluster.kubernetes import NOT_APPLIED, KubernetesExecutor, Kubernet
 from llamarl.lib.errors import EXIT_USER_ERROR, UserError
 from llamarl.pipeline import demo
 from llamarl.pipeline.run import run_spec
-from llamarl.pipeline.spec import load_spec
+from llamarl.pipeline.dag import load_spec
 from llamarl.stages.config import PPOConfig
 
 K8S_VERSION = "1.32"  # the kubectl client on these machines
@@ -166,7 +166,7 @@ def test_pipeline_renders_every_stage_without_apply(tmp_path):
     (tmp_path / "k8s.yaml").write_text(yaml.safe_dump(data))
     spec = load_spec(str(tmp_path / "k8s.yaml"))
     report = run_spec(spec, echo=lambda m: None)
-    assert len(report) == 12 and all(what.startswith("written ") for _, what in report)
+    assert len(report) == 18 and all(what.startswith("written ") for _, what in report)
     assert report[0] == ("shard/actor", f"written {spec.run_dir}/pipeline/k8s/00-shard-actor.yaml")
     for _, what in report:
         for obj in yaml.safe_load_all(open(what.split(" ", 1)[1])):

@@ -16,13 +16,14 @@ import yaml
 
 from llamarl.lib import publish
 from llamarl.pipeline import demo
-from llamarl.pipeline.run import build_dag, run_spec
-from llamarl.pipeline.spec import load_spec
+from llamarl.pipeline.dag import build_dag, load_spec
+from llamarl.pipeline.run import run_spec
 
 
 def _spec(tmp_path, staleness: int, **changes) -> str:
     path = demo.make_inputs(str(tmp_path))
     data = yaml.safe_load(open(path))
+    data.pop("validation")  # what overlaps here is training; validation's own scheduling: test_long_run.py
     data.update(max_staleness=staleness, **changes)
     out = tmp_path / f"staleness{staleness}.yaml"
     out.write_text(yaml.safe_dump(data))
@@ -75,7 +76,7 @@ def test_overlapped_demo_runs_a_rollout_beside_a_ppo_and_the_score_rises(tmp_pat
     assert sampled == publish.output_id(os.path.join(run_dir, "iter-001", "ppo", "actor"))
     assert publish.require_published(os.path.join(run_dir, "export"), "hf_export")
     # llamarl status: which actor each rollout samples, and which stages ran beside which.
-    from llamarl.pipeline.run import status
+    from llamarl.pipeline.status import status
 
     why = {name: why for name, state, why in status(run_dir)}
     assert "samples iter-001/ppo's actor" in why["iter-003/rollout"], why
@@ -130,7 +131,7 @@ def _schedule(spec_path: str, concurrency: int) -> tuple[_PublishingExecutor, di
 
 
 def test_rollout_k_plus_1_starts_once_ppo_k_published_its_actor(tmp_path):
-    from llamarl.pipeline.run import node_key, read_record
+    from llamarl.pipeline.records import node_key, read_record
 
     spec = _spec(tmp_path, 0, iterations=2, executor={"kind": "local", "options": {"max_concurrent_stages": 2}})
     run = load_spec(spec).run_dir
@@ -159,7 +160,7 @@ def test_rollout_k_plus_1_starts_once_ppo_k_published_its_actor(tmp_path):
     assert node_key(by["iter-002/ppo"], by) != records["iter-002/ppo"]["key"]
     # A ppo left unfinished (killed after its weights): what read them early is not done, since
     # that ppo's rerun writes them again.
-    from llamarl.pipeline.run import assess
+    from llamarl.pipeline.records import assess
 
     os.remove(f"{run}/iter-001/ppo/{publish.MANIFEST}")
     assert assess(run, by["iter-002/rollout"], by, set()) == (

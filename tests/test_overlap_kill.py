@@ -22,7 +22,7 @@ from test_overlap import _spec
 from test_pipeline import _cli, _records, rerun_redoing_nothing_finished
 
 from llamarl.pipeline import demo
-from llamarl.pipeline.spec import load_spec
+from llamarl.pipeline.dag import load_spec
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from llamarl.lib import publish
 from llamarl.pipeline import demo
-from llamarl.pipeline.spec import load_spec
+from llamarl.pipeline.dag import load_spec
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def test_demo_runs_every_stage_and_the_score_rises(demo_run):
     assert open(os.path.join(run_dir, "metrics.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert "mean score" in stdout
     # One stage at a time (the local executor's default): in the DAG's order, none started early.
-    from llamarl.pipeline.run import build_dag
+    from llamarl.pipeline.dag import build_dag
 
     assert re.findall(r"^\[([\w/-]+)\] running", stdout, re.M) == [n.name for n in build_dag(load_spec(spec))]
     assert "beside" not in stdout and "/actor published" not in stdout
@@ -75,7 +75,7 @@ def test_rerun_redoes_nothing(demo_run):
     before = _records(run_dir)
     proc = _cli("run", spec)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("done, skipped") == 12 and "running" not in proc.stdout
+    assert proc.stdout.count("done, skipped") == 18 and "running" not in proc.stdout
     assert _records(run_dir) == before
 
 
@@ -92,14 +92,14 @@ def test_flipping_placement_options_reruns_nothing(demo_run, tmp_path):
     flipped.write_text(yaml.safe_dump(data))
     proc = _cli("run", str(flipped))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("done, skipped") == 12 and "running" not in proc.stdout, proc.stdout
+    assert proc.stdout.count("done, skipped") == 18 and "running" not in proc.stdout, proc.stdout
     assert _records(run_dir) == before
 
 
 def test_status_and_dry_run_after_a_config_change(demo_run, tmp_path):
     spec, run_dir, _ = demo_run
     status = _cli("status", run_dir)
-    assert status.returncode == 0 and status.stdout.count(" done ") >= 12, status.stdout
+    assert status.returncode == 0 and status.stdout.count(" done ") >= 18, status.stdout
     assert "no `llamarl run` holds this run now" in status.stdout
     data = yaml.safe_load(open(spec))
     data["ppo"]["actor_lr"] = 0.02

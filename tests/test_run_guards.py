@@ -93,8 +93,8 @@ def test_a_restarted_driver_with_the_dead_ones_pid_takes_the_lock_at_once(tmp_pa
 
 def test_inputs_from_outside_the_run_are_keyed_by_content(tmp_path):
     from llamarl.lib import publish
-    from llamarl.pipeline.run import assess, build_dag, fingerprint, node_key, write_record
-    from llamarl.pipeline.spec import load_spec
+    from llamarl.pipeline.dag import build_dag, load_spec
+    from llamarl.pipeline.records import assess, fingerprint, node_key, write_record
 
     (tmp_path / "actor").mkdir()
     (tmp_path / "actor" / "model.safetensors").write_bytes(b"x" * 100)
@@ -126,8 +126,7 @@ def test_inputs_from_outside_the_run_are_keyed_by_content(tmp_path):
 def test_placement_options_never_make_a_stage_stale(tmp_path):
     # score.offload says where the RM's weights wait between parts, not what is computed: the
     # stage's identity (its output's request, and the pipeline's key) is the same either way.
-    from llamarl.pipeline.run import build_dag
-    from llamarl.pipeline.spec import load_spec
+    from llamarl.pipeline.dag import build_dag, load_spec
 
     identities = []
     for offload, tp in ((True, 1), (False, 2)):
@@ -142,7 +141,7 @@ def test_placement_options_never_make_a_stage_stale(tmp_path):
 
 
 def test_prompts_are_keyed_by_their_bytes(tmp_path):
-    from llamarl.pipeline.run import fingerprint
+    from llamarl.pipeline.records import fingerprint
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "a"}\n')

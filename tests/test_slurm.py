@@ -24,7 +24,7 @@ from llamarl.cluster.slurm import agree_on_port
 from llamarl.lib import publish
 from llamarl.lib.errors import EXIT_USER_ERROR
 from llamarl.pipeline import demo
-from llamarl.pipeline.spec import load_spec
+from llamarl.pipeline.dag import load_spec
 from llamarl.stages.config import ShardConfig
 
 pytestmark = pytest.mark.slow
@@ -148,7 +148,7 @@ def _wait_until_queue_empty(cluster, timeout_s: float) -> None:
 
 
 def _status(env, run_dir) -> dict[str, tuple[str, str]]:
-    proc = subprocess.run([sys.executable, "-c", "from llamarl.pipeline.run import status; import json, sys; "
+    proc = subprocess.run([sys.executable, "-c", "from llamarl.pipeline.status import status; import json, sys; "
                            "print(json.dumps(status(sys.argv[1])))", run_dir], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return {name: (state, why) for name, state, why in json.loads(proc.stdout)}

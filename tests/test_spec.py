@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from llamarl.lib.errors import UserError
-from llamarl.pipeline.run import Node, build_dag, check_spec, node_key
-from llamarl.pipeline.spec import Layouts, load_spec, parse_spec
+from llamarl.pipeline.dag import Node, build_dag, check_spec, load_spec, parse_spec
+from llamarl.pipeline.records import node_key
+from llamarl.pipeline.spec import Layouts
 from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
                                    options_model)
 

@@ -1,0 +1,237 @@
+"""The stage DAG of a run spec, and a spec checked whole.
+
+::
+
+    shard/actor ─┬─ iter-001/rollout ── iter-001/scores ── iter-001/ppo ─┬─ iter-002/rollout … ── export
+    shard/rm ────┘                          (rm) ──────────┘              └─ iter-001/val-rollout ── val-scores
+
+Each node is one stage run: its config built from the spec (every iteration's rollout with its own
+prompts and seed, ``pipeline/data.py``), its inputs (upstream nodes), and where it writes in the run
+directory. Validation nodes (``validation.every``, and after the last iteration) read an actor and
+feed nothing but the metrics: no training stage waits for them.
+
+``parse_spec`` / ``load_spec`` check a spec whole — its fields, the executor's options, every
+stage's config of every iteration built, the layouts against the models' ``config.json`` — so a
+wrong value fails ``llamarl run`` (and ``--dry-run``) in one line before any stage starts, without
+importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import fsspec
+import yaml
+
+from llamarl.cluster.executor import validate_options
+from llamarl.lib.errors import UserError
+from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, Source, StageConfig,
+                                   validate)
+
+from . import data
+from .monitor import check_installed
+from .spec import RunSpec, StageLayout, yaml_problem
+
+TRAIN, VALIDATE = "train", "validate"
+
+
+@dataclass
+class Node:
+    name: str  # e.g. "iter-002/ppo"
+    stage: str  # module under llamarl.stages
+    out: str
+    inputs: list[str]  # upstream node names
+    layout: StageLayout
+    make_config: Callable[[], StageConfig]
+    external: list[str] = dataclasses.field(default_factory=list)  # inputs from outside the run (HF dirs, prompts)
+    # The part of an input's output that this stage reads, when only a part: {input node: sub-path},
+    # e.g. {"iter-001/ppo": "actor"}. It is what the key names, and the stage may start once it is
+    # published, before the input's stage ends.
+    reads: dict[str, str] = dataclasses.field(default_factory=dict)
+    role: str = TRAIN  # validate: a validation stage, which nothing downstream waits for
+    iteration: int | None = None
+
+    @property
+    def nprocs(self) -> int:
+        return self.layout.procs if self.stage == "export" else self.layout.world
+
+
+def actor_dir(run: str, node: str) -> str:
+    """The actor weights a node's output holds: the shard itself, or a ppo's ``actor/``."""
+    return f"{run}/{node}" if node == "shard/actor" else f"{run}/{node}/actor"
+
+
+def _actor_only(node: str) -> dict[str, str]:
+    """A ppo's actor/ is published before its training state: a stage that reads only the weights
+    (rollout, export, validation) need not wait for the rest."""
+    return {} if node == "shard/actor" else {node: "actor"}
+
+
+def validated_iterations(spec: RunSpec) -> list[int]:
+    """The iterations after which the run validates: every ``every``-th, and the last."""
+    if spec.validation is None:
+        return []
+    every = spec.validation.every
+    return sorted({i for i in range(every, spec.iterations + 1, every)} | {spec.iterations})
+
+
+def build_dag(spec: RunSpec) -> list[Node]:
+    """The stages of ``spec`` in an order that respects their dependencies (validation right
+    after the ppo it validates: first in line when there is room for it)."""
+    run, L = spec.run_dir, spec.layout
+
+    def cfg(cls, options, where: str, **wired):
+        return lambda: spec.stage_config(cls, options, where, **wired)
+
+    nodes = [Node("shard/actor", "shard", f"{run}/shard/actor", [], L.shard,
+                  cfg(ShardConfig, {}, "shard", src=spec.actor, dst=f"{run}/shard/actor", tp=L.shard.tp, pp=L.shard.pp),
+                  external=[spec.actor])]
+    if spec.reward_model:
+        nodes.append(Node("shard/rm", "shard", f"{run}/shard/rm", [], L.shard,
+                          cfg(ShardConfig, {}, "shard", src=spec.reward_model, dst=f"{run}/shard/rm", tp=L.shard.tp,
+                              pp=L.shard.pp), external=[spec.reward_model]))
+    validated = set(validated_iterations(spec))
+    actor, critic = "shard/actor", None
+    trained = ["shard/actor"]  # trained[k]: the actor after k ppo updates
+    for i in range(1, spec.iterations + 1):
+        it = f"iter-{i:03d}"
+        ro, sc, po = f"{it}/rollout", f"{it}/scores", f"{it}/ppo"
+        # With staleness s, rollout i samples from the actor of ppo i-1-s, so it need not wait for
+        # ppo i-1 … i-s: those run while it does.
+        sampler = trained[max(0, i - 1 - spec.max_staleness)]
+        nodes.append(Node(ro, "rollout", f"{run}/{ro}", [sampler], L.rollout,
+                          cfg(RolloutConfig, _rollout_options(spec, i), "rollout", actor=actor_dir(run, sampler),
+                              prompts=spec.prompts, out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp,
+                              **_selection(spec, i)),
+                          external=[spec.prompts], reads=_actor_only(sampler), iteration=i))
+        nodes.append(_score_node(spec, sc, ro, spec.score.model_dump(), "score", i))
+        critic_dir = f"{run}/{critic}/critic" if critic else None
+        stale = {"off_policy": True} if sampler != actor else {}  # its samples are an older actor's
+        nodes.append(Node(po, "ppo", f"{run}/{po}", [ro, sc, actor, "shard/actor"] + ([critic] if critic else []), L.ppo,
+                          cfg(PPOConfig, spec.ppo, "ppo", rollout=f"{run}/{ro}", scores=f"{run}/{sc}",
+                              actor=actor_dir(run, actor), reference=f"{run}/shard/actor", critic=critic_dir,
+                              out=f"{run}/{po}", tp=L.ppo.tp, pp=L.ppo.pp, dp=L.ppo.dp, **stale), iteration=i))
+        if i in validated:
+            nodes += _validation_nodes(spec, i, po)
+        # GRPO trains no critic: the next iteration starts its own only if it needs one.
+        actor, critic = po, (po if spec.ppo.advantage == "gae" else None)
+        trained.append(po)
+    nodes.append(Node("export", "export", f"{run}/export", [actor], L.export,
+                      lambda: spec.stage_config(ExportConfig, spec.export, "export", src=actor_dir(run, actor),
+                                                dst=f"{run}/export"),
+                      reads=_actor_only(actor)))
+    return nodes
+
+
+def _rollout_options(spec: RunSpec, iteration: int) -> dict:
+    """The spec's rollout options with iteration ``iteration``'s own sampling seed."""
+    options = spec.rollout.model_dump()
+    options["sampling"]["seed"] = data.iteration_seed(spec.seed, iteration)
+    return options
+
+
+def _selection(spec: RunSpec, iteration: int) -> dict:
+    select = data.iteration_selection(spec.seed, spec.shuffle is not False, spec.prompts_per_iteration, iteration)
+    if select is None:
+        return {}
+    return {"select": select.model_dump(), "index_cache": data.prompts_index(spec.run_dir)}
+
+
+def _score_node(spec: RunSpec, name: str, rollout: str, options: dict, where: str, iteration: int,
+                role: str = TRAIN) -> Node:
+    run, L = spec.run_dir, spec.layout
+    rm = {"reward_model": f"{run}/shard/rm"} if spec.reward_model else {}
+    return Node(name, "score", f"{run}/{name}", [rollout] + (["shard/rm"] if spec.reward_model else []), L.score,
+                lambda: spec.stage_config(ScoreConfig, options, where, rollout=f"{run}/{rollout}", out=f"{run}/{name}",
+                                          tp=L.score.tp, pp=L.score.pp, dp=L.score.dp, **rm),
+                role=role, iteration=iteration)
+
+
+def _validation_nodes(spec: RunSpec, i: int, ppo: str) -> list[Node]:
+    """The validation of the actor ppo ``ppo`` wrote: its rollout of the validation prompts, scored."""
+    run, L, v = spec.run_dir, spec.layout, spec.validation
+    it = f"iter-{i:03d}"
+    ro, sc = f"{it}/val-rollout", f"{it}/val-scores"
+    options = spec.rollout.model_dump()
+    overrides = {k: x for k, x in v.sampling.model_dump().items() if x is not None}
+    options["sampling"] = options["sampling"] | overrides | {"seed": data.validation_seed(spec.seed)}
+    rollout = Node(ro, "rollout", f"{run}/{ro}", [ppo], L.rollout,
+                   lambda: spec.stage_config(RolloutConfig, options, "validation", actor=actor_dir(run, ppo),
+                                             prompts=v.prompts, out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp),
+                   external=[v.prompts], reads=_actor_only(ppo), role=VALIDATE, iteration=i)
+    score = spec.score.model_dump()
+    score["rewards"] = [t.model_dump() for t in v.rewards] if v.rewards else score["rewards"]
+    score["references"] = v.references
+    return [rollout, _score_node(spec, sc, ro, score, "validation", i, role=VALIDATE)]
+
+
+def check_spec(spec: RunSpec) -> list[Node]:
+    """The DAG, with every stage's config of every iteration built (validated) — before anything runs."""
+    nodes = build_dag(spec)
+    for n in nodes:
+        n.make_config()
+    return nodes
+
+
+def check_models(spec: RunSpec) -> None:
+    """Each stage's tp and pp against the model it runs — heads, kv heads, MLP width, layers —
+    read from the ``config.json`` of the spec's actor and reward model where they exist (plain HF
+    checkpoint folders): the very check (lib/config.py, torch-free) a stage makes when it starts,
+    hours later. Also the rollout's (and validation's) ``max_new_tokens`` against the actor's context."""
+    L = spec.layout
+    uses_rm = any(t.name == "rm" for t in spec.score.rewards)
+    models = {"actor": (spec.actor, [("shard", L.shard.tp, L.shard.pp, False), ("rollout", L.rollout.tp, 1, False),
+                                     ("ppo", L.ppo.tp, L.ppo.pp, spec.ppo.sequence_parallel)]),
+              "reward_model": (spec.reward_model, [("shard", L.shard.tp, L.shard.pp, False)]
+                               + ([("score", L.score.tp, L.score.pp, False)] if uses_rm else []))}
+    for key, (url, stages) in models.items():
+        if not url:
+            continue
+        config_url = f"{url.rstrip('/')}/config.json"
+        fs, path = fsspec.core.url_to_fs(config_url)
+        if not fs.exists(path):
+            continue  # not there yet (or not an HF folder): shard checks it when it starts
+        from llamarl.lib.config import ConfigError, LlamaConfig, ParallelLayout
+
+        try:
+            model = LlamaConfig.from_json(config_url)
+        except ConfigError as e:
+            raise UserError(f"{spec.source}: {key}: {e}") from None
+        for stage, tp, pp, sp in stages:
+            try:
+                ParallelLayout(tp=tp, pp=pp, sequence_parallel=sp).check(model)
+            except ConfigError as e:
+                raise UserError(f"{spec.source}: layout.{stage}: {e} (the {key.replace('_', ' ')}: {config_url})") from None
+        if key == "actor":
+            lengths = [("rollout.sampling.max_new_tokens", spec.rollout.sampling.max_new_tokens)]
+            if spec.validation and spec.validation.sampling.max_new_tokens is not None:
+                lengths.append(("validation.sampling.max_new_tokens", spec.validation.sampling.max_new_tokens))
+            for where, new in lengths:
+                if new >= model.max_position_embeddings:
+                    raise UserError(f"{spec.source}: {where}={new} leaves no room for a prompt within the actor's "
+                                    f"max_position_embeddings={model.max_position_embeddings} ({config_url}); lower it")
+
+
+def parse_spec(data_, source: str) -> RunSpec:
+    """The spec in ``data_`` (read from ``source``), checked whole: its fields, the executor's
+    options, every stage's config of every iteration, and the layouts against the models."""
+    spec = validate(RunSpec, data_ if data_ is not None else {}, source)
+    spec._source = source
+    validate_options(spec.executor.kind, spec.executor.options, Source(source, at="executor.options"))
+    check_installed(spec.metrics, source)
+    check_spec(spec)
+    check_models(spec)
+    return spec
+
+
+def load_spec(path: str) -> RunSpec:
+    try:
+        with fsspec.open(path, "r") as f:
+            loaded = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such run spec") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({yaml_problem(e)})") from None
+    return parse_spec(loaded, path)

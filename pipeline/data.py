@@ -1,0 +1,74 @@
+"""What each iteration of a run draws: its prompts and its random streams.
+
+With ``prompts_per_iteration: B`` iteration k's rollout takes positions [(k−1)·B, k·B) of the
+dataset's endless stream of epochs (``stages.config.PromptSelection``: epoch e a permutation of
+every row drawn from (seed, e)). So the prompts an iteration takes are a pure function of the run's
+seed, the iteration and the dataset's size: a rerun or a resume takes the same rows, and extending
+``iterations`` takes the next ones.
+
+Every iteration samples with its own seed, derived from (run seed, iteration): no two iterations
+share a random stream, and a resumed iteration draws the same bits. Validation samples with one
+seed derived from the run's, the same at every validation: the validated actors differ, the noise
+they are compared under does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from llamarl.stages.config import PromptSelection
+
+
+def _derived(*parts: object) -> int:
+    """A non-negative 63-bit seed from ``parts`` (stable across Python versions and platforms)."""
+    digest = hashlib.sha256(":".join(map(str, ("llamarl", *parts))).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def iteration_seed(run_seed: int, iteration: int) -> int:
+    """The sampling seed of iteration ``iteration``'s rollout."""
+    return _derived("iteration", run_seed, iteration)
+
+
+def validation_seed(run_seed: int) -> int:
+    """The sampling seed of every validation rollout of the run."""
+    return _derived("validation", run_seed)
+
+
+def prompts_index(run_dir: str) -> str:
+    """Where a run's rollouts keep the prompts' row index (stages/prompts.py)."""
+    return f"{run_dir}/pipeline/prompts-index"
+
+
+def iteration_selection(run_seed: int, shuffle: bool, per_iteration: int | None,
+                        iteration: int) -> PromptSelection | None:
+    """The rows iteration ``iteration`` (from 1) takes; None: every row (no prompts_per_iteration)."""
+    if per_iteration is None:
+        return None
+    return PromptSelection(seed=run_seed, shuffle=shuffle, start=(iteration - 1) * per_iteration, count=per_iteration)
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a selection lies in the stream of epochs of a dataset of ``rows`` rows."""
+
+    start: int
+    count: int
+    rows: int
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of its first position, from 1."""
+        return self.start // self.rows + 1
+
+    @property
+    def last_epoch(self) -> int:
+        return (self.start + self.count - 1) // self.rows + 1
+
+    def describe(self) -> str:
+        """E.g. ``epoch 2, prompts 17–32 of 48`` or ``epochs 1–2, prompts 41–48 and 1–8 of 48``."""
+        first, last = self.start % self.rows + 1, (self.start + self.count - 1) % self.rows + 1
+        if self.epoch == self.last_epoch:
+            return f"epoch {self.epoch}, prompts {first}–{last} of {self.rows}"
+        return f"epochs {self.epoch}–{self.last_epoch}, prompts {first}–{self.rows} and 1–{last} of {self.rows}"

@@ -1,0 +1,139 @@
+"""The run's metrics rows, also to TensorBoard and W&B (the spec's ``metrics:``), from the driver.
+
+Each sink gets the same rows as ``metrics.jsonl`` (pipeline/metrics.py), one point per iteration:
+training metrics under ``train/``, the validation's under ``val/`` (``val_score`` → ``val/score``,
+``val_pass@4`` → ``val/pass_at_4``). A row grows after it is first written (its validation ends later)
+and a `llamarl run` can stop and resume, so what each sink holds is recorded in the run directory
+(``pipeline/monitor.json``): a point is written once, again only if its value changed (a stage that
+ran again), and a resumed run goes on in the same TensorBoard folder and the same W&B run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+
+import fsspec
+
+from llamarl.lib import publish
+from llamarl.lib.errors import UserError
+
+from .spec import MetricsSpec, RunSpec
+
+
+def tag(key: str) -> str:
+    """A metrics key as both sinks show it: ``val_pass@4`` → ``val/pass_at_4``, ``kl`` → ``train/kl``
+    (TensorBoard takes letters, digits and ``-/_.`` in a name)."""
+    name = f"val/{key.removeprefix('val_')}" if key.startswith("val_") else f"train/{key}"
+    return re.sub(r"[^-/\w.]", "_", name.replace("@", "_at_"))
+
+
+def points(rows: list[dict]) -> dict[str, dict[int, float]]:
+    """{tag: {iteration: value}} of every finite number in ``rows``."""
+    found: dict[str, dict[int, float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):
+                found.setdefault(tag(key), {})[row["iteration"]] = float(value)
+    return found
+
+
+def check_installed(metrics: MetricsSpec, source: str) -> None:
+    """A spec naming a sink whose package is missing is refused in one line, before anything runs."""
+    for wanted, module, package in ((metrics.tensorboard, "tensorboardX", "tensorboardX"),
+                                    (metrics.wandb, "wandb", "wandb")):
+        if wanted is None:
+            continue
+        try:
+            __import__(module)
+        except ImportError:
+            raise UserError(f"{source}: metrics.{'wandb' if module == 'wandb' else 'tensorboard'} needs the {package} "
+                            f"package, which is not installed; pip install {package}, or remove it") from None
+
+
+class Monitor:
+    """The sinks of one `llamarl run`: ``update(rows)`` after every change of the metrics rows."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec, self.metrics = spec, spec.metrics
+        self.state_url = f"{spec.run_dir}/pipeline/monitor.json"
+        self._tb = self._wandb = None
+
+    @property
+    def active(self) -> bool:
+        return self.metrics.tensorboard is not None or self.metrics.wandb is not None
+
+    def _state(self) -> dict:
+        fs, path = fsspec.core.url_to_fs(self.state_url)
+        return json.loads(fs.cat_file(path)) if fs.exists(path) else {}
+
+    def update(self, rows: list[dict]) -> None:
+        if not self.active:
+            return
+        state = self._state()
+        new = points(rows)
+        if self.metrics.tensorboard is not None:
+            written = state.setdefault("tensorboard", {})
+            if self._write(written, new, lambda name, value, i: self._tensorboard().add_scalar(name, value, i)):
+                self._tb.flush()
+        if self.metrics.wandb is not None:
+            logged = state.setdefault("wandb", {"id": None, "points": {}})
+            run = self._wandb_run(logged)
+            by_iteration: dict[int, dict] = {}
+            self._write(logged["points"], new, lambda t, v, i: by_iteration.setdefault(i, {}).update({t: v}))
+            for i in sorted(by_iteration):
+                run.log({"iteration": i, **by_iteration[i]})
+        publish.write_bytes(self.state_url, json.dumps(state, indent=1, sort_keys=True).encode())
+
+    @staticmethod
+    def _write(done: dict, new: dict[str, dict[int, float]], emit) -> int:
+        """Emit the points of ``new`` that ``done`` lacks or holds another value of, in iteration
+        order; how many."""
+        sent = 0
+        for i, name, value in sorted((i, name, v) for name, series in new.items() for i, v in series.items()):
+            if done.get(f"{name}@{i}") != value:
+                emit(name, value, i)
+                done[f"{name}@{i}"] = value
+                sent += 1
+        return sent
+
+    def _tensorboard(self):
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+
+            # A file of its own (TensorBoard reads every file of the folder): two drivers started
+            # within a second would otherwise write to the same name.
+            self._tb = SummaryWriter(self.metrics.tensorboard, filename_suffix=f".{uuid.uuid4().hex[:8]}")
+        return self._tb
+
+    def _wandb_run(self, logged: dict):
+        if self._wandb is None:
+            import wandb
+
+            w = self.metrics.wandb
+            logged["id"] = logged["id"] or uuid.uuid4().hex[:8]  # a W&B run id: 8 lowercase letters and digits
+            self._wandb = wandb.init(project=w.project, entity=w.entity, name=w.name or self.spec.name,
+                                     id=logged["id"], resume="allow", mode=w.mode, tags=w.tags or None,
+                                     config=self.spec.model_dump(mode="json"), dir=self._wandb_dir())
+            self._wandb.define_metric("iteration")
+            self._wandb.define_metric("*", step_metric="iteration")
+        return self._wandb
+
+    def _wandb_dir(self) -> str | None:
+        """W&B's local files beside the run's records, where the run directory is local."""
+        fs, path = fsspec.core.url_to_fs(f"{self.spec.run_dir}/pipeline")
+        if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+            return None
+        fs.makedirs(path, exist_ok=True)
+        return path
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

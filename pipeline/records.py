@@ -1,0 +1,186 @@
+"""What the run directory says of each stage: its record, its key, and whether it is done.
+
+A stage's *key* hashes its stage config (minus where it runs), the ids of what it reads of its
+inputs' published outputs, and the fingerprints of what it reads from outside the run. A stage is
+done when its output is published and its record holds the same key and output id. ``plan`` says,
+for every stage of a DAG, whether it is done or will run and why — including the stages whose
+output retention deleted (``publish.retire``) and that a stage about to run needs again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import contextmanager
+
+import fsspec
+
+from llamarl.lib import publish
+
+from .dag import Node
+
+
+def _record_url(run: str, name: str) -> str:
+    return f"{run}/pipeline/{name.replace('/', '.')}.json"
+
+
+def read_record(run: str, node: Node | str) -> dict | None:
+    """The record of ``node`` (or of the node of that name), None before it first ran."""
+    fs, path = fsspec.core.url_to_fs(_record_url(run, node if isinstance(node, str) else node.name))
+    return json.loads(fs.cat_file(path)) if fs.exists(path) else None
+
+
+def write_record(run: str, node: Node, **fields) -> dict:
+    record = {**(read_record(run, node) or {}), **fields}
+    publish.write_bytes(_record_url(run, node.name), json.dumps(record, indent=1).encode())
+    return record
+
+
+def published_id(url: str) -> str | None:
+    return publish.output_id(url) if publish.read_manifest(url) is not None else None
+
+
+_checksummed: dict[str, str] | None = None  # inside ``one_look``: a listing's fingerprint with checksums
+
+
+@contextmanager
+def one_look():
+    """Within it, an input outside the run is hashed once per listing (name, size, time): a plan of
+    a 200-iteration DAG names the same prompts 200 times and looks at them once."""
+    global _checksummed
+    outer = _checksummed
+    _checksummed = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _checksummed = outer
+
+
+def fingerprint(url: str, checksums: bool = False) -> str:
+    """A content id of a file or folder outside the run: every file's name, size and modification
+    time, and with ``checksums`` its checksum too (prompts; an HF checkpoint is not hashed on
+    every `llamarl run`). Replacing or editing an input in place changes it (touching one without a
+    change may too: a needless rerun, never a stale result)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not fs.exists(path):
+        return "missing"
+    found = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
+    listing = sorted((name[len(path):], info.get("size"),
+                      str(info.get("mtime") or info.get("LastModified") or info.get("ETag"))) for name, info in found.items())
+    if not checksums:
+        return hashlib.sha256(json.dumps([[*e, None] for e in listing]).encode()).hexdigest()[:16]
+    memo = f"{url}\0{json.dumps(listing)}"
+    if _checksummed is not None and memo in _checksummed:
+        return _checksummed[memo]
+    entries = [[*e, publish.checksum(fs.unstrip_protocol(path + e[0]))] for e in listing]
+    found = hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
+    if _checksummed is not None:
+        _checksummed[memo] = found
+    return found
+
+
+def fingerprints(node: Node) -> dict[str, str]:
+    # Prompts (read by rollout) are hashed whole; model folders by names, sizes and times.
+    return {url: fingerprint(url, checksums=node.stage == "rollout") for url in node.external}
+
+
+def input_url(node: Node, name: str, by_name: dict[str, Node]) -> str:
+    """What ``node`` reads of its input ``name``: that node's output, or the part of it in ``node.reads``."""
+    sub = node.reads.get(name)
+    return f"{by_name[name].out}/{sub}" if sub else by_name[name].out
+
+
+def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
+    """The node's key, or None while an input is not published yet: its config (where it runs
+    aside), the output ids of what it reads of its inputs (a part's own id where it reads a part),
+    and the fingerprints of its inputs from outside the run."""
+    config = node.make_config().identity()
+    inputs = {}
+    for name in node.inputs:
+        part = f"{name}/{node.reads[name]}" if name in node.reads else name
+        inputs[part] = published_id(input_url(node, name, by_name))
+        if inputs[part] is None:
+            return None
+    external = fingerprints(node)
+    body = json.dumps({"stage": node.stage, "config": config, "inputs": inputs, "external": external},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -> tuple[bool, str]:
+    """(is it done, why), given the stages before it that ``will_run``."""
+    if any(i in will_run for i in node.inputs):
+        return False, "an input will be redone"
+    record = read_record(run, node)
+    out_id = published_id(node.out)
+    key = node_key(node, by_name)
+    if record is None:
+        return False, "not started"
+    if record.get("status") == "failed":
+        return False, f"failed: {record.get('error')}"
+    if record.get("status") == "running":
+        job = f" as job {record['job']}" if record.get("job") else ""
+        return False, f"running{job} or interrupted (started {record.get('started')})"
+    if record.get("status") == "submitted":
+        return False, f"submitted as job {record.get('job')} ({record.get('submitted')})"
+    unfinished = next((i for i in node.reads if published_id(by_name[i].out) is None), None)
+    if unfinished is not None:  # it read a part early; that stage's rerun writes the part again
+        return False, f"{unfinished} is unfinished: its {node.reads[unfinished]}/ will be written again"
+    if out_id is None:
+        return False, "its output is missing"
+    if record.get("key") != key:
+        now = fingerprints(node)
+        changed = [url for url in node.external if (record.get("external") or {}).get(url) != now[url]]
+        if changed:
+            return False, f"{changed[0]} changed since it ran"
+        return False, "its config or inputs changed"
+    if record.get("output_id") != out_id:
+        return False, "its output was replaced"
+    return True, f"done {record.get('finished')}"
+
+
+def retired_parts(url: str) -> list[str]:
+    """The outputs at or under ``url`` (a ppo's ``actor/``, ``train_state/actor``, …) whose files
+    retention deleted, relative to ``url`` ("" for ``url`` itself)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    path = path.rstrip("/")
+    if not fs.exists(path):
+        return []
+    markers = [m for m in fs.glob(f"{path}/**/{publish.RETIRED}", maxdepth=3)]
+    if fs.exists(f"{path}/{publish.RETIRED}"):
+        markers.append(f"{path}/{publish.RETIRED}")
+    return sorted({m.rstrip("/")[len(path):].strip("/").removesuffix(publish.RETIRED).strip("/") for m in markers})
+
+
+def plan(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, tuple[bool, str]]:
+    """For every node, in DAG order: (is it done, why). A done stage whose output retention
+    deleted is not done when a stage that will run reads it: it runs again first (and so does what
+    it needs, back to what is still on disk)."""
+    with one_look():
+        return _plan(run, nodes, by_name)
+
+
+def _plan(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, tuple[bool, str]]:
+    redo: dict[str, str] = {}
+    while True:
+        states, will_run = {}, set()
+        for n in nodes:
+            states[n.name] = (False, redo[n.name]) if n.name in redo else assess(run, n, by_name, will_run)
+            if not states[n.name][0]:
+                will_run.add(n.name)
+        needed = {}
+        for n in nodes:
+            if states[n.name][0]:
+                continue
+            for i in n.inputs:
+                if states[i][0] and i not in needed and retired_parts(input_url(n, i, by_name)):
+                    needed[i] = f"deleted by retention, and {n.name} needs it"
+        if not needed:
+            return states
+        redo |= needed
+
+
+def must_redo(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, str]:
+    """The done stages that must run again, and why: retention deleted what a stage that runs needs."""
+    return {name: why for name, (done, why) in plan(run, nodes, by_name).items()
+            if not done and why.startswith("deleted by retention")}

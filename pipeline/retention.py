@@ -1,0 +1,94 @@
+"""Retention: what of a finished iteration is deleted as the run goes on (the spec's ``retention``).
+
+Once a newer ppo has published, the ppo outputs of iterations older than the last ``keep_last``
+lose their training state, and their actor (and critic) weights unless the iteration is a multiple
+of ``keep_every``; with ``keep_samples: false`` a rollout and its scores go once their ppo has
+published (a validation's once its metrics are recorded). An output is deleted only when every
+stage that reads it is done — so nothing a running stage, a resumed one, a validation or the export
+needs ever goes — and through ``publish.retire``: its manifest stays, so it stays done in the
+records (a rerun does not redo it) and what was made from it keeps its key.
+"""
+
+from __future__ import annotations
+
+from llamarl.lib import publish
+
+from .dag import VALIDATE, Node
+from .records import assess, one_look, read_record, retired_parts
+from .spec import RunSpec
+
+
+def _consumers(nodes: list[Node]) -> dict[str, list[Node]]:
+    found: dict[str, list[Node]] = {n.name: [] for n in nodes}
+    for n in nodes:
+        for i in n.inputs:
+            found[i].append(n)
+    return found
+
+
+def _why(spec: RunSpec) -> str:
+    r = spec.retention
+    kept = [f"keep_last: {r.keep_last}"] if r.keep_last is not None else []
+    kept += [f"keep_every: {r.keep_every}"] if r.keep_every else []
+    kept += ["keep_samples: false"] if not r.keep_samples else []
+    return "retention " + ", ".join(kept)
+
+
+def ppo_parts(ppo_out: str) -> list[str]:
+    """The sub-outputs a published ppo output holds (``actor``, ``critic``, ``train_state/actor``, …)."""
+    manifest = publish.read_manifest(ppo_out) or {}
+    return sorted(manifest.get("outputs", {}))
+
+
+def retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo=print) -> list[str]:
+    """Delete what retention lets go of now; returns the outputs (or parts) deleted."""
+    if spec.retention.keep_last is None and spec.retention.keep_samples:
+        return []
+    with one_look():
+        return _retire_done(spec, nodes, by_name, echo)
+
+
+def _retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo) -> list[str]:
+    r, run = spec.retention, spec.run_dir
+    consumers = _consumers(nodes)
+    done_memo: dict[str, bool] = {}
+
+    def done(n: Node) -> bool:
+        if n.name not in done_memo:
+            done_memo[n.name] = assess(run, n, by_name, set())[0]
+        return done_memo[n.name]
+
+    def all_read(n: Node) -> bool:
+        return done(n) and all(done(c) for c in consumers[n.name])
+
+    goes: list[str] = []
+    ppos = [n for n in nodes if n.stage == "ppo"]
+    if r.keep_last is not None:
+        finished = [n.iteration for n in ppos if done(n)]
+        newest = max(finished, default=0)
+        for n in ppos:
+            if n.iteration > newest - r.keep_last or not all_read(n):
+                continue
+            kept_actor = r.keep_every and n.iteration % r.keep_every == 0
+            goes += [f"{n.out}/{part}" for part in ppo_parts(n.out) if not (kept_actor and part == "actor")]
+    if not r.keep_samples:
+        for n in nodes:
+            if n.stage not in ("rollout", "score") or not all_read(n):
+                continue
+            if n.role == VALIDATE and n.stage == "score" and "metrics" not in (read_record(run, n) or {}):
+                continue  # its metrics are read from it first
+            goes.append(n.out)
+    deleted = [url for url in goes if publish.retire(url, _why(spec), keep=())]
+    for url in deleted:
+        echo(f"[retention] deleted {url[len(run) + 1:]} ({_why(spec)})")
+    return deleted
+
+
+def retained(n: Node) -> str:
+    """What retention deleted of ``n``'s output, in words for ``llamarl status`` ("" when nothing)."""
+    gone = retired_parts(n.out)
+    if not gone:
+        return ""
+    if gone == [""]:
+        return "its files were deleted (retention)"
+    return f"deleted by retention: {', '.join(g + '/' for g in gone)}"

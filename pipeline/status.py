@@ -1,0 +1,83 @@
+"""``llamarl status RUN``: each stage of a run directory — done, running, failed, stale — and why;
+for a rollout that takes rows of the prompts, which ones (epoch and position); what retention deleted."""
+
+from __future__ import annotations
+
+import json
+
+import fsspec
+
+from llamarl.lib.errors import UserError
+
+from . import data
+from .dag import VALIDATE, build_dag, load_spec
+from .records import assess, must_redo, one_look, read_record
+from .retention import retained
+from .run import executor_for
+from .spec import RunSpec
+
+
+def status(run: str) -> list[tuple[str, str, str]]:
+    """(node, state, why) for the run directory ``run``: also, for a rollout taking rows of the
+    prompts, which (epoch and position), and what retention deleted."""
+    fs, path = fsspec.core.url_to_fs(f"{run.rstrip('/')}/pipeline/spec.yaml")
+    if not fs.exists(path):
+        raise UserError(f"{run} is not a run directory (no pipeline/spec.yaml); start it with `llamarl run SPEC`")
+    spec = load_spec(f"{run.rstrip('/')}/pipeline/spec.yaml")
+    with one_look():
+        return _rows(spec)
+
+
+def _rows(spec: RunSpec) -> list[tuple[str, str, str]]:
+    nodes = build_dag(spec)
+    by_name = {n.name: n for n in nodes}
+    records = {n.name: read_record(spec.run_dir, n) or {} for n in nodes}
+    executor = executor_for(spec)
+    redo = must_redo(spec.run_dir, nodes, by_name)
+    rows_in_prompts = _recorded_rows(spec)
+    rows = []
+    for n in nodes:
+        record = records[n.name]
+        done, why = (False, redo[n.name]) if n.name in redo else assess(spec.run_dir, n, by_name, set())
+        state = "done" if done else record.get("status", "pending")
+        if state == "done" and not done:
+            state = "stale"
+        if state in ("submitted", "running") and record.get("job"):
+            queued = executor.job_state(record["job"])
+            if queued is not None:
+                why = f"job {record['job']}: {queued}"
+            else:  # left the queue without a record of its end: cancelled with a failed input, or lost
+                failed = next((i for i in n.inputs if records[i].get("status") in ("failed", "cancelled", "lost")), None)
+                state, why = (("cancelled", f"{failed} {records[failed]['status']}") if failed else
+                              ("lost", f"job {record['job']} ended without reporting; see its log in "
+                                       f"{spec.run_dir}/pipeline/slurm/{record['job']}"))
+                record["status"] = state  # for the stages after it
+        if n.stage == "rollout" and spec.max_staleness and n.role != VALIDATE:
+            why += f"; samples {n.inputs[0]}'s actor"
+        select = data.iteration_selection(spec.seed, spec.shuffle is not False, spec.prompts_per_iteration,
+                                          n.iteration or 0)
+        if n.stage == "rollout" and n.role != VALIDATE and select is not None and rows_in_prompts:
+            why += f"; {data.Position(select.start, select.count, rows_in_prompts).describe()}"
+        gone = retained(n)
+        if gone:
+            why += f"; {gone}"
+        beside = _ran_beside(n.name, records)
+        if beside:
+            why += f"; ran beside {', '.join(beside)}"
+        rows.append((n.name, state, why))
+    return rows
+
+
+def _recorded_rows(spec: RunSpec) -> int | None:
+    """The number of prompts the run recorded when it first took rows of them (``check_dataset``)."""
+    fs, path = fsspec.core.url_to_fs(f"{spec.run_dir}/pipeline/prompts.json")
+    return json.loads(fs.cat_file(path))["rows"] if fs.exists(path) else None
+
+
+def _ran_beside(name: str, records: dict[str, dict]) -> list[str]:
+    """The stages whose last run overlapped ``name``'s in time, from their records (to the second)."""
+    mine = records[name]
+    if not (mine.get("started") and mine.get("finished")):
+        return []
+    return [other for other, r in records.items() if other != name and r.get("started") and r.get("finished")
+            and r["started"] < mine["finished"] and mine["started"] < r["finished"]]

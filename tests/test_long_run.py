@@ -1,0 +1,190 @@
+"""A long run: a prompt dataset consumed over iterations, every iteration its own seed, validation,
+retention, TensorBoard — and resuming, rerunning and extending it.
+
+One run of 6 iterations over 48 prompts, 16 an iteration, validated every 2 iterations, keeping the
+last iteration whole (and the actor of iteration 4), samples deleted once trained on, is made once
+in the test's process pool (the stages' own ``run``, without a process start each) and inspected;
+the same spec run as `llamarl run` processes, killed at a random point and run again, must end with
+the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from pool_executor import PoolExecutor
+
+from llamarl.lib import publish
+from llamarl.pipeline import toy
+from llamarl.pipeline.dag import build_dag, load_spec
+from llamarl.pipeline.run import run_spec
+from llamarl.stages import contract
+
+pytestmark = pytest.mark.slow
+
+ITERATIONS, PROMPTS, PER_ITERATION = 6, 48, 16
+
+
+def _inputs(root) -> dict:
+    toy.make_llama(str(root / "actor"), hidden_size=32)
+    toy.make_prompts(str(root / "train.jsonl"), n=PROMPTS)
+    toy.make_prompts(str(root / "val.jsonl"), n=4, first=500, id_prefix="v")
+    return {"name": "long", "storage": str(root / "runs"), "actor": str(root / "actor"),
+            "prompts": str(root / "train.jsonl"), "prompts_per_iteration": PER_ITERATION, "seed": 7,
+            "iterations": ITERATIONS,
+            "validation": {"prompts": str(root / "val.jsonl"), "every": 2, "sampling": {"samples_per_prompt": 2}},
+            "retention": {"keep_last": 1, "keep_every": 4, "keep_samples": False},
+            "metrics": {"tensorboard": str(root / "tb")},
+            "rollout": {"id_column": "id", "chunk_size": 8,
+                        "sampling": {"samples_per_prompt": 2, "max_new_tokens": 4}},
+            "score": {"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio"}]},
+            "ppo": {"advantage": "grpo", "mini_batch_size": 16, "actor_lr": 0.01}}
+
+
+def _write(root, data: dict, name: str = "spec.yaml") -> str:
+    path = root / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory, pool1):
+    root = tmp_path_factory.mktemp("long")
+    data = _inputs(root)
+    spec = load_spec(_write(root, data))
+    executor = PoolExecutor(pool1)
+    run_spec(spec, echo=lambda m: None, executor=executor)
+    return root, data, spec, executor
+
+
+def _prompt_ids(rollout: str) -> list[str]:
+    """The prompt ids a rollout took, in its order (from its manifest's record of its rows: its
+    parts are deleted by retention)."""
+    return publish.read_manifest(rollout)["selected"]["prompt_ids"]
+
+
+def test_iterations_take_the_dataset_epoch_by_epoch_each_with_its_own_seed(long_run):
+    _, _, spec, _ = long_run
+    run = spec.run_dir
+    taken = [_prompt_ids(f"{run}/iter-{i:03d}/rollout") for i in range(1, ITERATIONS + 1)]
+    assert all(len(t) == PER_ITERATION for t in taken)
+    every = sorted(f"p{i:04d}" for i in range(PROMPTS))
+    first, second = taken[0] + taken[1] + taken[2], taken[3] + taken[4] + taken[5]
+    assert sorted(first) == every and sorted(second) == every  # each epoch: every prompt once
+    assert first != second  # in another order
+    seeds = [publish.read_manifest(f"{run}/iter-{i:03d}/rollout")["request"]["config"]["sampling"]["seed"]
+             for i in range(1, ITERATIONS + 1)]
+    assert len(set(seeds)) == ITERATIONS
+
+
+def test_validation_rows_at_exactly_the_validated_iterations(long_run):
+    _, _, spec, _ = long_run
+    rows = [json.loads(line) for line in open(f"{spec.run_dir}/metrics.jsonl")]
+    assert [r["iteration"] for r in rows] == list(range(1, ITERATIONS + 1))
+    assert [r["iteration"] for r in rows if "val_score" in r] == [2, 4, 6]
+    validated = rows[1]
+    assert validated["val_samples"] == 2 and validated["val_prompts"] == 4
+    assert {"val_best@2", "val_pass@1", "val_pass@2", "val_score_llamarl.pipeline.demo:vowel_ratio"} <= set(validated)
+    assert 0 <= validated["val_pass@1"] <= validated["val_pass@2"] <= 1
+
+
+def test_retention_keeps_one_training_state_and_the_kept_actors(long_run):
+    _, _, spec, _ = long_run
+    run = spec.run_dir
+    states = sorted(os.path.relpath(d, run) for d, _, files in os.walk(run)
+                    if "train_state" in d and any(f.endswith(".distcp") for f in files))
+    assert states == ["iter-006/ppo/train_state/actor"], states
+    actors = sorted(i for i in range(1, ITERATIONS + 1) if os.path.exists(f"{run}/iter-{i:03d}/ppo/actor/model"))
+    assert actors == [4, 6]  # keep_every 4, and the last
+    parts = [d for d, _, files in os.walk(run) if any(f.endswith(".parquet") for f in files)]
+    assert parts == [], parts  # samples deleted once trained on (keep_samples: false)
+    with pytest.raises(Exception, match="deleted by its run's retention"):
+        publish.require_published(f"{run}/iter-002/ppo/actor", contract.CHECKPOINT)
+
+
+def test_tensorboard_holds_the_metrics_rows(long_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, _, spec, _ = long_run
+    events = EventAccumulator(str(root / "tb"))
+    events.Reload()
+    rows = [json.loads(line) for line in open(f"{spec.run_dir}/metrics.jsonl")]
+    assert [e.step for e in events.Scalars("train/mean_score")] == list(range(1, ITERATIONS + 1))
+    assert [round(e.value, 5) for e in events.Scalars("train/mean_score")] == [round(r["mean_score"], 5) for r in rows]
+    assert [e.step for e in events.Scalars("val/score")] == [2, 4, 6]
+
+
+def test_status_says_epoch_position_and_what_was_deleted(long_run):
+    from llamarl.pipeline.status import status
+
+    _, _, spec, _ = long_run
+    why = {name: why for name, _, why in status(spec.run_dir)}
+    assert "epoch 1, prompts 17–32 of 48" in why["iter-002/rollout"]
+    assert "epoch 2, prompts 1–16 of 48" in why["iter-004/rollout"]
+    assert "deleted by retention: actor/, train_state/actor/" in why["iter-002/ppo"], why["iter-002/ppo"]
+    assert "deleted by retention" not in why["iter-006/ppo"]
+
+
+def test_a_rerun_runs_nothing_and_more_iterations_run_only_the_new_ones(long_run, pool1):
+    root, data, spec, executor = long_run
+    executor.ran.clear()
+    report = run_spec(spec, echo=lambda m: None, executor=executor)
+    assert executor.ran == [] and all(what == "skipped (done)" for _, what in report), report
+    longer = load_spec(_write(root, data | {"iterations": ITERATIONS + 1}, "longer.yaml"))
+    run_spec(longer, echo=lambda m: None, executor=executor)
+    assert executor.ran == ["iter-007/rollout", "iter-007/scores", "iter-007/ppo", "iter-007/val-rollout",
+                            "iter-007/val-scores", "export"], executor.ran
+    assert _prompt_ids(f"{spec.run_dir}/iter-007/rollout") != _prompt_ids(f"{spec.run_dir}/iter-001/rollout")
+
+
+def test_a_changed_config_redoes_what_retention_deleted_back_to_what_is_on_disk(long_run, tmp_path):
+    root, data, _, _ = long_run
+    changed = load_spec(_write(root, data | {"ppo": data["ppo"] | {"actor_lr": 0.02}}, "changed.yaml"))
+    plan = dict(run_spec(changed, dry_run=True, echo=lambda m: None))
+    assert plan["iter-001/rollout"].startswith("skip") is False and "deleted by retention" in plan["iter-001/rollout"]
+    assert plan["iter-001/ppo"] == "run: its config or inputs changed"
+
+
+def test_a_changed_prompts_file_is_refused(long_run):
+    root, data, _, _ = long_run
+    with open(root / "train.jsonl", "a") as f:
+        f.write(json.dumps({"id": "extra", "prompt": "one more"}) + "\n")
+    try:
+        with pytest.raises(Exception, match="the prompts changed since this run first took rows of them"):
+            run_spec(load_spec(str(root / "spec.yaml")), dry_run=True, echo=lambda m: None)
+    finally:
+        lines = open(root / "train.jsonl").read().splitlines()[:-1]
+        open(root / "train.jsonl", "w").write("\n".join(lines) + "\n")
+
+
+def test_killed_at_a_random_point_then_rerun_gives_the_same_bytes(long_run, tmp_path):
+    """The same spec as `llamarl run` processes, killed with everything it started, then run again."""
+    root, data, reference, _ = long_run
+    spec = _write(tmp_path, data | {"storage": str(tmp_path / "runs"), "metrics": {}})
+    delay = random.Random().uniform(5, 60)
+    proc = subprocess.Popen([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    rerun = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], capture_output=True, text=True,
+                           timeout=900)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    run = load_spec(spec).run_dir
+    for i in range(1, ITERATIONS + 1):
+        assert _prompt_ids(f"{run}/iter-{i:03d}/rollout") == _prompt_ids(f"{reference.run_dir}/iter-{i:03d}/rollout")
+    ours = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
+    theirs = [json.loads(line) for line in open(f"{reference.run_dir}/metrics.jsonl")]
+    assert ours == theirs, f"killed after {delay:.0f}s"
+    for name in os.listdir(f"{reference.run_dir}/export"):
+        if name != publish.MANIFEST:
+            assert open(f"{run}/export/{name}", "rb").read() == open(f"{reference.run_dir}/export/{name}", "rb").read()
+    assert [n.name for n in build_dag(load_spec(spec))][-1] == "export"
