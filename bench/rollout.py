@@ -187,7 +187,7 @@ def main():
         g = torch.Generator().manual_seed(3)
         count = 4 * cb_slots if args.small else 8 * max(drain_slots)
         drain_prompts = torch.randint(3, shape["vocab_size"], (count, plen), generator=g).tolist()
-        res["drain"] = _drain(ours, drain_prompts, drain_slots, new, stop_tokens, compiled, dev, args.small)
+        res["drain"] = _drain(ours, drain_prompts, drain_slots, new, stop_tokens, fused, dev, args.small)
         _save(res, args.out)
     engine = ours = None  # free the cache and weights before HF's model
     if dev == "cuda":
@@ -211,7 +211,7 @@ def main():
     _save(res, args.out)
 
 
-def _drain(model, prompts, slots_list, new, stop_tokens, compiled, dev, small) -> dict:
+def _drain(model, prompts, slots_list, new, stop_tokens, fused, dev, small) -> dict:
     """What batch invariance costs at a stream's end: the rollout stage's stream (chunks of 64
     prompts, or 4 with --small; random stops, so responses end early and the slots empty unevenly)
     with ``batch_invariant`` (every step runs all slots to the end) against the default engine
