@@ -1,6 +1,7 @@
 """PPO arithmetic: KL estimators, token rewards, the advantage estimators (GAE, GRPO, RLOO,
 REINFORCE++ with or without a group baseline), advantage normalisation, truncated importance
-weights, the losses and their aggregation. docs/rl.md gives the formulas and which options give
+weights (per token or per sequence), the policy losses (PPO's clipped surrogate, GSPO, CISPO,
+SAPO), the value loss and their aggregation. docs/rl.md gives the formulas and which options give
 which peer's algorithm.
 
 Tensors are ``[batch, response_len]`` with a 0/1 ``mask`` over real response tokens (right
@@ -136,11 +137,51 @@ def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) 
     return ratio.clamp(max=cap), (ratio > cap).float()
 
 
+def sequence_tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling per response: w = min(Π_t π_old(y_t) / π_rollout(y_t), ``cap``)
+    over the response's tokens (``mask``), the importance weight of the whole sequence, on each of
+    its tokens; and where the cap truncated it. Equal log-probs give exactly 1."""
+    ratio = ((old_logp - rollout_logp) * mask).sum(-1, keepdim=True).exp().expand_as(old_logp)
+    return ratio.clamp(max=cap), (ratio > cap).float()
+
+
 def sequence_index(mask: torch.Tensor) -> torch.Tensor:
     """The row of every masked position of ``[batch, len]``, −1 elsewhere: which sequence a token
     belongs to, still known once the tokens are packed (flattened) for the model."""
     rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
     return torch.where(mask.bool(), rows, torch.full_like(rows, -1))
+
+
+def _sequence_sums(x: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor,
+                   sequences: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sequence, the sum of ``x`` over its masked tokens and their number; and each token's bin
+    (its sequence, or ``sequences`` outside the mask), flat."""
+    # Tokens outside the mask go to one bin past the last, dropped: a fixed-size scatter with
+    # no boolean indexing (which would wait for the device to count the selected tokens). The
+    # mask decides, not only ``seq``: packing pads ``seq`` with 0 (sequence-parallel padding).
+    bins = torch.where(mask.bool() & (seq >= 0), seq, sequences).reshape(-1)
+    x = x.reshape(-1)
+    zeros = torch.zeros(sequences + 1, dtype=x.dtype, device=x.device)
+    sums = zeros.index_add(0, bins, x)[:sequences]
+    counts = zeros.index_add(0, bins, torch.ones_like(x))[:sequences]
+    return sums, counts, bins
+
+
+def sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None = None,
+                  sequences: int | None = None) -> torch.Tensor:
+    """At every masked token, the mean of ``x`` over its sequence's masked tokens; 0 elsewhere.
+
+    ``x`` and ``mask`` are ``[batch, len]``, or packed tokens with ``seq`` and ``sequences`` as in
+    ``aggregate``. A sequence lies whole in one call (ppo never splits one across micro-batches,
+    and every TP rank holds every token's log-prob), so the mean needs no communication."""
+    if seq is None:
+        seq, sequences = sequence_index(mask), mask.shape[0]
+    elif sequences is None:
+        raise ValueError("a sequence mean over packed tokens needs their number of sequences")
+    sums, counts, bins = _sequence_sums(x, mask, seq, sequences)
+    means = torch.cat([sums / counts.clamp(min=1), sums.new_zeros(1)])
+    return means[bins].reshape(x.shape)
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: float,
@@ -163,35 +204,78 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: fl
             seq, sequences = sequence_index(mask), mask.shape[0]
         elif sequences is None:
             raise ValueError("seq-mean-token-mean over packed tokens needs their number of sequences")
-        # Tokens outside the mask go to one bin past the last, dropped: a fixed-size scatter with
-        # no boolean indexing (which would wait for the device to count the selected tokens). The
-        # mask decides, not only ``seq``: packing pads ``seq`` with 0 (sequence-parallel padding).
-        bins = torch.where(mask.bool() & (seq >= 0), seq, sequences).reshape(-1)
-        loss = loss.reshape(-1)
-        zeros = torch.zeros(sequences + 1, dtype=loss.dtype, device=loss.device)
-        sums = zeros.index_add(0, bins, loss)[:sequences]
-        counts = zeros.index_add(0, bins, torch.ones_like(loss))[:sequences]
+        sums, counts, _ = _sequence_sums(loss, mask, seq, sequences)
         return (sums / counts.clamp(min=1)).sum() / denominator
     raise ValueError(f"loss aggregation {mode!r}: use token-mean, seq-mean-token-mean or "
                      "seq-mean-token-sum-norm")
 
 
-def policy_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float | None = None,
-                clip_eps_high: float | None = None):
-    """Per-token clipped surrogate: max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high)) with r = π/π_old,
-    ε_low = ``clip_eps`` and ε_high = ``clip_eps_high`` (clip-higher; default ε_low), then for
-    negative advantages at most −A·c (dual clip ``c``). Also returns the per-token clipped
-    indicator and the approximate KL (old − new)."""
-    ratio = (logp - old_logp).exp()
+def _clipped_surrogate(ratio, advantages, clip_eps: float, clip_eps_high: float | None):
+    """max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high)) and where the clip took over."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + high)
-    loss = torch.maximum(unclipped, clipped)
-    was_clipped = (clipped > unclipped).float()
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def policy_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float | None = None,
+                clip_eps_high: float | None = None):
+    """PPO: the per-token clipped surrogate max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high)) with
+    r = π/π_old, ε_low = ``clip_eps`` and ε_high = ``clip_eps_high`` (clip-higher; default ε_low),
+    then for negative advantages at most −A·c (dual clip ``c``). Also returns the per-token clipped
+    indicator and the approximate KL (old − new)."""
+    ratio = (logp - old_logp).exp()
+    loss, was_clipped = _clipped_surrogate(ratio, advantages, clip_eps, clip_eps_high)
     if dual_clip is not None:
         bound = -advantages * dual_clip
         loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
     return loss, was_clipped, old_logp - logp
+
+
+# The log of GSPO's sequence ratio is held at most this (verl's bound): a response far more likely
+# now than when sampled would otherwise overflow exp() where the clip does not apply (A < 0).
+GSPO_MAX_LOG_RATIO = 10.0
+
+
+def gspo_loss(logp, old_logp, advantages, mask, clip_eps: float, clip_eps_high: float | None = None,
+              seq: torch.Tensor | None = None, sequences: int | None = None):
+    """GSPO (Zheng et al., 2025, arXiv:2507.18071): PPO's clipped surrogate of the *sequence* ratio
+    s = exp(mean over the response's tokens of (log π − log π_old)), the geometric mean of its
+    token ratios, in the paper's token form: every token of the response carries
+    s_t = sg(s)·π(y_t)/sg(π(y_t)), whose value is s and whose gradient is s·∇log π(y_t). With one
+    advantage per response (GRPO's) that is GSPO's gradient exactly; with per-token advantages it
+    is GSPO-token. ``mask`` (and, for packed tokens, ``seq``/``sequences`` as in ``aggregate``)
+    tells the sequences apart. Returns the loss, where the clip took over, and the approximate KL."""
+    seq_log_ratio = sequence_mean((logp - old_logp).detach(), mask, seq, sequences)
+    ratio = (logp - logp.detach() + seq_log_ratio).clamp(max=GSPO_MAX_LOG_RATIO).exp()
+    loss, was_clipped = _clipped_surrogate(ratio, advantages, clip_eps, clip_eps_high)
+    return loss, was_clipped, old_logp - logp
+
+
+def cispo_loss(logp, old_logp, advantages, cap: float):
+    """CISPO (MiniMax-M1, arXiv:2506.13585): −sg(min(r, C))·A·log π with r = π/π_old. The clip
+    bounds the importance weight, a constant, never the gradient: a token whose ratio is past the
+    bound still learns, weighed C. No lower bound (the paper sets ε_low large). Returns the
+    loss, where the weight was capped, and the approximate KL."""
+    ratio = (logp - old_logp).detach().exp()
+    return -ratio.clamp(max=cap) * advantages * logp, (ratio > cap).float(), old_logp - logp
+
+
+# SAPO's log ratio is held within ±this (verl's bound): the gate is flat far out, and exp() there
+# would overflow into a 0·inf gradient.
+SAPO_MAX_LOG_RATIO = 20.0
+
+
+def sapo_loss(logp, old_logp, advantages, tau_pos: float, tau_neg: float):
+    """SAPO (Gao et al., 2025, arXiv:2511.20347): −f(r)·A with the soft gate
+    f(r) = σ(τ·(r − 1))·4/τ in place of the clip, τ = ``tau_pos`` where A > 0, else ``tau_neg``.
+    Its gradient is sech²(τ(r − 1)/2)·∇r: exactly the unclipped one on-policy (r = 1), smoothly
+    smaller as r leaves 1, faster for a larger τ. Returns the loss, no clip indicator (zeros: the
+    gate never clips), and the approximate KL."""
+    ratio = (logp - old_logp).clamp(-SAPO_MAX_LOG_RATIO, SAPO_MAX_LOG_RATIO).exp()
+    tau = torch.full_like(ratio, tau_neg).masked_fill(advantages > 0, tau_pos)
+    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
+    return -gate * advantages, torch.zeros_like(ratio), old_logp - logp
 
 
 def value_loss(values, old_values, returns, clip: float | None):

@@ -8,6 +8,7 @@ vowels in its response), so the mean score visibly rises. Rerunning resumes: fin
 skipped.
 
     python -m llamarl.pipeline.demo                    # the above (make demo)
+    python -m llamarl.pipeline.demo --policy-loss gspo # the same with ppo's policy_loss gspo (run demo-gspo)
     python -m llamarl.pipeline.demo --overlap          # overlapped: max_staleness 1, 2 stages at once
     python -m llamarl.pipeline.demo --compare-overlap  # max_staleness 0 and 1, fresh runs, both walls
 
@@ -29,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+import typing
 
 import yaml
 
@@ -44,10 +46,11 @@ def vowel_ratio(response: str, row: dict) -> float:
     return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
 
 
-def make_inputs(root: str, staleness: int | None = None) -> str:
+def make_inputs(root: str, staleness: int | None = None, policy_loss: str = "ppo") -> str:
     """Models, prompts and the run spec under ``root``; returns the spec's path. ``staleness``
     None: the demo of ``make demo`` (``demo.yaml``, run ``demo``); 0 or 1: the overlap placement
-    with that ``max_staleness`` (``demo-s0.yaml``, run ``demo-s0``; ``demo-s1`` …)."""
+    with that ``max_staleness`` (``demo-s0.yaml``, run ``demo-s0``; ``demo-s1`` …). Another
+    ``policy_loss`` than ppo's own is a run of its own, its name suffixed (``demo-gspo``)."""
     from llamarl.pipeline import toy
 
     inputs = os.path.join(root, "inputs")
@@ -57,7 +60,7 @@ def make_inputs(root: str, staleness: int | None = None) -> str:
         toy.make_prompts(os.path.join(inputs, "prompts.jsonl"), n=32)
     if not os.path.exists(os.path.join(inputs, "validation.jsonl")):
         toy.make_prompts(os.path.join(inputs, "validation.jsonl"), n=8, first=1000, id_prefix="v")
-    name = "demo" if staleness is None else f"demo-s{staleness}"
+    name = ("demo" if staleness is None else f"demo-s{staleness}") + ("" if policy_loss == "ppo" else f"-{policy_loss}")
     spec = {
         "name": name,
         "storage": os.path.abspath(root),
@@ -80,6 +83,8 @@ def make_inputs(root: str, staleness: int | None = None) -> str:
     }
     if staleness is not None:
         spec.update(max_staleness=staleness, layout=OVERLAP_LAYOUT, executor=OVERLAP_EXECUTOR)
+    if policy_loss != "ppo":
+        spec["ppo"]["policy_loss"] = policy_loss
     path = os.path.join(root, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(spec, f, sort_keys=False)
@@ -150,6 +155,8 @@ def compare_overlap(root: str, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from llamarl.stages.config import PPOConfig
+
     ap = argparse.ArgumentParser(prog="python -m llamarl.pipeline.demo", description=__doc__.split("\n\n")[0])
     how = ap.add_mutually_exclusive_group()
     how.add_argument("--overlap", action="store_true", help="run the demo overlapped: max_staleness 1, every stage "
@@ -157,14 +164,19 @@ def main(argv: list[str] | None = None) -> None:
     how.add_argument("--compare-overlap", action="store_true", help="time fresh runs with max_staleness 0 and 1 "
                                                                     "on that placement and print both walls")
     ap.add_argument("--repeats", type=int, default=2, help="--compare-overlap: fresh runs of each (default 2)")
+    ap.add_argument("--policy-loss", choices=typing.get_args(PPOConfig.model_fields["policy_loss"].annotation),
+                    default="ppo", help="ppo's policy_loss (docs/rl.md); another than ppo is a run of its own, "
+                                        "demo-MODE")
     args = ap.parse_args(argv)
+    if args.compare_overlap and args.policy_loss != "ppo":
+        ap.error("--policy-loss does not apply to --compare-overlap")
     os.makedirs(DEMO_DIR, exist_ok=True)
     if args.compare_overlap:
         compare_overlap(DEMO_DIR, max(1, args.repeats))
         return
     from llamarl.pipeline.cli import app
 
-    spec = make_inputs(DEMO_DIR, 1 if args.overlap else None)
+    spec = make_inputs(DEMO_DIR, 1 if args.overlap else None, args.policy_loss)
     print(f"run spec: {spec}", flush=True)
     sys.argv = ["llamarl", "run", spec]
     app()

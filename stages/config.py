@@ -429,6 +429,22 @@ class PPOConfig(StageConfig):
                                                                 "0.28 with clip_eps 0.2); null: clip_eps.")
     dual_clip: float | None = Field(3.0, gt=1, description="Dual-clip bound c (> 1) for negative advantages; null "
                                                            "to disable.")
+    policy_loss: Literal["ppo", "gspo", "cispo", "sapo"] = Field(
+        "ppo", description="The policy loss: ppo (the clipped ratio per token: clip_eps, clip_eps_high, dual_clip) | "
+                           "gspo (the ratio and its clip per sequence, the geometric mean of the response's token "
+                           "ratios: clip_eps, clip_eps_high; the paper's 3e-4 and 4e-4) | cispo (the log-prob's "
+                           "gradient weighed by the ratio capped at cispo_cap, a constant: no token's gradient is "
+                           "dropped) | sapo (a smooth gate of temperature sapo_tau_pos / sapo_tau_neg instead of the "
+                           "clip). Formulas: docs/rl.md.")
+    cispo_cap: float = Field(5.0, ge=1, allow_inf_nan=False,
+                             description="cispo: the largest importance weight (1 + MiniMax-M1's ε_high; no lower "
+                                         "bound); ≥ 1, so that an on-policy token weighs 1.")
+    sapo_tau_pos: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                description="sapo: the gate's temperature τ for positive advantages (larger: "
+                                            "the gradient fades faster as the ratio leaves 1).")
+    sapo_tau_neg: float = Field(1.05, gt=0, allow_inf_nan=False,
+                                description="sapo: τ for the other advantages (the paper: larger than sapo_tau_pos, "
+                                            "so that negative updates fade faster).")
     value_clip: float | None = Field(0.2, gt=0, description="Clip of the value update around the old values; null "
                                                             "to disable.")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (entropy is reported every step either way).")
@@ -469,6 +485,9 @@ class PPOConfig(StageConfig):
                             "π_rollout, tis_cap), correcting for samples drawn by another policy (an older actor, "
                             "or the rollout engine's numerics). auto: on when old_logp is the actor's. With old_logp "
                             "rollout every weight is 1.")
+    tis_level: Literal["token", "sequence"] = Field(
+        "token", description="What tis weighs: token (each token by its own ratio) | sequence (every token of a "
+                             "response by the response's ratio, the product of its tokens', capped at tis_cap).")
     tis_cap: float = Field(2.0, ge=1, description="C of tis: the largest importance weight (≥ 1, so that equal "
                                                   "log-probs weigh exactly 1).")
     dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: drop the prompts whose samples' scores "
@@ -498,6 +517,14 @@ class PPOConfig(StageConfig):
         if self.train_groups is not None and not self.dynamic_sampling:
             raise FieldsError("{train_groups} is the batch of {dynamic_sampling}, which is off; set "
                               "{dynamic_sampling}: true or remove {train_groups}")
+        for name, modes in {"clip_eps": ("ppo", "gspo"), "clip_eps_high": ("ppo", "gspo"), "dual_clip": ("ppo",),
+                            "cispo_cap": ("cispo",), "sapo_tau_pos": ("sapo",), "sapo_tau_neg": ("sapo",)}.items():
+            if self.policy_loss not in modes and getattr(self, name) != type(self).model_fields[name].default:
+                raise FieldsError(f"{{{name}}} is read by {{policy_loss}} {' or '.join(map(repr, modes))} only (it is "
+                                  f"{self.policy_loss!r}); remove {{{name}}} or change {{policy_loss}}")
+        if self.tis_level != "token" and self.tis == "off":
+            raise FieldsError("{tis_level} chooses what {tis} weighs, and {tis} is off; remove {tis_level} or set "
+                              "{tis} to 'auto' or 'on'")
         if self.sequence_parallel and self.tp == 1:
             raise FieldsError("{sequence_parallel} needs {tp} > 1; raise {tp} or turn {sequence_parallel} off")
         if self.lr_decay != "constant" and self.total_steps is None:

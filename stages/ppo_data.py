@@ -159,7 +159,8 @@ def advantages(cfg: PPOConfig, samples: list[Sample], ref_logp: dict[int, list[f
     """Everything the losses read, per sample in label space: π_old's log-probs (the actor's,
     ``actor_logp``, when recomputed, else the rollout's), the reference's, advantages, old values
     and returns (zero without a critic), the response mask, the truncated importance weights
-    (``tis``, when ``cfg.uses_tis()``); the mean KL and the weights' statistics."""
+    (``tis``, when ``cfg.uses_tis()``, per token or, ``tis_level`` sequence, the response's weight on
+    each of its tokens); the mean KL and the weights' statistics."""
     n = len(samples)
     width = max(len(s.ids) for s in samples)
     rollout = label_space(samples, [s.rollout_logp for s in samples], width, dev)
@@ -186,13 +187,17 @@ def advantages(cfg: PPOConfig, samples: list[Sample], ref_logp: dict[int, list[f
     data = {"old_logp": old, "ref_logp": ref, "adv": adv, "values": values, "returns": returns, "resp": resp,
             "kl": rl.masked_mean(kl, resp).item()}
     if cfg.uses_tis():
-        data["tis"], data["tis_truncated"] = rl.tis_weights(old, rollout, cfg.tis_cap)
+        if cfg.tis_level == "sequence":  # the whole batch is here: every response's tokens at once
+            data["tis"], data["tis_truncated"] = rl.sequence_tis_weights(old, rollout, resp, cfg.tis_cap)
+        else:
+            data["tis"], data["tis_truncated"] = rl.tis_weights(old, rollout, cfg.tis_cap)
         data["tis_stats"] = tis_stats(data, list(range(n)))
     return data
 
 
 def tis_stats(data: dict, rows: list[int]) -> dict:
-    """The importance weights of ``rows``' response tokens: mean, max, and the fraction truncated."""
+    """The importance weights of ``rows``' response tokens: mean, max, and the fraction truncated
+    (per token, also at ``tis_level`` sequence, where a response's weight is on each of its tokens)."""
     idx = torch.tensor(rows, device=data["resp"].device)
     m = data["resp"][idx]
     w, cut = data["tis"][idx] * m, data["tis_truncated"][idx] * m

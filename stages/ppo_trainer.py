@@ -142,6 +142,21 @@ class Aggregation:
         return rl.aggregate(loss, x["resp"], self.mode, self.denominator, seq=x["seq"], sequences=x["sequences"])
 
 
+def policy_terms(cfg: PPOConfig, logp: torch.Tensor, x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token policy loss of ``cfg.policy_loss`` over a micro-batch's packed tokens ``x``
+    (``train_step``'s extras), where its clip acted (or its weight was capped), and the approximate
+    KL. GSPO's sequence ratio reads each token's sequence (``x["seq"]``): a micro-batch holds whole
+    sequences, and every TP rank every token's log-prob, so it is the same at any layout."""
+    old, adv = x["old_logp"], x["adv"]
+    if cfg.policy_loss == "gspo":
+        return rl.gspo_loss(logp, old, adv, x["resp"], cfg.clip_eps, cfg.clip_eps_high, x["seq"], x["sequences"])
+    if cfg.policy_loss == "cispo":
+        return rl.cispo_loss(logp, old, adv, cfg.cispo_cap)
+    if cfg.policy_loss == "sapo":
+        return rl.sapo_loss(logp, old, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    return rl.policy_loss(logp, old, adv, cfg.clip_eps, cfg.dual_clip, cfg.clip_eps_high)
+
+
 def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sample], data: dict | None,
                batch_idx: list[int], step: int, dev, agg_norm: int | None = None) -> dict:
     """One optimizer step of every role on the mini-batch ``batch_idx``; its metrics (the losses on
@@ -174,8 +189,7 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
     def actor_loss(out, x):
         logp, entropy = vocab_parallel.log_probs_and_entropy(_scaled(out, cfg.temperature), x["labels"],
                                                              actor.tp_group)
-        pg, clipped, approx_kl = rl.policy_loss(logp, x["old_logp"], x["adv"], cfg.clip_eps, cfg.dual_clip,
-                                                cfg.clip_eps_high)
+        pg, clipped, approx_kl = policy_terms(cfg, logp, x)
         if weighed:  # truncated importance weights: constants, π_old over the sampling policy
             pg = pg * x["tis"]
         loss = agg(pg, x)

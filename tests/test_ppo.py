@@ -61,10 +61,42 @@ def reference_run(iteration, pool1, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(dp=2), dict(tp=2, sequence_parallel=True)],
-                         ids=["tp2", "pp2", "dp2", "tp2-sp"])
-def test_layout_does_not_change_the_update(pool2, iteration, reference_run, tmp_path, layout):
-    pool2.run(ppo.run, _cfg(iteration, tmp_path / "run", **layout))
+# Each policy loss with options that make its own part act within the 6 steps: GSPO's paper clip
+# (3e-4 / 4e-4 of a sequence ratio), a CISPO cap that weighs many tokens, SAPO with sequence-level
+# TIS over recomputed log-probs; and each with another estimator and aggregation.
+POLICY_LOSSES = {
+    "ppo": {},
+    "gspo": dict(policy_loss="gspo", advantage="grpo", clip_eps=3e-4, clip_eps_high=4e-4, loss_agg="seq-mean-token-mean"),
+    "cispo": dict(policy_loss="cispo", cispo_cap=1.001),
+    "sapo": dict(policy_loss="sapo", advantage="rloo", loss_agg="seq-mean-token-sum-norm", old_logp="actor", tis="on",
+                 tis_level="sequence"),
+}
+LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2": dict(dp=2), "tp2-sp": dict(tp=2, sequence_parallel=True)}
+# PPO at every layout; the other losses differ from it only in the per-token loss on the last pipeline
+# stage, so each runs where that loss meets the layout: packed tokens with sequence-parallel padding
+# (tp2-sp: every TP rank's log-probs are whole, and TP2 without SP packs the same tokens), the last of
+# two pipeline stages (pp2), and half of every mini-batch in other micro-batches (dp2).
+LAYOUT_CASES = [("ppo", layout) for layout in LAYOUTS] + [(loss, layout) for loss in ("gspo", "cispo", "sapo")
+                                                          for layout in ("tp2-sp", "pp2", "dp2")]
+
+
+@pytest.fixture(scope="module")
+def tp1_runs(iteration, pool1, reference_run, tmp_path_factory):
+    """The TP1 run of each policy loss, made when first asked for."""
+    runs = {"ppo": reference_run}
+
+    def run(loss: str):
+        if loss not in runs:
+            runs[loss] = tmp_path_factory.mktemp(loss) / "tp1"
+            pool1.run(ppo.run, _cfg(iteration, runs[loss], **POLICY_LOSSES[loss]))
+        return runs[loss]
+    return run
+
+
+@pytest.mark.parametrize("loss,layout", LAYOUT_CASES, ids=[f"{loss}-{layout}" for loss, layout in LAYOUT_CASES])
+def test_layout_does_not_change_the_update(pool2, iteration, tp1_runs, tmp_path, loss, layout):
+    reference_run = tp1_runs(loss)
+    pool2.run(ppo.run, _cfg(iteration, tmp_path / "run", **POLICY_LOSSES[loss], **LAYOUTS[layout]))
     before = _weights(str(iteration / "actor"))
     ref_actor, actor = _weights(str(reference_run / "actor")), _weights(str(tmp_path / "run" / "actor"))
     moved = max(((ref_actor[k] - before[k]).norm() / before[k].norm()).item() for k in before)
@@ -73,7 +105,66 @@ def test_layout_does_not_change_the_update(pool2, iteration, reference_run, tmp_
     # by sqrt(v), which lifts that to ~1.4e-5 of the weights at lr 1e-3 (1.4e-6 at lr 1e-4), flat
     # over epochs. A wrong split or a missed all-reduce moves them by 1e-3 or more.
     assert _rel_diff(actor, ref_actor) < 5e-5
-    assert _rel_diff(_weights(str(tmp_path / "run" / "critic")), _weights(str(reference_run / "critic"))) < 5e-5
+    if (reference_run / "critic").exists():
+        assert _rel_diff(_weights(str(tmp_path / "run" / "critic")), _weights(str(reference_run / "critic"))) < 5e-5
+    assert [x["clip_fraction"] for x in _steps(tmp_path / "run")] == pytest.approx(
+        [x["clip_fraction"] for x in _steps(reference_run)], abs=1e-6)
+
+
+def _sequence_ratios(tp: int, sp: bool, groups: list[list[int]]) -> list[float]:
+    """GSPO's sequence ratio of each of three responses, their log-probs from a tiny Llama at ``tp``
+    (sequence parallel ``sp``), the rows run as the micro-batches ``groups``; π_old is −3 a token."""
+    import tiny
+    from llamarl.lib import parallel, rl, vocab_parallel
+    from llamarl.lib.config import ParallelLayout
+    from llamarl.lib.model import ParallelLlamaForCausalLM
+
+    parallel.init(tp, 1)
+    hf = tiny.hf_model()
+    model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(tp=tp, sequence_parallel=sp))
+    model.load_hf_state_dict(hf.state_dict())
+    ids, mask, _ = tiny.batch("right")  # rows of 7, 12 and 3 tokens
+    labels = torch.roll(ids, -1, 1)
+    resp = (mask * torch.roll(mask, -1, 1)).float()
+    resp[:, 0] = 0  # a one-token prompt, then the response's label positions
+    ratios = torch.zeros(len(ids))
+    for rows in groups:
+        batch = model.make_batch(ids[rows], mask[rows])
+        with torch.no_grad():
+            logp = vocab_parallel.log_probs(model(batch), batch.flat(labels[rows]), model.tp_group)
+        seq = batch.flat(rl.sequence_index(resp[rows]))
+        loss, _, _ = rl.gspo_loss(logp, torch.full_like(logp, -3.0), torch.full_like(logp, -1.0), batch.flat(resp[rows]),
+                                  1e9, None, seq, len(rows))  # A = −1, no clip: the loss is the ratio
+        padded = batch.to_padded(loss)
+        ratios[rows] = padded[:, 1]  # the first response token carries its sequence's ratio
+    parallel.destroy_model_parallel()
+    return ratios.tolist()
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True)], ids=["tp2", "tp2-sp"])
+def test_gspo_sequence_ratio_is_the_same_on_every_tp_rank_and_micro_batching(pool1, pool2, tp, sp):
+    # Every TP rank holds every token's whole log-prob (vocab-parallel log-softmax, all tokens
+    # gathered before the head under SP): each rank computes each sequence's ratio itself, the
+    # same as TP1, whichever micro-batches hold the sequences (never split: micro_batches takes
+    # whole samples).
+    [alone] = pool1.run(_sequence_ratios, 1, False, [[0, 1, 2]])
+    [split] = pool1.run(_sequence_ratios, 1, False, [[2], [0, 1]])
+    ranks = pool2.run(_sequence_ratios, tp, sp, [[1], [2, 0]])
+    assert ranks[0] == ranks[1]
+    assert all(0.01 < abs(r - 1) < 1e9 for r in alone)  # off 1, and finite
+    assert split == pytest.approx(alone, rel=1e-6) and ranks[0] == pytest.approx(alone, rel=1e-6)
+
+
+def test_each_policy_loss_acts(tp1_runs):
+    # The TP1 runs above: GSPO clips whole sequences and CISPO caps weights (clip_fraction, each
+    # token counted), SAPO never clips; each update differs from PPO's.
+    fractions = {loss: [x["clip_fraction"] for x in _steps(tp1_runs(loss))] for loss in POLICY_LOSSES}
+    assert max(fractions["gspo"]) > 0.1 and max(fractions["cispo"]) > 0.1 and max(fractions["sapo"]) == 0
+    ppo_actor = _weights(str(tp1_runs("ppo") / "actor"))
+    for loss in ("gspo", "cispo", "sapo"):
+        assert _rel_diff(_weights(str(tp1_runs(loss) / "actor")), ppo_actor) > 1e-2, loss
+    tis = publish.require_published(str(tp1_runs("sapo")), "ppo")["summary"]["tis"]
+    assert 0 < tis["tis_weight_mean"] <= 2 and tis["tis_weight_max"] <= 2, tis
 
 
 def test_outputs_metrics_and_checkpoint_format(reference_run, iteration):
@@ -189,6 +280,140 @@ def test_dynamic_sampling_trains_on_groups_of_differing_scores(pool1, pool2, ite
     mean = {g: sum(by[g]) / len(by[g]) for g in by}
     expected = -sum((s.score - mean[s.group]) * s.response_len for s in trained) / (4 * 8)
     assert abs(expected) > 0.05 and _steps(tmp_path / "dapo")[0]["policy_loss"] == pytest.approx(expected, abs=1e-4)
+
+
+# ---- each policy loss against a plain PyTorch reference ----------------------------------------------
+# ppo's first optimizer step (train_step, one mini-batch of the whole rollout in micro-batches of 40
+# tokens) at TP1 in one process, against the formula written out here with transformers' Llama and
+# torch autograd, nothing from lib/rl.py. The actor is the reference run's (6 steps on): the rollout
+# is another policy's, so every ratio is off 1 and the clips, caps and gates act. What is compared
+# is the gradient: the update AdamW makes of it in a first step is lr·g/(|g| + eps), about lr·sign(g)
+# per weight, which would hide a loss with the same signs.
+
+REFERENCE_CASES = {
+    "ppo": dict(clip_eps_high=0.28),
+    "gspo": dict(policy_loss="gspo", clip_eps=3e-4, clip_eps_high=4e-4, loss_agg="seq-mean-token-mean"),
+    "cispo": dict(policy_loss="cispo", cispo_cap=1.05, loss_agg="seq-mean-token-sum-norm", loss_agg_norm=8),
+    "sapo": dict(policy_loss="sapo", sapo_tau_pos=2.0, sapo_tau_neg=3.0, loss_agg="seq-mean-token-mean"),
+    "ppo-sequence-tis": dict(old_logp="actor", tis="on", tis_level="sequence", tis_cap=1.5),
+}
+
+
+def _first_step_gradient(actor: str, cfg_json: dict) -> dict:
+    """ppo's first optimizer step over every sample at TP1: the actor's gradient (HF names), the
+    step's metrics and π_old's log-probs."""
+    import tiny
+    from llamarl.lib import parallel
+    from llamarl.lib.config import ParallelLayout
+    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.stages.ppo_data import advantages, load_samples, micro_batches, response_values
+    from llamarl.stages.ppo_trainer import Trainer, token_outputs, train_step
+
+    cfg = PPOConfig(**cfg_json)
+    parallel.init(1, 1)
+    model = ParallelLlamaForCausalLM(LlamaConfig.from_dict(publish.require_published(actor)["model_config"]),
+                                     ParallelLayout())
+    checkpoint.load_model(model, f"{actor}/model")
+    samples = load_samples(cfg.rollout, cfg.scores)
+    every = list(range(len(samples)))
+    actor_logp = None
+    if cfg.old_logp_source() == "actor":
+        groups = micro_batches(every, samples, cfg.micro_batch_tokens)
+        actor_logp = dict(zip([i for g in groups for i in g], token_outputs(model, samples, groups, cfg.temperature)))
+    no_kl = {i: [0.0] * s.response_len for i, s in enumerate(samples)}
+    data = advantages(cfg, samples, no_kl, None, "cpu", actor_logp)
+    trainer = Trainer(model, cfg.actor_lr, cfg, None, f"{actor}/model", 0)
+    metrics = train_step(cfg, {"actor": trainer}, samples, data, every, 0, "cpu", cfg.loss_agg_norm)
+    grads = tiny.gather_hf_grads(model)
+    parallel.destroy_model_parallel()
+    return {"grads": grads, "metrics": metrics, "old_logp": response_values(samples, data["old_logp"])}
+
+
+def _reference_loss(cfg: PPOConfig, model, samples, old_logp: list[list[float]]) -> torch.Tensor:
+    """The mini-batch's policy loss of ``cfg`` over ``samples``, written from the papers' formulas;
+    ``old_logp``: π_old's log-probs when they are the actor's."""
+    import statistics
+
+    by: dict = {}
+    for s in samples:
+        by.setdefault(s.group, []).append(s.score)
+    per_token, lengths = [], []
+    for i, s in enumerate(samples):
+        scores = by[s.group]  # GRPO: the score against its prompt's samples
+        a = (s.score - statistics.mean(scores)) / (statistics.stdev(scores) + 1e-6) if len(scores) > 1 else 0.0
+        logits = model(torch.tensor([s.ids])).logits[0].float() / cfg.temperature
+        lp = torch.log_softmax(logits, -1)[s.prompt_len - 1 : -1].gather(-1, torch.tensor(s.ids[s.prompt_len :])[:, None])[:, 0]
+        rollout = torch.tensor(s.rollout_logp)
+        old = torch.tensor(old_logp[i]) if cfg.old_logp_source() == "actor" else rollout
+        r = (lp - old).exp()
+        high = 1 + (cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high)
+        if cfg.policy_loss == "ppo":
+            loss = torch.maximum(-a * r, -a * r.clamp(1 - cfg.clip_eps, high))
+            loss = torch.minimum(loss, torch.full_like(loss, -a * cfg.dual_clip)) if a < 0 else loss
+        elif cfg.policy_loss == "gspo":  # one ratio, one clipped surrogate per sequence, on each token
+            seq = (lp - old).mean().exp()
+            loss = torch.maximum(-a * seq, -a * seq.clamp(1 - cfg.clip_eps, high)).expand(len(lp))
+        elif cfg.policy_loss == "cispo":
+            loss = -r.detach().clamp(max=cfg.cispo_cap) * a * lp
+        else:
+            tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
+            loss = -torch.sigmoid(tau * (r - 1)) * 4 / tau * a
+        if cfg.uses_tis():
+            weight = (old - rollout).sum().exp() if cfg.tis_level == "sequence" else (old - rollout).exp()
+            loss = loss * weight.clamp(max=cfg.tis_cap)
+        per_token.append(loss)
+        lengths.append(len(lp))
+    if cfg.loss_agg == "token-mean":
+        return torch.cat(per_token).sum() / sum(lengths)
+    if cfg.loss_agg == "seq-mean-token-mean":
+        return torch.stack([x.mean() for x in per_token]).mean()
+    return torch.cat(per_token).sum() / (len(samples) * cfg.loss_agg_norm)
+
+
+@pytest.fixture(scope="module")
+def vowel_scores(iteration, pool2, tmp_path_factory):
+    """The fixture rollout scored by its share of vowels: the samples of a prompt all score apart."""
+    out = tmp_path_factory.mktemp("vowels") / "scores"
+    pool2.run(score.run, ScoreConfig(rollout=str(iteration / "rollout"), out=str(out), tp=2,
+                                     rewards=[RewardTerm(name="llamarl.pipeline.demo:vowel_ratio")]))
+    return out
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES)
+def test_policy_loss_gradient_equals_a_plain_pytorch_reference(pool1, iteration, reference_run, vowel_scores, case):
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    from llamarl.stages.ppo_data import load_samples
+
+    actor = str(reference_run / "actor")
+    cfg = _cfg(iteration, iteration / "unused", **{
+        "actor": actor, "scores": str(vowel_scores), "off_policy": True, "old_logp": "rollout", "advantage": "grpo", "kl_coef": 0.0, "entropy_coef": 0.0,
+        "grad_clip": None, "mini_batch_size": 12, **REFERENCE_CASES[case]})
+    [stage] = pool1.run(_first_step_gradient, actor, cfg.to_json())
+
+    model = LlamaForCausalLM(HFLlamaConfig.from_pretrained(iteration / "actor_hf"))
+    model.load_state_dict(_weights(actor))
+    samples = load_samples(cfg.rollout, cfg.scores)
+    # π_old, an input of the formula like π_rollout: the stage's own when it recomputes it (that
+    # forward is tested against the rollout's log-probs above), since a sequence's TIS weight sums a
+    # response's log-probs and would lift the two models' 1e-7 differences to 1e-6.
+    loss = _reference_loss(cfg, model, samples, stage["old_logp"])
+    loss.backward()
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    assert set(stage["grads"]) == set(ref)
+    err = sum((stage["grads"][n] - g).double().square().sum() for n, g in ref.items()) ** 0.5
+    norm = sum(g.double().square().sum() for g in ref.values()) ** 0.5
+    print(f"{case}: policy loss {loss.item():.6f} (stage {stage['metrics']['policy_loss']:.6f}), gradient norm "
+          f"{norm:.4g}, relative error {err / norm:.2e}, clip_fraction {stage['metrics']['clip_fraction']:.3f}")
+    assert stage["metrics"]["policy_loss"] == pytest.approx(loss.item(), rel=1e-6)
+    assert err / norm < 1e-6
+    # The loss's own part acted: ratios past the clip (ppo, gspo), weights past the cap (cispo).
+    if case in ("ppo", "gspo", "cispo"):
+        assert stage["metrics"]["clip_fraction"] > 0.05
+    if case == "ppo-sequence-tis":  # responses weighed apart, some capped
+        m = stage["metrics"]
+        assert 0 < m["tis_truncated"] < 1 and abs(m["tis_weight_mean"] - 1) > 0.05, m
 
 
 # ---- loss aggregation against hand-computed means ----------------------------------------------------
@@ -711,7 +936,20 @@ def test_dynamic_sampling_drops_equal_groups_and_takes_train_groups_by_seed():
     ({"train_groups": 8}, "ppo: train_groups is the batch of dynamic_sampling, which is off; set dynamic_sampling: true"),
     ({"tis_cap": 0.5}, "ppo: tis_cap=0.5: Input should be greater than or equal to 1"),
     ({"tis": "yes"}, "ppo: tis='yes': Input should be 'auto', 'on' or 'off'"),
-], ids=["agg-norm", "grpo-std", "train-groups", "tis-cap", "tis"])
+    ({"policy_loss": "grpo"}, "ppo: policy_loss='grpo': Input should be 'ppo', 'gspo', 'cispo' or 'sapo'"),
+    ({"policy_loss": "gspo", "dual_clip": None}, "ppo: dual_clip is read by policy_loss 'ppo' only (it is 'gspo'); "
+                                                 "remove dual_clip or change policy_loss"),
+    ({"policy_loss": "sapo", "clip_eps_high": 0.28}, "ppo: clip_eps_high is read by policy_loss 'ppo' or 'gspo' only"),
+    ({"policy_loss": "cispo", "clip_eps": 0.1}, "ppo: clip_eps is read by policy_loss 'ppo' or 'gspo' only"),
+    ({"cispo_cap": 2.0}, "ppo: cispo_cap is read by policy_loss 'cispo' only (it is 'ppo')"),
+    ({"policy_loss": "gspo", "sapo_tau_neg": 2.0}, "ppo: sapo_tau_neg is read by policy_loss 'sapo' only"),
+    ({"policy_loss": "cispo", "cispo_cap": 0.5}, "ppo: cispo_cap=0.5: Input should be greater than or equal to 1"),
+    ({"policy_loss": "sapo", "sapo_tau_pos": float("inf")}, "ppo: sapo_tau_pos=inf: Input should be a finite number"),
+    ({"policy_loss": "sapo", "sapo_tau_neg": 0}, "ppo: sapo_tau_neg=0: Input should be greater than 0"),
+    ({"tis": "off", "tis_level": "sequence"}, "ppo: tis_level chooses what tis weighs, and tis is off"),
+    ({"tis_level": "response"}, "ppo: tis_level='response': Input should be 'token' or 'sequence'"),
+], ids=["agg-norm", "grpo-std", "train-groups", "tis-cap", "tis", "policy-loss", "dual-clip-gspo", "clip-high-sapo",
+        "clip-cispo", "cispo-cap-ppo", "tau-gspo", "cispo-cap-low", "tau-inf", "tau-zero", "tis-level-off", "tis-level"])
 def test_new_options_refuse_bad_values_in_one_line(changes, needle):
     from llamarl.lib.errors import UserError
 

@@ -163,6 +163,15 @@ def test_aggregation_reads_nothing_back_from_the_device():
         out.backward()
     assert mode.seen == [], mode.seen
     assert torch.allclose(out, torch.tensor((1.5 + 4 + 6) / 3))
+    # Nor do the policy losses, GSPO's sequence ratio included.
+    logp, old, adv = -loss.detach().flatten() / 10, -torch.ones(9), torch.ones(9)
+    logp.requires_grad_()
+    with Reads() as mode:
+        for pg in (rl.gspo_loss(logp, old, adv, mask.flatten(), 0.2, None, seq.flatten(), 3)[0],
+                   rl.cispo_loss(logp, old, adv, 2.0)[0], rl.sapo_loss(logp, old, adv, 1.0, 1.05)[0],
+                   rl.policy_loss(logp, old, adv, 0.2, 3.0)[0]):
+            pg.sum().backward()
+    assert mode.seen == [], mode.seen
 
 
 # ---- estimators: Dr. GRPO, RLOO, REINFORCE++ ------------------------------------------------------------
@@ -248,3 +257,216 @@ def test_aggregation_seq_mean_token_sum_norm():
     seq = rl.sequence_index(mask)
     assert torch.allclose(rl.aggregate(loss.flatten(), mask.flatten(), "seq-mean-token-sum-norm", 8.0, seq=seq.flatten(),
                                        sequences=2), torch.tensor(7.0 / 8))
+
+
+# ---- the policy losses: GSPO, CISPO, SAPO, and the sequence-level importance weights ---------------------
+# One small batch for every loss: three responses (label space, right padding), their token log-probs
+# now and at π_old, one advantage per response. Expected values are written from the papers' formulas
+# in plain Python, never from lib/rl.py.
+
+DELTAS = [[0.1, 0.3, 0.0], [-0.5, 0.2, 0.0], [0.0, 0.0, 0.0]]  # log π − log π_old per token (0 on padding)
+MASK = [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
+ADV = [1.0, -1.0, 2.0]
+
+
+def _batch():
+    old = t([-1.0, -2.0, -0.5], [-1.5, -0.7, -3.0], [-0.2, -9.0, -9.0])
+    logp = (old + t(*DELTAS)).requires_grad_()
+    adv = torch.tensor(ADV)[:, None].expand(3, 3) * t(*MASK)
+    return logp, old, adv, t(*MASK)
+
+
+def _hand_aggregates(per_token: list[list[float]], norm: int = 4) -> dict[str, float]:
+    """token-mean, seq-mean-token-mean and seq-mean-token-sum-norm of per-token values over MASK."""
+    rows = [[v for v, m in zip(r, mr) if m] for r, mr in zip(per_token, MASK)]
+    tokens = sum(len(r) for r in rows)
+    return {"token-mean": sum(map(sum, rows)) / tokens,
+            "seq-mean-token-mean": sum(sum(r) / len(r) for r in rows) / len(rows),
+            "seq-mean-token-sum-norm": sum(map(sum, rows)) / (len(rows) * norm)}
+
+
+def _check_aggregates(loss: torch.Tensor, mask: torch.Tensor, expected: list[list[float]]):
+    hand = _hand_aggregates(expected)
+    denominators = {"token-mean": float(mask.sum()), "seq-mean-token-mean": 3.0, "seq-mean-token-sum-norm": 12.0}
+    for mode, value in hand.items():
+        assert rl.aggregate(loss, mask, mode, denominators[mode]).item() == pytest.approx(value, rel=1e-6), mode
+
+
+def test_gspo_hand_computed_with_each_aggregation():
+    logp, old, adv, mask = _batch()
+    loss, clipped, _ = rl.gspo_loss(logp, old, adv, mask, clip_eps=0.2, clip_eps_high=0.28)
+    # Sequence ratios: e^mean(0.1, 0.3) = e^0.2 = 1.2214 (A = 1, within 1 + 0.28: not clipped);
+    # e^mean(−0.5, 0.2, 0) = e^−0.1 = 0.9048 (A = −1, within 0.8: not clipped); e^0 = 1 (A = 2).
+    s = [math.exp(0.2), math.exp(-0.1), 1.0]
+    expected = [[-s[0], -s[0], 0.0], [s[1], s[1], s[1]], [-2.0, 0.0, 0.0]]
+    assert torch.allclose(loss * mask, t(*expected))
+    assert not (clipped * mask).any()
+    _check_aggregates(loss, mask, expected)
+    # The clip acts on the sequence's ratio, for all its tokens: 1.2214 > 1 + 0.2.
+    loss, clipped, _ = rl.gspo_loss(logp, old, adv, mask, clip_eps=0.2)
+    assert torch.allclose(loss[0, :2], torch.tensor([-1.2, -1.2])) and clipped[0, :2].tolist() == [1.0, 1.0]
+
+
+def test_gspo_gradient_is_the_sequence_ratios():
+    # GSPO's gradient of −A·s_i with s_i = exp(mean_t (log π − log π_old)): every token of response i
+    # gets −A·s_i·(1/|y_i|) through the mean; in the token form each token carries −A·s_i itself, and
+    # seq-mean-token-mean divides by |y_i| — the same gradient. Clipped sequences get none.
+    logp, old, adv, mask = _batch()
+    loss, _, _ = rl.gspo_loss(logp, old, adv, mask, clip_eps=0.2, clip_eps_high=0.28)
+    rl.aggregate(loss, mask, "seq-mean-token-mean", 3.0).backward()
+    s = [math.exp(0.2), math.exp(-0.1), 1.0]
+    lens = [2, 3, 1]
+    expected = [[-ADV[i] * s[i] / lens[i] / 3 * m for m in MASK[i]] for i in range(3)]
+    assert torch.allclose(logp.grad, t(*expected), atol=1e-7)
+
+
+def test_gspo_sequence_ratio_does_not_depend_on_packing_or_grouping():
+    # ppo computes the loss over packed tokens (padding removed, sequences end to end, an extra
+    # sequence-parallel padding token), a micro-batch at a time: any grouping of whole sequences
+    # gives each token the same loss and gradient as the padded batch at once.
+    from llamarl.lib.batch import TokenBatch
+
+    g = torch.Generator().manual_seed(3)
+    lens = [(2, 5), (4, 1), (1, 3), (3, 6), (2, 2)]  # (prompt, response) tokens
+    width = max(p + r for p, r in lens)
+    mask = torch.zeros(len(lens), width)
+    real = torch.zeros(len(lens), width, dtype=torch.long)
+    for i, (p, r) in enumerate(lens):
+        mask[i, p - 1 : p - 1 + r] = 1
+        real[i, : p + r] = 1
+    old = -torch.rand(len(lens), width, generator=g) * 3
+    logp0 = old + torch.randn(len(lens), width, generator=g) * 0.1
+    adv = torch.randn(len(lens), 1, generator=g).expand(-1, width) * mask
+
+    def run(groups):
+        logp = logp0.clone().requires_grad_()
+        losses = torch.zeros(len(lens), width)
+        for rows in groups:
+            idx = torch.tensor(rows)
+            batch = TokenBatch.from_padded(real[idx], real[idx], pad_to_multiple=4)
+            flat = {k: batch.flat(v[idx]) for k, v in (("logp", logp), ("old", old), ("adv", adv), ("mask", mask))}
+            seq = batch.flat(rl.sequence_index(mask[idx]))
+            loss, _, _ = rl.gspo_loss(flat["logp"], flat["old"], flat["adv"], flat["mask"], 3e-4, 4e-4, seq, len(rows))
+            rl.aggregate(loss, flat["mask"], "seq-mean-token-mean", float(len(lens)), seq, len(rows)).backward()
+            losses[idx] = batch.to_padded(loss.detach()).float()
+        return losses * mask, logp.grad
+
+    whole = run([[0, 1, 2, 3, 4]])
+    for groups in ([[0], [1, 2], [3, 4]], [[4, 2], [0, 3, 1]]):
+        other = run(groups)
+        assert torch.allclose(other[0], whole[0], rtol=1e-6, atol=1e-7) and torch.allclose(other[1], whole[1], atol=1e-8)
+    # ... and the same as over the padded rows.
+    logp = logp0.clone().requires_grad_()
+    loss, _, _ = rl.gspo_loss(logp, old, adv, mask, 3e-4, 4e-4)
+    assert torch.allclose(loss.detach() * mask, whole[0], rtol=1e-6, atol=1e-7)
+
+
+def test_cispo_hand_computed_with_each_aggregation():
+    logp, old, adv, mask = _batch()
+    loss, capped, _ = rl.cispo_loss(logp, old, adv, cap=1.2)
+    # −sg(min(r, 1.2))·A·log π per token: r = e^δ, so e^0.1, e^0.3 → 1.2 (capped), e^−0.5, e^0.2 → 1.2, 1, 1.
+    w = [[math.exp(0.1), 1.2, 1.0], [math.exp(-0.5), 1.2, 1.0], [1.0, 1.0, 1.0]]
+    lp = (old + t(*DELTAS)).tolist()
+    expected = [[-w[i][j] * ADV[i] * lp[i][j] * MASK[i][j] for j in range(3)] for i in range(3)]
+    assert torch.allclose(loss * mask, t(*expected))
+    assert (capped * mask).tolist() == [[0, 1, 0], [0, 1, 0], [0, 0, 0]]
+    _check_aggregates(loss, mask, expected)
+
+
+def test_cispo_keeps_the_gradient_of_a_clipped_token():
+    # A token whose ratio is past the clip: PPO's surrogate gives it no gradient, CISPO the capped
+    # weight times −A (the weight is a constant: no gradient through it).
+    old = torch.zeros(2)
+    logp = torch.log(torch.tensor([3.0, 0.5])).requires_grad_()
+    adv = torch.tensor([1.0, 1.0])
+    ppo, clipped, _ = rl.policy_loss(logp, old, adv, clip_eps=0.2)
+    (ppo_grad,) = torch.autograd.grad(ppo.sum(), logp)
+    assert clipped[0] == 1 and ppo_grad[0] == 0
+    cispo, capped, _ = rl.cispo_loss(logp, old, adv, cap=2.0)
+    (grad,) = torch.autograd.grad(cispo.sum(), logp)
+    assert capped.tolist() == [1.0, 0.0]
+    assert torch.allclose(grad, torch.tensor([-2.0, -0.5]))  # −min(r, 2)·A: 2 for r = 3, 0.5 for r = 0.5
+
+
+def test_sapo_hand_computed_with_each_aggregation():
+    logp, old, adv, mask = _batch()
+    loss, clipped, _ = rl.sapo_loss(logp, old, adv, tau_pos=1.0, tau_neg=1.05)
+
+    def gate(r, tau):  # the paper's f(r) = σ(τ(r − 1))·4/τ
+        return 4 / tau / (1 + math.exp(-tau * (r - 1)))
+
+    expected = [[-gate(math.exp(DELTAS[i][j]), 1.0 if ADV[i] > 0 else 1.05) * ADV[i] * MASK[i][j] for j in range(3)]
+                for i in range(3)]
+    assert torch.allclose(loss * mask, t(*expected))
+    assert not clipped.any()
+    _check_aggregates(loss, mask, expected)
+
+
+def _sapo_grad(ratio: float, adv: float, tau: float) -> float:
+    logp = torch.tensor([math.log(ratio)], dtype=torch.float64, requires_grad=True)
+    loss, _, _ = rl.sapo_loss(logp, torch.zeros(1, dtype=torch.float64), torch.tensor([adv], dtype=torch.float64),
+                              tau_pos=tau, tau_neg=tau)
+    loss.sum().backward()
+    return logp.grad.item()
+
+
+def test_sapo_gate_between_no_clip_and_a_closed_trust_region():
+    # d(−A·f(r))/d log π = −A·sech²(τ(r − 1)/2)·r: the unclipped surrogate's −A·r scaled by a weight
+    # that is 1 on-policy and falls smoothly as r leaves 1, faster for a larger τ.
+    for r, a, tau in ((1.3, 1.0, 1.0), (0.7, -1.0, 1.05), (2.0, 0.5, 3.0)):
+        assert _sapo_grad(r, a, tau) == pytest.approx(-a * r / math.cosh(tau * (r - 1) / 2) ** 2, rel=1e-12)
+    for tau in (1e-3, 1.0, 100.0):  # on-policy: exactly the unclipped gradient, whatever τ
+        assert _sapo_grad(1.0, 2.0, tau) == pytest.approx(-2.0, rel=1e-12)
+    # τ → 0: no clip at all — the gradient of −A·r at every ratio, also where PPO's clip gives none.
+    for r in (0.5, 1.1, 1.5, 3.0):
+        assert _sapo_grad(r, 1.0, 1e-4) == pytest.approx(-r, rel=1e-6)
+    # τ → ∞: the gate closes to the ratio 1 — no gradient once r leaves it by more than a few 1/τ.
+    assert abs(_sapo_grad(1.2, 1.0, 100.0)) < 1e-6 and abs(_sapo_grad(0.9, -1.0, 100.0)) < 1e-3
+    # Its half-gradient band is |r − 1| < 2·arccosh(√2)/τ ≈ 1.763/τ: a smooth trust region of that width.
+    edge = 1 + 2 * math.acosh(math.sqrt(2)) / 10.0
+    assert _sapo_grad(edge, 1.0, 10.0) == pytest.approx(-0.5 * edge, rel=1e-9)
+
+
+def test_sequence_tis_weights_hand_computed():
+    old = t([-1.0, -1.0, 0.0], [-1.0, -2.0, -3.0], [-1.0, 0.0, 0.0])
+    rollout = t([-1.0, -1.5, 0.0], [-2.0, -1.5, -3.0], [-0.2, 0.0, 0.0])
+    mask = t([1, 1, 0], [1, 1, 1], [1, 0, 0])
+    w, cut = rl.sequence_tis_weights(old, rollout, mask, cap=2.0)
+    # Π π_old/π_rollout over each response: e^0.5; e^(1 − 0.5) = e^0.5; e^−0.8 — then min(·, 2)
+    assert torch.allclose(w, t(*[[x] * 3 for x in (math.exp(0.5), math.exp(0.5), math.exp(-0.8))]))
+    assert not cut.any()
+    w, cut = rl.sequence_tis_weights(old, rollout, mask, cap=1.5)
+    assert torch.allclose(w[:, 0], torch.tensor([1.5, 1.5, math.exp(-0.8)])) and cut[:, 0].tolist() == [1, 1, 0]
+    # The product over a response is not the mean: the token weights here are 1, e^0.5 and e, e^−0.5, 1.
+    tok, _ = rl.tis_weights(old, rollout, cap=10.0)
+    assert torch.allclose((tok * mask)[1], torch.tensor([math.e, math.exp(-0.5), 1.0]))
+    same, cut = rl.sequence_tis_weights(old, old.clone(), mask, cap=1.0)
+    assert torch.equal(same, torch.ones_like(same)) and not cut.any()
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo", "sapo"])
+def test_each_policy_loss_learns_a_bandit(loss):
+    # A policy over 8 tokens, responses of 4 tokens scored by their tokens' mean value k/7, GRPO
+    # advantages over groups of 8, two epochs over each batch (the second off-policy): every loss
+    # moves the expected value from 0.5 towards 1 within 15 batches.
+    g = torch.Generator().manual_seed(0)
+    value = torch.linspace(0, 1, 8)
+    logits = torch.zeros(8, requires_grad=True)
+    opt = torch.optim.Adam([logits], lr=0.1)
+    losses = {"ppo": lambda lp, old, a, m: rl.policy_loss(lp, old, a, 0.2, 3.0),
+              "gspo": lambda lp, old, a, m: rl.gspo_loss(lp, old, a, m, 3e-4, 4e-4),
+              "cispo": lambda lp, old, a, m: rl.cispo_loss(lp, old, a, 5.0),
+              "sapo": lambda lp, old, a, m: rl.sapo_loss(lp, old, a, 1.0, 1.05)}
+    mask = torch.ones(32, 4)
+    for _ in range(15):
+        with torch.no_grad():
+            tokens = torch.multinomial(logits.softmax(-1), 32 * 4, replacement=True, generator=g).view(32, 4)
+            old = logits.log_softmax(-1)[tokens]
+        scores = value[tokens].mean(-1)
+        adv = rl.grpo_advantages(scores, [i // 8 for i in range(32)], mask)
+        for _ in range(2):
+            pg, _, _ = losses[loss](logits.log_softmax(-1)[tokens], old, adv, mask)
+            opt.zero_grad()
+            rl.aggregate(pg, mask, "seq-mean-token-mean", 32.0).backward()
+            opt.step()
+    assert (logits.softmax(-1) * value).sum().item() > 0.8

@@ -213,7 +213,7 @@ GOLDEN_KEYS = {
     "shard": "e297a2b650ef9ef1",
     "rollout": "b8b5198cbf14d0b6",
     "score": "c61100ef0a15e5cb",
-    "ppo": "86bd9e8d8ca45629",
+    "ppo": "4c1ff0bc48bea11f",
     "export": "70aba1e5750d6545",
 }
 
