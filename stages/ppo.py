@@ -29,7 +29,6 @@ This module is the recipe; the work is in ``ppo_data`` (1, 3 and the batches), `
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -50,6 +49,7 @@ from llamarl.stages.ppo_data import (
     micro_batches,
     mini_batch,
 )
+from llamarl.stages.ppo_metrics import finite_or_null, json_lines
 from llamarl.stages.ppo_state import (
     clear_published,
     clear_state,
@@ -194,7 +194,7 @@ def run(cfg: PPOConfig) -> None:
     lines = metrics_on_rank0(metrics_lines, topo)
     tis = metrics_on_rank0(tis_mine, topo) if cfg.uses_tis() else None
     if rank == 0:
-        publish.write_bytes(f"{out}/{contract.METRICS}", "".join(json.dumps(x) + "\n" for x in lines).encode())
+        publish.write_bytes(f"{out}/{contract.METRICS}", json_lines(lines))
         files = {contract.METRICS: publish.file_entry(f"{out}/{contract.METRICS}")}
         _test_hook("wrote metrics")
         summary = {"steps": total, "seconds": clock.laps, "dtype": dtypes.name(dtype),
@@ -208,7 +208,7 @@ def run(cfg: PPOConfig) -> None:
         # The id of each sub-output: the stage's own id changes with any of them.
         parts = [*trainers, *(f"{contract.TRAIN_STATE}/{name}" for name in trainers)]
         publish.publish(out, {"kind": contract.PPO, "timing": job.timing(), "request": request, "files": files,
-                              "summary": summary, "actor": contract.ACTOR,
+                              "summary": finite_or_null(summary), "actor": contract.ACTOR,
                               "critic": contract.CRITIC if critic is not None else None,
                               "train_state": {name: f"{contract.TRAIN_STATE}/{name}" for name in trainers},
                               "outputs": {p: publish.output_id(f"{out}/{p}") for p in parts},
