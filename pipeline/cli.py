@@ -72,9 +72,12 @@ def _print_metrics(console, run_dir: str, iterations: int) -> None:
     table = Table(title="per iteration (score: mean of that iteration's rollout)")
     for col in ("iteration", "mean score", "KL", "policy loss", "value loss", "entropy"):
         table.add_column(col, justify="right")
+    def shown(value, digits: int = 4) -> str:
+        return "–" if value is None else f"{value:.{digits}f}"  # None: no step defines it (value loss, no critic)
+
     for r in rows:
-        table.add_row(str(r["iteration"]), f"{r['mean_score']:.4f}", f"{r['kl']:.4f}", f"{r['policy_loss']:.4f}",
-                      f"{r['value_loss']:.4f}", f"{r['entropy']:.3f}")
+        table.add_row(str(r["iteration"]), shown(r["mean_score"]), shown(r["kl"]), shown(r["policy_loss"]),
+                      shown(r["value_loss"]), shown(r["entropy"], 3))
     console.print(table)
     console.print(f"plot: {run_dir}/metrics.png   export: {run_dir}/export")
 

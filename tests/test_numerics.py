@@ -187,3 +187,14 @@ def test_the_runs_metrics_average_what_is_defined(tmp_path):
     written = [_strict(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kl"], r["value_loss"]) for r in written] == [(1.0, None), (1.0, 3.0)], written
     assert (run / "metrics.png").read_bytes()[:4] == b"\x89PNG"  # an iteration of no value loss plots as a gap
+    # and `llamarl run` prints its table with a dash there
+    import io
+
+    from rich.console import Console
+
+    from llamarl.pipeline.cli import _print_metrics
+
+    out = io.StringIO()
+    _print_metrics(Console(file=out, width=120), str(run), 2)
+    rows = [line for line in out.getvalue().splitlines() if line.startswith("│")]
+    assert [line.split("│")[5].strip() for line in rows] == ["–", "3.0000"], out.getvalue()  # value loss
