@@ -29,9 +29,10 @@ import time
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from llamarl.lib.errors import EXIT_STATUS_ENV, EXIT_USER_ERROR, UserError
+from llamarl.stages.config import Strict
 
 from .executor import ExecutorBase, StageResult, per_node, stage_args
 
@@ -54,9 +55,9 @@ def _dns_name(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:50]
 
 
-class KubernetesOptions(BaseModel):
+class KubernetesOptions(Strict):
     # YAML reads `cpu: 32` as a number; the API takes quantities as strings.
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+    model_config = ConfigDict(coerce_numbers_to_str=True)
 
     image: str = Field(description="Container image with llamarl installed.")
     pvc: str = Field(description="PersistentVolumeClaim holding the run's storage.")

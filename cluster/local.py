@@ -18,16 +18,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from llamarl.lib.errors import EXIT_USER_ERROR, UserError
+from llamarl.stages.config import Strict
 
 from .executor import ExecutorBase, StageResult, free_port, per_node, stage_command
 
 
-class LocalOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class LocalOptions(Strict):
     threads_per_process: int = Field(1, ge=1, description="OMP/intra-op threads each process may use (CPU runs).")
     grace_s: float = Field(30.0, ge=0, description="Seconds the other processes get to exit after one has failed.")
     max_concurrent_stages: int = Field(1, ge=1, description="Stages that may run at once when the DAG allows it "

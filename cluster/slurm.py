@@ -23,9 +23,10 @@ import time
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from llamarl.lib.errors import UserError
+from llamarl.stages.config import Strict
 
 from .executor import ExecutorBase, StageResult, free_port, per_node, stage_args
 
@@ -114,9 +115,7 @@ class StageFailed(RuntimeError):
     """A detached stage's failure, raised so that Slurm marks its job failed."""
 
 
-class SlurmOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class SlurmOptions(Strict):
     folder: str | None = Field(None, description="Where submitit keeps job scripts, pickles and logs, on storage "
                                                  "every node sees; default RUN/pipeline/slurm.")
     partition: str | None = Field(None, description="Slurm partition; default: the cluster's.")

@@ -82,10 +82,12 @@ class GradBuffer:
         if tied is not None:
             dist.all_reduce(tied.main_grad, group=self.embedding_group)
 
-    def clip(self, max_norm: float | None) -> float:
+    def clip(self, max_norm: float | None) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm
-        before. One fused norm over all pieces (``torch._foreach_norm``, what torch's own
-        ``clip_grad_norm_`` uses), in fp32, summed in fp64 with each piece's share weight."""
+        before, a 0-d fp64 tensor on the device. One fused norm over all pieces
+        (``torch._foreach_norm``, what torch's own ``clip_grad_norm_`` uses), in fp32, summed in fp64
+        with each piece's share weight. Nothing is read back to the host: the caller reads the norm
+        with the step's other checks, once (a non-finite norm leaves the gradients non-finite)."""
         if self._shares is None:
             self._shares = _share_weights(self.model, self.topo)
         pieces, shares = [], []
@@ -97,9 +99,12 @@ class GradBuffer:
         total = (torch.stack(torch._foreach_norm(pieces)).double().square() * share).sum()
         if self.model_parallel_group is not None:
             dist.all_reduce(total, group=self.model_parallel_group)
-        norm = float(total.sqrt())
-        if max_norm is not None and norm > max_norm:
-            torch._foreach_mul_([p.main_grad for p in self.model.parameters()], max_norm / (norm + 1e-6))
+        norm = total.sqrt()
+        if max_norm is not None:
+            # As clip_grad_norm_: a factor clamped to 1 (multiplying by exactly 1 changes nothing),
+            # so that no host branch has to read the norm.
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+            torch._foreach_mul_([p.main_grad for p in self.model.parameters()], scale)
         return norm
 
 
@@ -163,6 +168,20 @@ class ShardedAdamW:
     def lr(self, value: float) -> None:
         for g in self.inner.param_groups:
             g["lr"] = value
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of the model's parameters, which the masters are copied into after each step."""
+        return next(iter(self.params.values())).dtype
+
+    def largest_master(self) -> torch.Tensor:
+        """The largest magnitude among this rank's fp32 masters: a 0-d tensor on the device, NaN
+        when one is NaN (one fused pass, ``torch._foreach_norm`` of order inf; no host sync)."""
+        masters = list(self.master.values())
+        if not masters:
+            return torch.zeros((), device=self.device)
+        with torch.no_grad():  # fp32 parameters are their own masters: no graph to record
+            return torch.stack(torch._foreach_norm(masters, ord=math.inf)).max()
 
     def step(self) -> None:
         for n, m in self.master.items():

@@ -73,7 +73,7 @@ def _print_metrics(console, run_dir: str, iterations: int) -> None:
     columns = {"iteration": "iteration", "mean score": "mean_score", "KL": "kl", "policy loss": "policy_loss",
                "value loss": "value_loss", "entropy": "entropy"}
     if any("val_score" in r for r in rows):
-        columns["validation score"] = "val_score"
+        columns["val score"] = "val_score"
     for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
@@ -83,8 +83,8 @@ def _print_metrics(console, run_dir: str, iterations: int) -> None:
 
 
 def _cell(value) -> str:
-    if value is None:
-        return "-"
+    if value is None:  # no step defines it (the value loss without a critic)
+        return "–"
     return str(value) if isinstance(value, int) else f"{value:.4f}"
 
 

@@ -20,6 +20,7 @@ from collections import defaultdict
 import fsspec
 
 from llamarl.lib import publish
+from llamarl.stages.ppo_metrics import json_lines, mean
 
 PLOTTED = ("mean_score", "kl", "policy_loss", "value_loss")
 STEP_MEANS = ("kl", "policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "actor_grad_norm")
@@ -74,8 +75,7 @@ def iteration_metrics(run: str, iterations: int) -> list[dict]:
         row = {"iteration": i, "mean_score": manifest["summary"]["mean_score"],
                "mean_response_length": manifest["summary"]["mean_response_length"], "steps": len(steps)}
         for key in STEP_MEANS:
-            values = [s[key] for s in steps if key in s]
-            row[key] = sum(values) / len(values) if values else None
+            row[key] = mean([s.get(key) for s in steps])  # None (null) where no step defines it
         validation = (read_record(run, f"iter-{i:03d}/val-scores") or {})
         if validation.get("status") == "done" and validation.get("metrics"):
             row |= validation["metrics"]
@@ -85,7 +85,7 @@ def iteration_metrics(run: str, iterations: int) -> list[dict]:
 
 def update_metrics(run: str, iterations: int) -> list[dict]:
     rows = iteration_metrics(run, iterations)
-    publish.write_bytes(f"{run}/metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    publish.write_bytes(f"{run}/metrics.jsonl", json_lines(rows))
     if rows:
         publish.write_bytes(f"{run}/metrics.png", plot(rows))
     return rows

@@ -255,6 +255,16 @@ class RunSpec(_Strict):
         if self.retention.keep_every and self.retention.keep_last is None:
             raise ValueError("retention.keep_every keeps actors that retention.keep_last would delete, but keep_last is "
                              "not set (everything is kept); set retention.keep_last or remove keep_every")
+        sampling = self.rollout.sampling
+        greedy = ("rollout.sampling.temperature=0" if sampling.temperature == 0 else
+                  "rollout.sampling.top_k=1" if sampling.top_k == 1 else None)
+        if grouped and greedy:
+            lost = [what for what, on in (("every advantage would be 0", self.ppo.advantage in GROUP_ADVANTAGES),
+                                          ("dynamic sampling would drop every prompt", self.ppo.dynamic_sampling)) if on]
+            raise ValueError(f"{' and '.join(grouped)} compares each prompt's samples with each other, but {greedy} "
+                             f"draws them greedily: every sample of a prompt is the same, so {' and '.join(lost)}; "
+                             "sample (temperature > 0, top_k 0 or > 1), or use advantage 'gae' without dynamic "
+                             "sampling")
         spread = next(((name, lay.nodes) for name, lay in self.layout if lay.nodes > 1), None)
         if spread and self.executor.kind == "local":
             raise ValueError(f"layout.{spread[0]}.nodes={spread[1]} needs a cluster executor: the local executor runs "

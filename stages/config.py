@@ -21,6 +21,7 @@ and reads in the caller's words: ``layout.ppo.tp`` in a run spec, ``--tp`` on a 
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from typing import Annotated, Any, Literal, Mapping, TypeVar
 
@@ -38,6 +39,8 @@ ComputeDtype = Literal[("auto", *CONFIG_NAMES)]
 TrainDtype = Literal[tuple(d for d in ("auto", *CONFIG_NAMES) if d != "fp16")]
 """What ppo trains in: no fp16, which would need loss scaling."""
 Count = Annotated[int, Field(ge=1)]
+INT32_MAX = 2**31 - 1  # rollout parts store sample indices (and token ids) as int32
+MAX_TIMEOUT_S = 10**9  # ~31 years: "never"; far larger overflows the timedelta that torch's process groups take
 
 INPUT, OUTPUT, LAYOUT, PLACEMENT = "input", "output", "layout", "placement"
 WIRED = (INPUT, OUTPUT, LAYOUT)  # kinds the pipeline fills in
@@ -68,13 +71,23 @@ def kind_of(field) -> str:
 C = TypeVar("C", bound="StageConfig")
 
 
-class StageConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+class Strict(BaseModel):
+    """The base of every options model — each stage's config and its parts, the options a run spec
+    sets (``options_model``), the executors' options: an unknown option is refused, and so is a
+    float that is not finite. YAML's ``.inf`` / ``.nan`` and JSON's ``Infinity`` / ``NaN`` parse as
+    floats, and no option means them: an infinite learning rate or KL coefficient would train every
+    weight to inf and publish it."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StageConfig(Strict):
+    model_config = ConfigDict(validate_default=True)
 
     collective_timeout_s: int = placement(
         600, "Seconds a collective (all-reduce, barrier, ...) may wait for a peer before the stage fails with the "
              "lost rank named; bounds how long a job hangs after a host dies. Raise it for steps that are slow "
-             "on one rank only (e.g. rank 0 writing a large file while the others wait).")
+             "on one rank only (e.g. rank 0 writing a large file while the others wait).", ge=1, le=MAX_TIMEOUT_S)
 
     @classmethod
     def parse(cls: type[C], data: Any, source: str) -> C:
@@ -217,10 +230,9 @@ class ExportConfig(StageConfig):
 # ---- rollout --------------------------------------------------------------------------------------------
 
 
-class Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    samples_per_prompt: Count = Field(1, description="Responses drawn for each prompt (GRPO-style groups need several).")
+class Sampling(Strict):
+    samples_per_prompt: Count = Field(1, le=INT32_MAX, description="Responses drawn for each prompt (GRPO-style groups "
+                                                                   "need several).")
     temperature: float = Field(1.0, ge=0, description="Softmax temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens whose "
                                                       "probability reaches top_p.")
@@ -232,7 +244,7 @@ class Sampling(BaseModel):
                                      "(seed, r, k): responses depend on nothing else (not layout, batch or chunks).")
 
 
-class PromptSelection(BaseModel):
+class PromptSelection(Strict):
     """Which rows of the prompts one rollout takes, as a pure function of these four numbers.
 
     The rows form an endless stream of epochs: epoch e is a permutation of every row, drawn from
@@ -240,8 +252,6 @@ class PromptSelection(BaseModel):
     [``start``, ``start + count``) of that stream, so an epoch boundary inside it takes the tail of
     one epoch and the head of the next. A row keeps its row number in the dataset as its key (its
     prompt id without ``id_column``, and what its random streams are keyed by)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     seed: int = Field(0, description="Seed of every epoch's permutation.")
     shuffle: bool = Field(True, description="A new seeded permutation every epoch; false: the rows in file order.")
@@ -303,8 +313,8 @@ def describe_rules() -> list[str]:
     return lines
 
 
-class RewardTerm(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)  # no args is checked too (regex needs some)
+class RewardTerm(Strict):
+    model_config = ConfigDict(validate_default=True)  # no args is checked too (regex needs some)
 
     name: str = Field(description=f"rm (the reward model), a built-in rule ({', '.join(BUILTIN)}) or "
                                   "module:function.")
@@ -328,6 +338,9 @@ class RewardTerm(BaseModel):
         name = info.data.get("name")
         if name == "rm" and args:
             raise ValueError("the reward model takes no args; remove them")
+        bad = _non_finite(args)
+        if bad is not None:
+            raise ValueError(f"{bad[0]}={bad[1]!r}: Input should be a finite number")
         if name not in BUILTIN:
             return args
         sig, params = _rule_inputs(BUILTIN[name])
@@ -343,6 +356,19 @@ class RewardTerm(BaseModel):
                 except ValidationError as e:
                     raise ValueError(f"{p.name}={args[p.name]!r}: {e.errors()[0]['msg']}; {takes}") from None
         return args
+
+
+def _non_finite(value: Any, at: str = "") -> tuple[str, float] | None:
+    """The first float in ``value`` (through lists and mappings) that is inf or nan, with where it
+    sits (``scale``, ``bounds.1``): the same rule as every typed option, for a rule's untyped args."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return at, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{at}.{key}" if at else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class ScoreConfig(StageConfig):
@@ -385,6 +411,14 @@ class ScoreConfig(StageConfig):
                               "the 'rm' term")
         return self
 
+    @model_validator(mode="after")
+    def _some_weight(self):
+        # Every score would be 0: no sample could be told from another, so nothing could be learnt.
+        if all(t.weight == 0 for t in self.rewards):
+            raise FieldsError("every term of {rewards} has weight 0, so every score would be 0 and no sample better "
+                              "than another; give a term a non-zero weight")
+        return self
+
 
 # ---- ppo ---------------------------------------------------------------------------------------------------
 
@@ -423,8 +457,9 @@ class PPOConfig(StageConfig):
     use_kl_loss: bool = Field(False, description="KL as a loss term instead of a reward penalty.")
     whiten_advantages: bool = Field(True, description="Normalise gae, reinforce++ and reinforce++-baseline "
                                                       "advantages to mean 0, std 1 over the batch's response tokens.")
-    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip ε: the ratio is kept within [1 − ε, 1 + ε] "
-                                                    "(the upper bound 1 + clip_eps_high when that is set).")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip ε, below 1: the ratio is kept within "
+                                                          "[1 − ε, 1 + ε] (the upper bound 1 + clip_eps_high when "
+                                                          "that is set).")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper ratio clip ε_high, for clip-higher (DAPO: "
                                                                 "0.28 with clip_eps 0.2); null: clip_eps.")
     dual_clip: float | None = Field(3.0, gt=1, description="Dual-clip bound c (> 1) for negative advantages; null "
@@ -458,8 +493,9 @@ class PPOConfig(StageConfig):
     ppo_epochs: Count = Field(1, description="Passes over the rollout.")
     mini_batch_size: Count = Field(8, description="Sequences per optimizer step (over all DP ranks).")
     micro_batch_tokens: Count = Field(4096, description="Token budget of one forward/backward (per rank).")
-    actor_lr: float = Field(1e-6, ge=0, description="Actor learning rate (AdamW).")
-    critic_lr: float = Field(1e-5, ge=0, description="Critic learning rate (AdamW).")
+    # AdamW moves every weight by about lr a step, whatever the gradient's scale: at lr > 1 no model survives.
+    actor_lr: float = Field(1e-6, ge=0, le=1, description="Actor learning rate (AdamW), at most 1.")
+    critic_lr: float = Field(1e-5, ge=0, le=1, description="Critic learning rate (AdamW), at most 1.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (actor and critic).")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
         (0.9, 0.999), description="AdamW betas.")
@@ -497,7 +533,8 @@ class PPOConfig(StageConfig):
                                                          "kept prompts, drawn by seed (the fixed batch DAPO fills; "
                                                          "give the rollout more prompts than this to over-sample); "
                                                          "null: every kept prompt.")
-    seed: int = Field(0, description="Seed of the mini-batch order (the same at every layout).")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed of the mini-batch order (the same at every layout); "
+                                                      "0 ≤ seed < 2³² (it seeds torch generators).")
     save_every: int = placement(0, "Save resumable training state every N optimizer steps (0: only at the end); "
                                    "a resumed run ends bit-identical, so this changes no result.", ge=0)
     dtype: TrainDtype = Field(
@@ -505,6 +542,16 @@ class PPOConfig(StageConfig):
                             "need loss scaling). Gradients are accumulated and reduced, and master weights and Adam "
                             "moments kept, in fp32 whatever this is; log-probs, KL, advantages and losses are fp32 "
                             "too. Checkpoints keep the actor's stored dtype.")
+
+    @model_validator(mode="after")
+    def _trains(self):
+        if self.actor_lr > 0 or (self.advantage == "gae" and self.critic_lr > 0):
+            return self
+        if self.advantage != "gae":
+            raise FieldsError(f"{{actor_lr}} is 0 and {{advantage}}={self.advantage!r} trains no critic: no weight "
+                              "would change; raise {actor_lr}")
+        raise FieldsError("{actor_lr} and {critic_lr} are both 0: neither the actor nor the critic would change; raise "
+                          "one of them")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -574,7 +621,7 @@ def options_model(cls: type[StageConfig]) -> type[BaseModel]:
         raise ValueError(f"{key} is filled in by the pipeline (from the spec's actor, prompts, reward_model and the "
                          "stages before); remove it here")
 
-    return create_model(f"{cls.__name__.removesuffix('Config')}Options", __config__=ConfigDict(extra="forbid"),
+    return create_model(f"{cls.__name__.removesuffix('Config')}Options", __base__=Strict,
                         __doc__=f"Options of the {stage} stage that a run spec sets.",
                         __validators__={"_not_wired": model_validator(mode="before")(not_wired)}, **fields)
 

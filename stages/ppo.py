@@ -29,7 +29,6 @@ This module is the recipe; the work is in ``ppo_data`` (1, 3 and the batches), `
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -42,6 +41,7 @@ from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.stages import contract
 from llamarl.stages.config import PPOConfig
+from llamarl.stages.ppo_checks import StepCheck, check_schedule
 from llamarl.stages.ppo_data import (
     advantages,
     check_groups,
@@ -50,6 +50,7 @@ from llamarl.stages.ppo_data import (
     micro_batches,
     mini_batch,
 )
+from llamarl.stages.ppo_metrics import finite_or_null, json_lines
 from llamarl.stages.ppo_state import (
     clear_published,
     clear_state,
@@ -83,6 +84,8 @@ def run(cfg: PPOConfig) -> None:
     joined_length = sum(s.response_len for s in samples) / len(samples)
     samples, sampling_stats = dynamic_sampling(cfg, samples, start_step)
     check_groups(cfg, samples)
+    total = cfg.ppo_epochs * -(-len(samples) // cfg.mini_batch_size)
+    check_schedule(cfg, start_step, total)
     agg_norm = _agg_norm(cfg, rollout_request)
     reference = cfg.reference or cfg.actor
     use_critic = cfg.advantage == "gae"
@@ -143,8 +146,14 @@ def run(cfg: PPOConfig) -> None:
     ref_logp, old_values, actor_logp = (gather_dp(dict(zip(order, x)) if x is not None else None, topo)
                                         for x in (ref_logp, old_values, actor_logp))
 
-    # 3. rewards and advantages (on the last stage, where losses are computed)
+    # 3. rewards and advantages (on the last stage, where losses are computed), checked on every rank
     data = advantages(cfg, samples, ref_logp, old_values, dev, actor_logp) if topo.is_last_stage else None
+    check = StepCheck(cfg, [s.score for s in samples], dev, store_dtype)
+    if data is not None:
+        check.watch("log-probs", data["old_logp"], data["ref_logp"], *([data["tis"]] if "tis" in data else []))
+        check.watch("advantages", data["adv"])
+        check.watch("returns", data["returns"], data["values"])
+    check.verify("before the first optimizer step")
     clock.lap("reference")
 
     # 4. the epochs: one trainer per role (the critic only for GAE)
@@ -154,15 +163,15 @@ def run(cfg: PPOConfig) -> None:
         critic_optim = optim_url(cfg.critic, critic_m, states.get(contract.CRITIC))
         trainers[contract.CRITIC] = Trainer(critic, cfg.critic_lr, cfg, critic_optim,
                                             f"{cfg.critic}/{contract.MODEL}" if critic_m else None, start_step)
-    total = cfg.ppo_epochs * -(-len(samples) // cfg.mini_batch_size)
     done, metrics_lines = resume(out, trainers, start_step)
     clock.lap("load")
     update_tokens = 0
     for k in range(done, total):
         epoch, batch_idx = mini_batch(cfg, len(samples), k)
         step = start_step + k
+        _test_hook(f"step {step + 1}", trainers)
         t0 = time.perf_counter()
-        m = train_step(cfg, trainers, samples, data, batch_idx, step, dev, agg_norm)
+        m = train_step(cfg, trainers, samples, data, batch_idx, step, dev, agg_norm, check)
         m.update(step=step + 1, epoch=epoch, seconds=time.perf_counter() - t0)
         update_tokens += m["tokens"]
         metrics_lines.append(m)
@@ -194,7 +203,7 @@ def run(cfg: PPOConfig) -> None:
     lines = metrics_on_rank0(metrics_lines, topo)
     tis = metrics_on_rank0(tis_mine, topo) if cfg.uses_tis() else None
     if rank == 0:
-        publish.write_bytes(f"{out}/{contract.METRICS}", "".join(json.dumps(x) + "\n" for x in lines).encode())
+        publish.write_bytes(f"{out}/{contract.METRICS}", json_lines(lines))
         files = {contract.METRICS: publish.file_entry(f"{out}/{contract.METRICS}")}
         _test_hook("wrote metrics")
         summary = {"steps": total, "seconds": clock.laps, "dtype": dtypes.name(dtype),
@@ -208,7 +217,7 @@ def run(cfg: PPOConfig) -> None:
         # The id of each sub-output: the stage's own id changes with any of them.
         parts = [*trainers, *(f"{contract.TRAIN_STATE}/{name}" for name in trainers)]
         publish.publish(out, {"kind": contract.PPO, "timing": job.timing(), "request": request, "files": files,
-                              "summary": summary, "actor": contract.ACTOR,
+                              "summary": finite_or_null(summary), "actor": contract.ACTOR,
                               "critic": contract.CRITIC if critic is not None else None,
                               "train_state": {name: f"{contract.TRAIN_STATE}/{name}" for name in trainers},
                               "outputs": {p: publish.output_id(f"{out}/{p}") for p in parts},
@@ -252,17 +261,23 @@ def _agg_norm(cfg: PPOConfig, rollout_request: dict) -> int | None:
     return norm
 
 
-def _test_hook(point: str) -> None:
+def _test_hook(point: str, trainers: dict | None = None) -> None:
     """Tests stop a run at a point of its publication: ``LLAMARL_TEST_PPO_AT="<point>:kill"`` kills
     every process there (as a preemption would), ``"<point>:sleep=S"`` holds it S seconds (a slow
     write). Points: "published actor", "published critic", "published train_state/actor", …,
-    "wrote metrics" (rank 0, before the manifest)."""
+    "wrote metrics" (rank 0, before the manifest); and "step N" (before optimizer step N, every
+    rank), where ``"step N:lr=X"`` sets every role's learning rate to X (inf included), which no
+    config can: the step check's test."""
     spec = os.environ.get("LLAMARL_TEST_PPO_AT", "")
     where, _, action = spec.rpartition(":")
     if where != point:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action.startswith("lr="):
+        for trainer in trainers.values():
+            trainer.lr = float(action.removeprefix("lr="))
+        return
     time.sleep(float(action.removeprefix("sleep=")))
 
 

@@ -35,7 +35,7 @@ class Sample:
 
 def load_samples(rollout: str, scores: str) -> list[Sample]:
     """The rollout's responses with their scores, both verified against their manifests, and the
-    scores checked to be of this very rollout."""
+    scores checked to be of this very rollout and within ±``rl.MAX_ABS_SCORE``."""
     rollout_m = publish.require_verified(rollout, contract.ROLLOUT, f"{contract.PARTS}/")
     scores_m = publish.require_verified(scores, contract.SCORES, f"{contract.PARTS}/")
     scored = scores_m.get("request", {}).get("rollout_id")
@@ -54,8 +54,12 @@ def load_samples(rollout: str, scores: str) -> list[Sample]:
         if not r[contract.RESPONSE_TOKEN_IDS]:
             continue
         prompt, response = r[contract.PROMPT_TOKEN_IDS], r[contract.RESPONSE_TOKEN_IDS]
+        score = float(by_key.pop(key(r))[contract.SCORE])
+        if not abs(score) <= rl.MAX_ABS_SCORE:  # a scores output from before score held them to it
+            raise UserError(f"{scores}: the score of {key(r)} is {score:g}, beyond ±{rl.MAX_ABS_SCORE:g}, where "
+                            "ppo's float32 arithmetic overflows; score the rollout again with its rules scaled down")
         samples.append(Sample(list(prompt) + list(response), len(prompt), list(r[contract.RESPONSE_LOGPROBS]),
-                              float(by_key.pop(key(r))[contract.SCORE]), str(r[contract.PROMPT_ID])))
+                              score, str(r[contract.PROMPT_ID])))
     if by_key:
         raise UserError(f"{scores}: {len(by_key)} scores have no rollout row (first: {next(iter(by_key))}); "
                         "scores and rollout do not belong together")

@@ -19,6 +19,7 @@ from llamarl.lib import job, publish
 from llamarl.lib.errors import UserError
 from llamarl.lib.parallel import Topology
 from llamarl.stages import contract
+from llamarl.stages.ppo_metrics import dumps
 from llamarl.stages.ppo_trainer import Trainer
 
 
@@ -126,7 +127,7 @@ def save_state(out: str, k: int, trainers: dict[str, Trainer], store_dtype: torc
     files = job.file_entries(root, sorted(p[len(path) + 1 :] for p in fs.find(path)))
     if dist.get_rank() == 0:
         marker = {"step": k, "metrics": metrics, "files": files}
-        publish.write_bytes(f"{root}/done.json", json.dumps(marker).encode())  # written last
+        publish.write_bytes(f"{root}/done.json", dumps(marker).encode())  # written last
     dist.barrier()
 
 

@@ -16,6 +16,7 @@ from llamarl.lib.batch import TokenBatch
 from llamarl.lib.parallel import Topology
 from llamarl.stages import contract
 from llamarl.stages.config import PPOConfig
+from llamarl.stages.ppo_checks import StepCheck
 from llamarl.stages.ppo_data import Sample, micro_batches, padded, response_values, tis_stats
 
 
@@ -30,9 +31,9 @@ class Trainer:
         self.opt = optim.ShardedAdamW(model, lr, cfg.betas, weight_decay=cfg.weight_decay)
         self.opt.load_state(optim_url, step, model_url)
 
-    def update(self, batches: list, loss_fn, extras: list, step: int) -> tuple[float, float]:
+    def update(self, batches: list, loss_fn, extras: list, step: int) -> tuple[torch.Tensor, float]:
         """One optimizer step over the micro-``batches``: accumulate, reduce over DP, clip, step.
-        Returns the gradient norm and the learning rate used."""
+        Returns the gradient norm (on the device, unread) and the learning rate used."""
         cfg = self.cfg
         self.grads.zero()
         schedule.forward_backward(self.model, batches, loss_fn, extras)
@@ -158,10 +159,13 @@ def policy_terms(cfg: PPOConfig, logp: torch.Tensor, x: dict) -> tuple[torch.Ten
 
 
 def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sample], data: dict | None,
-               batch_idx: list[int], step: int, dev, agg_norm: int | None = None) -> dict:
+               batch_idx: list[int], step: int, dev, agg_norm: int | None = None, check: StepCheck | None = None) -> dict:
     """One optimizer step of every role on the mini-batch ``batch_idx``; its metrics (the losses on
     the last pipeline stage only, where ``data`` — ``ppo_data.advantages`` — lives). ``agg_norm``:
-    the constant of ``loss_agg`` seq-mean-token-sum-norm."""
+    the constant of ``loss_agg`` seq-mean-token-sum-norm. Collective: the step's losses, gradient
+    norms and masters are checked (``check``, by default one that knows no stored dtype) and a
+    non-finite one stops every rank with a ``UserError``."""
+    check = check if check is not None else StepCheck(cfg, [s.score for s in samples], dev)
     actor = trainers[contract.ACTOR].model
     topo = actor.topology
     mine = batch_idx[topo.dp_rank :: topo.dp]
@@ -202,7 +206,9 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * ent_term
         if cfg.use_kl_loss:
-            loss = loss + cfg.kl_coef * agg(rl.kl_estimate(logp, x["ref_logp"], cfg.kl_estimator), x)
+            kl_loss = cfg.kl_coef * agg(rl.kl_estimate(logp, x["ref_logp"], cfg.kl_estimator), x)
+            check.watch("KL loss", kl_loss)
+            loss = loss + kl_loss
         return loss
 
     def critic_loss(out, x):
@@ -210,10 +216,18 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
         sums["value_loss"] += loss.detach()
         return loss
 
-    metrics = {}
+    metrics, norms = {}, {}
     for name, t in trainers.items():
-        metrics[f"{name}_grad_norm"], metrics[f"{name}_lr"] = t.update(
+        norms[name], metrics[f"{name}_lr"] = t.update(
             batches, actor_loss if name == contract.ACTOR else critic_loss, extras, step)
+        check.watch(f"{name} grad norm", norms[name])
+        check.watch_update(name, t.opt)
+    check.watch("policy loss", sums["policy_loss"])
+    check.watch("entropy", sums["entropy"])
+    if contract.CRITIC in trainers:
+        check.watch("value loss", sums["value_loss"])
+    check.verify(f"optimizer step {step + 1}")
+    metrics.update({f"{name}_grad_norm": float(norm) for name, norm in norms.items()})  # read: the check synced
 
     metrics["tokens"] = sum(len(samples[i].ids) for i in batch_idx)
     if topo.is_last_stage:
@@ -221,6 +235,8 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
         if topo.dp > 1:
             dist.all_reduce(reduced, group=topo.groups.dp)
         metrics.update(dict(zip(sums, reduced.tolist())))
+        if contract.CRITIC not in trainers:
+            metrics["value_loss"] = None  # no critic, no value loss: undefined, not 0
         metrics["mean_score"] = sum(samples[i].score for i in batch_idx) / len(batch_idx)
         metrics["mean_response_length"] = tokens / len(batch_idx)
         metrics["kl"] = data["kl"]

@@ -11,8 +11,9 @@ prompt is cut from the left to ``max_length``. With the same tokenizer the token
 Between parts the RM's parameters wait in host memory (``offload``).
 
 The total score is ``Σ weight × term`` over ``rewards`` (``rm`` or a rule of ``lib.rewards``).
-Inputs are checked before anything is written; a NaN or infinite score stops the stage before
-its part is written. Formats: docs/formats.md.
+Inputs are checked before anything is written. A term that is not a finite float32 (its column's
+type), or a total beyond ±``rl.MAX_ABS_SCORE`` (where ppo's fp32 arithmetic overflows), stops the
+stage before its part is written, naming the term and the row. Formats: docs/formats.md.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, job, parallel, publish, rewards, schedule
+from llamarl.lib import checkpoint, job, parallel, publish, rewards, rl, schedule
 from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
@@ -35,6 +36,7 @@ from llamarl.stages.config import RewardTerm, ScoreConfig
 
 # The rollout columns score reads (rules may read more: the response, kept columns).
 REQUIRED = (*contract.KEY, contract.PROMPT, contract.PROMPT_TOKEN_IDS, contract.RESPONSE_TOKEN_IDS)
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the scores' columns are float32
 
 
 # ---- re-tokenization ---------------------------------------------------------------------------
@@ -157,8 +159,32 @@ def _rule_scores(term: RewardTerm, fn, rows: list[dict], refs, where: str) -> tu
             return None, f"{where}: rule {term.name!r} failed on {key}: {type(e).__name__}: {e}"
         if not isinstance(value, numbers.Real):  # int, float, bool, numpy scalars
             return None, f"{where}: rule {term.name!r} returned {value!r} for {key}; a rule returns a number"
-        out.append(float(value))
+        try:
+            out.append(float(value))
+        except OverflowError:  # an int beyond any float: checked with the others (``_unfit``)
+            out.append(math.inf if value > 0 else -math.inf)
     return out, None
+
+
+def _unfit(rows: list[dict], columns: dict[str, list[float]], terms: list[RewardTerm], total: list[float]) -> str | None:
+    """Why the first row that ppo could not train on cannot be written, naming its term: a term
+    that is not a finite float32, or a total beyond ±``rl.MAX_ABS_SCORE``; None if every row fits."""
+    def who(t: RewardTerm) -> str:
+        return "the reward model ('rm')" if t.name == "rm" else f"rule {t.name!r}"
+
+    for j, row in enumerate(rows):
+        key = (row[contract.PROMPT_ID], row[contract.SAMPLE_INDEX])
+        for t in terms:
+            if not abs(columns[t.name][j]) <= FLOAT32_MAX:
+                return (f"{who(t)} scored {key} {columns[t.name][j]!r}: a score must be a finite number that "
+                        f"float32 holds (its column {contract.term_column(t.name)}); fix the "
+                        + ("reward model" if t.name == "rm" else "rule"))
+        if not abs(total[j]) <= rl.MAX_ABS_SCORE:
+            big = max(terms, key=lambda t: abs(t.weight * columns[t.name][j]))
+            return (f"the score of {key} is {total[j]:g}, beyond ±{rl.MAX_ABS_SCORE:g}, where ppo's float32 arithmetic "
+                    f"overflows (advantages, their whitening, the value loss); {who(big)} gives "
+                    f"{big.weight:g} × {columns[big.name][j]:g} of it: scale it down (its weight) or bound its values")
+    return None
 
 
 def run(cfg: ScoreConfig) -> None:
@@ -229,12 +255,9 @@ def run(cfg: ScoreConfig) -> None:
                     columns[t.name], error = _rule_scores(t, rules[t.name], rows, refs, f"{rollout}/{contract.PARTS}/{name}")
             if writer and error is None:
                 total = [sum(t.weight * columns[t.name][j] for t in terms) for j in range(len(rows))]
-                bad = next((j for j, v in enumerate(total) if not math.isfinite(v)), None)
-                if bad is not None:
-                    key = (rows[bad][contract.PROMPT_ID], rows[bad][contract.SAMPLE_INDEX])
-                    terms_at = {contract.term_column(k): v[bad] for k, v in columns.items()}
-                    error = (f"{rollout}/{contract.PARTS}/{name}: the score of {key} is {total[bad]} (terms: {terms_at}); "
-                             "nothing was written for this part — check the reward model and rules")
+                unfit = _unfit(rows, columns, terms, total)
+                if unfit is not None:
+                    error = f"{rollout}/{contract.PARTS}/{name}: {unfit}; nothing was written for this part"
                 else:
                     contract.write_part(out, name, contract.scores_table(rows, total, columns, rm_id))
                     stats["parts"] += 1

@@ -19,3 +19,13 @@ def returns_none(response: str, row: dict):
 
 def reads_absent_column(response: str, row: dict) -> float:
     return float(row["nope"])
+
+
+def huge(response: str, row: dict) -> float:
+    """±1e30: finite, and far beyond what ppo's float32 arithmetic survives."""
+    return 1e30 if row["sample_index"] % 2 else -1e30
+
+
+def huge_int(response: str, row: dict) -> int:
+    """An int beyond any float."""
+    return 10**400

@@ -14,6 +14,10 @@ can be (a missing or truncated file, a damaged header) is tested below. ppo's sa
 So has the training state a finished ppo publishes beside each role's weights
 (``OUT/train_state/<role>``, read by the next ppo only): every fault, and two of its own (absent
 altogether, or whole but another run's).
+
+Numbers, last: a rule whose score ppo cannot train on (±1e30, nan, an int beyond any float) is
+refused by score; scores beyond that bound written by hand are refused by ppo; and a ppo whose
+optimizer step goes non-finite stops at that step, publishing nothing.
 """
 
 from __future__ import annotations
@@ -235,8 +239,13 @@ def test_rollout_and_export_read_only_the_weights(good, trained, tmp_path):
         assert r.returncode == 0 and publish.read_manifest(str(tmp_path / out)), (stage, r.stderr[-2000:])
 
 
-@pytest.mark.parametrize("rule", ["raises", "returns_none", "reads_absent_column"])
-def test_score_refuses_a_failing_rule_in_one_line(good, tmp_path, rule):
+@pytest.mark.parametrize("rule,needle", [
+    ("raises", "failed on"), ("returns_none", "a rule returns a number"), ("reads_absent_column", "reads column"),
+    # numbers ppo cannot train on: beyond its bound, not finite, beyond any float
+    ("huge", "is -1e+30, beyond ±1e+06, where ppo's float32 arithmetic overflows"),
+    ("nan_rule", "scored ('p0000', 0) nan: a score must be a finite number that float32 holds"),
+    ("huge_int", "scored ('p0000', 0) inf: a score must be a finite number")])
+def test_score_refuses_a_failing_rule_in_one_line(good, tmp_path, rule, needle):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     out = str(tmp_path / "scores")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {"PYTHONPATH": tests_dir}
@@ -245,3 +254,51 @@ def test_score_refuses_a_failing_rule_in_one_line(good, tmp_path, rule):
                        capture_output=True, text=True, timeout=300, env=env)
     _refused(r, out, f"rule {rule}")
     assert f"rule 'rules_for_tests:{rule}'" in r.stderr and "/parts/part-000000.parquet" in r.stderr
+    assert "('p0000', 0)" in r.stderr and needle in r.stderr, r.stderr  # the row, and what is wrong
+
+
+def _forged_scores(src: str, dst: str, value: float) -> None:
+    """A published copy of the scores ``src`` whose every score is ±``value``, checksums and all: what
+    a scores output written by hand, or by a score from before the bound, can hold."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shutil.copytree(src, dst)
+    part = os.path.join(dst, "parts", "part-000000.parquet")
+    table = pq.read_table(part)
+    forged = pa.array([value * (-1) ** i for i in range(table.num_rows)], pa.float32())
+    pq.write_table(table.set_column(table.schema.get_field_index("score"), "score", forged), part)
+    manifest = json.load(open(os.path.join(dst, publish.MANIFEST)))
+    manifest["files"]["parts/part-000000.parquet"] = publish.file_entry(part)
+    json.dump(manifest, open(os.path.join(dst, publish.MANIFEST), "w"))
+
+
+def test_ppo_refuses_scores_beyond_what_it_can_train_on(good, tmp_path):
+    scores = str(tmp_path / "scores")
+    _forged_scores(good["scores"], scores, 1e30)
+    out = str(tmp_path / "ppo")
+    r = _run("ppo", {"rollout": good["rollout"], "scores": scores, "actor": good["actor"], "out": out})
+    _refused(r, out, "scores of ±1e30 read by ppo")
+    assert f"{scores}: the score of ('p0000', 0) is 1e+30, beyond ±1e+06" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("lr,at,needle", [
+    ("inf", 3, "actor masters not finite"), ("nan", 3, "actor masters not finite"),
+    # finite masters of 1e30 pass step 2's check; step 3's forward overflows
+    ("1e30", 2, "policy loss not finite")])
+def test_a_non_finite_step_stops_ppo_and_publishes_nothing(good, tmp_path, lr, at, needle):
+    # A learning rate no config can give, set by the test hook before step ``at``, makes the step
+    # non-finite; its check stops every process there, before anything is published. The training
+    # state saved after each step before stays, unpublished.
+    out = tmp_path / "ppo"
+    cfg = {"rollout": good["rollout"], "scores": good["scores"], "actor": good["actor"], "out": str(out),
+           "mini_batch_size": 2, "micro_batch_tokens": 64, "save_every": 1}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {
+        "LLAMARL_TEST_PPO_AT": f"step {at}:lr={lr}"}
+    r = subprocess.run([sys.executable, "-m", "llamarl.stages.ppo", "--config-json", json.dumps(cfg)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    _refused(r, str(out), f"lr={lr} at step {at}")
+    assert r.stderr.startswith(f"error: ppo optimizer step 3: {needle}"), r.stderr
+    assert f"(actor_lr=1e-06, now {float(lr):g})" in r.stderr and "nothing was published" in r.stderr, r.stderr
+    assert sorted(os.listdir(out)) == sorted([publish.INCOMPLETE, ".state"])  # no weights, training state or metrics
+    assert sorted(os.listdir(out / ".state")) == ["step-000001", "step-000002"]

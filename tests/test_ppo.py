@@ -956,3 +956,32 @@ def test_new_options_refuse_bad_values_in_one_line(changes, needle):
     with pytest.raises(UserError) as e:
         PPOConfig.parse({"rollout": "r", "scores": "s", "actor": "a", "out": "o", **changes}, "spec: ppo")
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- a step that goes non-finite --------------------------------------------------------------------------
+
+
+def _ppo_until_it_fails(cfg: PPOConfig, hook: str) -> str | None:
+    """``ppo.run`` on this rank with ``LLAMARL_TEST_PPO_AT=hook``: its one-line error (None if it finished)."""
+    from llamarl.lib.errors import UserError
+
+    os.environ["LLAMARL_TEST_PPO_AT"] = hook
+    try:
+        ppo.run(cfg)
+    except UserError as e:
+        return str(e)
+    finally:
+        del os.environ["LLAMARL_TEST_PPO_AT"]
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(dp=2)], ids=["pp2", "dp2"])
+def test_a_non_finite_step_stops_every_rank_at_that_step(pool2, iteration, tmp_path, layout):
+    # pp2: the losses live on the last stage alone; dp2: each rank owns half the masters (ZeRO-1).
+    # The ranks agree on the step's flags in one all-reduce: every rank stops with the same line,
+    # none is left waiting in a collective (the pool would time out), nothing is published.
+    out = tmp_path / "run"
+    lines = pool2.run(_ppo_until_it_fails, _cfg(iteration, out, **layout), "step 2:lr=inf")
+    assert lines[0] == lines[1] and lines[0].startswith("ppo optimizer step 2: actor masters not finite"), lines
+    assert publish.read_manifest(str(out)) is None and not (out / "actor").exists() and not (out / "metrics.jsonl").exists()

@@ -154,7 +154,8 @@ def test_rerun_after_interruption_gives_identical_output(pool2, pipeline_inputs,
 
 def test_nan_score_is_an_error_and_nothing_is_written(pool2, pipeline_inputs, tmp_path):
     cfg = _score_cfg(pipeline_inputs, tmp_path / "n", dp=2, rewards=[RewardTerm(name="rules_for_tests:nan_rule")])
-    with pytest.raises(RuntimeError, match=r"the score of \('p0000', 0\) is nan"):
+    with pytest.raises(RuntimeError, match=r"rule 'rules_for_tests:nan_rule' scored \('p0000', 0\) nan: a score must "
+                                           r"be a finite number"):
         pool2.run(score.run, cfg)
     assert publish.read_manifest(str(tmp_path / "n")) is None
     assert not (tmp_path / "n" / "parts").exists()

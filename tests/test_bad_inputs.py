@@ -1,0 +1,191 @@
+"""Bad config values, one row each: refused in one line naming the field, both where a stage's
+config is built (``llamarl stage NAME --config``) and where a run spec is loaded (``llamarl run``
+and ``--dry-run``: ``parse_spec``), before anything runs or is written. Then a sweep over every
+float field of every options model, so that a new field cannot escape the finite rule."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import types
+import typing
+
+import pytest
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from llamarl.cluster.kubernetes import KubernetesOptions
+from llamarl.cluster.local import LocalOptions
+from llamarl.cluster.slurm import SlurmOptions
+from llamarl.lib.errors import UserError
+from llamarl.pipeline.spec import RunSpec, parse_spec
+from llamarl.stages.config import STAGES
+
+INF, NAN = math.inf, math.nan
+
+# What each stage's config needs besides the row's options (the pipeline fills these in a spec).
+WIRED = {"shard": {"src": "s", "dst": "d"}, "rollout": {"actor": "a", "prompts": "p", "out": "o"},
+         "score": {"rollout": "r", "out": "o"}, "ppo": {"rollout": "r", "scores": "s", "actor": "a", "out": "o"},
+         "export": {"src": "s", "dst": "d"}}
+
+CASES = [
+    # where, options, a fragment of the one-line message (as both a stage config and a spec word it)
+    # -- not finite: every float, nested ones and a rule's args included
+    ("ppo", {"actor_lr": INF}, "actor_lr=inf: Input should be a finite number"),
+    ("ppo", {"kl_coef": INF}, "kl_coef=inf: Input should be a finite number"),
+    ("ppo", {"kl_coef": NAN}, "kl_coef=nan: Input should be a finite number"),
+    ("ppo", {"entropy_coef": -INF}, "entropy_coef=-inf: Input should be a finite number"),
+    ("ppo", {"clip_eps_high": NAN}, "clip_eps_high=nan: Input should be a finite number"),
+    ("ppo", {"betas": [0.9, NAN]}, "betas.1=nan: Input should be a finite number"),
+    ("ppo", {"grad_clip": INF}, "grad_clip=inf: Input should be a finite number"),
+    ("ppo", {"tis_cap": INF}, "tis_cap=inf: Input should be a finite number"),
+    ("rollout", {"sampling": {"temperature": INF}}, "sampling.temperature=inf: Input should be a finite number"),
+    ("rollout", {"sampling": {"top_p": NAN}}, "sampling.top_p=nan: Input should be a finite number"),
+    ("score", {"rewards": [{"name": "length", "weight": INF}]}, "rewards.0.weight=inf: Input should be a finite number"),
+    ("score", {"rewards": [{"name": "length", "args": {"scale": NAN}}]}, "rewards.0.args: scale=nan: Input should be "
+                                                                         "a finite number"),
+    ("score", {"rewards": [{"name": "pkg.mod:rule", "args": {"bounds": [0, INF]}}]},
+     "rewards.0.args: bounds.1=inf: Input should be a finite number"),
+    ("export", {"max_shard_gb": INF}, "max_shard_gb=inf: Input should be a finite number"),
+    # -- in range, representable
+    ("ppo", {"actor_lr": 1e30}, "actor_lr=1e+30: Input should be less than or equal to 1"),
+    ("ppo", {"critic_lr": 2.0}, "critic_lr=2.0: Input should be less than or equal to 1"),
+    ("ppo", {"clip_eps": 1.0}, "clip_eps=1.0: Input should be less than 1"),
+    ("ppo", {"seed": 2**63}, "seed=9223372036854775808: Input should be less than 4294967296"),
+    ("ppo", {"seed": -1}, "seed=-1: Input should be greater than or equal to 0"),
+    ("rollout", {"sampling": {"samples_per_prompt": 2**31}}, "sampling.samples_per_prompt=2147483648: Input should be "
+                                                             "less than or equal to 2147483647"),
+    ("rollout", {"collective_timeout_s": 0}, "collective_timeout_s=0: Input should be greater than or equal to 1"),
+    ("export", {"collective_timeout_s": 10**15}, "collective_timeout_s=1000000000000000: Input should be less than "
+                                                 "or equal to 1000000000"),
+    # -- able to train
+    ("ppo", {"actor_lr": 0, "advantage": "grpo"}, "actor_lr is 0 and ppo.advantage='grpo' trains no critic: no weight "
+                                                  "would change; raise ppo.actor_lr"),
+    ("ppo", {"actor_lr": 0, "critic_lr": 0}, "actor_lr and ppo.critic_lr are both 0: neither the actor nor the critic "
+                                             "would change"),
+    ("score", {"rewards": [{"name": "length", "weight": 0}, {"name": "contains", "weight": 0.0}]},
+     "every term of score.rewards has weight 0, so every score would be 0"),
+    # -- the run spec only: across stages, and the executor's options
+    ("spec", {"ppo": {"advantage": "grpo"}, "rollout": {"sampling": {"samples_per_prompt": 4, "temperature": 0}}},
+     "ppo.advantage='grpo' compares each prompt's samples with each other, but rollout.sampling.temperature=0 draws "
+     "them greedily: every sample of a prompt is the same, so every advantage would be 0;"),
+    ("spec", {"ppo": {"advantage": "rloo"}, "rollout": {"sampling": {"samples_per_prompt": 4, "top_k": 1}}},
+     "but rollout.sampling.top_k=1 draws them greedily"),
+    ("spec", {"ppo": {"dynamic_sampling": True}, "rollout": {"sampling": {"samples_per_prompt": 4, "temperature": 0}}},
+     "so dynamic sampling would drop every prompt;"),
+    ("spec", {"executor": {"kind": "local", "options": {"grace_s": INF}}},
+     "executor.options.grace_s=inf: Input should be a finite number"),
+    ("spec", {"executor": {"kind": "kubernetes", "options": {"image": "i", "pvc": "p", "poll_s": NAN}}},
+     "executor.options.poll_s=nan: Input should be a finite number"),
+]
+
+
+def _spec(tmp_path, where: str, options: dict) -> dict:
+    spec = {"name": "t", "storage": str(tmp_path), "actor": str(tmp_path / "actor"),
+            "prompts": str(tmp_path / "p.jsonl"), "reward_model": str(tmp_path / "rm"), "iterations": 2,
+            # two samples a prompt: a row's group advantage is refused for its own reason, if any
+            "rollout": {"sampling": {"samples_per_prompt": 2}}}
+    return _merged(spec, options if where == "spec" else {where: options})
+
+
+def _merged(a: dict, b: dict) -> dict:
+    return a | {k: _merged(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v for k, v in b.items()}
+
+
+def _one_line(fn) -> str:
+    with pytest.raises(UserError) as e:
+        fn()
+    message = str(e.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("where,options,fragment", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_a_bad_value_is_one_line_naming_the_field(tmp_path, where, options, fragment):
+    spec_message = _one_line(lambda: parse_spec(_spec(tmp_path, where, options), "spec.yaml"))
+    assert spec_message.startswith("spec.yaml: ") and fragment in spec_message, spec_message
+    if where != "spec":  # the stage's own config, as `llamarl stage NAME --config opts.yaml` builds it
+        message = _one_line(lambda: STAGES[where].parse(WIRED[where] | options, "opts.yaml"))
+        assert message.startswith("opts.yaml: ") and fragment.replace(f"{where}.", "") in message, message
+    assert not (tmp_path / "t").exists()  # nothing written
+
+
+def test_dry_run_refuses_yaml_infinity_in_one_line(tmp_path):
+    # YAML's own spellings of infinity and not-a-number reach the check as floats.
+    spec = _spec(tmp_path, "spec", {})
+    text = yaml.safe_dump(spec) + "ppo: {kl_coef: .inf}\n"
+    (tmp_path / "spec.yaml").write_text(text)
+    r = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(tmp_path / "spec.yaml"), "--dry-run"],
+                       capture_output=True, text=True)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and lines == [f"error: {tmp_path / 'spec.yaml'}: ppo.kl_coef=inf: Input should be a "
+                                           "finite number"], r.stdout + r.stderr
+    assert not (tmp_path / "t").exists()
+
+
+# ---- the sweep: every float of every options model --------------------------------------------------------
+
+
+def _models() -> list[type[BaseModel]]:
+    """Every options model: the stages' configs, the run spec and what it nests (the options models
+    a spec sets, layouts), the executors' options."""
+    seen: list[type[BaseModel]] = []
+
+    def visit(model):
+        if model in seen:
+            return
+        seen.append(model)
+        for field in model.model_fields.values():
+            for inner in _types(field.annotation):
+                if isinstance(inner, type) and issubclass(inner, BaseModel):
+                    visit(inner)
+
+    for model in (*STAGES.values(), RunSpec, LocalOptions, SlurmOptions, KubernetesOptions):
+        visit(model)
+    return seen
+
+
+def _types(annotation) -> list:
+    """``annotation`` and every type inside it (unions, lists, tuples, Annotated, dicts)."""
+    out = [annotation]
+    for arg in typing.get_args(annotation):
+        out += _types(arg)
+    return out
+
+
+def _bad(annotation, value: float):
+    """A value shaped as ``annotation`` with ``value`` in every float's place; None if it holds no float."""
+    if annotation is float:
+        return value
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _bad(args[0], value)
+    if origin in (typing.Union, types.UnionType):
+        return next((b for a in args if (b := _bad(a, value)) is not None), None)
+    if origin in (list, tuple) and args:
+        items = [_bad(a, value) for a in (args if origin is tuple else args[:1])]
+        return None if all(i is None for i in items) else [value if i is None else i for i in items]
+    if origin is dict and len(args) == 2:
+        inner = _bad(args[1], value)
+        return None if inner is None else {"k": inner}
+    return None
+
+
+def test_every_float_of_every_options_model_refuses_inf_and_nan():
+    floats = []
+    for model in _models():
+        for name, field in model.model_fields.items():
+            for value in (INF, -INF, NAN):
+                bad = _bad(field.annotation, value)
+                if bad is None:
+                    break
+                with pytest.raises(ValidationError) as e:
+                    model.model_validate({name: bad})
+                refused = [err for err in e.value.errors() if err["loc"][:1] == (name,) and err["type"] == "finite_number"]
+                assert refused, f"{model.__name__}.{name}={bad!r} is accepted: {e.value.errors()}"
+            else:
+                floats.append(f"{model.__name__}.{name}")
+    # The sweep reaches the nested models and the spec's own options models, not only the top level.
+    assert {"PPOConfig.kl_coef", "PPOConfig.betas", "Sampling.temperature", "RewardTerm.weight", "PPOOptions.actor_lr",
+            "ExportOptions.max_shard_gb", "LocalOptions.grace_s", "KubernetesOptions.poll_s"} <= set(floats), floats
