@@ -36,7 +36,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
 
-from llamarl.stages.config import (GROUP_ADVANTAGES, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RewardTerm,
+from llamarl.stages.config import (GROUP_ADVANTAGES, Strict, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RewardTerm,
                                    RolloutConfig, Sampling, ScoreConfig, ShardConfig, Source, StageConfig, kind_of,
                                    options_model, validate)
 
@@ -50,7 +50,7 @@ def _run_sampling() -> type[BaseModel]:
         return data
 
     fields = {name: (f.annotation, f) for name, f in Sampling.model_fields.items() if name != "seed"}
-    return create_model("RunSampling", __config__=ConfigDict(extra="forbid"), __doc__=Sampling.__doc__,
+    return create_model("RunSampling", __config__=ConfigDict(extra="forbid", allow_inf_nan=False), __doc__=Sampling.__doc__,
                         __validators__={"_no_seed": model_validator(mode="before")(no_seed)}, **fields)
 
 
@@ -63,16 +63,12 @@ PPOOptions = options_model(PPOConfig)
 ExportOptions = options_model(ExportConfig)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 def _nodes():
     return Field(1, description="Nodes of a cluster job (slurm, kubernetes); the processes are spread evenly over "
                                 "them, so nodes must divide their number.")
 
 
-class StageLayout(_Strict):
+class StageLayout(Strict):
     """How many processes one stage runs on, on how many nodes, and how they split the work: one
     entry of the spec's ``layout:``. Each stage's own model (``layout_model``) has the counts it
     takes, then ``nodes``."""
@@ -113,7 +109,7 @@ class ExportLayout(StageLayout):
     nodes: Count = _nodes()
 
 
-class Layouts(_Strict):
+class Layouts(Strict):
     """The spec's ``layout:``, one entry per stage, each taking only the counts its stage uses."""
 
     shard: ShardLayout = Field(default_factory=ShardLayout)
@@ -123,7 +119,7 @@ class Layouts(_Strict):
     export: ExportLayout = Field(default_factory=ExportLayout)
 
 
-class ExecutorSpec(_Strict):
+class ExecutorSpec(Strict):
     kind: Literal["local", "slurm", "kubernetes"] = Field("local", description="Where stages run.")
     options: dict = Field(default_factory=dict, description="Options of that executor (local: threads_per_process; "
                                                             "slurm: partition, account, timeout_min, gpus_per_node, …; "
@@ -135,7 +131,7 @@ def _sampling_overrides() -> type[BaseModel]:
     """``rollout.sampling``'s fields, each optional (None: the run's), but the seed, which the run derives."""
     fields = {name: (f.annotation | None, Field(None, description=f.description))
               for name, f in Sampling.model_fields.items() if name != "seed"}
-    return create_model("SamplingOverrides", __config__=ConfigDict(extra="forbid"),
+    return create_model("SamplingOverrides", __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
                         __doc__="How validation responses are drawn: each field overrides the run's rollout.sampling.",
                         **fields)
 
@@ -143,7 +139,7 @@ def _sampling_overrides() -> type[BaseModel]:
 SamplingOverrides = _sampling_overrides()
 
 
-class ValidationSpec(_Strict):
+class ValidationSpec(Strict):
     """A held-out prompt set rolled out with the then-current actor and scored, every ``every``
     iterations and after the last; its mean score (``val_score``), per-term means, best@n and
     pass@k land in that iteration's row of metrics.jsonl. Nothing waits for it."""
@@ -163,7 +159,7 @@ class ValidationSpec(_Strict):
                                                    "built-in rule's score for a right answer); pass@k counts passes.")
 
 
-class RetentionSpec(_Strict):
+class RetentionSpec(Strict):
     """What stays on disk as the run goes on. A deleted output stays done in the records (a rerun
     does not redo it); what a rerun, a running stage, a validation or the export still needs is
     never deleted. The default keeps everything."""
@@ -178,7 +174,7 @@ class RetentionSpec(_Strict):
                                                  "metrics are recorded).")
 
 
-class WandbSpec(_Strict):
+class WandbSpec(Strict):
     project: str = Field(description="W&B project.")
     entity: str | None = Field(None, description="W&B entity (user or team); default: W&B's own.")
     name: str | None = Field(None, description="Display name of the W&B run; default: the run's name.")
@@ -186,7 +182,7 @@ class WandbSpec(_Strict):
     tags: list[str] = Field(default_factory=list, description="W&B tags.")
 
 
-class MetricsSpec(_Strict):
+class MetricsSpec(Strict):
     """Where the per-iteration metrics go besides RUN/metrics.jsonl and metrics.png: the same rows,
     written by the driver."""
 
@@ -194,7 +190,7 @@ class MetricsSpec(_Strict):
     wandb: WandbSpec | None = Field(None, description="Log to Weights & Biases (needs the wandb package).")
 
 
-class RunSpec(_Strict):
+class RunSpec(Strict):
     name: str = Field(description="Run name: the run directory is STORAGE/NAME.")
     storage: str = Field(description="Root of run directories (any fsspec URL shared by all nodes).")
     actor: str = Field(description="HF checkpoint of the initial actor; also the reference.")

@@ -19,7 +19,8 @@ from llamarl.cluster.kubernetes import KubernetesOptions
 from llamarl.cluster.local import LocalOptions
 from llamarl.cluster.slurm import SlurmOptions
 from llamarl.lib.errors import UserError
-from llamarl.pipeline.spec import RunSpec, parse_spec
+from llamarl.pipeline.dag import parse_spec
+from llamarl.pipeline.spec import RunSpec
 from llamarl.stages.config import STAGES
 
 INF, NAN = math.inf, math.nan
