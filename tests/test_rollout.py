@@ -244,7 +244,7 @@ def test_prompts_are_held_to_the_actors_positions(pool1, actor, tmp_path):
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
     r = subprocess.run([sys.executable, "-m", "llamarl.stages.rollout", "--config-json", json.dumps(cfg)],
                        capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 2 and f"{long}: row 0 has" in r.stderr and "overlong_prompts: truncate" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"{long}: line 1 (row 0): " in r.stderr and "overlong_prompts: truncate" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     with pytest.raises(RuntimeError, match="UserError: sampling.max_new_tokens=600 leaves no room"):
         pool1.run(rollout.run, RolloutConfig(actor=actor, prompts=str(long), out=str(tmp_path / "x"),
