@@ -282,6 +282,22 @@ class RolloutConfig(StageConfig):
     dtype: ComputeDtype = Field("auto", description="Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | "
                                                     "fp16 (GPU only) | fp32.")
 
+    @field_validator("keep_columns")
+    @classmethod
+    def _keep_fits_the_parts(cls, keep: list[str]) -> list[str]:
+        # A kept column sits beside the rollout's own in every part: one of the same name would make
+        # parts with a duplicate column, which no reader opens.
+        from llamarl.stages.contract import ROLLOUT_COLUMNS
+
+        clash = next((k for k in keep if k in ROLLOUT_COLUMNS), None)
+        if clash:
+            raise ValueError(f"{clash!r} is a column the rollout writes itself ({', '.join(ROLLOUT_COLUMNS)}); keep "
+                             "no column of those names (rename it in the prompts)")
+        twice = next((k for k in keep if keep.count(k) > 1), None)
+        if twice:
+            raise ValueError(f"{twice!r} is given twice; keep each column once")
+        return keep
+
 
 # ---- score ------------------------------------------------------------------------------------------------
 
