@@ -12,7 +12,8 @@ ones an iteration takes (``dataset_rows``, ``selected_rows``), and a dataset can
   its values are what it says whatever the lines around it say, and a line may be of any length.
 - **The index** (``row_index``): where each row lies — the byte offset of each JSON line, the row
   count of each Parquet row group (from the footers) — built once per dataset version and kept in
-  an index cache folder (prompt_files.py). With it a rollout reads only the rows it takes.
+  an index cache folder (prompt_index.py; reading the files: prompt_files.py). With it a rollout
+  reads only the rows it takes.
 - **The selection** (``selected_rows``): the rows form an endless stream of epochs, each a
   permutation of every row drawn from (seed, epoch); a rollout takes a range of its positions.
 - **The rules** (``check_rows``): a prompt is non-blank text or chat messages; an id is text or an
@@ -30,8 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from llamarl.lib.errors import UserError
-from llamarl.stages import prompt_files as files
-from llamarl.stages.prompt_files import ABSENT, Dataset, Index, Row, open_dataset, row_index
+from llamarl.stages import prompt_files, prompt_index
+from llamarl.stages.prompt_files import ABSENT, Dataset, Row, open_dataset
+from llamarl.stages.prompt_index import Index, row_index
 
 __all__ = ["Columns", "Checked", "Dataset", "Index", "Row", "RolloutRows", "open_dataset", "row_index", "dataset_rows",
            "epoch_order", "selected_rows", "selection_record", "iter_rows", "read_rows", "check_rows", "check_dataset",
@@ -202,19 +204,15 @@ class Checked:
 def check_rows(ds: Dataset, rows: Iterable[Row], columns: Columns, batch: int = 4096) -> Checked:
     """Every row of ``rows`` (of ``ds``) well-formed, or a ``UserError`` naming the first fault's
     file and line or row: its prompt, its id (and ids unique among ``rows``), its kept values (each
-    column one type Parquet can store). Pure: reads nothing but ``rows``."""
+    column one type Parquet can store). A function of ``rows`` alone (it reads a file only to
+    number a faulty row's line)."""
     kept = _KeptTypes(ds, columns.keep)
     ids = _Ids(ds, columns.id)
-    count = 0
+    count, width = 0, len(columns.names)
     pending: list[Row] = []
     for row in rows:
         number, place, values = row
-        fault = _prompt_fault(columns.prompt, values.get(columns.prompt, ABSENT))
-        if not fault and columns.id:
-            fault = _id_fault(columns.id, values.get(columns.id, ABSENT))
-        if not fault:
-            fault = next((f"has no {k!r} (a kept column); give it in every row (null where there is none), or do "
-                          "not keep it" for k in columns.keep if k not in values), None)
+        fault = _fault(columns, values) if len(values) < width or not _plain(values, columns) else None
         if fault:
             raise UserError(f"{ds.where(number, place)}: {fault}")
         pending.append(row)
@@ -227,6 +225,29 @@ def check_rows(ds: Dataset, rows: Iterable[Row], columns: Columns, batch: int = 
     ids.add(pending)
     ids.check_unique()
     return Checked(count, kept.schema())
+
+
+def _plain(values: dict, columns: Columns) -> bool:
+    """The common row, told apart fast: a prompt of non-blank valid text, an id of the same or an
+    integer. The others go through ``_fault``."""
+    prompt = values[columns.prompt]
+    if type(prompt) is not str or prompt.isspace() or not prompt or not (prompt.isascii() or _text_fault(prompt) is None):
+        return False
+    if columns.id is None:
+        return True
+    id_ = values[columns.id]
+    return type(id_) is int or (type(id_) is str and id_ != "" and not id_.isspace() and id_.isascii())
+
+
+def _fault(columns: Columns, values: dict) -> str | None:
+    """What is wrong with a row's values, with the fix; None when nothing."""
+    fault = _prompt_fault(columns.prompt, values.get(columns.prompt, ABSENT))
+    if not fault and columns.id:
+        fault = _id_fault(columns.id, values.get(columns.id, ABSENT))
+    if not fault:
+        fault = next((f"has no {k!r} (a kept column); give it in every row (null where there is none), or do "
+                      "not keep it" for k in columns.keep if k not in values), None)
+    return fault
 
 
 class _KeptTypes:
@@ -307,12 +328,12 @@ class _Ids:
 
 def iter_rows(ds: Dataset, columns: Columns) -> Iterator[Row]:
     """Every row of ``ds`` in order, streamed: ``(row number, place, {column: value})``."""
-    return files.iter_rows(ds, columns.names)
+    return prompt_files.iter_rows(ds, columns.names)
 
 
 def read_rows(ds: Dataset, index: Index, rows: np.ndarray, columns: Columns) -> list[Row]:
     """Rows ``rows`` of ``ds`` in that order, reading only them (through ``index``)."""
-    return files.read_rows(ds, index, rows, columns.names)
+    return prompt_index.read_rows(ds, index, rows, columns.names)
 
 
 def check_dataset(url: str | Dataset, columns: Columns = Columns(), index_cache: str | None = None) -> Checked:
@@ -322,7 +343,7 @@ def check_dataset(url: str | Dataset, columns: Columns = Columns(), index_cache:
     ds = url if isinstance(url, Dataset) else open_dataset(url)
     key = {"columns": [columns.prompt, columns.id, list(columns.keep)]}
     if index_cache:
-        found = files.load_note(ds, index_cache, "checked", key)
+        found = prompt_index.load_note(ds, index_cache, "checked", key)
         if found is not None:
             try:
                 return Checked.from_json(found)
@@ -332,7 +353,7 @@ def check_dataset(url: str | Dataset, columns: Columns = Columns(), index_cache:
     if checked.rows == 0:
         raise UserError(f"{ds.url}: no prompts (0 rows); point at a file with at least one")
     if index_cache:
-        files.store_note(ds, index_cache, "checked", key, checked.to_json())
+        prompt_index.store_note(ds, index_cache, "checked", key, checked.to_json())
     return checked
 
 
