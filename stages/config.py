@@ -253,8 +253,9 @@ class RolloutConfig(StageConfig):
     actor: str = path("Published actor checkpoint (from shard or ppo).")
     prompts: str = path("Parquet or JSONL prompts: a file or a folder of them, any fsspec URL.")
     out: str = path("Output folder for the Parquet parts.", kind=OUTPUT)
-    index_cache: str | None = path("Folder where the prompts' row index is kept between rollouts (one per dataset "
-                                   "version); default: built in memory by each rollout that selects rows.", None,
+    index_cache: str | None = path("Folder where the prompts' row index, and the result of checking every row, are "
+                                   "kept between rollouts (one of each per dataset version); default: each rollout "
+                                   "builds the index (when it selects rows) and checks every row itself.", None,
                                    kind=OUTPUT)
     select: PromptSelection | None = Field(None, description="Take only these rows of the prompts (a run's "
                                                              "prompts_per_iteration); null: every row, in order.")

@@ -222,9 +222,12 @@ def require_columns(ds: Dataset, names: list[str]) -> None:
             if first is None:
                 continue
             try:
-                has = list(json.loads(first[1]))
-            except (ValueError, TypeError):
-                return  # the row's check names the fault
+                obj = json.loads(first[1])
+            except ValueError:
+                return  # not an object: the row's check names the fault
+            if not isinstance(obj, dict):
+                return
+            has = list(obj)
         missing = [n for n in names if n not in has]
         if missing:
             where = ds.url if len(ds.files) == 1 else ds.name(f)

@@ -58,7 +58,7 @@ class Index:
 def _jsonl_offsets(ds: Dataset, f: int) -> np.ndarray:
     """The byte offset of every row of JSON lines file ``f``: each line start, from a NumPy scan for
     newlines, less blank lines (those that could be blank — empty, or starting with a space, or the
-    first with its byte-order mark — are read and tested as ``_jsonl_lines`` tests them)."""
+    first, for its byte-order mark — are read and tested as ``jsonl_lines`` tests them)."""
     starts, firsts, carry, base = [], [], True, 0
     with ds.fs.open(ds.files[f], "rb") as fh:
         while block := fh.read(BLOCK):
@@ -174,7 +174,7 @@ def _write(folder: str, name: str, data: bytes) -> None:
         fs.pipe_file(tmp, data)
         fs.mv(tmp, f"{root}/{name}")
     except OSError as e:
-        print(f"warning: {folder}: cannot keep the prompts' index there ({e}); it is built again each time",
+        print(f"warning: {folder}: cannot keep the prompts' index there ({e}); each rollout makes it again",
               file=sys.stderr, flush=True)
 
 
@@ -188,23 +188,25 @@ def read_rows(ds: Dataset, index: Index, rows: np.ndarray, names: list[str]) -> 
     rows = np.asarray(rows, np.int64)
     starts = index.file_starts
     file_of = np.searchsorted(starts, rows, side="right") - 1
+    read = _jsonl_read if ds.kind == JSONL else _parquet_read
     out: list = [None] * len(rows)
     for f in np.unique(file_of):
         at = np.flatnonzero(file_of == f)
-        read = _jsonl_read if ds.kind == JSONL else _parquet_read
         for i, row in zip(at, read(ds, index, int(f), rows[at], rows[at] - starts[f], names)):
             out[i] = row
     return out
 
 
 def _jsonl_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local: np.ndarray, names) -> list[Row]:
+    """Rows ``numbers`` (``local`` in file ``f``) of a JSON lines dataset: each from its offset to
+    the next row's (or the file's end), read together (``cat_ranges``: concurrent on object stores)."""
     begin = index.offsets[numbers]
     last = numbers + 1 >= index.file_starts[f + 1]  # a file's last row runs to its end
     end = np.where(last, ds.sizes[f], index.offsets[np.minimum(numbers + 1, index.n_rows - 1)])
     blobs = ds.fs.cat_ranges([ds.files[f]] * len(numbers), begin.tolist(), end.tolist())
     rows = []
     for n, b, blob in zip(numbers.tolist(), begin.tolist(), blobs):
-        text = line_text(blob, b)
+        text = line_text(blob.partition(b"\n")[0], b)  # its line alone, not the blank lines after it
         if text is None:  # the file changed since its index was made (a stamp that did not)
             raise UserError(f"{ds.name(f)} changed while it was read; run again")
         rows.append((n, (f, b), row_values(ds, n, (f, b), text, names)))
@@ -212,6 +214,8 @@ def _jsonl_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local: n
 
 
 def _parquet_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local: np.ndarray, names) -> list[Row]:
+    """Rows ``numbers`` (``local`` in file ``f``) of a Parquet dataset: each row group holding some
+    read once, its ``names`` columns only."""
     import pyarrow as pa
 
     first_group = int(index.file_groups[:f].sum())

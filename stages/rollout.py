@@ -1,10 +1,12 @@
 """Stage rollout: sample responses from the actor for a prompts dataset; write Parquet parts.
 
 Run with tp × dp processes (``llamarl stage rollout ACTOR PROMPTS OUT --tp T --dp D``). The
-prompts (Parquet or JSONL, a file or a folder, any fsspec URL) are read as a stream and cut into
-chunks of ``chunk_size`` rows; chunk c goes to data-parallel group c mod dp. Each chunk becomes
-one part file, published atomically (written under a temporary name, then renamed), so a rerun
-skips the chunks already published and nobody ever reads a partial part. The manifest comes last.
+prompts (Parquet or JSONL, a file or a folder, any fsspec URL) are checked, every row, before
+anything is written, then read — every row as a stream, or the rows ``select`` takes, through the
+dataset's row index (stages/prompts.py) — and cut into chunks of ``chunk_size`` rows; chunk c
+goes to data-parallel group c mod dp. Each chunk becomes one part file, published atomically
+(written under a temporary name, then renamed), so a rerun skips the chunks already published and
+nobody ever reads a partial part. The manifest comes last.
 
 Sampling is keyed per response: sample k of the prompt in row r draws from its own random stream,
 a function of (``seed``, r, k) only (lib/sampling.py). So a response does not depend on the number
