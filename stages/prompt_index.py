@@ -104,7 +104,8 @@ def row_index(ds: Dataset, index_cache: str | None = None) -> Index:
     if index_cache:
         payload = b"".join(getattr(index, a).astype("<i8").tobytes() for a in Index.ARRAYS)
         header = {"format": "llamarl-prompt-index", "version": INDEX_FORMAT, "dataset": ds.key,
-                  "arrays": {a: len(getattr(index, a)) for a in Index.ARRAYS}, "xxh3_128": xxhash.xxh3_128_hexdigest(payload)}
+                  "arrays": {a: len(getattr(index, a)) for a in Index.ARRAYS},
+                  "xxh3_128": xxhash.xxh3_128_hexdigest(payload)}
         _write(index_cache, f"{ds.version}.index", json.dumps(header).encode() + b"\n" + payload)
     return index
 
@@ -112,8 +113,8 @@ def row_index(ds: Dataset, index_cache: str | None = None) -> Index:
 def _load_index(ds: Dataset, index_cache: str) -> Index | None:
     data = _read(index_cache, f"{ds.version}.index")
     try:
-        head, payload = data.split(b"\n", 1)
-        header = json.loads(head)
+        cut = data.index(b"\n")
+        header, payload = json.loads(data[:cut]), memoryview(data)[cut + 1:]  # the arrays not copied
         if (header["format"], header["version"], header["dataset"]) != ("llamarl-prompt-index", INDEX_FORMAT, ds.key):
             return None
         if xxhash.xxh3_128_hexdigest(payload) != header["xxh3_128"]:
@@ -121,7 +122,7 @@ def _load_index(ds: Dataset, index_cache: str) -> Index | None:
         lengths = [int(header["arrays"][a]) for a in Index.ARRAYS]
         if sum(lengths) * 8 != len(payload):
             return None
-        flat = np.frombuffer(payload, "<i8").astype(np.int64)
+        flat = np.frombuffer(payload, "<i8").astype(np.int64, copy=False)
         arrays = np.split(flat, np.cumsum(lengths)[:-1])
         index = Index(*arrays)
         expected = len(ds.files), index.n_rows if ds.kind == JSONL else 0, int(index.file_groups.sum())
@@ -234,7 +235,8 @@ def _parquet_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local:
             try:
                 values = table.to_pylist()
             except UnicodeDecodeError:
-                values = [parquet_pylist(ds, f, int(local[i]), table.slice(j, 1), int(numbers[i]))[0] for j, i in enumerate(at)]
+                values = [parquet_pylist(ds, f, int(local[i]), table.slice(j, 1), int(numbers[i]))[0]
+                          for j, i in enumerate(at)]
             for i, v in zip(at, values):
                 rows[i] = (int(numbers[i]), (f, int(local[i])), v)
     return rows

@@ -231,7 +231,9 @@ def _plain(values: dict, columns: Columns) -> bool:
     """The common row, told apart fast: a prompt of non-blank valid text, an id of the same or an
     integer. The others go through ``_fault``."""
     prompt = values[columns.prompt]
-    if type(prompt) is not str or prompt.isspace() or not prompt or not (prompt.isascii() or _text_fault(prompt) is None):
+    if type(prompt) is not str or not prompt or prompt.isspace():
+        return False
+    if not prompt.isascii() and _text_fault(prompt):
         return False
     if columns.id is None:
         return True
@@ -270,7 +272,8 @@ class _KeptTypes:
 
     def _unify(self, a, b):
         pa = self.pa
-        return pa.unify_schemas([pa.schema([("c", a)]), pa.schema([("c", b)])], promote_options="permissive").field("c").type
+        both = [pa.schema([("c", a)]), pa.schema([("c", b)])]
+        return pa.unify_schemas(both, promote_options="permissive").field("c").type
 
     def _add_one(self, key: str, row: Row) -> None:
         number, place, values = row

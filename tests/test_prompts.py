@@ -19,7 +19,7 @@ import pytest
 from llamarl.lib import publish
 from llamarl.lib.errors import UserError
 from llamarl.pipeline import toy
-from llamarl.stages import prompt_index, prompts, shard
+from llamarl.stages import prompts, shard
 from llamarl.stages.config import PromptSelection, RolloutConfig, ShardConfig
 from llamarl.stages.prompts import Columns
 
@@ -252,7 +252,8 @@ def test_an_iteration_of_512_rows_out_of_a_million_reads_in_well_under_a_second(
         numbers = [r for r, _, _ in reading.rows]
         assert [v["id"] for _, _, v in reading.rows] == [ids[r] for r in numbers] and len(set(numbers)) == 512
     print(f"\n{kind}: index {t1 - t0:.2f} s, whole check {t2 - t1:.2f} s, an iteration {min(seconds):.3f}-{max(seconds):.3f} s")
-    assert max(seconds) < 1.0
+    # JSON lines reads its 512 lines alone; Parquet decodes the row groups they lie in (here all 16).
+    assert sorted(seconds)[2] < {"jsonl": 0.25, "parquet": 1.0}[kind]
 
 
 # ---- the rules: one row per fault ------------------------------------------------------------------------------
