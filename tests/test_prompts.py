@@ -454,8 +454,10 @@ def test_a_bad_row_fails_the_rollout_in_one_line_before_anything_is_written(acto
     cases = {"row": ({"prompts": url, "id_column": "id"}, f"error: {url}: line 10 (row 9): 'prompt' is null"),
              "shadow": ({"prompts": url, "keep_columns": ["response"]}, "keep_columns=['response']: 'response' is a column "
                                                                          "the rollout writes itself"),
+             # Rows 4 and 6 taken: the bad row 9 is found by the whole dataset's check, at the first iteration.
              "selected": ({"prompts": url, "id_column": "id", "select": {"start": 0, "count": 2}, "index_cache": str(tmp_path / "c")},
                           f"error: {url}: line 10 (row 9): 'prompt' is null")}
+    assert prompts.selected_rows(10, PromptSelection(start=0, count=2)).tolist() == [4, 6]
     for name, (cfg, says) in cases.items():
         out = tmp_path / name
         r = _stage({"actor": actor, "out": str(out), "chunk_size": 2, "sampling": {"max_new_tokens": 4}} | cfg)
