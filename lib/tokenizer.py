@@ -97,7 +97,8 @@ def encode_prompt(tok, prompt, chat_template: str = "auto") -> list[int]:
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except TemplateError as e:
-            raise UserError(f"the tokenizer's chat template refuses these messages ({e}); give it messages it "
+            said = (str(e).splitlines() or [type(e).__name__])[0]
+            raise UserError(f"the tokenizer's chat template refuses these messages ({said}); give it messages it "
                             "takes (their roles, their order)") from None
         return tok(text, add_special_tokens=False)["input_ids"]
     return tok(prompt, add_special_tokens=True)["input_ids"]
