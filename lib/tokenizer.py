@@ -90,9 +90,16 @@ def encode_prompt(tok, prompt, chat_template: str = "auto") -> list[int]:
         raise UserError("the prompts are chat messages but the tokenizer has no chat template; give text prompts "
                         "or a tokenizer with a template")
     if is_chat or (has_template and chat_template != "never"):
+        from jinja2 import TemplateError  # what a template raises (raise_exception), as transformers renders it
+
         messages = prompt if is_chat else [{"role": "user", "content": prompt}]
         # Rendered, then encoded without extra specials: the template already has what it wants.
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as e:
+            said = (str(e).splitlines() or [type(e).__name__])[0]
+            raise UserError(f"the tokenizer's chat template refuses these messages ({said}); give it messages it "
+                            "takes (their roles, their order)") from None
         return tok(text, add_special_tokens=False)["input_ids"]
     return tok(prompt, add_special_tokens=True)["input_ids"]
 

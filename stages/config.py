@@ -263,8 +263,9 @@ class RolloutConfig(StageConfig):
     actor: str = path("Published actor checkpoint (from shard or ppo).")
     prompts: str = path("Parquet or JSONL prompts: a file or a folder of them, any fsspec URL.")
     out: str = path("Output folder for the Parquet parts.", kind=OUTPUT)
-    index_cache: str | None = path("Folder where the prompts' row index is kept between rollouts (one per dataset "
-                                   "version); default: built in memory by each rollout that selects rows.", None,
+    index_cache: str | None = path("Folder where the prompts' row index, and the result of checking every row, are "
+                                   "kept between rollouts (one of each per dataset version); default: each rollout "
+                                   "builds the index (when it selects rows) and checks every row itself.", None,
                                    kind=OUTPUT)
     select: PromptSelection | None = Field(None, description="Take only these rows of the prompts (a run's "
                                                              "prompts_per_iteration); null: every row, in order.",
@@ -292,6 +293,22 @@ class RolloutConfig(StageConfig):
                                      "do not depend on it.")
     dtype: ComputeDtype = Field("auto", description="Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | "
                                                     "fp16 (GPU only) | fp32.")
+
+    @field_validator("keep_columns")
+    @classmethod
+    def _keep_fits_the_parts(cls, keep: list[str]) -> list[str]:
+        # A kept column sits beside the rollout's own in every part: one of the same name would make
+        # parts with a duplicate column, which no reader opens.
+        from llamarl.stages.contract import ROLLOUT_COLUMNS
+
+        clash = next((k for k in keep if k in ROLLOUT_COLUMNS), None)
+        if clash:
+            raise ValueError(f"{clash!r} is a column the rollout writes itself ({', '.join(ROLLOUT_COLUMNS)}); keep "
+                             "no column of those names (rename it in the prompts)")
+        twice = next((k for k in keep if keep.count(k) > 1), None)
+        if twice:
+            raise ValueError(f"{twice!r} is given twice; keep each column once")
+        return keep
 
 
 # ---- score ------------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """Stage rollout: sample responses from the actor for a prompts dataset; write Parquet parts.
 
 Run with tp × dp processes (``llamarl stage rollout ACTOR PROMPTS OUT --tp T --dp D``). The
-prompts (Parquet or JSONL, a file or a folder, any fsspec URL) are read as a stream and cut into
-chunks of ``chunk_size`` rows; chunk c goes to data-parallel group c mod dp. Each chunk becomes
-one part file, published atomically (written under a temporary name, then renamed), so a rerun
-skips the chunks already published and nobody ever reads a partial part. The manifest comes last.
+prompts (Parquet or JSONL, a file or a folder, any fsspec URL) are checked, every row, before
+anything is written, then read — every row as a stream, or the rows ``select`` takes, through the
+dataset's row index (stages/prompts.py) — and cut into chunks of ``chunk_size`` rows; chunk c
+goes to data-parallel group c mod dp. Each chunk becomes one part file, published atomically
+(written under a temporary name, then renamed), so a rerun skips the chunks already published and
+nobody ever reads a partial part. The manifest comes last.
 
 Sampling is keyed per response: sample k of the prompt in row r draws from its own random stream,
 a function of (``seed``, r, k) only (lib/sampling.py). So a response does not depend on the number
@@ -49,11 +51,10 @@ if __name__ == "__main__":
 import json  # noqa: E402 - after the tokenizer process has started
 import os  # noqa: E402, F811
 import time  # noqa: E402
+from collections.abc import Iterable, Iterator  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-import fsspec
 import pyarrow as pa
-import pyarrow.dataset as pads
 import torch
 import torch.distributed as dist
 
@@ -62,43 +63,24 @@ from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype, pad_vocab
 from llamarl.lib.errors import UserError
 from llamarl.lib.generate import Batch, Engine, SamplingParams
-from llamarl.stages import contract
+from llamarl.stages import contract, prompts
 from llamarl.stages.config import RolloutConfig
 
 _IMPORTED = time.time()
 
 
-def open_prompts(url: str) -> pads.Dataset:
-    """The prompts as a pyarrow dataset (streamed, never loaded whole)."""
-    fs, path = fsspec.core.url_to_fs(url)
-    if not fs.exists(path):
-        raise UserError(f"{url}: no such file or folder; check the prompts path")
-    files = [path] if fs.isfile(path) else sorted(fs.find(path))
-    parquet = [f for f in files if f.endswith(".parquet")]
-    jsonl = [f for f in files if f.endswith((".jsonl", ".json"))]
-    if parquet and jsonl:
-        raise UserError(f"{url}: mixes Parquet and JSONL files; keep one format per dataset")
-    if not parquet and not jsonl:
-        raise UserError(f"{url}: no .parquet, .jsonl or .json files; give prompts as Parquet or JSON lines")
-    try:
-        return pads.dataset(parquet or jsonl, format="parquet" if parquet else "json", filesystem=fs)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise UserError(f"{url}: cannot be read as {'Parquet' if parquet else 'JSON lines'} ({e})") from None
-
-
-def iter_chunks(ds: pads.Dataset, chunk_size: int, columns: list[str], mine):
-    """(chunk index, rows as a list of dicts, first row number) for the chunks ``mine(c)`` accepts,
-    reading the dataset once in order with bounded memory."""
-    pending, start, c = [], 0, 0
-    for batch in ds.to_batches(columns=columns):
-        for row in batch.to_pylist():
-            pending.append(row)
-            if len(pending) == chunk_size:
-                if mine(c):
-                    yield c, pending, start
-                c, start, pending = c + 1, start + chunk_size, []
+def iter_chunks(rows: Iterable[prompts.Row], chunk_size: int, mine) -> Iterator[tuple[int, list[prompts.Row]]]:
+    """(chunk index, its rows) for the chunks ``mine(c)`` accepts: ``rows`` cut into chunks of
+    ``chunk_size``, read once in order with bounded memory."""
+    pending, c = [], 0
+    for row in rows:
+        pending.append(row)
+        if len(pending) == chunk_size:
+            if mine(c):
+                yield c, pending
+            c, pending = c + 1, []
     if pending and mine(c):
-        yield c, pending, start
+        yield c, pending
 
 
 def run(cfg: RolloutConfig, overlap: bool = True) -> None:
@@ -127,13 +109,9 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     if device.type == "cuda":
         compiling = background.Soon(_warm_up_kernels, cfg, model_cfg, dtype, device, name="rollout-compile")
     spans.mark("manifest")
-    ds = open_prompts(cfg.prompts)
-    columns = [cfg.prompt_column] + ([cfg.id_column] if cfg.id_column else []) + list(cfg.keep_columns)
-    missing = [c for c in columns if c not in ds.schema.names]
-    if missing:
-        raise UserError(f"{cfg.prompts}: no column(s) {', '.join(missing)}; it has {', '.join(ds.schema.names)}")
-    if ds.count_rows() == 0:
-        raise UserError(f"{cfg.prompts}: no prompts (0 rows); point at a file with at least one")
+    # Every row this rollout reads is checked before anything is written (stages/prompts.py): a
+    # bad one is refused in one line naming its file and line, not found parts later.
+    reading = prompts.for_rollout(cfg.prompts, prompts.Columns.of(cfg), cfg.select, cfg.index_cache)
     spans.mark("prompts")
 
     topo = parallel.init(cfg.tp, 1, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="rollout")
@@ -182,14 +160,15 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     stats = {"chunks": 0, "rows": 0, "truncated_prompts": 0, "new_tokens": 0, "skipped_chunks": 0, "engine_s": 0.0}
     writer = topo.tp_rank == 0
     t0 = time.perf_counter()
-    chunks = _chunks(ds, cfg, columns, lambda i: i % topo.dp == topo.dp_rank, done, tok, room, stats)
+    chunks = _chunks(reading, cfg, lambda i: i % topo.dp == topo.dp_rank, done, tok, room, stats)
     # With overlap the chunks are read and tokenized ahead in a thread, go through one stream of
     # the engine (the next chunk's sequences take slots as the last ones free them) and are
     # decoded and written behind it in another thread (its own tokenizer: a tokenizer object is
     # not to be shared across threads). Without, chunk after chunk, each drained.
     source = background.Ahead(chunks, depth=2, name="rollout-ahead") if overlap else chunks
     decoder = tok.for_thread() if overlap else tok
-    publisher = background.Behind(lambda item: _write_part(out, decoder, cfg, meta, *item), depth=2, background=overlap,
+    kept = reading.checked.kept
+    publisher = background.Behind(lambda item: _write_part(out, decoder, cfg, kept, meta, *item), depth=2, background=overlap,
                                   name="rollout-behind")
     try:
         streams = [source] if overlap else ([batch] for batch in source)
@@ -223,7 +202,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         # The engine's own time (the slowest writer's): the rest of the stage's work is loading,
         # tokenizing and writing, which the manifest's timing shows against it.
         totals["engine_s"] = round(max(s_["engine_s"] for s_ in all_stats if s_), 3)
-        expected = -(-ds.count_rows() // cfg.chunk_size)
+        expected = -(-reading.count // cfg.chunk_size)
         if len(parts) != expected:
             raise RuntimeError(f"{out}: {len(parts)} parts published, {expected} expected")
         files = contract.part_entries(out, parts)
@@ -231,9 +210,10 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         spans.mark("manifest_entries")
         background_s = {"tokenizer": tokenizer.seconds, "kernel_warm_up": compiling.seconds if compiling else None,
                         "tokenizer_process": {k: round(v - spans.t0, 3) for k, v in getattr(tok, "times", {}).items()}}
+        selection = {"selection": reading.selection} if reading.selection else {}
         publish.publish(out, {"kind": contract.ROLLOUT, "timing": job.timing(), "request": request, "files": files, "rows": rows,
                               "schema": list(contract.ROLLOUT_COLUMNS) + list(cfg.keep_columns), "stats": totals,
-                              "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None,
+                              **selection, "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None,
                               "spans_s": spans.seconds(), "background_s": background_s})
         print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "
               f"{totals['truncated_prompts']} prompts truncated)", flush=True)
@@ -305,46 +285,62 @@ def _build_actor(model_cfg, layout, dtype, device):
 @dataclass(frozen=True)
 class _Chunk:
     index: int
-    rows: list[dict]
-    first: int  # the row number of rows[0]
+    rows: list[dict]  # each row's values
+    numbers: list[int]  # each row's number in the prompts: its key
     prompts: list[list[int]]  # token ids, one per row
 
 
-def _chunks(ds, cfg: RolloutConfig, columns, mine, done: set[str], tok, room: int, stats: dict):
+def _chunks(reading: prompts.RolloutRows, cfg: RolloutConfig, mine, done: set[str], tok, room: int, stats: dict):
     """The engine's batches: each chunk ``mine`` accepts and ``done`` lacks, tokenized; ``room``:
     the most prompt tokens that leave max_new_tokens within the actor's positions."""
     s = cfg.sampling
     keep = min(cfg.max_prompt_tokens or room, room)
-    for chunk, rows, first in iter_chunks(ds, cfg.chunk_size, columns, mine):
+    for chunk, rows in iter_chunks(reading, cfg.chunk_size, mine):
         if contract.part_name(chunk) in done:
             stats["skipped_chunks"] += 1
             continue
-        prompts = []
-        for ids in tok.encode_prompts([row[cfg.prompt_column] for row in rows], cfg.chat_template):
+        ids_of = []
+        for (number, place, _), ids in zip(rows, _encode(tok, reading, rows, cfg)):
             if len(ids) > room and cfg.overlong_prompts == "error":
-                raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has {len(ids)} prompt tokens, and with "
+                raise UserError(f"{reading.ds.where(number, place)}: {len(ids)} prompt tokens, and with "
                                 f"max_new_tokens={s.max_new_tokens} the actor's {s.max_new_tokens + room} positions "
                                 f"allow {room}; shorten it, or set overlong_prompts: truncate")
             if len(ids) > keep:
                 ids = ids[-keep:]
                 stats["truncated_prompts"] += 1
             if not ids:
-                raise UserError(f"{cfg.prompts}: row {first + len(prompts)} has an empty prompt; remove it")
-            prompts.append(ids)
+                raise UserError(f"{reading.ds.where(number, place)}: the prompt has no tokens; remove it")
+            ids_of.append(ids)
         # Row numbers key the random streams: the same prompt row draws the same responses wherever
         # and with whatever it runs.
-        yield Batch(prompts, list(range(first, first + len(prompts))), _Chunk(chunk, rows, first, prompts))
+        numbers = [number for number, _, _ in rows]
+        yield Batch(ids_of, numbers, _Chunk(chunk, [values for _, _, values in rows], numbers, ids_of))
 
 
-def _write_part(out: str, tok, cfg: RolloutConfig, meta: dict, chunk: _Chunk, completions) -> None:
-    """Publish the part of ``chunk``: its rows' responses, decoded, as a Parquet file."""
+def _encode(tok, reading: prompts.RolloutRows, rows: list, cfg: RolloutConfig) -> list[list[int]]:
+    """The token ids of ``rows``' prompts; a prompt the tokenizer refuses (its chat template) named
+    by its row."""
+    try:
+        return tok.encode_prompts([values[cfg.prompt_column] for _, _, values in rows], cfg.chat_template)
+    except UserError:
+        for number, place, values in rows:
+            try:
+                tok.encode_prompts([values[cfg.prompt_column]], cfg.chat_template)
+            except UserError as e:
+                raise UserError(f"{reading.ds.where(number, place)}: {e}") from None
+        raise
+
+
+def _write_part(out: str, tok, cfg: RolloutConfig, kept, meta: dict, chunk: _Chunk, completions) -> None:
+    """Publish the part of ``chunk``: its rows' responses, decoded, as a Parquet file. ``kept``:
+    the kept columns' schema (each column's one type over the prompts, so every part agrees)."""
     n = cfg.sampling.samples_per_prompt
     texts = tok.decode([comp.tokens for comp in completions])
     cols: dict[str, list] = {name: [] for name in contract.ROLLOUT_COLUMNS}
     extra: dict[str, list] = {k: [] for k in cfg.keep_columns}
     for i, comp in enumerate(completions):
         row, k = chunk.rows[i // n], i % n
-        cols[contract.PROMPT_ID].append(str(row[cfg.id_column]) if cfg.id_column else str(chunk.first + i // n))
+        cols[contract.PROMPT_ID].append(str(row[cfg.id_column]) if cfg.id_column else str(chunk.numbers[i // n]))
         cols[contract.SAMPLE_INDEX].append(k)
         cols[contract.PROMPT].append(toklib.render_prompt(row[cfg.prompt_column]))
         cols[contract.PROMPT_TOKEN_IDS].append(chunk.prompts[i // n])
@@ -354,7 +350,8 @@ def _write_part(out: str, tok, cfg: RolloutConfig, meta: dict, chunk: _Chunk, co
         cols[contract.FINISH_REASON].append(comp.finish_reason)
         for key in cfg.keep_columns:
             extra[key].append(row[key])
-    contract.write_part(out, contract.part_name(chunk.index), contract.rollout_table(cols, extra, meta))
+    typed = {k: pa.array(v, type=kept.field(k).type) for k, v in extra.items()}
+    contract.write_part(out, contract.part_name(chunk.index), contract.rollout_table(cols, typed, meta))
 
 
 class _Progress:

@@ -40,8 +40,8 @@ def prompts(tmp_path_factory):
 def _cfg(actor, prompts, out, **kw):
     sampling = Sampling(**{"samples_per_prompt": 2, "max_new_tokens": 8, "temperature": 1.0, "seed": 7,
                                    **kw.pop("sampling", {})})
-    return RolloutConfig(actor=actor, prompts=prompts, out=str(out), id_column="id", keep_columns=["answer"],
-                         sampling=sampling, **{"chunk_size": 4, "max_batch": 3, **kw})
+    return RolloutConfig(actor=actor, prompts=prompts, out=str(out), sampling=sampling,
+                         **{"id_column": "id", "keep_columns": ["answer"], "chunk_size": 4, "max_batch": 3, **kw})
 
 
 def _rows(out) -> list[dict]:
@@ -124,6 +124,37 @@ def test_overlap_and_chunk_size_change_no_byte_of_the_rows(pool1, actor, prompts
     _same_rows(_rows(tmp_path / "chunk3"), _rows(tmp_path / "overlap"))
     schema = [pq.read_schema(tmp_path / d / "parts" / "part-000000.parquet") for d in ("chunk3", "overlap")]
     assert schema[0] == schema[1] and schema[0].metadata == schema[1].metadata
+
+
+def test_a_rollout_of_every_row_writes_the_parts_the_pyarrow_reader_made(pool1, actor, tmp_path):
+    # Golden: the parts, byte for byte, that the previous reader (pyarrow's dataset, columns typed
+    # per part) and writer made from the same responses: the prompt ids, prompts and kept values
+    # from its rows, the rest as sampled. Kept columns of every JSON type, blank lines between rows.
+    import io
+
+    import pyarrow.dataset as pads
+
+    from llamarl.lib import tokenizer as toklib
+    from llamarl.stages import contract
+
+    url = tmp_path / "p.jsonl"
+    with open(url, "w") as f:
+        for i, row in enumerate(json.loads(line) for line in open(toy.make_prompts(str(tmp_path / "t.jsonl"), n=10))):
+            f.write(json.dumps({**row, "n": i, "x": i / 3, "tags": ["t"] * (i % 3), "meta": {"k": i}}) + "\n" * (1 + i % 2))
+    keep = ["answer", "n", "x", "tags", "meta"]
+    pool1.run(rollout.run, _cfg(actor, str(url), tmp_path / "out", tp=1, keep_columns=keep))
+    old = pads.dataset([str(url)], format="json").to_table(columns=["prompt", "id", *keep]).to_pylist()
+    parts = _parts(tmp_path / "out")
+    assert len(parts) == 3
+    for c, (name, data) in enumerate(parts.items()):
+        table = pq.read_table(io.BytesIO(data))
+        rows = [old[4 * c + i // 2] for i in range(table.num_rows)]  # 2 samples a prompt
+        cols = {k: table.column(k).to_pylist() for k in contract.ROLLOUT_COLUMNS}
+        cols |= {contract.PROMPT_ID: [r["id"] for r in rows], contract.PROMPT: [toklib.render_prompt(r["prompt"]) for r in rows]}
+        meta = {k.decode(): v.decode() for k, v in table.schema.metadata.items() if not k.startswith(b"ARROW")}
+        buf = io.BytesIO()
+        pq.write_table(contract.rollout_table(cols, {k: [r[k] for r in rows] for k in keep}, meta), buf)
+        assert buf.getvalue() == data, name
 
 
 def rollout_with_failing_writer(cfg, fail_on: int) -> list[str]:
@@ -244,7 +275,7 @@ def test_prompts_are_held_to_the_actors_positions(pool1, actor, tmp_path):
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
     r = subprocess.run([sys.executable, "-m", "llamarl.stages.rollout", "--config-json", json.dumps(cfg)],
                        capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 2 and f"{long}: row 0 has" in r.stderr and "overlong_prompts: truncate" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"{long}: line 1 (row 0): " in r.stderr and "overlong_prompts: truncate" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     with pytest.raises(RuntimeError, match="UserError: sampling.max_new_tokens=600 leaves no room"):
         pool1.run(rollout.run, RolloutConfig(actor=actor, prompts=str(long), out=str(tmp_path / "x"),

@@ -1,0 +1,258 @@
+"""The files of a prompts dataset: which they are, their version, where a row is (for messages),
+and every row read in order as a stream. Torch-free; the index that reads a few rows alone is
+prompt_index.py.
+
+A JSON line is parsed alone, by Python's json, so a value is what its line says whatever the
+lines around it say (pyarrow's reader typed a column by a block of lines: text that looks like a
+date became a timestamp) and a line may be of any length (pyarrow's could not pass its 1 MiB
+block). A blank line is no row. Parquet is read a batch at a time, only the columns asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import fsspec
+import numpy as np
+
+from llamarl.lib.errors import UserError
+
+JSONL, PARQUET = "jsonl", "parquet"
+VERSION_FORMAT = 1  # of a dataset's version digest: a new one makes every index and note of the old obsolete
+BLOCK = 16 << 20  # bytes read at a time when a JSON lines file is scanned
+_BOM = b"\xef\xbb\xbf"
+ABSENT = object()  # a JSON line without the column (a Parquet row always has every column of its file)
+
+Row = tuple  # (row number, place, {column: value}); place: (file index, byte offset | row in the file)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A prompts dataset's files, in the order their rows are numbered."""
+
+    url: str
+    fs: object
+    files: tuple[str, ...]
+    sizes: tuple[int, ...]
+    stamps: tuple[str, ...]  # each file's modification stamp (mtime, or what the storage offers)
+    kind: str  # JSONL | PARQUET
+
+    @functools.cached_property
+    def key(self) -> list:
+        return [self.kind, [list(e) for e in zip(self.files, self.sizes, self.stamps)]]
+
+    @functools.cached_property
+    def version(self) -> str:
+        """A digest of every file's path, size and modification stamp."""
+        return hashlib.sha256(json.dumps([VERSION_FORMAT, self.key]).encode()).hexdigest()[:32]
+
+    def name(self, f: int) -> str:
+        path = self.files[f]
+        return path if _is_local(self.fs) else self.fs.unstrip_protocol(path)
+
+    def where(self, number: int, place: tuple[int, int]) -> str:
+        """Row ``number`` at ``place`` as a user finds it: ``FILE: line L (row N)`` (JSON lines) or
+        ``FILE: row R`` (Parquet: R in the file; the dataset's row number too when it differs)."""
+        f, pos = place
+        of = " of the prompts" if len(self.files) > 1 else ""
+        if self.kind == JSONL:
+            return f"{self.name(f)}: line {self._line(f, pos)} (row {number}{of})"
+        return f"{self.name(f)}: row {pos}" + (f" (row {number}{of})" if pos != number else "")
+
+    def _line(self, f: int, offset: int) -> int:
+        count = 0
+        with self.fs.open(self.files[f], "rb") as fh:
+            while offset > 0 and (block := fh.read(min(BLOCK, offset))):
+                count += block.count(b"\n")
+                offset -= len(block)
+        return count + 1
+
+    def locate(self, number: int) -> tuple[int, int]:
+        """The place of row ``number`` (for messages: reads the files up to it)."""
+        if self.kind == PARQUET:
+            starts = np.cumsum([0] + [sum(parquet_groups(self, f)) for f in range(len(self.files))])
+            f = int(np.searchsorted(starts, number, side="right") - 1)
+            return f, number - int(starts[f])
+        seen = 0
+        for f in range(len(self.files)):
+            for offset, _ in jsonl_lines(self, f):
+                if seen == number:
+                    return f, offset
+                seen += 1
+        raise IndexError(number)
+
+
+def _is_local(fs) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def _stamp(info: dict) -> str:
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created", "ETag", "etag"):
+        if info.get(key) is not None:
+            return str(info[key])
+    return ""
+
+
+def open_dataset(url: str) -> Dataset:
+    """The dataset at ``url`` (a file or a folder), or a one-line ``UserError``."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not fs.exists(path):
+        raise UserError(f"{url}: no such file or folder; check the prompts path")
+    found = {path: fs.info(path)} if fs.isfile(path) else fs.find(path, detail=True)
+    paths = sorted(p for p, i in found.items() if i.get("type", "file") == "file")
+    parquet = [p for p in paths if p.endswith(".parquet")]
+    jsonl = [p for p in paths if p.endswith((".jsonl", ".json"))]
+    if parquet and jsonl:
+        raise UserError(f"{url}: mixes Parquet and JSONL files; keep one format per dataset")
+    if not parquet and not jsonl:
+        raise UserError(f"{url}: no .parquet, .jsonl or .json files; give prompts as Parquet or JSON lines")
+    chosen = parquet or jsonl
+    return Dataset(url, fs, tuple(chosen), tuple(int(found[p]["size"]) for p in chosen),
+                   tuple(_stamp(found[p]) for p in chosen), PARQUET if parquet else JSONL)
+
+
+# ---- JSON lines and Parquet, file by file ------------------------------------------------------------------
+
+
+def line_text(line: bytes, offset: int) -> bytes | None:
+    """A line's JSON text, or None for a blank line (not a row)."""
+    if offset == 0 and line.startswith(_BOM):
+        line = line[len(_BOM):]
+    return line if line.strip() else None
+
+
+def jsonl_lines(ds: Dataset, f: int) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, text) of each row of JSON lines file ``f``: its non-blank lines, of any length."""
+    offset = 0
+    with ds.fs.open(ds.files[f], "rb") as fh:
+        for line in fh:
+            text = line_text(line, offset)
+            if text is not None:
+                yield offset, text
+            offset += len(line)
+
+
+def _decode(text: bytes, names: list[str]) -> dict:
+    """The values of ``names`` in a JSON line (absent ones left out), or a ``ValueError`` saying
+    what is wrong and the fix."""
+    try:
+        s = text.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 (byte {e.start} of the line); save the file as UTF-8") from None
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno}); fix the line or remove it") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read; flatten the line") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"a JSON {type(obj).__name__}, not an object; give each row as one object "
+                         '{"prompt": ...} on its own line') from None
+    return {n: obj[n] for n in names if n in obj}
+
+
+def open_parquet(ds: Dataset, f: int, fh):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(fh)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{ds.name(f)}: cannot be read as Parquet ({str(e).splitlines()[0]}); replace the "
+                        "file") from None
+
+
+def parquet_groups(ds: Dataset, f: int) -> list[int]:
+    with ds.fs.open(ds.files[f], "rb") as fh:
+        meta = open_parquet(ds, f, fh).metadata
+    return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+
+def parquet_pylist(ds: Dataset, f: int, first: int, table, first_number: int) -> list[dict]:
+    """A Parquet batch's rows as dicts; a value Python cannot decode (text that is not UTF-8)
+    named by its row."""
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:
+        for i in range(table.num_rows):
+            for name in table.column_names:
+                try:
+                    table.slice(i, 1).column(name).to_pylist()
+                except UnicodeDecodeError:
+                    raise UserError(f"{ds.where(first_number + i, (f, first + i))}: {name!r} is not valid "
+                                    "UTF-8 text; write the file's text as UTF-8") from None
+        raise
+
+
+def _parquet_rows(ds: Dataset, f: int, names: list[str], first_number: int) -> Iterator[tuple[int, dict]]:
+    """(row in the file, values) of every row of Parquet file ``f``, a batch at a time."""
+    import pyarrow as pa
+
+    at = 0
+    with ds.fs.open(ds.files[f], "rb") as fh:
+        batches = open_parquet(ds, f, fh).iter_batches(batch_size=4096, columns=names)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as e:
+                raise UserError(f"{ds.name(f)}: cannot be read as Parquet after row {at} ({str(e).splitlines()[0]}); "
+                                "replace the file") from None
+            if batch is None:
+                return
+            for row in parquet_pylist(ds, f, at, batch, first_number + at):
+                yield at, row
+                at += 1
+
+
+def require_columns(ds: Dataset, names: list[str]) -> None:
+    """Every column of ``names`` in every Parquet file's schema, or in the first JSON line (a
+    later line without one is refused by its row's check)."""
+    for f in range(len(ds.files)):
+        if ds.kind == PARQUET:
+            with ds.fs.open(ds.files[f], "rb") as fh:
+                has = open_parquet(ds, f, fh).schema_arrow.names
+        else:
+            first = next(jsonl_lines(ds, f), None)
+            if first is None:
+                continue
+            try:
+                obj = json.loads(first[1])
+            except ValueError:
+                return  # not an object: the row's check names the fault
+            if not isinstance(obj, dict):
+                return
+            has = list(obj)
+        missing = [n for n in names if n not in has]
+        if missing:
+            where = ds.url if len(ds.files) == 1 else ds.name(f)
+            raise UserError(f"{where}: no column(s) {', '.join(missing)}; it has {', '.join(map(str, has))}")
+        if ds.kind == JSONL:
+            return
+
+
+def iter_rows(ds: Dataset, names: list[str]) -> Iterator[Row]:
+    """Every row of ``ds`` in order, with bounded memory: ``(number, place, {name: value})``."""
+    require_columns(ds, names)
+    number = 0
+    for f in range(len(ds.files)):
+        if ds.kind == PARQUET:
+            for at, values in _parquet_rows(ds, f, names, number):
+                yield number, (f, at), values
+                number += 1
+            continue
+        for offset, text in jsonl_lines(ds, f):
+            yield number, (f, offset), row_values(ds, number, (f, offset), text, names)
+            number += 1
+
+
+def row_values(ds: Dataset, number: int, place: tuple[int, int], text: bytes, names: list[str]) -> dict:
+    try:
+        return _decode(text, names)
+    except ValueError as e:
+        raise UserError(f"{ds.where(number, place)}: {e}") from None
