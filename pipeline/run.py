@@ -29,7 +29,6 @@ at once).
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -40,11 +39,11 @@ from llamarl.cluster.executor import Executor, make_executor
 from llamarl.lib import publish
 from llamarl.lib.errors import UserError
 
-from . import data
+from .dataset import check_prompts
 from .dag import VALIDATE, Node, build_dag, check_spec
 from .metrics import update_metrics, validation_metrics
 from .monitor import Monitor
-from .records import (assess, fingerprint, fingerprints, input_url, must_redo, node_key, plan, published_id,
+from .records import (assess, fingerprints, input_url, must_redo, node_key, plan, published_id,
                       read_record, write_record)
 from .retention import retire_done
 from .spec import RunSpec
@@ -81,7 +80,7 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
     run = spec.run_dir
     nodes = check_spec(spec)
     by_name = {n.name: n for n in nodes}
-    check_dataset(spec, record=False)
+    check_prompts(spec, record=False)
     if dry_run:
         report = []
         executor = (executor or executor_for(spec)) if show_launch else None
@@ -107,36 +106,10 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
             raise PipelineError(f"{run}: stages of a detached run are still queued or running: {listed}"
                                 f"{' …' if len(in_flight) > 3 else ''}; follow them with `llamarl status {run}`, "
                                 f"or cancel them (scancel) before running it again")
-        check_dataset(spec, record=True)
+        check_prompts(spec, record=True)
         if detach:
             return _submit_nodes(spec, nodes, by_name, executor, echo)
         return _run_nodes(spec, nodes, by_name, executor, echo)
-
-
-def check_dataset(spec: RunSpec, record: bool) -> int | None:
-    """The number of prompts a run with ``prompts_per_iteration`` takes its rows from (None without),
-    refused in one line when an iteration would take more than there are, or when the dataset
-    changed since the run first took rows of it (its iterations would mix two datasets' rows).
-    ``record``: remember this dataset in the run directory (``pipeline/prompts.json``)."""
-    if spec.prompts_per_iteration is None:
-        return None
-    from llamarl.stages.prompts import dataset_rows
-
-    url = f"{spec.run_dir}/pipeline/prompts.json"
-    fs, path = fsspec.core.url_to_fs(url)
-    before = json.loads(fs.cat_file(path)) if fs.exists(path) else None
-    now = fingerprint(spec.prompts, checksums=True)
-    if before is not None and (before["prompts"], before["fingerprint"]) != (spec.prompts, now):
-        raise PipelineError(f"{spec.prompts}: the prompts changed since this run first took rows of them "
-                            f"({before['prompts']}, {before['rows']} rows, fingerprint {before['fingerprint']}); its "
-                            f"iterations would mix two datasets: restore them, or start a new run (another name)")
-    rows = before["rows"] if before is not None else dataset_rows(spec.prompts, data.prompts_index(spec.run_dir))
-    if spec.prompts_per_iteration > rows:
-        raise PipelineError(f"{spec.source}: prompts_per_iteration={spec.prompts_per_iteration} is more than the "
-                            f"{rows} prompts in {spec.prompts}; lower it to at most {rows}")
-    if record and before is None:
-        publish.write_bytes(url, json.dumps({"prompts": spec.prompts, "fingerprint": now, "rows": rows}).encode())
-    return rows
 
 
 def _jobs_in_flight(run: str, nodes: list[Node], executor) -> list[tuple[str, str, str]]:

@@ -3,14 +3,13 @@ for a rollout that takes rows of the prompts, which ones (epoch and position); w
 
 from __future__ import annotations
 
-import json
-
 import fsspec
 
 from llamarl.lib.errors import UserError
 
 from . import data
 from .dag import VALIDATE, build_dag, load_spec
+from .dataset import recorded
 from .records import assess, must_redo, one_look, read_record
 from .retention import retained
 from .run import executor_for
@@ -54,9 +53,9 @@ def _rows(spec: RunSpec) -> list[tuple[str, str, str]]:
                 record["status"] = state  # for the stages after it
         if n.stage == "rollout" and spec.max_staleness and n.role != VALIDATE:
             why += f"; samples {n.inputs[0]}'s actor"
-        select = data.iteration_selection(spec.seed, spec.shuffle is not False, spec.prompts_per_iteration,
-                                          n.iteration or 0)
-        if n.stage == "rollout" and n.role != VALIDATE and select is not None and rows_in_prompts:
+        if n.stage == "rollout" and n.role != VALIDATE and rows_in_prompts and spec.prompts_per_iteration:
+            select = data.iteration_selection(spec.seed, spec.shuffle is not False, spec.prompts_per_iteration,
+                                              n.iteration)
             why += f"; {data.Position(select.start, select.count, rows_in_prompts).describe()}"
         gone = retained(n)
         if gone:
@@ -69,9 +68,8 @@ def _rows(spec: RunSpec) -> list[tuple[str, str, str]]:
 
 
 def _recorded_rows(spec: RunSpec) -> int | None:
-    """The number of prompts the run recorded when it first took rows of them (``check_dataset``)."""
-    fs, path = fsspec.core.url_to_fs(f"{spec.run_dir}/pipeline/prompts.json")
-    return json.loads(fs.cat_file(path))["rows"] if fs.exists(path) else None
+    """The number of prompts the run recorded when it first took rows of them."""
+    return (recorded(spec) or {}).get("rows")
 
 
 def _ran_beside(name: str, records: dict[str, dict]) -> list[str]:

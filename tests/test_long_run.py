@@ -2,7 +2,7 @@
 retention, TensorBoard — and resuming, rerunning and extending it.
 
 One run of 6 iterations over 48 prompts, 16 an iteration, validated every 2 iterations, keeping the
-last iteration whole (and the actor of iteration 4), samples deleted once trained on, is made once
+last iteration whole (and the actor of iteration 4), is made once
 in the test's process pool (the stages' own ``run``, without a process start each) and inspected;
 the same spec run as `llamarl run` processes, killed at a random point and run again, must end with
 the same bytes.
@@ -24,7 +24,7 @@ from pool_executor import PoolExecutor
 
 from llamarl.lib import publish
 from llamarl.pipeline import toy
-from llamarl.pipeline.dag import build_dag, load_spec
+from llamarl.pipeline.dag import load_spec
 from llamarl.pipeline.run import run_spec
 from llamarl.stages import contract
 
@@ -41,7 +41,7 @@ def _inputs(root) -> dict:
             "prompts": str(root / "train.jsonl"), "prompts_per_iteration": PER_ITERATION, "seed": 7,
             "iterations": ITERATIONS,
             "validation": {"prompts": str(root / "val.jsonl"), "every": 2, "sampling": {"samples_per_prompt": 2}},
-            "retention": {"keep_last": 1, "keep_every": 4, "keep_samples": False},
+            "retention": {"keep_last": 1, "keep_every": 4},
             "metrics": {"tensorboard": str(root / "tb")},
             "rollout": {"id_column": "id", "chunk_size": 8,
                         "sampling": {"samples_per_prompt": 2, "max_new_tokens": 4}},
@@ -62,19 +62,24 @@ def long_run(tmp_path_factory, pool1):
     spec = load_spec(_write(root, data))
     executor = PoolExecutor(pool1)
     run_spec(spec, echo=lambda m: None, executor=executor)
-    return root, data, spec, executor
+    run = spec.run_dir
+    made = {"taken": {i: _prompt_ids(f"{run}/iter-{i:03d}/rollout") for i in range(1, ITERATIONS + 1)},
+            "metrics": open(f"{run}/metrics.jsonl").read(),
+            "export": {name: open(f"{run}/export/{name}", "rb").read() for name in os.listdir(f"{run}/export")
+                       if name != publish.MANIFEST}}  # as they are before the tests below extend the run
+    return root, data, spec, executor, made
 
 
 def _prompt_ids(rollout: str) -> list[str]:
-    """The prompt ids a rollout took, in its order (from its manifest's record of its rows: its
-    parts are deleted by retention)."""
-    return publish.read_manifest(rollout)["selected"]["prompt_ids"]
+    """The prompt ids a rollout took, in its order (each once: its first sample's row)."""
+    rows = contract.read_rows(rollout, publish.require_published(rollout, contract.ROLLOUT))
+    return [r[contract.PROMPT_ID] for r in rows if r[contract.SAMPLE_INDEX] == 0]
 
 
 def test_iterations_take_the_dataset_epoch_by_epoch_each_with_its_own_seed(long_run):
-    _, _, spec, _ = long_run
+    _, _, spec, _, by_iteration = long_run
     run = spec.run_dir
-    taken = [_prompt_ids(f"{run}/iter-{i:03d}/rollout") for i in range(1, ITERATIONS + 1)]
+    taken = [by_iteration["taken"][i] for i in range(1, ITERATIONS + 1)]
     assert all(len(t) == PER_ITERATION for t in taken)
     every = sorted(f"p{i:04d}" for i in range(PROMPTS))
     first, second = taken[0] + taken[1] + taken[2], taken[3] + taken[4] + taken[5]
@@ -86,7 +91,7 @@ def test_iterations_take_the_dataset_epoch_by_epoch_each_with_its_own_seed(long_
 
 
 def test_validation_rows_at_exactly_the_validated_iterations(long_run):
-    _, _, spec, _ = long_run
+    _, _, spec, _, _ = long_run
     rows = [json.loads(line) for line in open(f"{spec.run_dir}/metrics.jsonl")]
     assert [r["iteration"] for r in rows] == list(range(1, ITERATIONS + 1))
     assert [r["iteration"] for r in rows if "val_score" in r] == [2, 4, 6]
@@ -97,15 +102,13 @@ def test_validation_rows_at_exactly_the_validated_iterations(long_run):
 
 
 def test_retention_keeps_one_training_state_and_the_kept_actors(long_run):
-    _, _, spec, _ = long_run
+    _, _, spec, _, _ = long_run
     run = spec.run_dir
     states = sorted(os.path.relpath(d, run) for d, _, files in os.walk(run)
                     if "train_state" in d and any(f.endswith(".distcp") for f in files))
-    assert states == ["iter-006/ppo/train_state/actor"], states
+    assert states == ["iter-006/ppo/train_state/actor/optim"], states
     actors = sorted(i for i in range(1, ITERATIONS + 1) if os.path.exists(f"{run}/iter-{i:03d}/ppo/actor/model"))
     assert actors == [4, 6]  # keep_every 4, and the last
-    parts = [d for d, _, files in os.walk(run) if any(f.endswith(".parquet") for f in files)]
-    assert parts == [], parts  # samples deleted once trained on (keep_samples: false)
     with pytest.raises(Exception, match="deleted by its run's retention"):
         publish.require_published(f"{run}/iter-002/ppo/actor", contract.CHECKPOINT)
 
@@ -113,7 +116,7 @@ def test_retention_keeps_one_training_state_and_the_kept_actors(long_run):
 def test_tensorboard_holds_the_metrics_rows(long_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    root, _, spec, _ = long_run
+    root, _, spec, _, _ = long_run
     events = EventAccumulator(str(root / "tb"))
     events.Reload()
     rows = [json.loads(line) for line in open(f"{spec.run_dir}/metrics.jsonl")]
@@ -125,7 +128,7 @@ def test_tensorboard_holds_the_metrics_rows(long_run):
 def test_status_says_epoch_position_and_what_was_deleted(long_run):
     from llamarl.pipeline.status import status
 
-    _, _, spec, _ = long_run
+    _, _, spec, _, _ = long_run
     why = {name: why for name, _, why in status(spec.run_dir)}
     assert "epoch 1, prompts 17–32 of 48" in why["iter-002/rollout"]
     assert "epoch 2, prompts 1–16 of 48" in why["iter-004/rollout"]
@@ -134,27 +137,36 @@ def test_status_says_epoch_position_and_what_was_deleted(long_run):
 
 
 def test_a_rerun_runs_nothing_and_more_iterations_run_only_the_new_ones(long_run, pool1):
-    root, data, spec, executor = long_run
+    root, data, spec, executor, _ = long_run
     executor.ran.clear()
     report = run_spec(spec, echo=lambda m: None, executor=executor)
     assert executor.ran == [] and all(what == "skipped (done)" for _, what in report), report
-    longer = load_spec(_write(root, data | {"iterations": ITERATIONS + 1}, "longer.yaml"))
+    # One more iteration, and from now on no samples kept (retention is no stage's config: nothing reruns).
+    retention = data["retention"] | {"keep_samples": False}
+    longer = load_spec(_write(root, data | {"iterations": ITERATIONS + 1, "retention": retention}, "longer.yaml"))
     run_spec(longer, echo=lambda m: None, executor=executor)
     assert executor.ran == ["iter-007/rollout", "iter-007/scores", "iter-007/ppo", "iter-007/val-rollout",
                             "iter-007/val-scores", "export"], executor.ran
-    assert _prompt_ids(f"{spec.run_dir}/iter-007/rollout") != _prompt_ids(f"{spec.run_dir}/iter-001/rollout")
+    run = spec.run_dir
+    assert publish.read_manifest(f"{run}/iter-007/rollout")["selection"]["epochs"] == [{"epoch": 2, "from": 0, "to": 16}]
+    parts = [d for d, _, files in os.walk(run) if any(f.endswith(".parquet") for f in files)]
+    assert parts == [], parts  # samples deleted once trained on, validation samples once their metrics are kept
+    assert [json.loads(line).get("val_score") is not None for line in open(f"{run}/metrics.jsonl")] == \
+        [False, True, False, True, False, True, True]
 
 
 def test_a_changed_config_redoes_what_retention_deleted_back_to_what_is_on_disk(long_run, tmp_path):
-    root, data, _, _ = long_run
+    root, data, _, _, _ = long_run
     changed = load_spec(_write(root, data | {"ppo": data["ppo"] | {"actor_lr": 0.02}}, "changed.yaml"))
     plan = dict(run_spec(changed, dry_run=True, echo=lambda m: None))
-    assert plan["iter-001/rollout"].startswith("skip") is False and "deleted by retention" in plan["iter-001/rollout"]
-    assert plan["iter-001/ppo"] == "run: its config or inputs changed"
+    # ppo 1 reruns; what it reads and retention deleted (its rollout and scores) runs again first.
+    assert plan["shard/actor"].startswith("skip")
+    assert plan["iter-001/rollout"] == plan["iter-001/scores"] == "run: deleted by retention, and iter-001/ppo needs it"
+    assert plan["iter-001/ppo"] == "run: an input will be redone"
 
 
 def test_a_changed_prompts_file_is_refused(long_run):
-    root, data, _, _ = long_run
+    root, data, _, _, _ = long_run
     with open(root / "train.jsonl", "a") as f:
         f.write(json.dumps({"id": "extra", "prompt": "one more"}) + "\n")
     try:
@@ -167,7 +179,7 @@ def test_a_changed_prompts_file_is_refused(long_run):
 
 def test_killed_at_a_random_point_then_rerun_gives_the_same_bytes(long_run, tmp_path):
     """The same spec as `llamarl run` processes, killed with everything it started, then run again."""
-    root, data, reference, _ = long_run
+    root, data, _, _, made = long_run
     spec = _write(tmp_path, data | {"storage": str(tmp_path / "runs"), "metrics": {}})
     delay = random.Random().uniform(5, 60)
     proc = subprocess.Popen([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], start_new_session=True,
@@ -180,11 +192,7 @@ def test_killed_at_a_random_point_then_rerun_gives_the_same_bytes(long_run, tmp_
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     run = load_spec(spec).run_dir
     for i in range(1, ITERATIONS + 1):
-        assert _prompt_ids(f"{run}/iter-{i:03d}/rollout") == _prompt_ids(f"{reference.run_dir}/iter-{i:03d}/rollout")
-    ours = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
-    theirs = [json.loads(line) for line in open(f"{reference.run_dir}/metrics.jsonl")]
-    assert ours == theirs, f"killed after {delay:.0f}s"
-    for name in os.listdir(f"{reference.run_dir}/export"):
-        if name != publish.MANIFEST:
-            assert open(f"{run}/export/{name}", "rb").read() == open(f"{reference.run_dir}/export/{name}", "rb").read()
-    assert [n.name for n in build_dag(load_spec(spec))][-1] == "export"
+        assert _prompt_ids(f"{run}/iter-{i:03d}/rollout") == made["taken"][i]
+    assert open(f"{run}/metrics.jsonl").read() == made["metrics"], f"killed after {delay:.0f}s"
+    for name, data_ in made["export"].items():
+        assert open(f"{run}/export/{name}", "rb").read() == data_, name

@@ -1,0 +1,52 @@
+"""The prompts a run reads, checked before anything runs: every row of the training and the
+validation prompts well-formed (stages/prompts.py: the check a rollout makes, done once here and
+remembered in the run's row index, so no stage is started on a dataset a rollout would refuse),
+and, for a run that takes ``prompts_per_iteration`` rows at a time, the dataset it takes them from
+recorded (``pipeline/prompts.json``) and held to: a prompts file that changes under the run is
+refused, since its iterations would mix two datasets' rows."""
+
+from __future__ import annotations
+
+import json
+
+import fsspec
+
+from llamarl.lib import publish
+from llamarl.lib.errors import UserError
+
+from .data import prompts_index
+from .records import fingerprint
+from .spec import RunSpec
+
+
+def recorded(spec: RunSpec) -> dict | None:
+    """What the run recorded of the dataset it takes rows of: prompts, fingerprint, rows."""
+    fs, path = fsspec.core.url_to_fs(f"{spec.run_dir}/pipeline/prompts.json")
+    return json.loads(fs.cat_file(path)) if fs.exists(path) else None
+
+
+def check_prompts(spec: RunSpec, record: bool) -> int:
+    """The number of training prompts, every row of them (and of the validation prompts) checked;
+    refused in one line when an iteration would take more than there are, or when the dataset
+    changed since the run first took rows of it. ``record``: remember the dataset in the run
+    directory (a run, not a dry run)."""
+    from llamarl.stages.prompts import Columns, check_dataset
+
+    index, columns = prompts_index(spec.run_dir), Columns.of(spec.rollout)
+    rows = check_dataset(spec.prompts, columns, index).rows
+    if spec.validation is not None:
+        check_dataset(spec.validation.prompts, columns, index)
+    if spec.prompts_per_iteration is None:
+        return rows
+    before, now = recorded(spec), fingerprint(spec.prompts, checksums=True)
+    if before is not None and (before["prompts"], before["fingerprint"]) != (spec.prompts, now):
+        raise UserError(f"{spec.prompts}: the prompts changed since this run first took rows of them "
+                        f"({before['prompts']}, {before['rows']} rows, fingerprint {before['fingerprint']}); its "
+                        f"iterations would mix two datasets: restore them, or start a new run (another name)")
+    if spec.prompts_per_iteration > rows:
+        raise UserError(f"{spec.source}: prompts_per_iteration={spec.prompts_per_iteration} is more than the "
+                        f"{rows} prompts in {spec.prompts}; lower it to at most {rows}")
+    if record and before is None:
+        publish.write_bytes(f"{spec.run_dir}/pipeline/prompts.json",
+                            json.dumps({"prompts": spec.prompts, "fingerprint": now, "rows": rows}).encode())
+    return rows
