@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from .errors import EXIT_PEER_LOST, EXIT_STATUS_ENV, EXIT_USER_ERROR, UserError
+from .errors import EXIT_PEER_LOST, EXIT_STATUS_ENV, EXIT_USER_ERROR, UserError, chain, disk_full, disk_full_error, unreadable
 from .iogroup import IOGroup, PeerLost
 
 C = TypeVar("C")
@@ -47,6 +47,9 @@ def _load(cls, argv):
                 data = yaml.safe_load(f) or {}
         except FileNotFoundError:
             raise UserError(f"{args.config}: no such config file; check the --config path") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{args.config}: cannot be read as a config file ({unreadable(e)}); check the --config "
+                            "path") from None
         except yaml.YAMLError as e:
             raise UserError(f"{args.config}: not valid YAML ({str(e).splitlines()[0]})") from None
         return cls.parse(data, args.config)
@@ -135,21 +138,31 @@ class Failure:
 
 def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> Failure | None:
     """Load the stage's config from ``argv`` and run it in this process (one rank); a ``Failure``
-    for a user error (printed by rank 0 as ``error: …``) or a lost peer (printed by every rank
-    that saw it), None when done. Bugs keep their traceback. The process group is gone afterwards,
-    either way. The one path into a stage: ``main`` for processes, ``cluster.slurm``'s tasks."""
+    for a user error (printed by rank 0 as ``error: …``), a write to a full file system (one line
+    naming the path, as a user error) or a lost peer (printed by every rank that saw it), None
+    when done. Bugs keep their traceback. The process group is gone afterwards, either way. The
+    one path into a stage: ``main`` for processes, ``cluster.slurm``'s tasks."""
+    global _output
     mark("imported")
+    _output = None
     try:
         config = _load(cls, argv)
         mark("config")
         run(config)
-    except UserError as e:
-        # Errors reach every rank alike (config checks run everywhere; later ones go through
-        # `check`), so rank 0 alone reports.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return Failure(EXIT_USER_ERROR, str(e))
     except Exception as e:
+        if (full := _disk_full(e)) is not None:
+            # Not alike on every rank: the rank whose write failed reports it; so does rank 0 when
+            # the ranks agreed on it (as a UserError, or a RuntimeError every rank raises: the
+            # same line, which the local executor shows once).
+            if os.environ.get("RANK", "0") == "0" or not isinstance(e, UserError):
+                print(f"error: {full}", file=sys.stderr, flush=True)
+            return Failure(EXIT_USER_ERROR, full)
+        if isinstance(e, UserError):
+            # Errors reach every rank alike (config checks run everywhere; later ones go through
+            # `check`), so rank 0 alone reports.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            return Failure(EXIT_USER_ERROR, str(e))
         if not _lost_peer(e):
             raise
         error = _peer_error(e)
@@ -162,6 +175,26 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
         _leave()
         _write_profile()
     return None
+
+
+_output: str | None = None
+
+
+def writes_to(url: str) -> None:
+    """Say where this stage writes its output: a disk-full error names it when the failed write
+    does not name a file of its own (a write to an open file says no path)."""
+    global _output
+    _output = url.rstrip("/")
+
+
+def _disk_full(e: BaseException) -> str | None:
+    """The one line of a write that failed on a full file system (``errors.disk_full``), or None."""
+    words = disk_full(e)
+    if words is None:
+        return None
+    file = next((x.filename for x in chain(e) if isinstance(x, OSError) and isinstance(x.filename, str)), None)
+    inside = _output is not None and file is not None and os.path.abspath(file).startswith(os.path.abspath(_output))
+    return disk_full_error((_output if inside or file is None else file) or "the stage's output", words)
 
 
 _PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",

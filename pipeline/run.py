@@ -28,7 +28,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,7 +36,7 @@ import fsspec
 
 from llamarl.cluster.executor import Executor, make_executor
 from llamarl.lib import publish
-from llamarl.lib.errors import UserError
+from llamarl.lib.errors import Stopped, UserError
 from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
 
 from .spec import RunSpec, StageLayout
@@ -201,8 +201,8 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
     key = node_key(node, by_name)
     if record is None:
         return False, "not started"
-    if record.get("status") == "failed":
-        return False, f"failed: {record.get('error')}"
+    if record.get("status") in ("failed", "stopped"):
+        return False, f"{record['status']}: {record.get('error')}"
     if record.get("status") == "running":
         job = f" as job {record['job']}" if record.get("job") else ""
         return False, f"running{job} or interrupted (started {record.get('started')})"
@@ -243,6 +243,28 @@ def executor_for(spec: RunSpec) -> Executor:
     return make_executor(spec.executor.kind, spec.executor.options, spec.run_dir, f"{spec.source}: executor.options")
 
 
+def check_storage(spec: RunSpec) -> None:
+    """The run directory can live where the spec puts it: ``storage`` is no file and, on a local
+    file system, a folder this user may write to (or may create) — checked before anything runs,
+    dry runs too. A one-line error naming it otherwise. (An object store is not probed: that would
+    mean writing to it.)"""
+    import os
+
+    fs, run = fsspec.core.url_to_fs(spec.run_dir)
+    where = f"{spec.source}: storage"
+    parts = run.rstrip("/").split("/")
+    existing = next((p for p in ("/".join(parts[:i]) or "/" for i in range(len(parts), 0, -1)) if fs.exists(p)), None)
+    if existing is not None and not fs.isdir(existing):
+        raise PipelineError(f"{where}: {existing} is a file, not a folder; point storage at a folder (the run lives "
+                            f"in STORAGE/NAME)")
+    if "file" not in fs.protocol or existing is None:
+        return
+    for folder in dict.fromkeys(p for p in (existing, run, f"{run}/pipeline") if os.path.isdir(p)):
+        if not os.access(folder, os.W_OK | os.X_OK):
+            why = "read-only file system" if os.statvfs(folder).f_flag & os.ST_RDONLY else "permission denied"
+            raise PipelineError(f"{where}: cannot write to {folder} ({why}); point storage at a folder you can write to")
+
+
 def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False, detach: bool = False,
              echo=print) -> list[tuple[str, str]]:
     """Run every stage that is not done, in order. Returns (node, what happened) pairs. A dry run
@@ -250,6 +272,7 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
     that would run (``Executor.render``)."""
     run = spec.run_dir
     nodes = check_spec(spec)
+    check_storage(spec)
     by_name = {n.name: n for n in nodes}
     report, will_run = [], set()
     if dry_run:
@@ -268,8 +291,9 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
 
     from .lock import RunLock
 
-    with RunLock(run, echo=echo):  # one `llamarl run` at a time per run directory
+    with RunLock(run, echo=echo) as lock:  # one `llamarl run` at a time per run directory
         executor = executor_for(spec)
+        executor.registry = lock  # the stages' processes on this host, for a takeover after a crash
         in_flight = _jobs_in_flight(run, nodes, executor)
         if in_flight:
             listed = ", ".join(f"{n} (job {j}: {state})" for n, j, state in in_flight[:3])
@@ -437,7 +461,7 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
         started = {m.name for m in running.values()}
         return failure is None and len(running) < limit and any(i in started for n in waiting for i in n.reads)
 
-    with ThreadPoolExecutor(max_workers=min(limit, len(nodes)), thread_name_prefix="stage") as pool:
+    with _StageThreads(max_workers=min(limit, len(nodes)), thread_name_prefix="stage") as pool:
         try:
             while waiting or running:
                 for n in list(waiting) if failure is None else []:
@@ -471,20 +495,56 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
                         write_record(run, n, status="failed", error=result.error, finished=None)
                         failure = failure or (n, result)
                         continue
-                    _record_done(run, n, by_name, keys.get(n.name))
+                    _finished(spec, n, by_name, keys.get(n.name))
                     finished.add(n.name)
                     report.append((n.name, "ran"))
-                    if n.stage == "ppo":
-                        from .metrics import update_metrics
-
-                        update_metrics(run, spec.iterations)
-        except BaseException:  # interrupted: the stages' processes must not outlive us
-            executor.stop_all()
+        except BaseException as e:  # stopped (a signal, Ctrl-C) or failed: no stage process may outlive us
+            _stop_stages(spec, executor, running, by_name, keys, e)
             raise
     if failure is not None:
         n, result = failure
         raise PipelineError(f"stage {n.name} failed ({result.error}); fix it and rerun `llamarl run` — finished stages are kept")
     return report
+
+
+def _finished(spec: RunSpec, n: Node, by_name: dict[str, Node], key: str | None) -> None:
+    """``n`` ended well: its record, and after a ppo the run's metrics."""
+    _record_done(spec.run_dir, n, by_name, key)
+    if n.stage == "ppo":
+        from .metrics import update_metrics
+
+        update_metrics(spec.run_dir, spec.iterations)
+
+
+class _StageThreads(ThreadPoolExecutor):
+    """The threads that follow running stages. Left by an exception (the driver stopping) it does
+    not wait for them: a cluster's stage runs on, and so does the thread following it."""
+
+    def __exit__(self, exc_type, exc, tb):
+        self.shutdown(wait=exc_type is None, cancel_futures=exc_type is not None)
+        return False
+
+
+def _stop_stages(spec: RunSpec, executor: Executor, running: dict[Future, Node], by_name: dict[str, Node],
+                 keys: dict[str, str | None], why: BaseException) -> None:
+    """The driver stops (``why``: a signal, Ctrl-C, an error of its own). The executor stops what
+    is its to stop — every process of each local stage, before it returns — and each stage's
+    record says how it ended: done if it ended well before the stop, stopped otherwise. A
+    cluster's job runs on and keeps its "running" record: a later ``llamarl run`` follows or
+    resumes it."""
+    stopped = set(executor.stop_all() or ())
+    if isinstance(why, Stopped):
+        why.stages = sorted(stopped)
+    cause = why.name if isinstance(why, Stopped) else f"{type(why).__name__}: {why}".splitlines()[0][:200]
+    ours = {f: n for f, n in running.items() if n.name in stopped or f.done()}
+    wait(ours)  # a stopped stage's thread ends with its processes, which are gone now
+    for future, n in ours.items():
+        result = None if future.exception() is not None else future.result()
+        if result is not None and result.ok:
+            _finished(spec, n, by_name, keys.get(n.name))
+        elif n.name in stopped:
+            write_record(spec.run_dir, n, status="stopped", finished=None,
+                         error=f"llamarl run stopped it at {_now()} ({cause}); rerun to resume")
 
 
 def status(run: str) -> list[tuple[str, str, str]]:
