@@ -61,6 +61,7 @@ class LocalRun:
     shown: set[str] = field(default_factory=set)  # the error lines passed on (several ranks may print one)
     shown_lock: threading.Lock = field(default_factory=threading.Lock)
     gpus: list[int] = field(default_factory=list)  # held while it runs
+    gone: bool = False  # no process of its groups lives any more
 
     @property
     def groups(self) -> list[tuple[int, int | None]]:
@@ -122,8 +123,11 @@ class LocalExecutor(ExecutorBase):
         """Wait until no process of ``run``'s groups lives (its own processes reaped); then it
         leaves the registry. The pids still alive after ``STOP_WAIT_S`` (then it stays there)."""
         left = wait_gone(run.groups, STOP_WAIT_S, reap=run.procs)
-        if not left and self.registry is not None:
-            self.registry.ended(run.name)
+        with self._starting:
+            if not left and not run.gone:
+                run.gone = True
+                if self.registry is not None:
+                    self.registry.ended(run.name)
         return left
 
     def command(self, stage: str, config: Any) -> list[str]:
