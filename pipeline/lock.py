@@ -181,9 +181,15 @@ class RunLock:
             return None
 
     def _write(self) -> None:
+        """The lock as it stands now, replacing the file whole. A write that fails (a full disk)
+        leaves the last one in place and is tried again by the next heartbeat: the stage whose
+        write failed too reports it."""
         tmp = f"{self.path}.{self.me['pid']}.tmp"
-        self.fs.pipe_file(tmp, self._body())
-        self.fs.mv(tmp, self.path)
+        try:
+            self.fs.pipe_file(tmp, self._body())
+            self.fs.mv(tmp, self.path)
+        except OSError:
+            pass
 
     def _beat(self) -> None:
         while not self._stop.wait(self.lease_s / 4):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,7 +95,7 @@ def test_a_signal_stops_the_run_and_every_process_of_its_stage(small, sig):
     record = json.load(open(os.path.join(run, "pipeline", "iter-001.rollout.json")))
     assert record["status"] == "stopped" and f"({sig.name}); rerun to resume" in record["error"]
     status = _cli("status", run)
-    assert f"│ iter-001/rollout │ stopped │ stopped: llamarl run stopped it at" in status.stdout, status.stdout
+    assert re.search(r"│ iter-001/rollout +│ stopped +│ stopped: llamarl run stopped it at ", status.stdout), status.stdout
     rerun = _cli("run", spec)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "[iter-001/rollout] running rollout" in rerun.stdout and os.path.exists(os.path.join(run, "export"))
