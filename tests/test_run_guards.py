@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -212,7 +213,6 @@ def test_a_takeover_first_stops_what_the_gone_drivers_stages_left_running(tmp_pa
 def test_a_takeover_refuses_what_this_user_cannot_stop(tmp_path):
     """The old driver's stage runs as another user (here: root) than the new `llamarl run`
     (nobody): it cannot stop it, so it refuses in one line naming the processes and the command."""
-    import shutil
     import tempfile
 
     from llamarl.cluster.local import survivors
@@ -303,3 +303,87 @@ def test_a_stage_process_that_outlives_the_stop_keeps_the_lock_for_the_next_take
     finally:
         proc.kill()
         proc.wait()
+
+
+# ---- one-line errors for a spec or storage that cannot be used ---------------------------------------
+
+
+def _llamarl(*args, user: str | None = None) -> subprocess.CompletedProcess:
+    prefix = ["setpriv", f"--reuid={user}", "--regid=nogroup", "--clear-groups"] if user else []
+    return subprocess.run([*prefix, sys.executable, "-m", "llamarl.pipeline.cli", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "COLUMNS": "400"})
+
+
+def _refused(r: subprocess.CompletedProcess) -> str:
+    """The one line of a refused command (exit status 2, no traceback)."""
+    out = (r.stdout + r.stderr).strip()
+    assert r.returncode == 2 and len(out.splitlines()) == 1 and out.startswith("error: "), out
+    return out
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder under /tmp that another user (nobody) can reach: pytest's tmp_path is private."""
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="llamarl-")
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("kind", ["folder", "binary", "unreadable", "list"])
+def test_a_spec_that_cannot_be_read_is_one_line(tmp_path, shared_dir, kind):
+    if kind == "unreadable" and os.geteuid() != 0:
+        pytest.skip("needs root, to read the spec as another user (nobody)")
+    where = shared_dir if kind == "unreadable" else str(tmp_path)  # (root reads any file)
+    spec = os.path.join(where, "spec.yaml")
+    if kind == "folder":
+        os.mkdir(spec)
+    elif kind == "binary":
+        open(spec, "wb").write(bytes(range(128, 256)))
+    else:
+        open(spec, "w").write("- a\n- b\n" if kind == "list" else "name: x\n")
+        os.chmod(spec, 0o644 if kind == "list" else 0o000)
+    why = {"folder": "cannot be read as a run spec (it is a folder); give the spec's YAML file",
+           "binary": "cannot be read as a run spec (not a text file); give the spec's YAML file",
+           "unreadable": "cannot be read as a run spec (Permission denied); give the spec's YAML file",
+           "list": "expected a mapping of options, got list"}[kind]
+    for dry in ([], ["--dry-run"]):
+        assert _refused(_llamarl("run", spec, *dry, user="nobody" if kind == "unreadable" else None)) == f"error: {spec}: {why}"
+
+
+@pytest.mark.parametrize("kind", ["file", "read-only", "not-ours"])
+def test_storage_that_cannot_hold_the_run_is_one_line_also_in_a_dry_run(shared_dir, kind):
+    if kind != "file" and os.geteuid() != 0:
+        pytest.skip("needs root: to mount a read-only file system, and to run as another user (nobody)")
+    where = shared_dir
+    storage = os.path.join(where, "storage")
+    if kind == "file":
+        open(storage, "w").write("not a folder")
+    elif kind == "read-only":
+        os.mkdir(storage)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", storage]).returncode:
+            pytest.skip("cannot mount a tmpfs here")
+    else:
+        os.mkdir(storage, 0o755)  # root's: nobody may not write in it
+    spec = os.path.join(where, "spec.yaml")
+    with open(spec, "w") as f:
+        yaml.safe_dump({"name": "r", "storage": storage, "actor": "/nowhere/actor", "prompts": "/nowhere/p.jsonl",
+                        "score": {"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio"}]}}, f)
+    os.chmod(spec, 0o644)
+    why = {"file": f"{storage} is a file, not a folder; point storage at a folder (the run lives in STORAGE/NAME)",
+           "read-only": f"cannot write to {storage} (read-only file system); point storage at a folder you can write to",
+           "not-ours": f"cannot write to {storage} (permission denied); point storage at a folder you can write to"}[kind]
+    try:
+        for dry in ([], ["--dry-run"]):
+            r = _llamarl("run", spec, *dry, user="nobody" if kind == "not-ours" else None)
+            assert _refused(r) == f"error: {spec}: storage: {why}"
+    finally:
+        if kind == "read-only":
+            subprocess.run(["umount", "-l", storage])
+
+
+def test_an_options_file_that_cannot_be_read_is_one_line(tmp_path):
+    r = _llamarl("stage", "rollout", "ACTOR", "PROMPTS", "OUT", "--config", str(tmp_path))
+    assert _refused(r) == f"error: {tmp_path}: cannot be read as an options file (it is a folder); check the --config path"
