@@ -193,8 +193,14 @@ def _disk_full(e: BaseException) -> str | None:
     if words is None:
         return None
     file = next((x.filename for x in chain(e) if isinstance(x, OSError) and isinstance(x.filename, str)), None)
-    inside = _output is not None and file is not None and os.path.abspath(file).startswith(os.path.abspath(_output))
-    return disk_full_error((_output if inside or file is None else file) or "the stage's output", words)
+    if file is None or (_output is not None and _inside(file, _output)):
+        file = _output  # the same line on every rank that reports it
+    return disk_full_error(file or "the stage's output", words)
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return os.path.commonpath([path, folder]) == folder
 
 
 _PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
