@@ -529,7 +529,7 @@ def _stop_stages(spec: RunSpec, executor: Executor, running: dict[Future, Node],
                  keys: dict[str, str | None], why: BaseException) -> None:
     """The driver stops (``why``: a signal, Ctrl-C, an error of its own). The executor stops what
     is its to stop — every process of each local stage, before it returns — and each stage's
-    record says how it ended: done if it ended well before the stop, stopped otherwise. A
+    record says how it ended: done or failed if it ended just before the stop, else stopped. A
     cluster's job runs on and keeps its "running" record: a later ``llamarl run`` follows or
     resumes it."""
     stopped = set(executor.stop_all() or ())
@@ -545,6 +545,8 @@ def _stop_stages(spec: RunSpec, executor: Executor, running: dict[Future, Node],
         elif n.name in stopped:
             write_record(spec.run_dir, n, status="stopped", finished=None,
                          error=f"llamarl run stopped it at {_now()} ({cause}); rerun to resume")
+        elif result is not None:  # it had failed on its own, just before the stop
+            write_record(spec.run_dir, n, status="failed", error=result.error, finished=None)
 
 
 def status(run: str) -> list[tuple[str, str, str]]:
