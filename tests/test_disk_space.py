@@ -217,3 +217,53 @@ def test_a_run_whose_storage_cannot_hold_a_stage_says_so_in_one_line_and_in_stat
     assert not os.path.exists(storage / "cramped" / "shard" / "actor")
     status = _cli("status", str(storage / "cramped"))
     assert re.search(r"│ shard/actor +│ failed +│ failed: \S+/shard/actor: shard needs ", status.stdout), status.stdout
+
+
+def _torch_save_to_file(path):
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(torch.zeros(1 << 16), f)
+
+
+def _pyarrow_via_fsspec(path):
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with fsspec.open(path, "wb") as f:
+        pq.write_table(pa.table({"x": list(range(1 << 16))}), f, compression=None)
+
+
+def _pyarrow_to_path(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"x": list(range(1 << 16))}), path, compression=None)
+
+
+def _checkpoint(path):
+    """lib/dcp_format's writer (shard, ppo): each rank's failure gathered into one RuntimeError."""
+    import numpy as np
+
+    from llamarl.lib import dcp_format
+    from llamarl.lib.dtypes import HostTensor
+
+    data = np.zeros((1 << 8, 1 << 8), dtype=np.float32)
+    piece = dcp_format.Piece("w", data.shape, (0, 0), data.shape, "float32", lambda: HostTensor("float32", data))
+    dcp_format.save([piece], path)
+
+
+@pytest.mark.parametrize("write", [_torch_save_to_file, _pyarrow_via_fsspec, _pyarrow_to_path, _checkpoint])
+def test_the_errors_writers_raise_on_a_full_disk_are_recognised(tmpfs, write):
+    """What torch, pyarrow and our checkpoint writer raise when the disk fills, for real: an
+    OSError, or one it was raised from or quotes."""
+    from llamarl.lib import job
+    from llamarl.lib.errors import disk_full
+
+    disk = tmpfs("tiny", size="64k")
+    with pytest.raises(Exception) as raised:
+        write(str(disk / "out"))
+    assert disk_full(raised.value) == "no space left on device", repr(raised.value)
+    job.writes_to(str(disk))
+    assert job._disk_full(raised.value).startswith(f"{disk}: no space left on device; ")
