@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llamarl.lib.errors import EXIT_USER_ERROR, UserError
+from llamarl.lib.errors import EXIT_USER_ERROR, PARENT_ENV, UserError
 
 from .executor import ExecutorBase, StageResult, free_port, per_node, stage_command
 
@@ -171,8 +171,9 @@ class LocalExecutor(ExecutorBase):
             import importlib
 
             importlib.import_module(f"llamarl.stages.{stage}")
+        parent = {PARENT_ENV: str(os.getpid())}  # each process dies with this one (lib/job.py)
         for rank in range(nprocs):
-            env = {**self._env(rank, nprocs, port), **devices}
+            env = {**self._env(rank, nprocs, port), **devices, **parent}
             with self._starting:  # stop_all kills what started before it, and nothing starts after
                 if self._stopping:
                     break

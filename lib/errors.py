@@ -20,6 +20,10 @@ in a Kubernetes pod exits 1 whatever its workers did — to a file where each fa
 appends ``STATUS ERROR``, so that the launcher can exit with the stage's own status (a user error
 must fail the stage at once, not be retried)."""
 
+PARENT_ENV = "LLAMARL_PARENT_PID"
+"""Set by the local executor to its own pid for the stage processes it starts: each dies with it
+(``job._die_with_parent``)."""
+
 
 class Stopped(KeyboardInterrupt):
     """A driver (``llamarl run``, ``llamarl stage``) told to stop by a signal: SIGINT, SIGTERM or

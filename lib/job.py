@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from .errors import EXIT_PEER_LOST, EXIT_STATUS_ENV, EXIT_USER_ERROR, UserError, chain, disk_full, disk_full_error, unreadable
+from .errors import (EXIT_PEER_LOST, EXIT_STATUS_ENV, EXIT_USER_ERROR, PARENT_ENV, UserError, chain, disk_full,
+                     disk_full_error, unreadable)
 from .iogroup import IOGroup, PeerLost
 
 C = TypeVar("C")
@@ -240,6 +241,7 @@ def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -
 
     from .stack_sampler import from_env
 
+    _die_with_parent()
     sampler = from_env()  # LLAMARL_STACKS_DIR: every thread's stacks, sampled (lib/stack_sampler.py)
     failure = execute(cls, run, argv)
     if sampler is not None:
@@ -260,6 +262,25 @@ def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(failure.code if failure is not None else 0)
+
+
+def _die_with_parent() -> None:
+    """A stage process the local executor started dies with the driver that started it (Linux's
+    parent-death signal): a driver killed outright — SIGKILL, its process group killed — leaves no
+    rank writing on. What the process itself started (a rollout's tokenizer process) stays in its
+    process group, which the next ``llamarl run`` stops when it takes the run's lock over."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the driver died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def check(error: str | None) -> None:

@@ -1,6 +1,6 @@
-"""`llamarl run` stopped by a signal stops every process of its stages, and a run that takes over
-from a driver killed outright stops what that driver's stage left running first (#27): a real
-`llamarl run` on the demo's tiny models, its stage processes checked by pid."""
+"""`llamarl run` stopped by a signal stops every process of its stages; a driver killed outright
+takes its stages' processes with it, and the run that takes over stops what they started (#27): a
+real `llamarl run` on the demo's tiny models, its stage processes checked by pid."""
 
 from __future__ import annotations
 
@@ -25,16 +25,15 @@ ENV = {**os.environ, "COLUMNS": "400"}  # no wrapped lines
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    """``small(name, **ppo)``: a spec of one iteration on the demo's models, every stage on one
-    process and the rule as the only reward, in a run directory of its own; (spec, run dir)."""
+    """``small(name, rewards)``: a spec of one iteration on the demo's models, every stage on one
+    process and rules as the only rewards, in a run directory of its own; (spec, run dir)."""
     root = tmp_path_factory.mktemp("stop")
     base = yaml.safe_load(open(demo.make_inputs(str(root))))
 
-    def make(name: str, **ppo) -> tuple[str, str]:
+    def make(name: str, rewards=({"name": "llamarl.pipeline.demo:vowel_ratio", "weight": 1.0},)) -> tuple[str, str]:
         data = {**base, "name": name, "iterations": 1, "reward_model": None, "layout": demo.OVERLAP_LAYOUT,
                 "executor": {"kind": "local", "options": {"threads_per_process": 1}},
-                "score": {"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio", "weight": 1.0}]},
-                "ppo": {**base["ppo"], **ppo}}
+                "score": {"rewards": list(rewards)}}
         path = root / f"{name}.yaml"
         path.write_text(yaml.safe_dump(data))
         return str(path), str(root / name)
@@ -47,9 +46,9 @@ def _cli(*args):
                           timeout=900, env=ENV)
 
 
-def _start(spec: str) -> subprocess.Popen:
+def _start(spec: str, env: dict = ENV) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=ENV)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
 
 
 def _running(run: str, node: str, processes: int, driver: subprocess.Popen) -> tuple[list, list[int]]:
@@ -101,24 +100,34 @@ def test_a_signal_stops_the_run_and_every_process_of_its_stage(small, sig):
     assert "[iter-001/rollout] running rollout" in rerun.stdout and os.path.exists(os.path.join(run, "export"))
 
 
-def test_a_run_taking_over_from_a_killed_driver_stops_its_orphaned_stage_first(small):
-    """SIGKILL leaves no driver to stop anything: the ppo it ran goes on, reparented to init. The
-    next `llamarl run` takes the lock over ("its process is gone") and stops that ppo before it
-    starts its own, so two never write one output."""
-    spec, run = small("killed", ppo_epochs=8)  # a ppo that trains for seconds, saying nothing
-    driver = _start(spec)
-    groups, pids = _running(run, "iter-001/ppo", 1, driver)
+def test_a_killed_drivers_stage_dies_with_it_and_the_next_run_stops_what_it_left(small):
+    """SIGKILL leaves no driver to stop anything. Its stage's process dies with it (the parent-death
+    signal), but what that process started lives on, reparented to init: here a reward rule's
+    sandbox process. The next `llamarl run` takes the lock over ("its process is gone") and stops
+    it before it starts its own score."""
+    spec, run = small("killed", rewards=[{"name": "rules_for_tests:sandboxed"}])
+    tests = os.path.dirname(__file__)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    driver = _start(spec, env={**env, "LLAMARL_TEST_SANDBOX": "1"})
+    groups, pids = _running(run, "iter-001/scores", 2, driver)  # the rank and its sandbox
     driver.kill()
-    driver.wait(timeout=60)  # (not communicate: the orphan holds the output pipe open)
-    assert survivors(groups), "the orphaned ppo should still run"
-    rerun = _cli("run", spec)
+    driver.wait(timeout=60)
+    rank = groups[0][0]
+    deadline = time.monotonic() + 30
+    while _alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _alive(rank), "the stage's process should die with its driver"
+    sandbox = [p for p in pids if p != rank]
+    assert sandbox and all(_alive(p) for p in sandbox), "its sandbox should outlive it"
+    rerun = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], capture_output=True, text=True,
+                           timeout=900, env=env)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     lines = rerun.stdout.splitlines()
-    stopped = next(i for i, line in enumerate(lines) if line.startswith("stopped iter-001/ppo of the previous run by "))
+    stopped = next(i for i, line in enumerate(lines) if line.startswith("stopped iter-001/scores of the previous run by "))
     taken = next(i for i, line in enumerate(lines) if line.startswith("taking over the run lock of "))
-    started = next(i for i, line in enumerate(lines) if line.startswith("[iter-001/ppo] running ppo"))
+    started = next(i for i, line in enumerate(lines) if line.startswith("[iter-001/scores] running score"))
     assert stopped < taken < started, rerun.stdout
+    assert lines[stopped].endswith(f"which is gone: its process(es) {', '.join(map(str, sandbox))} still ran")
     assert lines[taken].endswith("its process is gone")
-    assert set(map(int, lines[stopped].rsplit("process(es) ", 1)[1].removesuffix(" still ran").split(", "))) <= set(pids)
     assert survivors(groups) == {} and not [p for p in pids if _alive(p)]
     driver.stdout.close()
