@@ -9,9 +9,10 @@ error). If one process dies, the others are stopped rather than left waiting in 
 Each process leads a process group of its own (started in a session of its own; a forked one in
 a group of its own): stopping a stage stops what its processes started too (the rollout's
 tokenizer process), even after they are gone; and a signal meant for the driver (Ctrl-C in its
-terminal, SIGHUP from a closed ssh session) reaches the driver alone, which stops the stages in order. While they run, their process ids and start times
-are in the executor's ``registry`` (the run lock), so that a later ``llamarl run`` taking over
-from a driver that died finds them.
+terminal, SIGHUP from a closed ssh session) reaches the driver alone, which stops the stages in
+order. Each dies with the driver (``PARENT_ENV``, lib/job.py). While they run, their process ids
+and start times are in the executor's ``registry`` (the run lock), so that a later ``llamarl run``
+taking over from a driver that died finds what they left.
 """
 
 from __future__ import annotations

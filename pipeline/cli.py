@@ -182,7 +182,8 @@ def _run_local(stage: str, config, nprocs: int) -> None:
         with stopped_by_signals():
             result = LocalExecutor().run(stage, config, nprocs)
     except Stopped as e:  # the stage's processes are gone
-        typer.echo(f"error: llamarl stage {stage} got {e.name}: its processes are stopped; rerun it to resume", err=True)
+        typer.echo(f"error: llamarl stage {stage} got {e.name}: its processes are stopped; rerun it to resume",
+                   err=True)
         raise typer.Exit(e.exit_status)
     if not result.ok:  # the stage has printed its error
         raise typer.Exit(result.code)

@@ -13,8 +13,9 @@ runs without a heartbeat (suspended, Ctrl-Z) still holds the run: it would write
 resumed. Before taking over, the processes of the old holder's stages still alive on this host
 are stopped, one line each (a driver killed by SIGKILL takes its stage processes with it,
 lib/job.py, but not what they started, reparented to init): nobody waits for them any more, what
-they published is kept and the new run redoes the rest — and two writers must never share an output. Processes this user cannot stop (another user's, or one still
-there after SIGKILL) make the takeover refuse, naming them. A holder on another host is gone when
+they published is kept and the new run redoes the rest — and two writers must never share an
+output. Processes this user cannot stop (another user's, or one still there after SIGKILL) make
+the takeover refuse, naming them. A holder on another host is gone when
 its heartbeat is older than its lease (a killed login session, a lost node); its stages' processes
 cannot be checked from here, so the message names them and says they are assumed gone with it.
 Exclusive create is atomic on local and network file systems (POSIX, NFS v3+); object stores
@@ -157,8 +158,8 @@ class RunLock:
             try:
                 killed = kill_groups(groups)
             except PermissionError:
-                raise RunLocked(f"{self.url}: {name} of the previous run by {_who(holder)}, which is gone, still runs as "
-                                f"{_listing(_pids({name: entry}))} of another user; stop them first "
+                raise RunLocked(f"{self.url}: {name} of the previous run by {_who(holder)}, which is gone, still runs "
+                                f"as {_listing(_pids({name: entry}))} of another user; stop them first "
                                 f"({_kill_command({name: entry})}, as that user), then rerun") from None
             if killed:
                 alive[name] = sorted(p for pids in killed.values() for p in pids)

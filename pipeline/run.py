@@ -262,7 +262,8 @@ def check_storage(spec: RunSpec) -> None:
     for folder in dict.fromkeys(p for p in (existing, run, f"{run}/pipeline") if os.path.isdir(p)):
         if not os.access(folder, os.W_OK | os.X_OK):
             why = "read-only file system" if os.statvfs(folder).f_flag & os.ST_RDONLY else "permission denied"
-            raise PipelineError(f"{where}: cannot write to {folder} ({why}); point storage at a folder you can write to")
+            raise PipelineError(f"{where}: cannot write to {folder} ({why}); point storage at a folder you can "
+                                f"write to")
 
 
 def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False, detach: bool = False,

@@ -225,8 +225,8 @@ def _last_save(path: str) -> int:
     states = os.path.join(path, ".state")
     if not os.path.isdir(states):
         return 0
-    done = [int(e.name.rsplit("-", 1)[-1]) for e in os.scandir(states) if os.path.exists(os.path.join(e.path, "done.json"))]
-    return max(done, default=0)
+    return max((int(e.name.rsplit("-", 1)[-1]) for e in os.scandir(states)
+                if os.path.exists(os.path.join(e.path, "done.json"))), default=0)
 
 
 def _prompts(url: str) -> tuple[int, int]:

@@ -158,7 +158,8 @@ def test_a_write_to_a_full_disk_is_one_line_and_a_rerun_resumes_with_the_same_by
     filler = _fill_once_started(out, disk)
     result = LocalExecutor().run(stage, cfg, 1)
     filler.join(60)
-    assert result.code == EXIT_USER_ERROR and result.error == f"{out}: no space left on device; {FIX}, then rerun: what was published is kept"
+    assert result.code == EXIT_USER_ERROR
+    assert result.error == f"{out}: no space left on device; {FIX}, then rerun: what was published is kept"
     assert _one_error_line(capfd.readouterr().err) == f"error: {result.error}"
     os.remove(disk / "filler")  # space freed
     assert LocalExecutor().run(stage, cfg, 1).ok

@@ -164,7 +164,8 @@ def test_status_says_who_runs_the_run(tmp_path):
 
 # ---- takeover of a lock whose holder is gone, with its stages' processes (#27) ------------------
 
-_SLEEPER = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
+_SLEEPER = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            "time.sleep(120)")
 
 
 def stage_group():
@@ -228,8 +229,8 @@ def test_a_takeover_refuses_what_this_user_cannot_stop(tmp_path):
         holder = _gone_holder({"iter-001/ppo": {"host": socket.gethostname(), "procs": [list(group)]}})
         with open(os.path.join(run, "pipeline", "lock.json"), "w") as f:
             json.dump(holder, f)
-        script = ("import sys\nfrom llamarl.pipeline.lock import RunLock, RunLocked\ntry:\n    RunLock(sys.argv[1]).acquire()\n"
-                  "except RunLocked as e:\n    print(e)\n    sys.exit(2)\n")
+        script = ("import sys\nfrom llamarl.pipeline.lock import RunLock, RunLocked\ntry:\n"
+                  "    RunLock(sys.argv[1]).acquire()\nexcept RunLocked as e:\n    print(e)\n    sys.exit(2)\n")
         r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c",
                             script, run], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, r.stdout + r.stderr
@@ -350,7 +351,8 @@ def test_a_spec_that_cannot_be_read_is_one_line(tmp_path, shared_dir, kind):
            "unreadable": "cannot be read as a run spec (Permission denied); give the spec's YAML file",
            "list": "expected a mapping of options, got list"}[kind]
     for dry in ([], ["--dry-run"]):
-        assert _refused(_llamarl("run", spec, *dry, user="nobody" if kind == "unreadable" else None)) == f"error: {spec}: {why}"
+        r = _llamarl("run", spec, *dry, user="nobody" if kind == "unreadable" else None)
+        assert _refused(r) == f"error: {spec}: {why}"
 
 
 @pytest.mark.parametrize("kind", ["file", "read-only", "not-ours"])
