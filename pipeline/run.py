@@ -534,20 +534,21 @@ def _stop_stages(spec: RunSpec, executor: Executor, running: dict[Future, Node],
     cluster's job runs on and keeps its "running" record: a later ``llamarl run`` follows or
     resumes it."""
     stopped = set(executor.stop_all() or ())
-    if isinstance(why, Stopped):
-        why.stages = sorted(stopped)
     cause = why.name if isinstance(why, Stopped) else f"{type(why).__name__}: {why}".splitlines()[0][:200]
     ours = {f: n for f, n in running.items() if n.name in stopped or f.done()}
     wait(ours)  # a stopped stage's thread ends with its processes, which are gone now
     for future, n in ours.items():
         result = None if future.exception() is not None else future.result()
-        if result is not None and result.ok:
+        if result is not None and result.ok:  # it ended well as the stop came
             _finished(spec, n, by_name, keys.get(n.name))
+            stopped.discard(n.name)
         elif n.name in stopped:
             write_record(spec.run_dir, n, status="stopped", finished=None,
                          error=f"llamarl run stopped it at {_now()} ({cause}); rerun to resume")
         elif result is not None:  # it had failed on its own, just before the stop
             write_record(spec.run_dir, n, status="failed", error=result.error, finished=None)
+    if isinstance(why, Stopped):
+        why.stages = sorted(stopped)
 
 
 def status(run: str) -> list[tuple[str, str, str]]:
