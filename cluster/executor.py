@@ -33,7 +33,25 @@ class StageResult:
         return self.code == 0
 
 
+class ProcessRegistry(Protocol):
+    """Where an executor keeps the processes it starts on this host while they run (the run lock,
+    pipeline/lock.py): a ``llamarl run`` that takes over from a driver that died finds them there."""
+
+    def started(self, name: str, groups: list[tuple[int, int | None]]) -> None:
+        """Stage ``name`` runs as these processes: (pid, start time in clock ticks since boot), each
+        leading the process group of what it starts."""
+        ...
+
+    def ended(self, name: str) -> None:
+        """No process of stage ``name`` lives any more."""
+        ...
+
+
 class Executor(Protocol):
+    registry: ProcessRegistry | None
+    """Set by the pipeline before the first stage: where the processes started on this host are
+    kept. Executors that start none here (slurm, kubernetes) never call it."""
+
     launches: bool
     """False for an executor that only writes what it would launch (kubernetes without ``apply``):
     ``submit`` then returns where it wrote it, and the pipeline writes every stage and runs none."""
@@ -64,9 +82,11 @@ class Executor(Protocol):
         """What ``submit`` would launch, as text (for dry runs); starts and writes nothing."""
         ...
 
-    def stop_all(self) -> None:
-        """The pipeline was interrupted: stop what this executor started and still runs, where
-        stopping it is this process's to do (local processes; a cluster's jobs stay queued)."""
+    def stop_all(self) -> list[str]:
+        """The pipeline is stopping (a signal, Ctrl-C): stop what this executor started and still
+        runs, where stopping it is this process's to do — local processes, every process of each
+        stage, before it returns; a cluster's jobs stay queued or running, and a later ``llamarl
+        run`` follows or resumes them. The names of the stages it stopped."""
         ...
 
     def job_state(self, job_id: str) -> str | None:
@@ -93,12 +113,13 @@ class ExecutorBase:
     launches: bool = True
     concurrency: int | None = None
     detach: Literal["jobs", "driver"] | None = None
+    registry: ProcessRegistry | None = None
 
     def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
         return self.wait(self.submit(stage, config, nprocs, nodes, name=name))
 
-    def stop_all(self) -> None:
-        pass
+    def stop_all(self) -> list[str]:
+        return []
 
     def job_state(self, job_id: str) -> str | None:
         return None

@@ -5,12 +5,21 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so stage code cannot te
 difference; starting them directly keeps the output to what the stage prints and the exit status
 to the stage's own (2: a user error, reported in one line, which comes back as the result's
 error). If one process dies, the others are stopped rather than left waiting in a collective.
+
+Each process leads a process group of its own (started in a session of its own; a forked one in
+a group of its own): stopping a stage stops what its processes started too (the rollout's
+tokenizer process), even after they are gone; and a signal meant for the driver (Ctrl-C in its
+terminal, SIGHUP from a closed ssh session) reaches the driver alone, which stops the stages in
+order. Each dies with the driver (``PARENT_ENV``, lib/job.py). While they run, their process ids
+and start times are in the executor's ``registry`` (the run lock), so that a later ``llamarl run``
+taking over from a driver that died finds what they left.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +29,7 @@ from typing import Any
 
 from pydantic import Field
 
-from llamarl.lib.errors import EXIT_USER_ERROR, UserError
+from llamarl.lib.errors import EXIT_USER_ERROR, PARENT_ENV, UserError
 from llamarl.stages.config import Strict
 
 from .executor import ExecutorBase, StageResult, free_port, per_node, stage_command
@@ -44,10 +53,27 @@ class LocalOptions(Strict):
 class LocalRun:
     """A started stage: its processes and what their stderr has told so far."""
 
+    name: str
     procs: list[subprocess.Popen] = field(default_factory=list)
+    starts: list[int | None] = field(default_factory=list)  # each process's start (``process_start``)
     readers: list[threading.Thread] = field(default_factory=list)
-    error: str | None = None  # the stage's one-line error, once a process printed it
+    errors: dict[int, str] = field(default_factory=dict)  # each process's one-line error, once it printed it
+    shown: set[str] = field(default_factory=set)  # the error lines passed on (several ranks may print one)
+    shown_lock: threading.Lock = field(default_factory=threading.Lock)
     gpus: list[int] = field(default_factory=list)  # held while it runs
+    gone: bool = False  # no process of its groups lives any more
+
+    @property
+    def groups(self) -> list[tuple[int, int | None]]:
+        """(pid, start) of each process: the process group it leads."""
+        return list(zip((p.pid for p in self.procs), self.starts))
+
+    def error(self) -> str | None:
+        """The stage's one-line error: of the first process (by rank) that exited with a user
+        error, whose failure the others' (a lost peer) follow from; else of the first that printed one."""
+        user = [i for i, p in enumerate(self.procs) if p.poll() == EXIT_USER_ERROR and i in self.errors]
+        first = user or sorted(self.errors)
+        return self.errors[first[0]] if first else None
 
 
 class LocalExecutor(ExecutorBase):
@@ -58,14 +84,18 @@ class LocalExecutor(ExecutorBase):
         self._free_gpus = list(range(self.options.gpus))
         self._gpus_changed = threading.Condition()
         self._runs: list[LocalRun] = []  # started and not yet waited for
+        self._starting = threading.Lock()  # held while processes start, and while ``stop_all`` begins
+        self._stopping = False  # set by stop_all: no process starts any more
 
-    def _take_gpus(self, n: int) -> list[int]:
+    def _take_gpus(self, n: int, name: str) -> list[int]:
         if not self.options.gpus:
             return []
         if n > self.options.gpus:
             raise UserError(f"a stage of {n} processes needs {n} GPUs; the local executor has gpus={self.options.gpus}")
         with self._gpus_changed:
-            self._gpus_changed.wait_for(lambda: len(self._free_gpus) >= n)
+            self._gpus_changed.wait_for(lambda: len(self._free_gpus) >= n or self._stopping)
+            if self._stopping:
+                raise UserError(f"{name}: not started: the run is stopping")
             taken, self._free_gpus = self._free_gpus[:n], self._free_gpus[n:]
         return taken
 
@@ -74,12 +104,31 @@ class LocalExecutor(ExecutorBase):
             self._free_gpus = sorted(self._free_gpus + gpus)
             self._gpus_changed.notify_all()
 
-    def stop_all(self) -> None:
-        """Kill every process this executor started that still runs (the pipeline was interrupted)."""
-        for run in list(self._runs):
-            for p in run.procs:
-                if p.poll() is None:
-                    p.kill()
+    def stop_all(self) -> list[str]:
+        """The pipeline is stopping: start nothing more, kill every process group of the stages
+        this executor started that still run, and wait until none of their processes lives. The
+        names of the stages stopped."""
+        with self._starting:
+            self._stopping = True
+            runs = list(self._runs)
+        with self._gpus_changed:
+            self._gpus_changed.notify_all()  # a stage waiting for GPUs gives up
+        for run in runs:
+            _kill_groups(run)
+        for run in runs:
+            self._reap(run)
+        return [run.name for run in runs]
+
+    def _reap(self, run: LocalRun) -> list[int]:
+        """Wait until no process of ``run``'s groups lives (its own processes reaped); then it
+        leaves the registry. The pids still alive after ``STOP_WAIT_S`` (then it stays there)."""
+        left = wait_gone(run.groups, STOP_WAIT_S, reap=run.procs)
+        with self._starting:
+            if not left and not run.gone:
+                run.gone = True
+                if self.registry is not None:
+                    self.registry.ended(run.name)
+        return left
 
     def command(self, stage: str, config: Any) -> list[str]:
         """The command line of every process of the stage (only their environments differ)."""
@@ -109,10 +158,11 @@ class LocalExecutor(ExecutorBase):
     def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> LocalRun:
         """Start ``llamarl.stages.<stage>`` as ``nprocs`` processes."""
         self._check(nprocs, nodes)
-        run = LocalRun(gpus=self._take_gpus(nprocs))
+        run = LocalRun(name or stage, gpus=self._take_gpus(nprocs, name or stage))
         devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, run.gpus))} if run.gpus else {}
         port = free_port()
-        self._runs.append(run)
+        with self._starting:
+            self._runs.append(run)
         # Forks only from a process with no other thread (a fork keeps the calling thread alone, and
         # a lock another thread held stays held in the child) and no torch (CUDA does not survive a fork).
         fork = (self.options.fork and stage in FORKED_STAGES and threading.active_count() == 1
@@ -121,54 +171,68 @@ class LocalExecutor(ExecutorBase):
             import importlib
 
             importlib.import_module(f"llamarl.stages.{stage}")
+        parent = {PARENT_ENV: str(os.getpid())}  # each process dies with this one (lib/job.py)
         for rank in range(nprocs):
-            env = {**self._env(rank, nprocs, port), **devices}
-            if fork:
-                proc = _ForkedRank(stage, config, env)
-            else:
-                proc = subprocess.Popen(self.command(stage, config), env={**os.environ, **env},
-                                        stderr=subprocess.PIPE, text=True, bufsize=1)
-            run.procs.append(proc)
-        for proc in run.procs:  # after the forks: no thread of ours runs while forking
-            reader = threading.Thread(target=_forward, args=(proc.stderr, run), daemon=True)
+            env = {**self._env(rank, nprocs, port), **devices, **parent}
+            with self._starting:  # stop_all kills what started before it, and nothing starts after
+                if self._stopping:
+                    break
+                if fork:
+                    proc = _ForkedRank(stage, config, env)
+                else:
+                    proc = subprocess.Popen(self.command(stage, config), env={**os.environ, **env},
+                                            stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+                run.procs.append(proc)
+                run.starts.append(process_start(proc.pid))
+        with self._starting:  # once stopping, stop_all has them: it kills them and they leave the registry
+            if self.registry is not None and run.procs and not self._stopping:
+                self.registry.started(run.name, run.groups)
+        for i, proc in enumerate(run.procs):  # after the forks: no thread of ours runs while forking
+            reader = threading.Thread(target=_forward, args=(proc.stderr, run, i), daemon=True)
             reader.start()
             run.readers.append(reader)
+        if len(run.procs) < nprocs:
+            self.wait(run)
+            raise UserError(f"{run.name}: not started: the run is stopping")
         return run
 
     def wait(self, handle: LocalRun) -> StageResult:
         try:
-            code = self._wait(handle.procs)
-        except KeyboardInterrupt:
-            for p in handle.procs:
-                p.kill()
+            code = self._wait(handle)
+        except KeyboardInterrupt:  # Ctrl-C or a signal (errors.Stopped) where this waits in the main thread
+            _kill_groups(handle)
+            self._reap(handle)
             raise
         finally:
             self._give_back(handle.gpus)
-            if handle in self._runs:
-                self._runs.remove(handle)
+            with self._starting:
+                if handle in self._runs:
+                    self._runs.remove(handle)
+        # What its processes started and left behind (a tokenizer process still closing) goes with them.
+        _kill_groups(handle)
+        self._reap(handle)
         # The error line may still sit in a pipe after its process has gone: read them to the end.
         for reader in handle.readers:
             reader.join(timeout=10)
         if code == 0:
             return StageResult(0)
-        return StageResult(code, handle.error or f"exit status {code}")
+        return StageResult(code, handle.error() or f"exit status {code}")
 
-
-    def _wait(self, procs: list[subprocess.Popen]) -> int:
+    def _wait(self, run: LocalRun) -> int:
+        """The stage's exit status once every process has ended: 0, a user error where any process
+        reported one (the others' failures, a lost peer, follow from it), else the first failure."""
         failed_at = None
         while True:
-            codes = [p.poll() for p in procs]
+            codes = [p.poll() for p in run.procs]
             if all(c is not None for c in codes):
                 bad = [c for c in codes if c != 0]
                 if not bad:
                     return 0
-                return EXIT_USER_ERROR if all(c == EXIT_USER_ERROR for c in bad) else bad[0]
+                return EXIT_USER_ERROR if EXIT_USER_ERROR in bad else bad[0]
             if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > self.options.grace_s:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
+                _kill_groups(run)
             time.sleep(0.01)
 
 
@@ -178,7 +242,7 @@ FORKED_STAGES = ("shard", "export")  # they never import torch (tests/test_torch
 class _ForkedRank:
     """One process of a stage, forked from this one: ``job.main`` of the stage module with the
     config as ``--config-json`` and torchrun's environment, exactly what the command would run.
-    The ``subprocess.Popen`` members the executor uses: ``stderr``, ``poll``, ``kill``, ``pid``."""
+    The ``subprocess.Popen`` members the executor uses: ``stderr``, ``poll``, ``pid``."""
 
     def __init__(self, stage: str, config: Any, env: dict[str, str]):
         import json
@@ -191,6 +255,7 @@ class _ForkedRank:
         if pid == 0:  # the child: never returns
             code = 1
             try:
+                os.setpgid(0, 0)  # a process group of its own, as the executor's other processes
                 os.close(read_end)
                 os.dup2(write_end, 2)
                 os.close(write_end)
@@ -211,6 +276,10 @@ class _ForkedRank:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
+        try:
+            os.setpgid(pid, pid)  # here too: a stop right after the fork must find the group
+        except OSError:  # the child did it already, or is gone
+            pass
         os.close(write_end)
         self.pid, self.returncode = pid, None
         self.stderr = os.fdopen(read_end, "r", buffering=1)
@@ -222,17 +291,104 @@ class _ForkedRank:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def kill(self) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, 9)
-            except ProcessLookupError:
-                pass
 
-
-def _forward(stream, run: LocalRun) -> None:
-    """Pass a process's stderr through, remembering the stage's one-line error."""
+def _forward(stream, run: LocalRun, index: int) -> None:
+    """Pass process ``index``'s stderr through, remembering its one-line error; an error line
+    another process of the stage printed already is not shown again."""
     for line in stream:
-        sys.stderr.write(line)
         if line.startswith("error: "):
-            run.error = line[len("error: "):].strip()
+            run.errors[index] = line[len("error: "):].strip()
+            with run.shown_lock:
+                if line in run.shown:
+                    continue
+                run.shown.add(line)
+        try:
+            sys.stderr.write(line)
+        except OSError:  # the driver's terminal is gone (SIGHUP): keep draining, so the stage never blocks
+            pass
+
+
+# ---- process groups ------------------------------------------------------------------------------
+
+STOP_WAIT_S = 30.0  # how long a killed process may take to go (one in uninterruptible I/O on NFS)
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux); None where unknown."""
+    stat = _stat(pid)
+    return stat[2] if stat else None
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, process group, start) of process ``pid`` from /proc; None when it is not there."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[2]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def survivors(groups: list[tuple[int, int | None]]) -> dict[int, list[int]]:
+    """The live processes of each process group that a ``(pid, start)`` names — process ``pid``,
+    started at ``start``, leads it: the process itself and what it started, also once it is gone —
+    by leader, for the groups with any. A group whose ``pid`` now names another process has ended.
+    Zombies are gone (only their exit status is left)."""
+    if not os.path.isdir("/proc/self"):  # no /proc: a group's existence is all one can tell
+        return {pid: [pid] for pid, _ in groups if _group_exists(pid)}
+    wanted = dict(groups)
+    members: dict[int, dict[int, int]] = {pid: {} for pid in wanted}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            state, group, started = stat
+            if group in members and state != "Z":
+                members[group][int(entry.name)] = started
+    alive = {}
+    for pid, found in members.items():
+        start = wanted[pid]
+        if pid in found and start is not None and found[pid] != start:
+            continue  # the pid was reused: the group we knew has ended
+        # Linux hands out no pid that still names a process group, so without their leader these
+        # are its group's survivors; the start check guards against another pid namespace's numbers.
+        if mine := sorted(p for p, started in found.items() if start is None or started >= start):
+            alive[pid] = mine
+    return alive
+
+
+def _group_exists(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def kill_groups(groups: list[tuple[int, int | None]]) -> dict[int, list[int]]:
+    """SIGKILL to each of ``groups`` that has a live process (``survivors``, which it returns).
+    PermissionError: a group of another user's processes."""
+    alive = survivors(groups)
+    for pid in alive:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def _kill_groups(run: LocalRun) -> None:
+    kill_groups(run.groups)
+
+
+def wait_gone(groups: list[tuple[int, int | None]], timeout_s: float, reap: list = ()) -> list[int]:
+    """Wait until no process of ``groups`` lives (``reap``: our own children, polled so that they
+    do not linger as zombies); the pids still alive after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for p in reap:
+            p.poll()
+        alive = [q for qs in survivors(groups).values() for q in qs]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.02)

@@ -19,3 +19,67 @@ EXIT_STATUS_ENV = "LLAMARL_EXIT_STATUS_FILE"
 in a Kubernetes pod exits 1 whatever its workers did — to a file where each failed process
 appends ``STATUS ERROR``, so that the launcher can exit with the stage's own status (a user error
 must fail the stage at once, not be retried)."""
+
+PARENT_ENV = "LLAMARL_PARENT_PID"
+"""Set by the local executor to its own pid for the stage processes it starts: each dies with it
+(``job._die_with_parent``)."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A driver (``llamarl run``, ``llamarl stage``) told to stop by a signal: SIGINT, SIGTERM or
+    SIGHUP (a closed ssh session, a deleted pod). It unwinds as Ctrl-C's KeyboardInterrupt does,
+    so every path that stops the stages' processes on Ctrl-C stops them on the others too."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        self.stages: list[str] = []  # the stages the stop ended, for the driver's last line
+        super().__init__(self.name)
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum  # the shell's convention for a process ended by a signal
+
+
+_DISK_FULL = {28: "no space left on device", 122: "disk quota exceeded"}  # ENOSPC, EDQUOT (Linux)
+
+
+def disk_full(e: BaseException) -> str | None:
+    """What ``e`` says when a write failed because its file system is full ("no space left on
+    device", or the quota's "disk quota exceeded"), else None. It looks through the exceptions
+    ``e`` was raised from, and at their messages too: a stage that gathers its ranks' errors passes
+    them on as text (``OSError: [Errno 28] …`` inside a RuntimeError or a UserError)."""
+    for x in chain(e):
+        if isinstance(x, OSError) and x.errno in _DISK_FULL:
+            return _DISK_FULL[x.errno]
+        text = str(x)
+        for code, words in _DISK_FULL.items():
+            if f"[Errno {code}]" in text or words in text.lower():
+                return words
+    return None
+
+
+def chain(e: BaseException | None):
+    """``e`` and the exceptions it was raised from or while handling, innermost last."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def disk_full_error(path: str, words: str = _DISK_FULL[28]) -> str:
+    """The one line of a stage or a driver whose write to ``path`` failed for ``words`` (``disk_full``'s)."""
+    return (f"{path}: {words}; free space there, or set `retention: {{keep_last: N}}` in the run spec so older "
+            f"iterations are deleted, then rerun: what was published is kept")
+
+
+def unreadable(e: OSError | UnicodeDecodeError) -> str:
+    """Why a file the user named could not be read, in a few words (for a one-line error)."""
+    if isinstance(e, UnicodeDecodeError):
+        return "not a text file"
+    if isinstance(e, IsADirectoryError):
+        return "it is a folder"
+    return e.strerror or type(e).__name__

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from .errors import EXIT_PEER_LOST, EXIT_STATUS_ENV, EXIT_USER_ERROR, UserError
+from .errors import (EXIT_PEER_LOST, EXIT_STATUS_ENV, EXIT_USER_ERROR, PARENT_ENV, UserError, chain, disk_full,
+                     disk_full_error, unreadable)
 from .iogroup import IOGroup, PeerLost
 
 C = TypeVar("C")
@@ -47,6 +48,9 @@ def _load(cls, argv):
                 data = yaml.safe_load(f) or {}
         except FileNotFoundError:
             raise UserError(f"{args.config}: no such config file; check the --config path") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{args.config}: cannot be read as a config file ({unreadable(e)}); check the --config "
+                            "path") from None
         except yaml.YAMLError as e:
             raise UserError(f"{args.config}: not valid YAML ({str(e).splitlines()[0]})") from None
         return cls.parse(data, args.config)
@@ -135,21 +139,31 @@ class Failure:
 
 def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> Failure | None:
     """Load the stage's config from ``argv`` and run it in this process (one rank); a ``Failure``
-    for a user error (printed by rank 0 as ``error: …``) or a lost peer (printed by every rank
-    that saw it), None when done. Bugs keep their traceback. The process group is gone afterwards,
-    either way. The one path into a stage: ``main`` for processes, ``cluster.slurm``'s tasks."""
+    for a user error (printed by rank 0 as ``error: …``), a write to a full file system (one line
+    naming the path, as a user error) or a lost peer (printed by every rank that saw it), None
+    when done. Bugs keep their traceback. The process group is gone afterwards, either way. The
+    one path into a stage: ``main`` for processes, ``cluster.slurm``'s tasks."""
+    global _output
     mark("imported")
+    _output = None
     try:
         config = _load(cls, argv)
         mark("config")
         run(config)
-    except UserError as e:
-        # Errors reach every rank alike (config checks run everywhere; later ones go through
-        # `check`), so rank 0 alone reports.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return Failure(EXIT_USER_ERROR, str(e))
     except Exception as e:
+        if (full := _disk_full(e)) is not None:
+            # Not alike on every rank: the rank whose write failed reports it; so does rank 0 when
+            # the ranks agreed on it (as a UserError, or a RuntimeError every rank raises: the
+            # same line, which the local executor shows once).
+            if os.environ.get("RANK", "0") == "0" or not isinstance(e, UserError):
+                print(f"error: {full}", file=sys.stderr, flush=True)
+            return Failure(EXIT_USER_ERROR, full)
+        if isinstance(e, UserError):
+            # Errors reach every rank alike (config checks run everywhere; later ones go through
+            # `check`), so rank 0 alone reports.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            return Failure(EXIT_USER_ERROR, str(e))
         if not _lost_peer(e):
             raise
         error = _peer_error(e)
@@ -162,6 +176,32 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
         _leave()
         _write_profile()
     return None
+
+
+_output: str | None = None
+
+
+def writes_to(url: str) -> None:
+    """Say where this stage writes its output: a disk-full error names it when the failed write
+    does not name a file of its own (a write to an open file says no path)."""
+    global _output
+    _output = url.rstrip("/")
+
+
+def _disk_full(e: BaseException) -> str | None:
+    """The one line of a write that failed on a full file system (``errors.disk_full``), or None."""
+    words = disk_full(e)
+    if words is None:
+        return None
+    file = next((x.filename for x in chain(e) if isinstance(x, OSError) and isinstance(x.filename, str)), None)
+    if file is None or (_output is not None and _inside(file, _output)):
+        file = _output  # the same line on every rank that reports it
+    return disk_full_error(file or "the stage's output", words)
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return os.path.commonpath([path, folder]) == folder
 
 
 _PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
@@ -201,6 +241,7 @@ def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -
 
     from .stack_sampler import from_env
 
+    _die_with_parent()
     sampler = from_env()  # LLAMARL_STACKS_DIR: every thread's stacks, sampled (lib/stack_sampler.py)
     failure = execute(cls, run, argv)
     if sampler is not None:
@@ -221,6 +262,25 @@ def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(failure.code if failure is not None else 0)
+
+
+def _die_with_parent() -> None:
+    """A stage process the local executor started dies with the driver that started it (Linux's
+    parent-death signal): a driver killed outright — SIGKILL, its process group killed — leaves no
+    rank writing on. What the process itself started (a rollout's tokenizer process) stays in its
+    process group, which the next ``llamarl run`` stops when it takes the run's lock over."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the driver died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def check(error: str | None) -> None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+from contextlib import contextmanager
+
 import typer
 
-from llamarl.lib.errors import EXIT_USER_ERROR
+from llamarl.lib.errors import EXIT_USER_ERROR, Stopped, disk_full, disk_full_error
 from llamarl.pipeline.spec import ExportLayout
 from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
 
@@ -35,17 +40,28 @@ def run(
     from llamarl.pipeline.dag import load_spec
 
     console = Console()
+    loaded = None
     try:
-        loaded = load_spec(spec)
-        if apply:
-            if loaded.executor.kind != "kubernetes":
-                raise UserError(f"{spec}: --apply creates Kubernetes Jobs, but executor.kind is "
-                                f"{loaded.executor.kind!r}; drop --apply, or use executor.kind: kubernetes")
-            loaded.executor.options["apply"] = True
-        report = run_spec(loaded, dry_run=dry_run, show_launch=show_launch, detach=detach and not dry_run,
-                          echo=lambda m: console.print(m, highlight=False, markup=False))
+        with stopped_by_signals():
+            loaded = load_spec(spec)
+            if apply:
+                if loaded.executor.kind != "kubernetes":
+                    raise UserError(f"{spec}: --apply creates Kubernetes Jobs, but executor.kind is "
+                                    f"{loaded.executor.kind!r}; drop --apply, or use executor.kind: kubernetes")
+                loaded.executor.options["apply"] = True
+            report = run_spec(loaded, dry_run=dry_run, show_launch=show_launch, detach=detach and not dry_run,
+                              echo=lambda m: _say(console, m, markup=False, wrap=True))
     except UserError as e:
-        console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        _say(console, f"[red]error:[/red] {e}")
+        raise typer.Exit(EXIT_USER_ERROR)
+    except Stopped as e:
+        stages = f": stopped {', '.join(e.stages)}, every process of each" if e.stages else ""
+        _say(console, f"[red]error:[/red] llamarl run got {e.name}{stages}; rerun `llamarl run {spec}` to resume")
+        _leave(e.exit_status)
+    except OSError as e:  # the driver's own writes (records, the spec's copy) to a full run directory
+        if (words := disk_full(e)) is None:
+            raise
+        _say(console, f"[red]error:[/red] {disk_full_error(e.filename or (loaded.run_dir if loaded else spec), words)}")
         raise typer.Exit(EXIT_USER_ERROR)
     if dry_run:
         table = Table(title=f"{loaded.run_dir} (dry run)")
@@ -59,6 +75,51 @@ def run(
         console.print(f"submitted; follow it with `llamarl status {loaded.run_dir}`", highlight=False)
         return
     _print_metrics(console, loaded.run_dir, loaded.iterations)
+
+
+@contextmanager
+def stopped_by_signals():
+    """SIGTERM and SIGHUP (a closed ssh session, a deleted pod) stop a driver as Ctrl-C does:
+    ``errors.Stopped`` is raised in the main thread, whose unwinding stops every stage the driver
+    started (all of their processes), records it and releases the run's lock. A signal already
+    ignored stays ignored (``nohup``); a second one while stopping is ignored, so that it cannot
+    cut the stop short."""
+    stopping = False
+
+    def stop(signum, frame):
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise Stopped(signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _say(console, text: str, markup: bool = True, wrap: bool = False) -> None:
+    """A line to the terminal, which may be gone (SIGHUP): then it is dropped."""
+    try:
+        console.print(text, highlight=False, markup=markup, soft_wrap=not wrap)
+    except OSError:
+        pass
+
+
+def _leave(status: int) -> None:
+    """Exit now, without waiting for the threads that follow a cluster's stages (they run on, and
+    a later run follows them): everything of the run is recorded and its lock released already."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:
+            pass
+    os._exit(status)
 
 
 def _print_metrics(console, run_dir: str, iterations: int) -> None:
@@ -126,7 +187,13 @@ def _field(model, name: str, *decls: str, **kw):
 def _run_local(stage: str, config, nprocs: int) -> None:
     from llamarl.cluster.local import LocalExecutor
 
-    result = LocalExecutor().run(stage, config, nprocs)
+    try:
+        with stopped_by_signals():
+            result = LocalExecutor().run(stage, config, nprocs)
+    except Stopped as e:  # the stage's processes are gone
+        typer.echo(f"error: llamarl stage {stage} got {e.name}: its processes are stopped; rerun it to resume",
+                   err=True)
+        raise typer.Exit(e.exit_status)
     if not result.ok:  # the stage has printed its error
         raise typer.Exit(result.code)
 
@@ -171,6 +238,7 @@ def _options(config: str) -> dict:
     """The options file of a stage command, or a one-line error."""
     import yaml
 
+    from llamarl.lib.errors import unreadable
     from llamarl.pipeline.spec import yaml_problem
 
     try:
@@ -178,6 +246,8 @@ def _options(config: str) -> dict:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError:
         _fail(f"{config}: no such options file; check the --config path")
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(f"{config}: cannot be read as an options file ({unreadable(e)}); check the --config path")
     except yaml.YAMLError as e:
         _fail(f"{config}: not valid YAML ({yaml_problem(e)})")
     return data

@@ -26,7 +26,7 @@ import fsspec
 import yaml
 
 from llamarl.cluster.executor import validate_options
-from llamarl.lib.errors import UserError
+from llamarl.lib.errors import UserError, unreadable
 from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, Source, StageConfig,
                                    validate)
 
@@ -232,6 +232,8 @@ def load_spec(path: str) -> RunSpec:
             loaded = yaml.safe_load(f)
     except FileNotFoundError:
         raise UserError(f"{path}: no such run spec") from None
+    except (OSError, UnicodeDecodeError) as e:  # a folder, no permission, not text
+        raise UserError(f"{path}: cannot be read as a run spec ({unreadable(e)}); give the spec's YAML file") from None
     except yaml.YAMLError as e:
         raise UserError(f"{path}: not valid YAML ({yaml_problem(e)})") from None
     return parse_spec(loaded, path)

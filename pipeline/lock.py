@@ -1,13 +1,25 @@
 """One ``llamarl run`` per run directory: a lock file on the shared storage, with a heartbeat.
 
-``RUN/pipeline/lock.json`` holds who runs the run (user, host, pid), since when, and a heartbeat
-that a thread refreshes every ``lease_s / 4`` seconds. It is created exclusively (``xb``), so of two
-runs started together one wins; the other exits at once saying who holds the run. A lock whose
-heartbeat is older than its lease belongs to a run that died (a killed login session, a lost node):
-the next ``llamarl run`` takes it over and says so — at once when the holder was on this host and
-its process is gone (a killed ``llamarl run``, rerun by hand). Exclusive create is atomic on local and network
-file systems (POSIX, NFS v3+); object stores without it get last-writer-wins, which the heartbeat
-check after writing narrows but cannot close.
+``RUN/pipeline/lock.json`` holds who runs the run (user, host, pid and the pid's start time), since
+when, a heartbeat that a thread refreshes every ``lease_s / 4`` seconds, and the processes of the
+stages it runs on its host (``stages``: for each, the host and each process's pid and start time;
+each process leads the process group of what it starts), kept by the local executor as they start
+and end. It is created exclusively (``xb``), so of two runs started together one wins; the other
+exits at once saying who holds the run.
+
+A lock whose holder is gone is taken over, with a message. On this host the holder is gone when
+its process no longer runs (the pid with the same start time), whatever its heartbeat; one that
+runs without a heartbeat (suspended, Ctrl-Z) still holds the run: it would write again once
+resumed. Before taking over, the processes of the old holder's stages still alive on this host
+are stopped, one line each (a driver killed by SIGKILL takes its stage processes with it,
+lib/job.py, but not what they started, reparented to init): nobody waits for them any more, what
+they published is kept and the new run redoes the rest — and two writers must never share an
+output. Processes this user cannot stop (another user's, or one still there after SIGKILL) make
+the takeover refuse, naming them. A holder on another host is gone when
+its heartbeat is older than its lease (a killed login session, a lost node); its stages' processes
+cannot be checked from here, so the message names them and says they are assumed gone with it.
+Exclusive create is atomic on local and network file systems (POSIX, NFS v3+); object stores
+without it get last-writer-wins, which the heartbeat check after writing narrows but cannot close.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import time
 
 import fsspec
 
+from llamarl.cluster.local import STOP_WAIT_S, kill_groups, process_start, survivors, wait_gone
 from llamarl.lib.errors import UserError
 
 
@@ -29,14 +42,18 @@ class RunLocked(UserError):
 
 
 class RunLock:
+    """The run's lock, and the ``ProcessRegistry`` (cluster/executor.py) of its stages' processes."""
+
     def __init__(self, run_dir: str, lease_s: float = 120.0, echo=print):
         self.url = f"{run_dir.rstrip('/')}/pipeline/lock.json"
         self.fs, self.path = fsspec.core.url_to_fs(self.url)
         self.lease_s, self.echo = lease_s, echo
         self.me = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(),
-                   "pid_start": _process_start(os.getpid()), "started": time.time(), "lease_s": lease_s}
+                   "pid_start": process_start(os.getpid()), "pid_ns": _pid_namespace(), "started": time.time(),
+                   "lease_s": lease_s, "stages": {}}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._writing = threading.Lock()  # the heartbeat's writes and the stages' records take turns
 
     # ---- acquire / release ---------------------------------------------------------------------
 
@@ -48,16 +65,7 @@ class RunLock:
                     f.write(self._body())
                 break
             except FileExistsError:
-                holder = self._read()
-                age = time.time() - holder.get("heartbeat", 0) if holder else float("inf")
-                dead_here = holder and holder.get("host") == self.me["host"] and not _alive(holder)
-                if holder and not dead_here and age <= holder.get("lease_s", self.lease_s):
-                    raise RunLocked(
-                        f"{self.url}: this run is being run by {holder['user']}@{holder['host']} (pid {holder['pid']}) "
-                        f"since {_when(holder['started'])}, heartbeat {age:.0f}s ago; wait for it to finish, or "
-                        f"stop it first") from None
-                why = "its process is gone" if dead_here else f"no heartbeat for {age:.0f}s (lease {self.lease_s:.0f}s)"
-                self.echo(f"taking over the run lock of {_who(holder)}: {why}")
+                self._take_over(self._read())
                 self.fs.rm(self.path)
         else:
             raise RunLocked(f"{self.url}: another llamarl run took this run's lock at the same moment; try again")
@@ -65,13 +73,19 @@ class RunLock:
         self._thread.start()
 
     def release(self) -> None:
+        """Stop the heartbeat and remove the lock — unless a stage's process outlived the stop
+        (``STOP_WAIT_S`` after SIGKILL): then the lock stays, naming it, for the next run's takeover."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
             holder = self._read()
             if holder and holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:
-                self.fs.rm(self.path)
+                left = _alive_stages(self.me["stages"])
+                if left:
+                    self.echo(f"{self.url} stays: {_listing(left)} still run; the next `llamarl run` stops them")
+                else:
+                    self.fs.rm(self.path)
 
     def __enter__(self) -> RunLock:
         self.acquire()
@@ -83,13 +97,78 @@ class RunLock:
     def holder(self) -> str | None:
         """Who runs this run now, in words (None when nobody does, or the holder is gone)."""
         held = self._read()
-        if not held:
+        if not held or self._gone(held) is not None:
             return None
         age = time.time() - held.get("heartbeat", 0)
-        gone = held.get("host") == self.me["host"] and not _alive(held)
-        if gone or age > held.get("lease_s", self.lease_s):
-            return None
         return f"{_who(held)} since {_when(held['started'])}, heartbeat {age:.0f}s ago"
+
+    # ---- the stages' processes (ProcessRegistry) --------------------------------------------------
+
+    def started(self, name: str, groups: list[tuple[int, int | None]]) -> None:
+        with self._writing:
+            self.me["stages"][name] = {"host": self.me["host"], "procs": [list(g) for g in groups]}
+            if self._thread is not None:
+                self._write()
+
+    def ended(self, name: str) -> None:
+        with self._writing:
+            if self.me["stages"].pop(name, None) is not None and self._thread is not None:
+                self._write()
+
+    # ---- taking over -------------------------------------------------------------------------------
+
+    def _gone(self, holder: dict) -> str | None:
+        """Why the lock's ``holder`` no longer holds the run, or None while it does."""
+        if holder.get("host") == self.me["host"]:
+            return None if _alive(holder) else "its process is gone"
+        age, lease = time.time() - holder.get("heartbeat", 0), holder.get("lease_s", self.lease_s)
+        return f"no heartbeat for {age:.0f}s (lease {lease:.0f}s)" if age > lease else None
+
+    def _take_over(self, holder: dict | None) -> None:
+        """Say why ``holder``'s lock is taken over, after stopping what its stages left running on
+        this host; RunLocked where it still holds the run, or its stages cannot be stopped."""
+        if holder is None:
+            self.echo(f"taking over the run lock of {_who(None)}")
+            return
+        why = self._gone(holder)
+        if why is None:
+            age = time.time() - holder.get("heartbeat", 0)
+            stale = "" if age <= holder.get("lease_s", self.lease_s) else (
+                f" (on this host, without a heartbeat: suspended? resume it with `kill -CONT {holder['pid']}`)")
+            raise RunLocked(
+                f"{self.url}: this run is being run by {holder['user']}@{holder['host']} (pid {holder['pid']}) "
+                f"since {_when(holder['started'])}, heartbeat {age:.0f}s ago{stale}; wait for it to finish, or "
+                f"stop it first")
+        stages = holder.get("stages") or {}
+        if holder.get("host") == self.me["host"] and holder.get("pid_ns", self.me["pid_ns"]) == self.me["pid_ns"]:
+            for name, pids in self._stop_stages(holder, stages).items():
+                self.echo(f"stopped {name} of the previous run by {_who(holder)}, which is gone: its process(es) "
+                          f"{', '.join(map(str, pids))} still ran")
+        elif stages:  # on another host, or in another container (pid namespace) of this one: out of sight
+            why += (f"; assuming its stages ended with it ({_listing(_pids(stages))} on {holder['host']}): if they "
+                    f"still run there, stop them first ({_kill_command(stages)})")
+        self.echo(f"taking over the run lock of {_who(holder)}: {why}")
+
+    def _stop_stages(self, holder: dict, stages: dict) -> dict[str, list[int]]:
+        """SIGKILL to the live process groups of a gone holder's ``stages`` on this host, waiting
+        until they are gone; what was alive, by stage. RunLocked for what cannot be stopped."""
+        alive = {}
+        for name, entry in stages.items():
+            groups = [tuple(g) for g in entry.get("procs", [])]
+            try:
+                killed = kill_groups(groups)
+            except PermissionError:
+                raise RunLocked(f"{self.url}: {name} of the previous run by {_who(holder)}, which is gone, still runs "
+                                f"as {_listing(_pids({name: entry}))} of another user; stop them first "
+                                f"({_kill_command({name: entry})}, as that user), then rerun") from None
+            if killed:
+                alive[name] = sorted(p for pids in killed.values() for p in pids)
+        left = wait_gone([tuple(g) for e in stages.values() for g in e.get("procs", [])], STOP_WAIT_S)
+        if left:
+            raise RunLocked(f"{self.url}: process(es) {', '.join(map(str, left))} of the stages of the previous run by "
+                            f"{_who(holder)} still run {STOP_WAIT_S:.0f}s after SIGKILL (stuck in I/O?); "
+                            f"rerun once they are gone")
+        return alive
 
     # ---- internals -------------------------------------------------------------------------------
 
@@ -102,20 +181,21 @@ class RunLock:
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
-    def _beat(self) -> None:
-        while not self._stop.wait(self.lease_s / 4):
-            tmp = f"{self.path}.{self.me['pid']}.tmp"
+    def _write(self) -> None:
+        """The lock as it stands now, replacing the file whole. A write that fails (a full disk)
+        leaves the last one in place and is tried again by the next heartbeat: the stage whose
+        write failed too reports it."""
+        tmp = f"{self.path}.{self.me['pid']}.tmp"
+        try:
             self.fs.pipe_file(tmp, self._body())
             self.fs.mv(tmp, self.path)
+        except OSError:
+            pass
 
-
-def _process_start(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks since boot (Linux); None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    def _beat(self) -> None:
+        while not self._stop.wait(self.lease_s / 4):
+            with self._writing:
+                self._write()
 
 
 def _alive(holder: dict) -> bool:
@@ -129,8 +209,36 @@ def _alive(holder: dict) -> bool:
         return False
     except (PermissionError, TypeError, ValueError):
         return True  # someone else's process, or no pid to check: assume it lives
-    started, now = holder.get("pid_start"), _process_start(int(pid))
+    started, now = holder.get("pid_start"), process_start(int(pid))
     return started is None or now is None or started == now
+
+
+def _pid_namespace() -> int | None:
+    """This process's pid namespace (its inode), where there is one: pids mean something only within it."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _pids(stages: dict) -> dict[str, list[int]]:
+    """The pids recorded for each stage."""
+    return {name: [g[0] for g in entry.get("procs", [])] for name, entry in stages.items()}
+
+
+def _alive_stages(stages: dict) -> dict[str, list[int]]:
+    """The live processes of ``stages``' process groups, by stage (those with any)."""
+    alive = {name: survivors([tuple(g) for g in entry.get("procs", [])]) for name, entry in stages.items()}
+    return {name: sorted(p for pids in found.values() for p in pids) for name, found in alive.items() if found}
+
+
+def _listing(pids: dict[str, list[int]]) -> str:
+    return "; ".join(f"{name}: process(es) {', '.join(map(str, p))}" for name, p in pids.items())
+
+
+def _kill_command(stages: dict) -> str:
+    """The command that stops these stages' process groups."""
+    return "kill -KILL -- " + " ".join(f"-{pid}" for pids in _pids(stages).values() for pid in pids)
 
 
 def _when(t: float) -> str:

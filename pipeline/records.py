@@ -116,8 +116,8 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
     key = node_key(node, by_name)
     if record is None:
         return False, "not started"
-    if record.get("status") == "failed":
-        return False, f"failed: {record.get('error')}"
+    if record.get("status") in ("failed", "stopped"):
+        return False, f"{record['status']}: {record.get('error')}"
     if record.get("status") == "running":
         job = f" as job {record['job']}" if record.get("job") else ""
         return False, f"running{job} or interrupted (started {record.get('started')})"

@@ -30,16 +30,16 @@ at once).
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import fsspec
 
 from llamarl.cluster.executor import Executor, make_executor
 from llamarl.lib import publish
-from llamarl.lib.errors import UserError
+from llamarl.lib.errors import Stopped, UserError
 
-from .dataset import check_prompts
+from .checks import check_prompts, check_storage
 from .dag import VALIDATE, Node, build_dag, check_spec
 from .metrics import update_metrics, validation_metrics
 from .monitor import Monitor
@@ -79,6 +79,7 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
     that would run (``Executor.render``). ``executor``: one to use instead of the spec's."""
     run = spec.run_dir
     nodes = check_spec(spec)
+    check_storage(spec)
     by_name = {n.name: n for n in nodes}
     check_prompts(spec, record=False)
     if dry_run:
@@ -98,8 +99,9 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
 
     from .lock import RunLock
 
-    with RunLock(run, echo=echo):  # one `llamarl run` at a time per run directory
+    with RunLock(run, echo=echo) as lock:  # one `llamarl run` at a time per run directory
         executor = executor or executor_for(spec)
+        executor.registry = lock  # the stages' processes on this host, for a takeover after a crash
         in_flight = _jobs_in_flight(run, nodes, executor)
         if in_flight:
             listed = ", ".join(f"{n} (job {j}: {state})" for n, j, state in in_flight[:3])
@@ -287,7 +289,7 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
         started = {m.name for m in running.values()}
         return failure is None and len(running) < limit and any(i in started for n in waiting for i in n.reads)
 
-    with ThreadPoolExecutor(max_workers=min(limit, len(nodes)), thread_name_prefix="stage") as pool:
+    with _StageThreads(max_workers=min(limit, len(nodes)), thread_name_prefix="stage") as pool:
         try:
             if monitor.active:  # a resumed run: what the sinks missed while no `llamarl run` ran
                 monitor.update(update_metrics(run, spec.iterations))
@@ -337,8 +339,8 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
                     finished.add(n.name)
                     report.append((n.name, "ran"))
                     _after_done(spec, n, nodes, by_name, monitor, echo)
-        except BaseException:  # interrupted: the stages' processes must not outlive us
-            executor.stop_all()
+        except BaseException as e:  # stopped (a signal, Ctrl-C) or failed: no stage process may outlive us
+            _stop_stages(spec, executor, running, by_name, keys, e)
             raise
         finally:
             monitor.close()
@@ -350,3 +352,37 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
         raise PipelineError(f"validation {', '.join(failed)} failed ({given_up[failed[0]]}); every training stage "
                             f"ran — fix it and rerun `llamarl run`, which runs only what is not done")
     return report
+
+
+class _StageThreads(ThreadPoolExecutor):
+    """The threads that follow running stages. Left by an exception (the driver stopping) it does
+    not wait for them: a cluster's stage runs on, and so does the thread following it."""
+
+    def __exit__(self, exc_type, exc, tb):
+        self.shutdown(wait=exc_type is None, cancel_futures=exc_type is not None)
+        return False
+
+
+def _stop_stages(spec: RunSpec, executor: Executor, running: dict[Future, Node], by_name: dict[str, Node],
+                 keys: dict[str, str | None], why: BaseException) -> None:
+    """The driver stops (``why``: a signal, Ctrl-C, an error of its own). The executor stops what
+    is its to stop — every process of each local stage, before it returns — and each stage's
+    record says how it ended: done or failed if it ended just before the stop, else stopped. A
+    cluster's job runs on and keeps its "running" record: a later ``llamarl run`` follows or
+    resumes it."""
+    stopped = set(executor.stop_all() or ())
+    cause = why.name if isinstance(why, Stopped) else f"{type(why).__name__}: {why}".splitlines()[0][:200]
+    ours = {f: n for f, n in running.items() if n.name in stopped or f.done()}
+    wait(ours)  # a stopped stage's thread ends with its processes, which are gone now
+    for future, n in ours.items():
+        result = None if future.exception() is not None else future.result()
+        if result is not None and result.ok:  # it ended well as the stop came
+            _record_done(spec, n, by_name, keys.get(n.name))
+            stopped.discard(n.name)
+        elif n.name in stopped:
+            write_record(spec.run_dir, n, status="stopped", finished=None,
+                         error=f"llamarl run stopped it at {_now()} ({cause}); rerun to resume")
+        elif result is not None:  # it had failed on its own, just before the stop
+            write_record(spec.run_dir, n, status="failed", error=result.error, finished=None)
+    if isinstance(why, Stopped):
+        why.stages = sorted(stopped)

@@ -9,7 +9,7 @@ from llamarl.lib.errors import UserError
 
 from . import data
 from .dag import VALIDATE, build_dag, load_spec
-from .dataset import recorded
+from .checks import recorded
 from .records import assess, must_redo, one_look, read_record
 from .retention import retained
 from .run import executor_for

@@ -19,7 +19,7 @@ from llamarl.lib import dcp_format, dtypes, hf_mapping, job, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import Deferred, SafetensorsFile, write_file
-from llamarl.stages import contract
+from llamarl.stages import contract, space
 from llamarl.stages.config import ExportConfig
 
 # No torch here: export moves bytes (numpy arrays of the tensors' storage, lib/dtypes.HostTensor)
@@ -69,6 +69,7 @@ def _read_metadata(url: str):
 
 
 def run(cfg: ExportConfig) -> None:
+    space.check(cfg)
     src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
     manifest = publish.require_published(src, kind=contract.CHECKPOINT)
     model_cfg = LlamaConfig.from_dict(manifest["model_config"])

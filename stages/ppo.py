@@ -39,7 +39,7 @@ import torch.distributed as dist
 from llamarl.lib import checkpoint, dtypes, job, parallel, publish
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
-from llamarl.stages import contract
+from llamarl.stages import contract, space
 from llamarl.stages.config import PPOConfig
 from llamarl.stages.ppo_checks import StepCheck, check_schedule
 from llamarl.stages.ppo_data import (
@@ -66,6 +66,7 @@ from llamarl.stages.ppo_trainer import Trainer, gather_dp, token_outputs, train_
 
 
 def run(cfg: PPOConfig) -> None:
+    space.check(cfg)
     # 0. inputs checked before any process group or weights
     dtype = compute_dtype(cfg.dtype, parallel.device())
     actor_m = contract.require_checkpoint(cfg.actor, "lm", "the actor")

@@ -63,7 +63,7 @@ from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype, pad_vocab
 from llamarl.lib.errors import UserError
 from llamarl.lib.generate import Batch, Engine, SamplingParams
-from llamarl.stages import contract, prompts
+from llamarl.stages import contract, prompts, space
 from llamarl.stages.config import RolloutConfig
 
 _IMPORTED = time.time()
@@ -86,6 +86,7 @@ def iter_chunks(rows: Iterable[prompts.Row], chunk_size: int, mine) -> Iterator[
 def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     """``overlap=False`` (for tests and measurements): chunk after chunk, each drained, with its
     tokenizing and writing in between — the same parts, byte for byte."""
+    space.check(cfg)
     spans = _Spans()
     actor = cfg.actor.rstrip("/")
     out = cfg.out.rstrip("/")

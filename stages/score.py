@@ -31,7 +31,7 @@ from llamarl.lib import tokenizer as toklib
 from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.lib.offload import ParamOffload
-from llamarl.stages import contract
+from llamarl.stages import contract, space
 from llamarl.stages.config import RewardTerm, ScoreConfig
 
 # The rollout columns score reads (rules may read more: the response, kept columns).
@@ -188,6 +188,7 @@ def _unfit(rows: list[dict], columns: dict[str, list[float]], terms: list[Reward
 
 
 def run(cfg: ScoreConfig) -> None:
+    space.check(cfg)
     rollout, out = cfg.rollout.rstrip("/"), cfg.out.rstrip("/")
     manifest = publish.require_verified(rollout, contract.ROLLOUT, f"{contract.PARTS}/")
     parts = contract.manifest_parts(manifest)

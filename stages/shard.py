@@ -25,7 +25,7 @@ from llamarl.lib import dcp_format, dtypes, hf_mapping, job, publish
 from llamarl.lib.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import SafetensorsCheckpoint
-from llamarl.stages import contract
+from llamarl.stages import contract, space
 from llamarl.stages.config import ShardConfig
 
 # No torch here: shard moves bytes (numpy arrays of the tensors' storage, lib/dtypes.HostTensor)
@@ -91,6 +91,7 @@ def _pieces(weights: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, layout:
 
 
 def run(cfg: ShardConfig) -> None:
+    space.check(cfg)
     src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
     fs, src_path = fsspec.core.url_to_fs(src)
     if not fs.exists(f"{src_path}/config.json"):

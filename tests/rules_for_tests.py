@@ -29,3 +29,22 @@ def huge(response: str, row: dict) -> float:
 def huge_int(response: str, row: dict) -> int:
     """An int beyond any float."""
     return 10**400
+
+
+_SANDBOX = None
+
+
+def sandboxed(response: str, row: dict) -> float:
+    """As a rule that runs code from the response in a sandbox process would. With
+    LLAMARL_TEST_SANDBOX set, its sandbox hangs (it outlives the rule) and every row takes a while."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    global _SANDBOX
+    if os.environ.get("LLAMARL_TEST_SANDBOX"):
+        if _SANDBOX is None:
+            _SANDBOX = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        time.sleep(0.2)
+    return float(len(response) % 2)

@@ -182,3 +182,67 @@ def test_free_ports_come_from_below_the_ephemeral_range():
     assert all(p < low for p in ports) and len(ports) > 1
     with socket.create_server(("", ports.pop())):
         pass  # and free to listen on
+
+
+# ---- a stage's processes: each leads a process group, stopped whole (#27) ----------------------------
+
+_WITH_CHILD = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+               "{then}")
+
+
+class _Registry:
+    """A ProcessRegistry that remembers what it was told."""
+
+    def __init__(self):
+        self.groups, self.gone = {}, []
+
+    def started(self, name, groups):
+        self.groups[name] = groups
+
+    def ended(self, name):
+        self.gone.append(name)
+
+
+def test_stop_all_kills_every_process_of_each_stage_and_waits_for_them(tmp_path):
+    """A stage's ranks and what they started (a rollout's tokenizer process) are stopped together."""
+    import threading
+    import time
+
+    from llamarl.cluster.local import survivors
+
+    executor = _Scripted(_WITH_CHILD.format(then="time.sleep(60)"))
+    executor.registry = seen = _Registry()
+    results = []
+    thread = threading.Thread(target=lambda: results.append(executor.run("shard", _shard(tmp_path), 2, name="iter-001/x")))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not seen.groups or sum(map(len, survivors(seen.groups["iter-001/x"]).values())) < 4:
+        assert time.monotonic() < deadline, "the stage's processes and their children did not start"
+        time.sleep(0.02)
+    groups = seen.groups["iter-001/x"]
+    assert executor.stop_all() == ["iter-001/x"]
+    assert survivors(groups) == {}  # all four gone when stop_all returns
+    thread.join(30)
+    assert results and not results[0].ok and seen.gone == ["iter-001/x"]
+    with pytest.raises(UserError, match="not started: the run is stopping"):
+        executor.run("shard", _shard(tmp_path), 1, name="iter-001/y")
+
+
+def test_what_a_stage_started_ends_with_it(tmp_path):
+    from llamarl.cluster.local import survivors
+
+    executor = _Scripted(_WITH_CHILD.format(then="sys.exit(0)"))
+    executor.registry = seen = _Registry()
+    assert executor.run("shard", _shard(tmp_path), 2, name="s").ok
+    assert survivors(seen.groups["s"]) == {} and seen.gone == ["s"]
+
+
+def test_the_user_error_of_one_rank_is_the_stages_and_shown_once(tmp_path, capfd):
+    """Rank 1's write failed (a full disk, its one line, status 2); rank 0 then lost its peer
+    (status 3): the stage failed for rank 1's reason. A line several ranks print shows once."""
+    script = ("import os, sys, time\nrank = os.environ['RANK']\nprint('error: same on every rank', file=sys.stderr)\n"
+              "if rank == '1':\n    print('error: /out: no space left on device', file=sys.stderr); sys.exit(2)\n"
+              "time.sleep(0.3); print('error: rank 0: lost rank 1', file=sys.stderr); sys.exit(3)\n")
+    result = _Scripted(script).run("shard", _shard(tmp_path), 2)
+    assert result == StageResult(EXIT_USER_ERROR, "/out: no space left on device")
+    assert capfd.readouterr().err.count("error: same on every rank") == 1

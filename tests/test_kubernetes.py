@@ -291,3 +291,45 @@ def test_detach_again_replaces_an_ended_driver_and_refuses_a_running_one(monkeyp
     assert batch.deleted == [("llamarl-driver-r1", "Foreground")]
     assert [b["kind"] for _, b in batch.created] == ["Job"]
     assert batch.created[0][1]["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+
+
+def test_a_stopped_driver_releases_the_run_and_leaves_the_stages_job_running(tmp_path, monkeypatch):
+    """A detached driver's pod told to stop (SIGTERM: the pod deleted, evicted, its node drained)
+    releases the lock at once, so its replacement — a new pod, another host — need not wait out
+    the lease; the stage's Job runs on (its record says so) for that driver to follow."""
+    import os
+    import signal
+    import threading
+
+    from llamarl.lib.errors import Stopped
+    from llamarl.pipeline.cli import stopped_by_signals
+    from llamarl.pipeline.run import build_dag, read_record
+
+    data = yaml.safe_load(open(demo.make_inputs(str(tmp_path))))
+    data["executor"] = {"kind": "kubernetes", "options": {"image": "llamarl:dev", "pvc": "runs", "apply": True,
+                                                          "poll_s": 0.01}}
+    (tmp_path / "k8s.yaml").write_text(yaml.safe_dump(data))
+    spec = load_spec(str(tmp_path / "k8s.yaml"))
+    ended = threading.Event()
+
+    class Running(_FakeBatch):
+        def read_namespaced_job_status(self, name, namespace):
+            if self.reads == 1:  # the Job runs: the driver's pod is told to stop
+                os.kill(os.getpid(), signal.SIGTERM)
+            self.reads = min(self.reads, 1) if not ended.is_set() else 5
+            return super().read_namespaced_job_status(name, namespace)
+
+    batch = Running("Complete", None)
+    monkeypatch.setattr(KubernetesExecutor, "_apis", lambda self: (batch, _FakeCore()))
+    monkeypatch.setattr(KubernetesExecutor, "_running_job", lambda self, node: None)
+    try:
+        with pytest.raises(Stopped) as stopped, stopped_by_signals():
+            run_spec(spec, echo=lambda m: None)
+        assert stopped.value.name == "SIGTERM" and stopped.value.stages == []  # nothing of its own to stop
+        assert not os.path.exists(f"{spec.run_dir}/pipeline/lock.json")
+        shards = build_dag(spec)[:2]  # both shards' Jobs were created: the cluster queues them
+        assert [n.name for n in shards] == ["shard/actor", "shard/rm"] and len(batch.created) == 2
+        assert [read_record(spec.run_dir, n)["status"] for n in shards] == ["running", "running"]
+        assert batch.deleted == []  # the Jobs run on
+    finally:
+        ended.set()  # the Job completes: the thread that followed it ends

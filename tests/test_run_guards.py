@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -158,3 +159,232 @@ def test_status_says_who_runs_the_run(tmp_path):
     with RunLock(str(tmp_path)) as lock:
         assert f"(pid {os.getpid()})" in lock.holder() and "heartbeat" in lock.holder()
     assert RunLock(str(tmp_path)).holder() is None
+
+
+# ---- takeover of a lock whose holder is gone, with its stages' processes (#27) ------------------
+
+_SLEEPER = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            "time.sleep(120)")
+
+
+def stage_group():
+    """A process leading its own group with a child in it, as a rollout rank and its tokenizer
+    process: (the process, its (pid, start) for a lock's record, the group's pids once both run)."""
+    from llamarl.cluster.local import process_start, survivors
+
+    proc = subprocess.Popen([sys.executable, "-c", _SLEEPER], start_new_session=True)
+    group = (proc.pid, process_start(proc.pid))
+    deadline = time.monotonic() + 30
+    while len(survivors([group]).get(proc.pid, [])) < 2:
+        assert time.monotonic() < deadline, "the child process did not start"
+        time.sleep(0.02)
+    return proc, group, survivors([group])[proc.pid]
+
+
+def _gone_holder(stages: dict, **changes) -> dict:
+    """A lock of a driver on this host whose process is gone, with ``stages`` recorded."""
+    from llamarl.pipeline.lock import RunLock
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    me = RunLock("unused").me
+    return {**me, "pid": proc.pid, "pid_start": None, "heartbeat": time.time(), "stages": stages, **changes}
+
+
+def test_a_takeover_first_stops_what_the_gone_drivers_stages_left_running(tmp_path):
+    from llamarl.cluster.local import survivors
+
+    proc, group, pids = stage_group()
+    try:
+        holder = _gone_holder({"iter-001/rollout": {"host": socket.gethostname(), "procs": [list(group)]}})
+        (tmp_path / "pipeline").mkdir()
+        (tmp_path / "pipeline" / "lock.json").write_text(json.dumps(holder))
+        said = []
+        with RunLock(str(tmp_path), echo=said.append):
+            assert survivors([group]) == {}  # gone before the lock is ours: never two writers
+        assert said[0] == (f"stopped iter-001/rollout of the previous run by {holder['user']}@{holder['host']} "
+                           f"(pid {holder['pid']}), which is gone: its process(es) {', '.join(map(str, pids))} still ran")
+        assert said[1].endswith("its process is gone") and len(said) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_takeover_refuses_what_this_user_cannot_stop(tmp_path):
+    """The old driver's stage runs as another user (here: root) than the new `llamarl run`
+    (nobody): it cannot stop it, so it refuses in one line naming the processes and the command."""
+    import tempfile
+
+    from llamarl.cluster.local import survivors
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run the taking-over process as another user (nobody)")
+    proc, group, pids = stage_group()
+    run = tempfile.mkdtemp(prefix="llamarl-lock-")  # under /tmp: nobody reaches it (pytest's tmp_path is private)
+    try:
+        os.chmod(run, 0o777)
+        os.mkdir(os.path.join(run, "pipeline"), 0o777)
+        os.chmod(os.path.join(run, "pipeline"), 0o777)
+        holder = _gone_holder({"iter-001/ppo": {"host": socket.gethostname(), "procs": [list(group)]}})
+        with open(os.path.join(run, "pipeline", "lock.json"), "w") as f:
+            json.dump(holder, f)
+        script = ("import sys\nfrom llamarl.pipeline.lock import RunLock, RunLocked\ntry:\n"
+                  "    RunLock(sys.argv[1]).acquire()\nexcept RunLocked as e:\n    print(e)\n    sys.exit(2)\n")
+        r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c",
+                            script, run], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stdout.strip().splitlines() == [
+            f"{run}/pipeline/lock.json: iter-001/ppo of the previous run by {holder['user']}@{holder['host']} (pid "
+            f"{holder['pid']}), which is gone, still runs as iter-001/ppo: process(es) {group[0]} of another user; "
+            f"stop them first (kill -KILL -- -{group[0]}, as that user), then rerun"]
+        assert survivors([group])[proc.pid] == pids  # still running
+        assert json.load(open(os.path.join(run, "pipeline", "lock.json")))["pid"] == holder["pid"]  # untouched
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_a_holder_on_another_host_is_taken_over_only_when_stale_saying_what_is_assumed(tmp_path):
+    stages = {"iter-002/rollout": {"host": "node7", "procs": [[4242, 1], [4243, 1]]}}
+    holder = {"user": "ada", "host": "node7", "pid": 17, "started": time.time() - 600, "lease_s": 120, "stages": stages}
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "pipeline" / "lock.json").write_text(json.dumps({**holder, "heartbeat": time.time() - 10}))
+    with pytest.raises(RunLocked, match=r"being run by ada@node7 \(pid 17\)"):
+        RunLock(str(tmp_path)).acquire()
+    (tmp_path / "pipeline" / "lock.json").write_text(json.dumps({**holder, "heartbeat": time.time() - 300}))
+    said = []
+    with RunLock(str(tmp_path), echo=said.append):
+        pass
+    assert said == ["taking over the run lock of ada@node7 (pid 17): no heartbeat for 300s (lease 120s); assuming its "
+                    "stages ended with it (iter-002/rollout: process(es) 4242, 4243 on node7): if they still run there, "
+                    "stop them first (kill -KILL -- -4242 -4243)"]
+
+
+def test_a_driver_alive_on_this_host_without_a_heartbeat_keeps_the_run(tmp_path):
+    """Suspended (Ctrl-Z): it would write again once resumed, so its lock is not taken over."""
+    from llamarl.cluster.local import process_start
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        holder = {**RunLock("unused").me, "pid": proc.pid, "pid_start": process_start(proc.pid),
+                  "heartbeat": time.time() - 1000}
+        (tmp_path / "pipeline").mkdir()
+        (tmp_path / "pipeline" / "lock.json").write_text(json.dumps(holder))
+        with pytest.raises(RunLocked, match=rf"heartbeat 1000s ago \(on this host, without a heartbeat: suspended\? "
+                                            rf"resume it with `kill -CONT {proc.pid}`\)"):
+            RunLock(str(tmp_path)).acquire()
+        assert RunLock(str(tmp_path)).holder() is not None  # and status says it holds the run
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_stage_process_that_outlives_the_stop_keeps_the_lock_for_the_next_takeover(tmp_path):
+    proc, group, pids = stage_group()
+    try:
+        said = []
+        lock = RunLock(str(tmp_path), echo=said.append)
+        lock.acquire()
+        lock.started("iter-001/rollout", [group])
+        assert json.loads((tmp_path / "pipeline" / "lock.json").read_text())["stages"]["iter-001/rollout"]["procs"] == [
+            list(group)]
+        lock.release()  # as if its processes had survived SIGKILL: they were never ended
+        assert (tmp_path / "pipeline" / "lock.json").exists()
+        assert said == [f"{tmp_path}/pipeline/lock.json stays: iter-001/rollout: process(es) "
+                        f"{', '.join(map(str, pids))} still run; the next `llamarl run` stops them"]
+        lock = RunLock(str(tmp_path / "other"))
+        lock.acquire()
+        lock.started("x", [group])
+        lock.ended("x")
+        assert json.loads((tmp_path / "other" / "pipeline" / "lock.json").read_text())["stages"] == {}
+        lock.release()
+        assert not (tmp_path / "other" / "pipeline" / "lock.json").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ---- one-line errors for a spec or storage that cannot be used ---------------------------------------
+
+
+def _llamarl(*args, user: str | None = None) -> subprocess.CompletedProcess:
+    prefix = ["setpriv", f"--reuid={user}", "--regid=nogroup", "--clear-groups"] if user else []
+    return subprocess.run([*prefix, sys.executable, "-m", "llamarl.pipeline.cli", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "COLUMNS": "400"})
+
+
+def _refused(r: subprocess.CompletedProcess) -> str:
+    """The one line of a refused command (exit status 2, no traceback)."""
+    out = (r.stdout + r.stderr).strip()
+    assert r.returncode == 2 and len(out.splitlines()) == 1 and out.startswith("error: "), out
+    return out
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder under /tmp that another user (nobody) can reach: pytest's tmp_path is private."""
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="llamarl-")
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("kind", ["folder", "binary", "unreadable", "list"])
+def test_a_spec_that_cannot_be_read_is_one_line(tmp_path, shared_dir, kind):
+    if kind == "unreadable" and os.geteuid() != 0:
+        pytest.skip("needs root, to read the spec as another user (nobody)")
+    where = shared_dir if kind == "unreadable" else str(tmp_path)  # (root reads any file)
+    spec = os.path.join(where, "spec.yaml")
+    if kind == "folder":
+        os.mkdir(spec)
+    elif kind == "binary":
+        open(spec, "wb").write(bytes(range(128, 256)))
+    else:
+        open(spec, "w").write("- a\n- b\n" if kind == "list" else "name: x\n")
+        os.chmod(spec, 0o644 if kind == "list" else 0o000)
+    why = {"folder": "cannot be read as a run spec (it is a folder); give the spec's YAML file",
+           "binary": "cannot be read as a run spec (not a text file); give the spec's YAML file",
+           "unreadable": "cannot be read as a run spec (Permission denied); give the spec's YAML file",
+           "list": "expected a mapping of options, got list"}[kind]
+    for dry in ([], ["--dry-run"]):
+        r = _llamarl("run", spec, *dry, user="nobody" if kind == "unreadable" else None)
+        assert _refused(r) == f"error: {spec}: {why}"
+
+
+@pytest.mark.parametrize("kind", ["file", "read-only", "not-ours"])
+def test_storage_that_cannot_hold_the_run_is_one_line_also_in_a_dry_run(shared_dir, kind):
+    if kind != "file" and os.geteuid() != 0:
+        pytest.skip("needs root: to mount a read-only file system, and to run as another user (nobody)")
+    where = shared_dir
+    storage = os.path.join(where, "storage")
+    if kind == "file":
+        open(storage, "w").write("not a folder")
+    elif kind == "read-only":
+        os.mkdir(storage)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", storage]).returncode:
+            pytest.skip("cannot mount a tmpfs here")
+    else:
+        os.mkdir(storage, 0o755)  # root's: nobody may not write in it
+    spec = os.path.join(where, "spec.yaml")
+    with open(spec, "w") as f:
+        yaml.safe_dump({"name": "r", "storage": storage, "actor": "/nowhere/actor", "prompts": "/nowhere/p.jsonl",
+                        "score": {"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio"}]}}, f)
+    os.chmod(spec, 0o644)
+    why = {"file": f"{storage} is a file, not a folder; point storage at a folder (the run lives in STORAGE/NAME)",
+           "read-only": f"cannot write to {storage} (read-only file system); point storage at a folder you can write to",
+           "not-ours": f"cannot write to {storage} (permission denied); point storage at a folder you can write to"}[kind]
+    try:
+        for dry in ([], ["--dry-run"]):
+            r = _llamarl("run", spec, *dry, user="nobody" if kind == "not-ours" else None)
+            assert _refused(r) == f"error: {spec}: storage: {why}"
+    finally:
+        if kind == "read-only":
+            subprocess.run(["umount", "-l", storage])
+
+
+def test_an_options_file_that_cannot_be_read_is_one_line(tmp_path):
+    r = _llamarl("stage", "rollout", "ACTOR", "PROMPTS", "OUT", "--config", str(tmp_path))
+    assert _refused(r) == f"error: {tmp_path}: cannot be read as an options file (it is a folder); check the --config path"

@@ -1,5 +1,6 @@
-"""The prompts a run reads, checked before anything runs: every row of the training and the
-validation prompts well-formed (stages/prompts.py: the check a rollout makes, done once here and
+"""What a run checks before anything runs, dry runs too: that its storage can hold the run
+directory, and the prompts it reads — every row of the training and the validation prompts
+well-formed (stages/prompts.py: the check a rollout makes, done once here and
 remembered in the run's row index, so no stage is started on a dataset a rollout would refuse),
 and, for a run that takes ``prompts_per_iteration`` rows at a time, the dataset it takes them from
 recorded (``pipeline/prompts.json``) and held to: a prompts file that changes under the run is
@@ -8,6 +9,7 @@ refused, since its iterations would mix two datasets' rows."""
 from __future__ import annotations
 
 import json
+import os
 
 import fsspec
 
@@ -50,3 +52,23 @@ def check_prompts(spec: RunSpec, record: bool) -> int:
         publish.write_bytes(f"{spec.run_dir}/pipeline/prompts.json",
                             json.dumps({"prompts": spec.prompts, "fingerprint": now, "rows": rows}).encode())
     return rows
+
+
+def check_storage(spec: RunSpec) -> None:
+    """The run directory can live where the spec puts it: ``storage`` is no file and, on a local
+    file system, a folder this user may write to (or may create). A one-line error naming it
+    otherwise. (An object store is not probed: that would mean writing to it.)"""
+    fs, run = fsspec.core.url_to_fs(spec.run_dir)
+    where = f"{spec.source}: storage"
+    parts = run.rstrip("/").split("/")
+    existing = next((p for p in ("/".join(parts[:i]) or "/" for i in range(len(parts), 0, -1)) if fs.exists(p)), None)
+    if existing is not None and not fs.isdir(existing):
+        raise UserError(f"{where}: {existing} is a file, not a folder; point storage at a folder (the run lives "
+                        f"in STORAGE/NAME)")
+    if "file" not in fs.protocol or existing is None:
+        return
+    for folder in dict.fromkeys(p for p in (existing, run, f"{run}/pipeline") if os.path.isdir(p)):
+        if not os.access(folder, os.W_OK | os.X_OK):
+            why = "read-only file system" if os.statvfs(folder).f_flag & os.ST_RDONLY else "permission denied"
+            raise UserError(f"{where}: cannot write to {folder} ({why}); point storage at a folder you can write to")
+

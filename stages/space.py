@@ -1,0 +1,253 @@
+"""Room on disk before a stage writes (#26): what it will write, against what its output's file
+system has free.
+
+Every stage calls ``check(cfg)`` first in its ``run()``. Where the output is on local storage
+(fsspec's "file" protocol; object stores are skipped), a stage whose output would not fit is
+refused in one line naming the bytes it needs, the bytes free and the path — before it reads a
+weight, not when the disk fills halfway through a ppo (at the Llama-3.2-1B shape every ppo output
+is ~20 GB: 3 GB of weights, 17 GB of training state). What each stage writes, at most:
+
+- shard: every tensor of the source at the stored dtype, the HF side files it copies;
+- rollout: for each sample of each prompt, (prompt + ``max_new_tokens``) tokens of its columns —
+  4 bytes a token for each id and log-prob, ``TEXT_BYTES_PER_TOKEN`` of decoded response, and the
+  prompt row's own bytes (the prompt text and ``keep_columns``, copied into every sample's row);
+  prompt tokens bounded both by ``max_prompt_tokens`` (or the actor's room) and by the prompts'
+  bytes (a token is at least a byte of text) plus ``TEMPLATE_TOKENS`` of chat template a prompt;
+- score: ``ROW_BYTES`` a row and 4 bytes a reward term (small);
+- ppo: each role's weights at the actor's stored dtype, its training state (fp32 Adam moments,
+  and fp32 master weights when training in a lower precision: 8 or 12 bytes a parameter), and
+  with ``save_every`` one resumable copy of both per save (ppo keeps them all until it ends);
+- export: every tensor at the output dtype, the HF side files.
+
+Each also counts its own overheads (``CHUNK_BYTES`` a checkpoint chunk, ``PART_BYTES`` a Parquet
+part, ``FOLDER_BYTES`` a published folder). Parquet's compression makes the rollout's and score's
+bounds generous. A resumed stage counts what it still writes: rollout and score the parts not yet
+published, ppo the saves after its latest; and the unfinished output a stage clears before it writes
+(shard's, export's, everything of ppo's but its saved states) counts as free. An output already
+published is not written again (the stage skips it, or refuses to overwrite it): nothing to check.
+Two stages that run at once each check alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+
+import fsspec
+
+from llamarl.lib import dtypes, job, publish
+from llamarl.lib.errors import UserError
+from llamarl.stages import contract
+from llamarl.stages.config import (STAGES, ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig,
+                                   StageConfig)
+
+CHUNK_BYTES = 2 << 10  # a checkpoint chunk's own bytes: its torch.save records (~1 KiB), its .metadata entry (~0.3)
+FOLDER_BYTES = 1 << 20  # a published folder's manifest and marker, its files' last partial blocks
+PART_BYTES = 64 << 10  # a Parquet part's footer, schema and page headers
+TENSOR_HEADER_BYTES = 512  # a tensor's entry in a safetensors header and in the index
+ROW_BYTES = 256  # a rollout or score row's own columns: ids, sample index, finish reason, rm id
+TEMPLATE_TOKENS = 256  # what a chat template may add around a prompt
+TEXT_BYTES_PER_TOKEN = 16  # decoded response text (natural text: a few bytes a token)
+STEP_BYTES = 2 << 10  # a line of ppo's metrics.jsonl
+
+
+@dataclass(frozen=True)
+class Need:
+    bytes: int  # what the stage writes into its output, at most
+    what: str  # the main parts, in words
+    cleared: int = 0  # bytes of its unfinished output that the stage removes before writing
+
+
+def check(cfg: StageConfig) -> None:
+    """Refuse, in one line, a stage whose output does not fit on its local file system."""
+    out = _output(cfg)
+    job.writes_to(out)
+    fs, path = fsspec.core.url_to_fs(out)
+    if "file" not in fs.protocol or publish.read_manifest(out) is not None:
+        return
+    try:
+        need = _ESTIMATES[type(cfg)](cfg, path)
+    except (UserError, OSError, KeyError, ValueError):
+        return  # an input it cannot read: the stage's own checks say so, in their words
+    free = shutil.disk_usage(_existing(path)).free
+    if need.bytes > free + need.cleared:
+        cleared = f" (and {size(need.cleared)} it clears first)" if need.cleared else ""
+        raise UserError(f"{out}: {_stage(cfg)} needs {size(need.bytes)} there ({need.what}), but its file system "
+                        f"has {size(free)} free{cleared}; free space, or set `retention: {{keep_last: N}}` in the run "
+                        f"spec so older iterations are deleted")
+
+
+def size(n: int) -> str:
+    """Bytes in words: 3.02 GB, 512 kB, 812 bytes."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"
+
+
+# ---- what each stage writes -------------------------------------------------------------------
+
+
+def _shard(cfg: ShardConfig, path: str) -> Need:
+    from llamarl.lib.safetensors_io import SafetensorsCheckpoint
+
+    src = cfg.src.rstrip("/")
+    weights = SafetensorsCheckpoint(src)
+    infos = [weights.info(name) for name in weights.where]
+    dtype = dtypes.torch_name(cfg.dtype) if cfg.dtype else None
+    tensors = sum(math.prod(i.shape) * dtypes.itemsize(dtype or i.dtype) for i in infos)
+    fs, src_path = fsspec.core.url_to_fs(src)
+    side = sum(fs.size(f"{src_path}/{n}") for n in contract.SIDE_FILES if fs.exists(f"{src_path}/{n}"))
+    chunks = len(infos) * cfg.tp * cfg.pp
+    return Need(tensors + side + chunks * CHUNK_BYTES + FOLDER_BYTES, f"weights {size(tensors)}", _unfinished(path))
+
+
+def _export(cfg: ExportConfig, path: str) -> Need:
+    manifest = publish.require_published(cfg.src.rstrip("/"), contract.CHECKPOINT)
+    dtype = dtypes.torch_name(cfg.dtype) if cfg.dtype else manifest["dtype"]
+    tensors = sum(math.prod(s) for s in manifest["tensors"].values()) * dtypes.itemsize(dtype)
+    side = _hf_side_bytes(manifest)
+    headers = len(manifest["tensors"]) * TENSOR_HEADER_BYTES
+    return Need(tensors + side + headers + FOLDER_BYTES, f"weights {size(tensors)} as {dtype}", _unfinished(path))
+
+
+def _ppo(cfg: PPOConfig, path: str) -> Need:
+    from llamarl.lib import parallel
+    from llamarl.lib.config import compute_dtype
+
+    actor = publish.require_published(cfg.actor.rstrip("/"), contract.CHECKPOINT)
+    roles = {contract.ACTOR: actor["tensors"]}
+    if cfg.advantage == "gae":
+        roles[contract.CRITIC] = (publish.require_published(cfg.critic.rstrip("/"), contract.CHECKPOINT)["tensors"]
+                                  if cfg.critic else _value_model(actor))
+    stored = dtypes.itemsize(actor["dtype"])
+    trained = dtypes.name(compute_dtype(cfg.dtype, parallel.device()))
+    state_per_param = 8 + (4 if trained != "float32" else 0)  # Adam's two moments, and fp32 masters of lower precision
+    world = cfg.tp * cfg.pp * cfg.dp
+    params = sum(math.prod(s) for t in roles.values() for s in t.values())
+    chunks = sum(len(t) for t in roles.values()) * world
+    weights = params * stored + chunks * CHUNK_BYTES
+    state = params * state_per_param + 3 * chunks * CHUNK_BYTES
+    rows = publish.require_published(cfg.rollout.rstrip("/"), contract.ROLLOUT)["rows"]
+    steps = cfg.ppo_epochs * -(-rows // cfg.mini_batch_size)
+    saves = len(range(_last_save(path) + cfg.save_every, steps, cfg.save_every)) if cfg.save_every else 0
+    outputs = weights + state + len(roles) * (2 * FOLDER_BYTES + _hf_side_bytes(actor))
+    total = outputs + saves * (weights + state + FOLDER_BYTES) + steps * STEP_BYTES + FOLDER_BYTES
+    what = f"weights {size(weights)}, training state {size(state)}" + (f", {saves} saved state(s)" if saves else "")
+    return Need(total, what, _du(path, keep=(".state", publish.INCOMPLETE)))
+
+
+def _rollout(cfg: RolloutConfig, path: str) -> Need:
+    actor = publish.require_published(cfg.actor.rstrip("/"), contract.CHECKPOINT)
+    s = cfg.sampling
+    room = max(1, actor["model_config"]["max_position_embeddings"] - s.max_new_tokens)
+    rows, text = _prompts(cfg.prompts)
+    prompts = cfg.select.count if cfg.select else rows
+    # Each selected position takes a row; an epoch boundary inside the selection can take a row twice.
+    text *= (prompts // max(rows, 1) + 2) if cfg.select else 1
+    prompt_tokens = min(prompts * min(cfg.max_prompt_tokens or room, room), text + prompts * TEMPLATE_TOKENS)
+    chunks = -(-prompts // cfg.chunk_size)
+    left = max(0, chunks - len(contract.published_parts(cfg.out)))
+    responses = min(prompts, left * cfg.chunk_size) * s.samples_per_prompt
+    per_response = s.max_new_tokens * (4 + 4 + TEXT_BYTES_PER_TOKEN) + ROW_BYTES
+    prompt_bytes = s.samples_per_prompt * (text + 4 * prompt_tokens)  # whole: which rows are left is not known here
+    total = prompt_bytes + responses * per_response + left * PART_BYTES + FOLDER_BYTES
+    return Need(total, f"{responses} responses of up to {s.max_new_tokens} tokens in {left} part(s)")
+
+
+def _score(cfg: ScoreConfig, path: str) -> Need:
+    rollout = publish.require_published(cfg.rollout.rstrip("/"), contract.ROLLOUT)
+    parts = contract.manifest_parts(rollout)
+    left = max(0, len(parts) - len(contract.published_parts(cfg.out)))
+    rows = rollout["rows"] * left // max(len(parts), 1) + left  # parts are even but for the last
+    total = rows * (ROW_BYTES + 4 * len(cfg.rewards)) + left * PART_BYTES + FOLDER_BYTES
+    return Need(total, f"scores of {rows} rows in {left} part(s)")
+
+
+_ESTIMATES = {ShardConfig: _shard, ExportConfig: _export, PPOConfig: _ppo, RolloutConfig: _rollout, ScoreConfig: _score}
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _output(cfg: StageConfig) -> str:
+    return (cfg.dst if isinstance(cfg, (ShardConfig, ExportConfig)) else cfg.out).rstrip("/")
+
+
+def _stage(cfg: StageConfig) -> str:
+    return next(name for name, cls in STAGES.items() if cls is type(cfg))
+
+
+def _existing(path: str) -> str:
+    """``path``, or its nearest folder that exists: where its bytes will go."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _du(path: str, keep: tuple[str, ...] = ()) -> int:
+    """Bytes on disk under ``path``, but for its entries named in ``keep``."""
+    if not os.path.isdir(path):
+        return 0
+    total = 0
+    for entry in os.scandir(path):
+        if entry.name in keep:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            total += _du(entry.path)
+        else:
+            total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
+
+
+def _unfinished(path: str) -> int:
+    """Bytes of the unfinished output of ours at ``path`` (a marker, no manifest), which a stage
+    that redoes its work (shard, export) clears first."""
+    return _du(path) if os.path.exists(os.path.join(path, publish.INCOMPLETE)) else 0
+
+
+def _hf_side_bytes(manifest: dict) -> int:
+    """The HF side files (config, tokenizer) of a checkpoint, which the next checkpoint copies."""
+    return sum(e["bytes"] for name, e in manifest["files"].items() if name.startswith(f"{contract.HF}/"))
+
+
+def _value_model(actor: dict) -> dict:
+    """The tensors of a critic made from ``actor``: its backbone and a value head (one row)."""
+    tensors = {n: s for n, s in actor["tensors"].items() if n != "lm_head.weight"}
+    tensors["score.weight"] = [1, actor["model_config"]["hidden_size"]]
+    return tensors
+
+
+def _last_save(path: str) -> int:
+    """The optimizer step of the latest state an unfinished ppo saved (0: none)."""
+    states = os.path.join(path, ".state")
+    if not os.path.isdir(states):
+        return 0
+    return max((int(e.name.rsplit("-", 1)[-1]) for e in os.scandir(states)
+                if os.path.exists(os.path.join(e.path, "done.json"))), default=0)
+
+
+def _prompts(url: str) -> tuple[int, int]:
+    """(rows, bytes) of the prompts: a Parquet file's rows and uncompressed bytes from its footer,
+    a JSONL file's lines and size."""
+    fs, path = fsspec.core.url_to_fs(url)
+    files = [path] if fs.isfile(path) else sorted(fs.find(path))
+    rows = nbytes = 0
+    for f in files:
+        if f.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            with fs.open(f, "rb") as stream:
+                meta = pq.ParquetFile(stream).metadata
+            rows += meta.num_rows
+            nbytes += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        elif f.endswith((".jsonl", ".json")):
+            with fs.open(f, "rb") as stream:
+                size_, lines, last = 0, 0, b"\n"
+                while block := stream.read(16 << 20):
+                    size_, lines, last = size_ + len(block), lines + block.count(b"\n"), block[-1:]
+            rows += lines + (last != b"\n")
+            nbytes += size_
+    return rows, nbytes

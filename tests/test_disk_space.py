@@ -1,0 +1,270 @@
+"""A full disk, for real (#27, #26): small tmpfs mounts (root only; skipped elsewhere, saying why).
+
+A stage whose write fails with ENOSPC — bytes or inodes exhausted, another writer having filled
+the disk after the stage's free-space check — ends with one line naming the path and "no space
+left on device", exit status 2, in its output and in the run's record (`llamarl status`); rerun
+after freeing space, it completes with the same bytes. A stage whose output cannot fit is refused
+before it writes (stages/space.py), and the estimates bound what the stages really write."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+
+from llamarl.cluster.local import LocalExecutor
+from llamarl.lib.errors import EXIT_USER_ERROR
+from llamarl.pipeline import demo
+from llamarl.pipeline.run import build_dag
+from llamarl.pipeline.spec import load_spec
+from llamarl.stages import space
+
+pytestmark = pytest.mark.slow
+
+ENV = {**os.environ, "COLUMNS": "400"}
+FIX = "free space there, or set `retention: {keep_last: N}` in the run spec so older iterations are deleted"
+
+
+def _mount(path, **options) -> None:
+    os.makedirs(path, exist_ok=True)
+    opts = ",".join(f"{k}={v}" for k, v in options.items())
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode}): these tests need root")
+
+
+def _remount(path, **options) -> None:
+    opts = ",".join(["remount", *(f"{k}={v}" for k, v in options.items())])
+    subprocess.run(["mount", "-o", opts, str(path)], check=True)
+
+
+def _umount(path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(name, size=…, nr_inodes=…)``: a tmpfs mounted at ``tmp_path/name``, gone after the test."""
+    mounted = []
+
+    def mount(name: str, **options):
+        path = tmp_path / name
+        _mount(path, **options)
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        _umount(path)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", *args], capture_output=True, text=True,
+                          timeout=900, env=ENV)
+
+
+def _spec(root, name: str, storage) -> str:
+    """One iteration on the demo's models, every stage on one process, the rule as the reward."""
+    data = yaml.safe_load(open(demo.make_inputs(str(root))))
+    data.update(name=name, storage=str(storage), iterations=1, reward_model=None, layout=demo.OVERLAP_LAYOUT,
+                executor={"kind": "local", "options": {"threads_per_process": 1}},
+                score={"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio", "weight": 1.0}]})
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A whole run on a tmpfs of its own (its export test fills it by inodes): (spec, run, nodes by name)."""
+    root = tmp_path_factory.mktemp("disk")
+    storage = root / "storage"
+    _mount(storage, size="64m")
+    try:
+        spec = _spec(root, "full", storage)
+        r = _cli("run", spec)
+        assert r.returncode == 0, r.stdout + r.stderr
+        loaded = load_spec(spec)
+        yield spec, loaded.run_dir, {n.name: n for n in build_dag(loaded)}
+    finally:
+        _umount(storage)
+
+
+def _files(folder) -> dict[str, bytes]:
+    """Every file under ``folder`` but the manifests (their creation time), DCP's .metadata (its
+    path) and the metrics (their timings)."""
+    out = {}
+    for d, _, names in os.walk(folder):
+        for name in names:
+            if name not in ("llamarl.json", ".metadata", "metrics.jsonl"):
+                path = os.path.join(d, name)
+                out[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return out
+
+
+def _fill_once_started(out: str, disk) -> threading.Thread:
+    """Another writer: once the stage has begun its output (its marker; the free-space check
+    passed), fill ``disk`` to the last byte."""
+
+    def fill():
+        deadline = time.monotonic() + 600
+        while not os.path.exists(os.path.join(out, ".llamarl-incomplete")) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        with open(os.path.join(disk, "filler"), "wb", buffering=0) as f:
+            for size in (1 << 20, 64 << 10, 4 << 10, 1):
+                try:
+                    while True:
+                        f.write(b"\0" * size)
+                except OSError:
+                    continue
+
+    thread = threading.Thread(target=fill, daemon=True)
+    thread.start()
+    return thread
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_the_estimates_bound_what_each_stage_wrote(finished, tmp_path):
+    _, run, nodes = finished
+    for node in nodes.values():
+        cfg = node.make_config()
+        elsewhere = str(tmp_path / node.name.replace("/", "."))
+        cfg = cfg.model_copy(update={("dst" if node.stage in ("shard", "export") else "out"): elsewhere})
+        need = space._ESTIMATES[type(cfg)](cfg, elsewhere).bytes
+        wrote = sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(node.out) for f in names)
+        assert wrote <= need, (node.name, wrote, need)
+
+
+@pytest.mark.parametrize("stage,size", [("rollout", "4m"), ("ppo", "16m")])
+def test_a_write_to_a_full_disk_is_one_line_and_a_rerun_resumes_with_the_same_bytes(finished, tmpfs, capfd, stage, size):
+    _, run, nodes = finished
+    node = nodes[f"iter-001/{stage}"]
+    disk = tmpfs(stage, size=size)
+    out = str(disk / stage)
+    cfg = node.make_config().model_copy(update={"out": out})
+    filler = _fill_once_started(out, disk)
+    result = LocalExecutor().run(stage, cfg, 1)
+    filler.join(60)
+    assert result.code == EXIT_USER_ERROR
+    assert result.error == f"{out}: no space left on device; {FIX}, then rerun: what was published is kept"
+    assert _one_error_line(capfd.readouterr().err) == f"error: {result.error}"
+    os.remove(disk / "filler")  # space freed
+    assert LocalExecutor().run(stage, cfg, 1).ok
+    assert _files(out) == _files(node.out) and _files(out)
+
+
+def test_a_full_disk_in_a_run_is_the_records_error_and_a_rerun_completes(finished):
+    """The export of a run, its file system out of inodes: one line, exit status 2, and the
+    record's error in `llamarl status`; with room again, the rerun exports the same bytes."""
+    spec, run, nodes = finished
+    export = nodes["export"].out
+    before = _files(export)
+    shutil.rmtree(export)
+    os.remove(os.path.join(run, "pipeline", "export.json"))
+    storage = os.path.dirname(run)
+    fs = os.statvfs(storage)
+    # Room for the lock, the export's record, its folder, marker and weights: then no more files.
+    _remount(storage, nr_inodes=fs.f_files - fs.f_ffree + 5)
+    r = _cli("run", spec)
+    assert r.returncode == EXIT_USER_ERROR and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    error = f"{export}: no space left on device; {FIX}, then rerun: what was published is kept"
+    assert r.stdout.strip().splitlines()[-1] == (f"error: stage export failed ({error}); fix it and rerun `llamarl "
+                                                 f"run` — finished stages are kept")
+    assert json.load(open(os.path.join(run, "pipeline", "export.json")))["error"] == error
+    status = _cli("status", run)
+    assert re.search(r"│ export +│ failed +│ failed: \S+/export: no space left on device; ", status.stdout), status.stdout
+    _remount(storage, nr_inodes=1 << 20)
+    rerun = _cli("run", spec)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert _files(export) == before
+
+
+def test_a_stage_that_cannot_fit_is_refused_before_it_writes(finished, tmpfs, capfd):
+    _, run, nodes = finished
+    disk = tmpfs("small", size="1m")
+    out = str(disk / "ppo")
+    result = LocalExecutor().run("ppo", nodes["iter-001/ppo"].make_config().model_copy(update={"out": out}), 1)
+    assert result.code == EXIT_USER_ERROR
+    m = re.fullmatch(rf"{re.escape(out)}: ppo needs ([\d.]+) MB there \(weights [\d.]+ kB, training state [\d.]+ MB\), but its "
+                     rf"file system has ([\d.]+) (MB|kB) free; free space, or set `retention: \{{keep_last: N\}}` in "
+                     rf"the run spec so older iterations are deleted", result.error)
+    assert m, result.error
+    assert _one_error_line(capfd.readouterr().err) == f"error: {result.error}"
+    assert not os.path.exists(out)  # nothing written
+
+
+def test_a_run_whose_storage_cannot_hold_a_stage_says_so_in_one_line_and_in_status(tmp_path, tmpfs):
+    storage = tmpfs("cramped", size="1m")
+    spec = _spec(tmp_path, "cramped", storage)
+    r = _cli("run", spec)
+    assert r.returncode == EXIT_USER_ERROR, r.stdout + r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: stage shard/actor failed \({re.escape(str(storage))}/cramped/shard/actor: shard needs "
+                        rf"[\d.]+ MB there \(weights [\d.]+ kB\), but its file system has [\d.]+ [kM]B free; free space, "
+                        rf"or set .*\); fix it and rerun `llamarl run` — finished stages are kept", last), last
+    assert not os.path.exists(storage / "cramped" / "shard" / "actor")
+    status = _cli("status", str(storage / "cramped"))
+    assert re.search(r"│ shard/actor +│ failed +│ failed: \S+/shard/actor: shard needs ", status.stdout), status.stdout
+
+
+def _torch_save_to_file(path):
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(torch.zeros(1 << 16), f)
+
+
+def _pyarrow_via_fsspec(path):
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with fsspec.open(path, "wb") as f:
+        pq.write_table(pa.table({"x": list(range(1 << 16))}), f, compression=None)
+
+
+def _pyarrow_to_path(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"x": list(range(1 << 16))}), path, compression=None)
+
+
+def _checkpoint(path):
+    """lib/dcp_format's writer (shard, ppo): each rank's failure gathered into one RuntimeError."""
+    import numpy as np
+
+    from llamarl.lib import dcp_format
+    from llamarl.lib.dtypes import HostTensor
+
+    data = np.zeros((1 << 8, 1 << 8), dtype=np.float32)
+    piece = dcp_format.Piece("w", data.shape, (0, 0), data.shape, "float32", lambda: HostTensor("float32", data))
+    dcp_format.save([piece], path)
+
+
+@pytest.mark.parametrize("write", [_torch_save_to_file, _pyarrow_via_fsspec, _pyarrow_to_path, _checkpoint])
+def test_the_errors_writers_raise_on_a_full_disk_are_recognised(tmpfs, write):
+    """What torch, pyarrow and our checkpoint writer raise when the disk fills, for real: an
+    OSError, or one it was raised from or quotes."""
+    from llamarl.lib import job
+    from llamarl.lib.errors import disk_full
+
+    disk = tmpfs("tiny", size="64k")
+    with pytest.raises(Exception) as raised:
+        write(str(disk / "out"))
+    assert disk_full(raised.value) == "no space left on device", repr(raised.value)
+    job.writes_to(str(disk))
+    assert job._disk_full(raised.value).startswith(f"{disk}: no space left on device; ")
