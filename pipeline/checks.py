@@ -30,11 +30,12 @@ def recorded(spec: RunSpec) -> dict | None:
 def check_prompts(spec: RunSpec, record: bool) -> int:
     """The number of training prompts, every row of them (and of the validation prompts) checked;
     refused in one line when an iteration would take more than there are, or when the dataset
-    changed since the run first took rows of it. ``record``: remember the dataset in the run
-    directory (a run, not a dry run)."""
+    changed since the run first took rows of it. ``record``: remember the dataset, and the row
+    index and check that the rollouts then find, in the run directory (a run, not a dry run)."""
     from llamarl.stages.prompts import Columns, check_dataset
 
-    index, columns = prompts_index(spec.run_dir), Columns.of(spec.rollout)
+    # A dry run writes nothing: it checks without keeping the index.
+    index, columns = prompts_index(spec.run_dir) if record else None, Columns.of(spec.rollout)
     rows = check_dataset(spec.prompts, columns, index).rows
     if spec.validation is not None:
         check_dataset(spec.validation.prompts, columns, index)

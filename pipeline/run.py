@@ -81,8 +81,8 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
     nodes = check_spec(spec)
     check_storage(spec)
     by_name = {n.name: n for n in nodes}
-    check_prompts(spec, record=False)
     if dry_run:
+        check_prompts(spec, record=False)
         report = []
         executor = (executor or executor_for(spec)) if show_launch else None
         beside = _beside(nodes, by_name)

@@ -23,8 +23,7 @@ import yaml
 from llamarl.cluster.local import LocalExecutor
 from llamarl.lib.errors import EXIT_USER_ERROR
 from llamarl.pipeline import demo
-from llamarl.pipeline.run import build_dag
-from llamarl.pipeline.spec import load_spec
+from llamarl.pipeline.dag import build_dag, load_spec
 from llamarl.stages import space
 
 pytestmark = pytest.mark.slow

@@ -303,7 +303,8 @@ def test_a_stopped_driver_releases_the_run_and_leaves_the_stages_job_running(tmp
 
     from llamarl.lib.errors import Stopped
     from llamarl.pipeline.cli import stopped_by_signals
-    from llamarl.pipeline.run import build_dag, read_record
+    from llamarl.pipeline.dag import build_dag
+    from llamarl.pipeline.records import read_record
 
     data = yaml.safe_load(open(demo.make_inputs(str(tmp_path))))
     data["executor"] = {"kind": "kubernetes", "options": {"image": "llamarl:dev", "pvc": "runs", "apply": True,

@@ -243,6 +243,7 @@ def test_configs_round_trip_through_json():
 ], ids=["option", "model", "rule-args"])
 def test_dry_run_refuses_a_bad_spec_fast_in_one_line(tmp_path, changes, needle):
     # `llamarl run --dry-run` validates without importing torch: a typo costs seconds, not GPU hours.
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(_spec(tmp_path, actor=_hf_model(tmp_path / "actor"), **changes)))
     t0 = time.perf_counter()
@@ -277,6 +278,7 @@ def test_a_yaml_syntax_error_names_its_line(tmp_path):
 
 def test_dry_run_of_a_good_spec_plans_without_torch(tmp_path):
     # The actor's and the reward model's config.json are read and checked, still without torch.
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(_spec(tmp_path, actor=_hf_model(tmp_path / "actor"),
                                          reward_model=_hf_model(tmp_path / "rm"))))
@@ -292,6 +294,7 @@ def test_dry_run_of_a_good_spec_plans_without_torch(tmp_path):
 def test_dry_run_shows_what_each_stage_would_launch(tmp_path):
     from llamarl.pipeline.run import run_spec
 
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
     spec = parse_spec(_spec(tmp_path, layout={"rollout": {"tp": 2}}, iterations=1,
                             executor={"kind": "kubernetes", "options": {"image": "llamarl:1", "pvc": "runs"}}), "x")
     shown: list[str] = []
