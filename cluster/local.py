@@ -36,9 +36,6 @@ class LocalOptions(BaseModel):
                                            "every stage takes GPUs 0..n-1). With gpus, a stage gets GPUs no "
                                            "running stage holds (CUDA_VISIBLE_DEVICES) and waits until enough "
                                            "are free.")
-    fork: bool = Field(True, description="Start the processes of the stages that never import torch (shard, "
-                                         "export) as forks of this one, when it runs no other thread (`llamarl "
-                                         "stage`): they begin with their imports done (0.3-0.4 s a process).")
 
 
 @dataclass
@@ -114,25 +111,13 @@ class LocalExecutor(ExecutorBase):
         devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, run.gpus))} if run.gpus else {}
         port = free_port()
         self._runs.append(run)
-        # Forks only from a process with no other thread (a fork keeps the calling thread alone, and
-        # a lock another thread held stays held in the child) and no torch (CUDA does not survive a fork).
-        fork = (self.options.fork and stage in FORKED_STAGES and threading.active_count() == 1
-                and "torch" not in sys.modules and hasattr(os, "fork"))
-        if fork:  # imported once, here, for every fork
-            import importlib
-
-            importlib.import_module(f"llamarl.stages.{stage}")
         for rank in range(nprocs):
-            env = {**self._env(rank, nprocs, port), **devices}
-            if fork:
-                proc = _ForkedRank(stage, config, env)
-            else:
-                proc = subprocess.Popen(self.command(stage, config), env={**os.environ, **env},
-                                        stderr=subprocess.PIPE, text=True, bufsize=1)
-            run.procs.append(proc)
-        for proc in run.procs:  # after the forks: no thread of ours runs while forking
+            proc = subprocess.Popen(self.command(stage, config),
+                                    env={**os.environ, **self._env(rank, nprocs, port), **devices},
+                                    stderr=subprocess.PIPE, text=True, bufsize=1)
             reader = threading.Thread(target=_forward, args=(proc.stderr, run), daemon=True)
             reader.start()
+            run.procs.append(proc)
             run.readers.append(reader)
         return run
 
@@ -171,64 +156,6 @@ class LocalExecutor(ExecutorBase):
                     if p.poll() is None:
                         p.kill()
             time.sleep(0.01)
-
-
-FORKED_STAGES = ("shard", "export")  # they never import torch (tests/test_torch_free.py)
-
-
-class _ForkedRank:
-    """One process of a stage, forked from this one: ``job.main`` of the stage module with the
-    config as ``--config-json`` and torchrun's environment, exactly what the command would run.
-    The ``subprocess.Popen`` members the executor uses: ``stderr``, ``poll``, ``kill``, ``pid``."""
-
-    def __init__(self, stage: str, config: Any, env: dict[str, str]):
-        import json
-
-        argv = ["--config-json", json.dumps(config.to_json())]
-        read_end, write_end = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            code = 1
-            try:
-                os.close(read_end)
-                os.dup2(write_end, 2)
-                os.close(write_end)
-                sys.stderr = open(2, "w", buffering=1, closefd=False)
-                os.environ.update(env)
-                import importlib
-
-                from llamarl.lib import job
-
-                module = importlib.import_module(f"llamarl.stages.{stage}")
-                job.main(type(config), module.run, argv)  # exits with the stage's status
-                code = 0
-            except BaseException:  # noqa: BLE001 — a bug: its traceback, then the child's exit
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        os.close(write_end)
-        self.pid, self.returncode = pid, None
-        self.stderr = os.fdopen(read_end, "r", buffering=1)
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, 9)
-            except ProcessLookupError:
-                pass
 
 
 def _forward(stream, run: LocalRun) -> None:

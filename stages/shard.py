@@ -20,16 +20,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
+import torch
 
-from llamarl.lib import dcp_format, dtypes, hf_mapping, job, publish
+from llamarl.lib import dcp_format, dtypes, hf_mapping, job, parallel, publish
 from llamarl.lib.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
+from llamarl.lib.parallel import Topology
 from llamarl.lib.safetensors_io import SafetensorsCheckpoint
 from llamarl.stages import contract
 from llamarl.stages.config import ShardConfig
-
-# No torch here: shard moves bytes (numpy arrays of the tensors' storage, lib/dtypes.HostTensor)
-# over a torch-free process group (lib/iogroup.py), and starts in a fraction of a second.
 
 
 def head_of(hf_config: dict) -> str:
@@ -69,15 +68,14 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _pieces(weights: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, layout: ParallelLayout, rank: int,
-            dtype: str) -> list[dcp_format.Piece]:
-    """The chunks rank ``rank`` of the layout owns (the slices of the HF tensors its parameters
-    are made of), each read from the source files when it is written."""
-    tp_rank, pp_rank = rank % layout.tp, rank // layout.tp  # lib/parallel.py's order, dp = 1
+def _pieces(weights: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, topo: Topology,
+            dtype: torch.dtype) -> list[dcp_format.Piece]:
+    """The chunks this rank's place in the layout owns (the slices of the HF tensors its
+    parameters are made of), each read from the source files when it is written."""
     shapes = hf_mapping.hf_shapes(cfg, head)
     pieces: dict[tuple, dcp_format.Piece] = {}
-    for name in hf_mapping.stage_param_names(cfg, head, layout.pp, pp_rank):
-        for s in hf_mapping.param_slices(cfg, layout.tp, tp_rank, name):
+    for name in hf_mapping.stage_param_names(cfg, head, topo.pp, topo.pp_rank):
+        for s in hf_mapping.param_slices(cfg, topo.tp, topo.tp_rank, name):
             size = shapes[s.hf_name]
             stop = min(s.stop, size[s.dim])  # rows past the end are vocabulary padding: not stored
             if stop <= s.start:
@@ -86,7 +84,7 @@ def _pieces(weights: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, layout:
             off[s.dim], shape[s.dim] = s.start, stop - s.start
             pieces[(s.hf_name, tuple(off))] = dcp_format.Piece(
                 s.hf_name, size, tuple(off), tuple(shape), dtype,
-                lambda s=s, stop=stop: weights.read_host(s.hf_name, s.dim, s.start, stop).to(dtype))
+                lambda s=s, stop=stop: weights.read(s.hf_name, s.dim, s.start, stop).to(dtype))
     return list(pieces.values())
 
 
@@ -105,11 +103,9 @@ def run(cfg: ShardConfig) -> None:
     src_dtype = _check_weights(weights, model_cfg, head, src)
     out_dtype = dtypes.torch_name(cfg.dtype) if cfg.dtype else src_dtype
 
-    job.join_io_group(cfg.collective_timeout_s)
+    # gloo also on GPU machines: shard moves bytes on the CPU.
+    topo = parallel.init(cfg.tp, cfg.pp, dp=1, backend="gloo", timeout_s=cfg.collective_timeout_s, stage="shard")
     rank, world = job.rank_world()
-    if world != cfg.tp * cfg.pp:
-        raise UserError(f"shard runs with tp*pp*dp = {cfg.tp}*{cfg.pp}*1 = {cfg.tp * cfg.pp} processes, not {world}; "
-                        "launch it through `llamarl stage` or `llamarl run`, which start that many")
     t0 = time.perf_counter()  # after start-up (imports, process group): the work itself
 
     source_files = sorted(set(weights.where.values()) | {n for n in contract.SIDE_FILES if fs.exists(f"{src_path}/{n}")}
@@ -136,7 +132,7 @@ def run(cfg: ShardConfig) -> None:
         return
 
     rss_before = _rss_bytes()
-    pieces = _pieces(weights, model_cfg, head, layout, rank, out_dtype)
+    pieces = _pieces(weights, model_cfg, head, topo, dtypes.torch_dtype(out_dtype))
     dcp_format.save(pieces, f"{dst}/{contract.MODEL}")
     nbytes = sum(p.nbytes for p in pieces)
     ranks = job.all_gather_object({"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,
