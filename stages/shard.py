@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,13 +41,26 @@ def head_of(hf_config: dict) -> str:
     return "lm"
 
 
+# Tensors an HF Llama checkpoint may hold beyond its parameters, and that the config makes anyway:
+# rotary frequencies (older checkpoints saved the buffer) and, with tied embeddings, the head's
+# copy of the embedding.
+_DERIVED = re.compile(r"(.+\.)?rotary_emb\.inv_freq")
+
+
 def _check_weights(src: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, root: str) -> str:
-    """Every tensor the config implies exists with the implied shape; returns the source dtype's name."""
+    """Every tensor the config implies exists with the implied shape, and no other is there to be
+    dropped; returns the source dtype's name."""
     expected = hf_mapping.hf_shapes(cfg, head)
     missing = [n for n in expected if n not in src.where]
     if missing:
         raise UserError(f"{root}: {len(missing)} tensors that config.json implies are missing (first: {missing[0]}); "
                         "the weights do not match the config")
+    tied_copy = {"lm_head.weight"} if head == "lm" and cfg.tie_word_embeddings else set()
+    extra = sorted(n for n in src.where if n not in expected and n not in tied_copy and not _DERIVED.fullmatch(n))
+    if extra:
+        raise UserError(f"{root}: {len(extra)} tensors that config.json does not imply would be dropped "
+                        f"({', '.join(extra[:3])}{', …' if len(extra) > 3 else ''}); fix config.json (num_hidden_layers, "
+                        "attention_bias, mlp_bias, tie_word_embeddings, architectures) or remove them from the weights")
     found = set()
     for name, shape in expected.items():
         info = src.info(name)

@@ -214,6 +214,38 @@ def test_config_that_does_not_match_weights(tmp_path):
         shard.run(ShardConfig(src=str(src), dst=str(tmp_path / "c")))
 
 
+def test_tensors_the_config_does_not_imply_are_refused_not_dropped(tmp_path):
+    src = tmp_path / "hf"
+    _hf_dir(str(src))  # 3 layers
+    cfg = json.load(open(src / "config.json"))
+    cfg["num_hidden_layers"] = 2
+    json.dump(cfg, open(src / "config.json", "w"))
+    with pytest.raises(UserError, match=r"hf: 9 tensors that config.json does not imply would be dropped "
+                                        r"\(model.layers.2.input_layernorm.weight, model.layers.2.mlp.down_proj.weight, "
+                                        r"model.layers.2.mlp.gate_proj.weight, …\); fix config.json \(num_hidden_layers, "
+                                        r"attention_bias, mlp_bias, tie_word_embeddings, architectures\) or remove them"):
+        shard.run(ShardConfig(src=str(src), dst=str(tmp_path / "c")))
+    assert not (tmp_path / "c").exists()
+
+
+def test_what_real_checkpoints_carry_beside_their_parameters_is_not_extra(pool2, tmp_path):
+    # Tied embeddings saved with the head's copy, and rotary frequencies older checkpoints kept:
+    # made from the config, so sharding goes on; the export is the model as HF saves it.
+    from safetensors.torch import save_file
+
+    model = tiny.hf_model("lm", tie_word_embeddings=True)
+    ref, src = str(tmp_path / "ref"), tmp_path / "hf"
+    model.save_pretrained(ref)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    assert "lm_head.weight" in state
+    state["model.rotary_emb.inv_freq"] = torch.rand(8)
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
+    model.config.save_pretrained(src)
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    pool2.run(shard_then_export, str(src), str(tmp_path / "ckpt"), str(tmp_path / "out"), 2, 1)
+    _assert_identical(ref, tmp_path / "out")
+
+
 def _names_match(cfg_kwargs: dict, head: str, tp: int, pp: int):
     from llamarl.lib import hf_mapping
 
