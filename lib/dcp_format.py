@@ -26,7 +26,6 @@ import hashlib
 import io
 import math
 import pickle
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -208,11 +207,6 @@ def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
     plans = job.all_gather_object((plan, tensors))
     mine = assign([p for p, _ in plans])[rank]
     buckets = _buckets([p for p in pieces if (p.fqn, tuple(p.offsets)) in mine], threads)
-    # Rank 0 pickles DCP's classes at the end: their import (DTensor, sympy: ~0.5 s of CPU) runs
-    # beside its writes, which wait on storage.
-    importing = threading.Thread(target=__import__, args=("torch.distributed.checkpoint.metadata",), daemon=True)
-    if rank == 0:
-        importing.start()
     failure, written = None, []
     crc = torch.serialization.get_crc32_options()
     try:
@@ -230,7 +224,6 @@ def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
     first = next((f for f, _ in results if f is not None), None)
     if rank == 0 and first is None:
         try:
-            importing.join()
             _write_metadata(url, _metadata(url, _all_tensors(plans), [w for _, ws in results for w in ws]))
         except Exception as e:
             first = describe(e, 0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -116,9 +115,6 @@ def run(cfg: ExportConfig) -> None:
     shapes = hf_mapping.hf_shapes(model_cfg, head)
     out_dtype = dtypes.torch_name(cfg.dtype) if cfg.dtype else src_dtype
 
-    # The metadata is read beside the process group's start: unpickling it imports DCP's classes
-    # (DTensor, sympy: ~0.5 s of CPU), which the rendezvous would otherwise wait for, then the reads.
-    metadata = ThreadPoolExecutor(1, thread_name_prefix="llamarl-metadata").submit(_metadata, src, shapes, src_dtype)
     # Any number of processes, each writing whole files; gloo also on GPU machines (export moves
     # bytes on the CPU).
     parallel.init(1, 1, backend="gloo", timeout_s=cfg.collective_timeout_s)
@@ -138,7 +134,7 @@ def run(cfg: ExportConfig) -> None:
     names = file_names(len(groups))
     written, failure = {}, None
     try:
-        md = metadata.result()
+        md = _metadata(src, shapes, src_dtype)
         for i in range(rank, len(groups), world):  # rank k writes files k, k + world, …
             written[names[i]] = _write(f"{dst}/{names[i]}", f"{src}/{contract.MODEL}", md, groups[i], shapes,
                                        dtypes.torch_dtype(out_dtype))
