@@ -41,10 +41,8 @@ def head_of(hf_config: dict) -> str:
     return "lm"
 
 
-# Tensors an HF Llama checkpoint may hold beyond its parameters, and that the config makes anyway:
-# rotary frequencies (older checkpoints saved the buffer) and, with tied embeddings, the head's
-# copy of the embedding.
-_DERIVED = re.compile(r"(.+\.)?rotary_emb\.inv_freq")
+# Rotary frequencies: a buffer older checkpoints saved beside the parameters; the config makes it.
+_ROTARY_BUFFER = re.compile(r"(.+\.)?rotary_emb\.inv_freq")
 
 
 def _check_weights(src: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, root: str) -> str:
@@ -55,8 +53,9 @@ def _check_weights(src: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, root
     if missing:
         raise UserError(f"{root}: {len(missing)} tensors that config.json implies are missing (first: {missing[0]}); "
                         "the weights do not match the config")
+    # With tied embeddings a saved head is the embedding's copy: the embedding is what the model uses.
     tied_copy = {"lm_head.weight"} if head == "lm" and cfg.tie_word_embeddings else set()
-    extra = sorted(n for n in src.where if n not in expected and n not in tied_copy and not _DERIVED.fullmatch(n))
+    extra = sorted(n for n in src.where if n not in expected and n not in tied_copy and not _ROTARY_BUFFER.fullmatch(n))
     if extra:
         raise UserError(f"{root}: {len(extra)} tensors that config.json does not imply would be dropped "
                         f"({', '.join(extra[:3])}{', …' if len(extra) > 3 else ''}); fix config.json (num_hidden_layers, "
