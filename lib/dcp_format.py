@@ -397,9 +397,13 @@ class Sparse(_ReadOnly):
         return n
 
 
+class ShortRead(OSError):
+    """A file ended before the bytes asked for: it changed while being read."""
+
+
 def read_into(fs, path: str, begin: int, view: memoryview) -> None:
     """Bytes ``begin:begin+len(view)`` of a file into ``view`` (local files: ``preadv``, no
-    intermediate copy; others: one range request)."""
+    intermediate copy; others: one range request). ``ShortRead`` where the file ends before."""
     import os
 
     if getattr(fs, "local_file", False):
@@ -409,12 +413,12 @@ def read_into(fs, path: str, begin: int, view: memoryview) -> None:
             while done < len(view):
                 n = os.preadv(fd, [view[done:]], begin + done)
                 if n <= 0:
-                    raise OSError(f"{path}: short read at byte {begin + done}; the file changed while being read")
+                    raise ShortRead(f"{path}: short read at byte {begin + done}; the file changed while being read")
                 done += n
         finally:
             os.close(fd)
     else:
         data = fs.cat_file(path, begin, begin + len(view))
         if len(data) != len(view):
-            raise OSError(f"{path}: short read at byte {begin}; the file changed while being read")
+            raise ShortRead(f"{path}: short read at byte {begin}; the file changed while being read")
         view[:] = data

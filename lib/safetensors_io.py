@@ -22,6 +22,7 @@ import fsspec
 import torch
 
 from . import dtypes, publish
+from .dcp_format import ShortRead, read_into
 from .dtypes import SAFETENSORS_CODES
 from .errors import UserError
 
@@ -72,12 +73,16 @@ class SafetensorsFile:
                 raise SafetensorsError(f"{url}: truncated ({size} bytes, tensor {name} ends at {end}); re-copy the file")
             self.tensors[name] = TensorInfo(CODES[info["dtype"]], tuple(info["shape"]), begin, end)
 
-    def _read(self, f, begin: int, end: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    def _read(self, begin: int, end: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        """Bytes ``begin:end`` as a tensor: read straight into its memory by a range read, which
+        several threads may do at once (an fsspec file object is one position, and memory://
+        hands every opener the same one)."""
         out = torch.empty(shape, dtype=dtype)
         if end > begin:
-            f.seek(begin)  # straight into the tensor's memory: no intermediate bytes object
-            if f.readinto(memoryview(out.view(-1).view(torch.uint8).numpy())) != end - begin:
-                raise SafetensorsError(f"{self.url}: short read; the file changed while being read")
+            try:
+                read_into(self.fs, self.path, begin, memoryview(out.view(-1).view(torch.uint8).numpy()))
+            except ShortRead:
+                raise SafetensorsError(f"{self.url}: short read; the file changed while being read") from None
         return out
 
     def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -86,20 +91,19 @@ class SafetensorsFile:
         shape = info.shape
         stop = shape[dim] if stop is None else stop
         dtype = dtypes.torch_dtype(info.dtype)
-        with self.fs.open(self.path, "rb") as f:
-            if dim == 0:
-                row = dtype.itemsize * math.prod(shape[1:])
-                return self._read(f, info.begin + start * row, info.begin + stop * row, dtype, (stop - start, *shape[1:]))
-            if dim != 1 or len(shape) != 2:
-                raise ValueError(f"only row or column slices of 2-D tensors are supported ({name}, dim {dim})")
-            rows, cols = shape
-            row_bytes = cols * dtype.itemsize
-            step = max(1, _BLOCK_BYTES // row_bytes)
-            out = torch.empty((rows, stop - start), dtype=dtype)
-            for r0 in range(0, rows, step):
-                r1 = min(rows, r0 + step)
-                block = self._read(f, info.begin + r0 * row_bytes, info.begin + r1 * row_bytes, dtype, (r1 - r0, cols))
-                out[r0:r1] = block[:, start:stop]
+        if dim == 0:
+            row = dtype.itemsize * math.prod(shape[1:])
+            return self._read(info.begin + start * row, info.begin + stop * row, dtype, (stop - start, *shape[1:]))
+        if dim != 1 or len(shape) != 2:
+            raise ValueError(f"only row or column slices of 2-D tensors are supported ({name}, dim {dim})")
+        rows, cols = shape
+        row_bytes = cols * dtype.itemsize
+        step = max(1, _BLOCK_BYTES // row_bytes)
+        out = torch.empty((rows, stop - start), dtype=dtype)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            block = self._read(info.begin + r0 * row_bytes, info.begin + r1 * row_bytes, dtype, (r1 - r0, cols))
+            out[r0:r1] = block[:, start:stop]
         return out
 
 

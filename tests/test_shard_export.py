@@ -492,6 +492,27 @@ def test_safetensors_written_by_threads_at_offsets_is_the_same_file(tmp_path):
     assert not (tmp_path / "d.safetensors").exists()
 
 
+def test_slices_read_by_many_threads_at_once_are_each_their_own(tmp_path):
+    # Shard's writer threads read slices of one source file at once; on memory:// every opener
+    # of a file gets the same file object (one position), so a read is a range request.
+    from concurrent.futures import ThreadPoolExecutor
+
+    import fsspec
+    from safetensors.torch import save
+
+    from llamarl.lib.safetensors_io import SafetensorsFile
+
+    w = torch.arange(512 * 64, dtype=torch.float32).reshape(512, 64)
+    url = "memory://llamarl-threads/model.safetensors"
+    fsspec.filesystem("memory").pipe_file(url, save({"w": w}))
+    f = SafetensorsFile(url)
+    spans = [(dim, a, a + 7) for dim, n in ((0, 512), (1, 64)) for a in range(0, n - 7, 3)] * 4
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda s: f.read("w", *s), spans))
+    for (dim, a, b), t in zip(spans, got):
+        assert torch.equal(t, w.narrow(dim, a, b - a)), (dim, a, b)
+
+
 def test_unpublished_checkpoint_is_refused(tmp_path):
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / publish.INCOMPLETE).write_text("")
