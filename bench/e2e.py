@@ -16,7 +16,7 @@ weights, vocab 128256, llama3 rope scaling) with a tokenizer made here (pipeline
 the model's vocabulary is larger, which is fine), a small reward model with a *different* tokenizer
 and 256 prompts. Workloads, each a fresh 1-iteration run (shard → rollout → score → ppo → export):
 
-* ``grpo``: 256 prompts × 4 samples × 256 new tokens, the rule reward ``length`` (lib/rewards.py),
+* ``grpo``: 256 prompts × 4 samples × 256 new tokens, the rule reward ``length`` (lib/rl/rewards.py),
   ``advantage: grpo`` with a KL loss (β 0.05), 16 optimizer steps of 64; and TRL's GRPOTrainer (run first) on
   the same model, prompts and reward function (HF generate, no vLLM, bf16), same batch shape.
 * ``ppo``: the same sampling, scored by the reward model (re-tokenized), ``advantage: gae`` with a critic.
@@ -612,7 +612,7 @@ def trl_worker(cfg_path: str) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from llamarl.lib import rewards
+    from llamarl.lib.rl import rewards
 
     cuda = torch.cuda.is_available()
     p = cfg["params"]
@@ -679,7 +679,7 @@ def trl_worker(cfg_path: str) -> None:
         "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
         "num_generations", "max_completion_length", "temperature", "beta", "loss_type", "learning_rate", "bf16",
         "gradient_checkpointing", "use_vllm", "max_steps", "model_init_kwargs")}
-    state["reward"] = f"llamarl.lib.rewards.{p['reward']['name']} {rule_args} (the score stage's rule)"
+    state["reward"] = f"llamarl.lib.rl.rewards.{p['reward']['name']} {rule_args} (the score stage's rule)"
     t = time.perf_counter()
     trainer = GRPOTrainer(model=cfg["actor"], reward_funcs=length_reward, args=args, train_dataset=dataset,
                           processing_class=tok, callbacks=[Timer()])

@@ -23,9 +23,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import tiny  # noqa: E402
 
-from llamarl.lib import attention, parallel, vocab_parallel  # noqa: E402
-from llamarl.lib.config import ParallelLayout  # noqa: E402
-from llamarl.lib.model import ParallelLlamaForCausalLM  # noqa: E402
+from llamarl.lib.model import attention, vocab_parallel
+from llamarl.lib.distributed import parallel  # noqa: E402
+from llamarl.lib.model.config import ParallelLayout  # noqa: E402
+from llamarl.lib.model.llama import ParallelLlamaForCausalLM  # noqa: E402
 
 SHAPE = dict(vocab_size=32003, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
              num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)

@@ -7,8 +7,8 @@ What each side does is what the stages do, through the same lib/ calls:
 
   save     ppo: the fp32 masters converted to bf16 (``ShardedAdamW.model_state``) and written
            (``checkpoint.save``: 4 writer threads, hashed while written), every file's manifest
-           entry (``job.file_entries``), the manifest published last;
-  verify   rollout: every file of ``model/`` checked against its checksum (``job.verify_input``);
+           entry (``outputs.file_entries``), the manifest published last;
+  verify   rollout: every file of ``model/`` checked against its checksum (``outputs.verify_input``);
   build    rollout: its model allocated on the device;
   load     rollout: ``checkpoint.load_model`` (coalesced range reads, pinned buffers and
            non-blocking copies on a GPU), synchronized.
@@ -85,7 +85,7 @@ def checksum_throughput(nbytes: int, folder: str) -> dict:
 
     import xxhash
 
-    from llamarl.lib import publish
+    from llamarl.lib.files import publish
 
     data = memoryview(os.urandom(nbytes))
     out = {"MB": nbytes / 1e6}
@@ -138,9 +138,11 @@ def main() -> None:
     args = ap.parse_args()
     shape = "small" if args.small else args.shape
 
-    from llamarl.lib import checkpoint, hf_mapping, job, parallel, publish
-    from llamarl.lib.config import LlamaConfig, ParallelLayout
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.files import checkpoint, outputs, publish
+    from llamarl.lib.model import hf_mapping
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.config import LlamaConfig, ParallelLayout
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
     from llamarl.stages import contract
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -182,7 +184,7 @@ def main() -> None:
             checkpoint.save(state, f"{root}/{contract.MODEL}")
             del state
             names = sorted(f"{contract.MODEL}/{n}" for n in os.listdir(os.path.join(root, contract.MODEL)))
-            files = job.file_entries(root, names)
+            files = outputs.file_entries(root, names)
             publish.publish(root, contract.checkpoint_manifest(cfg, "lm", torch.bfloat16, hf_config(shape), {}, files,
                                                                topo, train_state={"step": i}))
             t_save = time.perf_counter()
@@ -191,7 +193,7 @@ def main() -> None:
             t1 = time.perf_counter()
             # ---- rollout: verify, build, load
             manifest = publish.require_published(root, contract.CHECKPOINT)
-            job.verify_input(root, manifest, f"{contract.MODEL}/")
+            outputs.verify_input(root, manifest, f"{contract.MODEL}/")
             t_verify = time.perf_counter()
             with torch.device(dev):
                 model = ParallelLlamaForCausalLM(LlamaConfig.from_dict(manifest["model_config"]), layout, dtype=torch.bfloat16)

@@ -33,11 +33,11 @@ SHAPES = {
 
 def write_hf(path: str, shape: dict, max_file_gb: float = 5.0) -> int:
     """An HF Llama directory of ``shape`` with bf16 tensors filled with one value; returns its bytes."""
-    from llamarl.lib import hf_mapping
-    from llamarl.lib.config import LlamaConfig
+    from llamarl.lib.model import hf_mapping
+    from llamarl.lib.model.config import LlamaConfig
     import torch
 
-    from llamarl.lib.safetensors_io import Deferred, write_file
+    from llamarl.lib.files.safetensors_io import Deferred, write_file
 
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,

@@ -100,10 +100,10 @@ def main():
     if world > 1 or args.tp > 1 or (args.dp or 1) > 1:
         return parallel_main(args, world)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29544")
-    from llamarl.lib import parallel
-    from llamarl.lib.config import LlamaConfig, ParallelLayout
-    from llamarl.lib.generate import Engine, SamplingParams
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.config import LlamaConfig, ParallelLayout
+    from llamarl.lib.engine.generate import Engine, SamplingParams
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     batches = [8, 16] if args.small else [int(b) for b in args.batches.split(",")]
@@ -217,7 +217,7 @@ def _drain(model, prompts, slots_list, new, stop_tokens, fused, dev, small) -> d
     with ``batch_invariant`` (every step runs all slots to the end) against the default engine
     (live sequences compacted into the lowest slots, smaller buckets as the stream drains), the same
     prompts and draws. ``drain_*``: from the window where nothing was left to admit to the end."""
-    from llamarl.lib.generate import Batch, Engine, SamplingParams
+    from llamarl.lib.engine.generate import Batch, Engine, SamplingParams
 
     params = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=tuple(range(3, 3 + stop_tokens)))
     chunk = 4 if small else 64
@@ -260,10 +260,10 @@ def parallel_main(args, world: int) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig as HFConfig
 
-    from llamarl.lib import parallel
-    from llamarl.lib.config import LlamaConfig, ParallelLayout
-    from llamarl.lib.generate import Batch, Engine, SamplingParams
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.config import LlamaConfig, ParallelLayout
+    from llamarl.lib.engine.generate import Batch, Engine, SamplingParams
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
     tp = args.tp
     dp = args.dp or world // tp
@@ -361,7 +361,7 @@ def _check_fused_sampler(dev, res) -> bool:
     """The sampler's Triton kernel draws what the eager torch code draws (the same hash, the same
     Gumbel perturbation up to float rounding) on Llama-sized rows; its compile (or cache load)
     seconds and each pass's time at 64 and 512 rows."""
-    from llamarl.lib.sampling import SamplingParams, sample, sequence_keys
+    from llamarl.lib.engine.sampling import SamplingParams, sample, sequence_keys
 
     g = torch.Generator(device=dev).manual_seed(0)
     logits = (torch.randn(512, 128256, device=dev, generator=g) * 2).bfloat16()

@@ -6,7 +6,7 @@ the invocation's first run finds empty compile caches (``TORCHINDUCTOR_CACHE_DIR
 ``TRITON_CACHE_DIR``: cold), later ones what it left (warm). Per run: the command's wall, the
 process's wall (its start to its manifest), the engine's own time (``stats.engine_s``) and issue
 15's ratio ``wall / engine`` (goal ≤ 1.15) for both, rank 0's ``spans_s`` and ``background_s``.
-``--stacks`` samples every thread's Python stack (``LLAMARL_STACKS_DIR``, lib/stack_sampler.py:
+``--stacks`` samples every thread's Python stack (``LLAMARL_STACKS_DIR``, lib/runtime/stack_sampler.py:
 ``WORK/<run>-stacks/rank-0.stacks.jsonl``, timestamped: cut it by the manifest's spans).
 
     python bench/rollout_stage.py --prompts 256,1216 --repeats 2
@@ -62,7 +62,7 @@ def run_once(work: str, actor: str, prompts: str, cfg: str, env: dict, name: str
     with open(log) as f:
         res["tail"] = f.read()[-1500:]
     try:
-        with open(f"{out}/llamarl.json") as f:  # the manifest (lib/publish.py)
+        with open(f"{out}/llamarl.json") as f:  # the manifest (lib/files/publish.py)
             m = json.load(f)
     except OSError:
         return res

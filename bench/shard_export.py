@@ -120,9 +120,10 @@ def main():
 
     # lib/ loading the sharded checkpoint onto the GPU (what rollout/score/ppo do), TP=1.
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-    from llamarl.lib import checkpoint, parallel, publish
-    from llamarl.lib.config import LlamaConfig, ParallelLayout
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.files import checkpoint, publish
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.config import LlamaConfig, ParallelLayout
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
     parallel.init(1, 1)
     ours_cfg = LlamaConfig.from_dict(publish.require_published(ckpt)["model_config"])

@@ -4,7 +4,7 @@
 
 A tiny Llama (so the work itself is negligible) is sharded and exported with 1 and 4 processes
 (`--tp N`, `--procs N`), each whole command timed from its launch. Every stage process records when
-it reached each step (``lib/job.py``'s start-up profile, LLAMARL_PROFILE_DIR):
+it reached each step (``lib/runtime/job.py``'s start-up profile, LLAMARL_PROFILE_DIR):
 
   cli            command launched → stage process started (the CLI's imports, config, spawn)
   imports        process start → the stage module imported (interpreter, torch, lib/)

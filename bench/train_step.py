@@ -134,7 +134,7 @@ _READERS: dict = {}
 def random_weights(cfg):
     """``init_random(seed=0)``'s weights, drawn once per process and kept (on the host) for every
     variant after the first: drawing 1.5 B numbers costs seconds a variant."""
-    from llamarl.lib import hf_mapping
+    from llamarl.lib.model import hf_mapping
 
     key = repr(cfg)
     if key not in _READERS:
@@ -144,9 +144,9 @@ def random_weights(cfg):
 
 def build_lib(hf_cfg, ids, dtype, fused, dev):
     """lib/'s model, optimizer and step (cross-entropy through ``lib.vocab_parallel``)."""
-    from llamarl.lib import vocab_parallel
-    from llamarl.lib.config import LlamaConfig, ParallelLayout
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.model import vocab_parallel
+    from llamarl.lib.model.config import LlamaConfig, ParallelLayout
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
     with torch.device(dev):
         model = ParallelLlamaForCausalLM(LlamaConfig.from_hf(hf_cfg.to_dict()), ParallelLayout(), dtype=dtype)
@@ -213,9 +213,9 @@ def ppo_lengths(case: str, batch: int, seq: int) -> list[int]:
 def build_ppo(hf_cfg, case, lengths, micro_batch_tokens, dev):
     """The ppo stage's actor and trainer, samples of ``lengths`` and their loss inputs; the step is
     one ``ppo_trainer.train_step`` (one optimizer step on the whole mini-batch)."""
-    from llamarl.lib import parallel
-    from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
     from llamarl.stages import contract
     from llamarl.stages.config import PPOConfig
     from llamarl.stages.ppo_data import Sample, advantages, check_groups, mini_batch
@@ -614,8 +614,8 @@ def env_set(values: dict[str, str]):
 def build_parallel(model_cfg, layout, ids, micro_batches, dtype, dev):
     """lib/'s model on this rank's TP/PP shard, the step over ``micro_batches`` through
     ``lib.schedule.forward_backward`` (1F1B), torch's AdamW on the rank's own parameters."""
-    from llamarl.lib import schedule, vocab_parallel
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.model import schedule, vocab_parallel
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
     with torch.device(dev):
         model = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
@@ -651,8 +651,8 @@ def parallel_main(args, world, shape, batch, seq, n):
     import torch.distributed as dist
     from transformers import LlamaConfig as HFConfig
 
-    from llamarl.lib import parallel
-    from llamarl.lib.config import LlamaConfig, ParallelLayout
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.config import LlamaConfig, ParallelLayout
 
     tp, pp = args.tp, args.pp
     if world != tp * pp:
@@ -761,7 +761,7 @@ def main():
     if world > 1 or args.tp > 1 or args.pp > 1:
         return parallel_main(args, world, shape, batch, seq, n)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29545")
-    from llamarl.lib import parallel
+    from llamarl.lib.distributed import parallel
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     hf_cfg = HFConfig(**shape, max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0)

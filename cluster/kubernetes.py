@@ -185,7 +185,7 @@ class KubernetesExecutor(ExecutorBase):
     def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
         """With ``apply``: create the Service and Job, and return the Job's name. Without: write
         the manifests to ``manifests_dir/NN-NAME.yaml`` and return that URL."""
-        from llamarl.lib import publish
+        from llamarl.lib.files import publish
 
         if not self.options.apply:
             url = f"{self.options.manifests_dir.rstrip('/')}/{self._written:02d}-{_dns_name(name or stage)}.yaml"
@@ -288,7 +288,7 @@ class KubernetesExecutor(ExecutorBase):
         ``manifests_dir/driver.yaml`` and return that URL."""
         objects = self.driver_manifests(spec_url, run_name)
         if not self.options.apply:
-            from llamarl.lib import publish
+            from llamarl.lib.files import publish
 
             url = f"{self.options.manifests_dir.rstrip('/')}/driver.yaml"
             publish.write_bytes(url, yaml.safe_dump_all(objects, sort_keys=False).encode())

@@ -9,7 +9,7 @@ error). If one process dies, the others are stopped rather than left waiting in 
 Each process leads a process group of its own (started in a session of its own): stopping a stage stops what its processes started too (the rollout's
 tokenizer process), even after they are gone; and a signal meant for the driver (Ctrl-C in its
 terminal, SIGHUP from a closed ssh session) reaches the driver alone, which stops the stages in
-order. Each dies with the driver (``PARENT_ENV``, lib/job.py). While they run, their process ids
+order. Each dies with the driver (``PARENT_ENV``, lib/runtime/job.py). While they run, their process ids
 and start times are in the executor's ``registry`` (the run lock), so that a later ``llamarl run``
 taking over from a driver that died finds what they left.
 """
@@ -159,7 +159,7 @@ class LocalExecutor(ExecutorBase):
         port = free_port()
         with self._starting:
             self._runs.append(run)
-        parent = {PARENT_ENV: str(os.getpid())}  # each process dies with this one (lib/job.py)
+        parent = {PARENT_ENV: str(os.getpid())}  # each process dies with this one (lib/runtime/job.py)
         for rank in range(nprocs):
             env = {**self._env(rank, nprocs, port), **devices, **parent}
             with self._starting:  # stop_all kills what started before it, and nothing starts after

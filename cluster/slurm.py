@@ -76,7 +76,7 @@ class StageTask:
 
         import submitit
 
-        from llamarl.lib import job
+        from llamarl.lib.runtime import job
         from llamarl.stages.config import STAGES
 
         task = submitit.JobEnvironment()

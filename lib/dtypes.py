@@ -2,7 +2,7 @@
 
 A config says ``bf16``; a manifest, Parquet metadata and an HF ``config.json`` say torch's own
 name, ``bfloat16``; a safetensors header says ``BF16``. Names only, so importing this (and
-lib/config.py, which does) costs no torch import; torch is imported when a dtype is asked for.
+lib/model/config.py, which does) costs no torch import; torch is imported when a dtype is asked for.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import os
 
 import fsspec
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 from llamarl.lib.errors import UserError
 
 from .data import prompts_index

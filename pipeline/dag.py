@@ -25,7 +25,7 @@ from typing import Callable
 import fsspec
 import yaml
 
-from llamarl.cluster.executor import validate_options
+from llamarl.cluster.kinds import validate_options
 from llamarl.lib.errors import UserError, unreadable
 from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, Source, StageConfig,
                                    validate)
@@ -178,7 +178,7 @@ def check_spec(spec: RunSpec) -> list[Node]:
 def check_models(spec: RunSpec) -> None:
     """Each stage's tp and pp against the model it runs — heads, kv heads, MLP width, layers —
     read from the ``config.json`` of the spec's actor and reward model where they exist (plain HF
-    checkpoint folders): the very check (lib/config.py, torch-free) a stage makes when it starts,
+    checkpoint folders): the very check (lib/model/config.py, torch-free) a stage makes when it starts,
     hours later. Also the rollout's (and validation's) ``max_new_tokens`` against the actor's context."""
     L = spec.layout
     uses_rm = any(t.name == "rm" for t in spec.score.rewards)
@@ -193,7 +193,7 @@ def check_models(spec: RunSpec) -> None:
         fs, path = fsspec.core.url_to_fs(config_url)
         if not fs.exists(path):
             continue  # not there yet (or not an HF folder): shard checks it when it starts
-        from llamarl.lib.config import ConfigError, LlamaConfig, ParallelLayout
+        from llamarl.lib.model.config import ConfigError, LlamaConfig, ParallelLayout
 
         try:
             model = LlamaConfig.from_json(config_url)

@@ -12,7 +12,7 @@ its process no longer runs (the pid with the same start time), whatever its hear
 runs without a heartbeat (suspended, Ctrl-Z) still holds the run: it would write again once
 resumed. Before taking over, the processes of the old holder's stages still alive on this host
 are stopped, one line each (a driver killed by SIGKILL takes its stage processes with it,
-lib/job.py, but not what they started, reparented to init): nobody waits for them any more, what
+lib/runtime/job.py, but not what they started, reparented to init): nobody waits for them any more, what
 they published is kept and the new run redoes the rest — and two writers must never share an
 output. Processes this user cannot stop (another user's, or one still there after SIGKILL) make
 the takeover refuse, naming them. A holder on another host is gone when

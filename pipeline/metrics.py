@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import fsspec
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 from llamarl.stages.ppo_metrics import json_lines, mean
 
 PLOTTED = ("mean_score", "kl", "policy_loss", "value_loss")

@@ -17,7 +17,7 @@ import uuid
 
 import fsspec
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 from llamarl.lib.errors import UserError
 
 from .spec import MetricsSpec, RunSpec

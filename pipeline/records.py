@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import fsspec
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 
 from .dag import Node
 

@@ -11,7 +11,7 @@ records (a rerun does not redo it) and what was made from it keeps its key.
 
 from __future__ import annotations
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 
 from .dag import VALIDATE, Node
 from .records import assess, one_look, read_record, retired_parts

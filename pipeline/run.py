@@ -35,8 +35,9 @@ from dataclasses import dataclass
 
 import fsspec
 
-from llamarl.cluster.executor import Executor, make_executor
-from llamarl.lib import publish
+from llamarl.cluster.executor import Executor
+from llamarl.cluster.kinds import make_executor
+from llamarl.lib.files import publish
 from llamarl.lib.errors import Stopped, UserError
 
 from .checks import check_prompts, check_storage

@@ -30,7 +30,7 @@ from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from llamarl.lib.dtypes import CONFIG_NAMES
 from llamarl.lib.errors import UserError
-from llamarl.lib.rewards import BUILTIN
+from llamarl.lib.rl.rewards import BUILTIN
 
 StoredDtype = Literal[CONFIG_NAMES]
 """What a checkpoint stores (lib/dtypes.py's config names)."""
@@ -321,7 +321,7 @@ def _rule_inputs(fn) -> tuple[inspect.Signature, list[inspect.Parameter]]:
 
 
 def describe_rules() -> list[str]:
-    """One line per built-in rule of lib/rewards.py: ``name(args): what it scores``."""
+    """One line per built-in rule of lib/rl/rewards.py: ``name(args): what it scores``."""
     lines = []
     for name, fn in BUILTIN.items():
         _, params = _rule_inputs(fn)

@@ -19,9 +19,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import fsspec
+from llamarl.lib.distributed import collectives
 
-from llamarl.lib import dtypes, hf_mapping, job, publish
-from llamarl.lib.config import LlamaConfig
+from llamarl.lib import dtypes
+from llamarl.lib.model import hf_mapping
+from llamarl.lib.files import outputs, publish
+from llamarl.lib.model.config import LlamaConfig
 from llamarl.lib.errors import UserError
 
 if TYPE_CHECKING:
@@ -45,9 +48,9 @@ def skip_if_current(out: str, expect: dict, done: str, request: dict | None = No
     """Collective: True when ``out`` already holds a published output whose manifest has every
     field of ``expect`` (rank 0 says so: ``done``, "nothing to do"). Otherwise ``out`` is made ready
     for this run: resumed when it holds our unfinished output of the same ``request``, else emptied."""
-    if job.prepare_output(out, lambda m: all(m.get(k) == v for k, v in expect.items()), request) != "skip":
+    if outputs.prepare_output(out, lambda m: all(m.get(k) == v for k, v in expect.items()), request) != "skip":
         return False
-    if job.rank_world()[0] == 0:
+    if collectives.rank_world()[0] == 0:
         print(f"{out}: {done}, nothing to do", flush=True)
     return True
 
@@ -241,7 +244,7 @@ def checkpoint_manifest(model_cfg: LlamaConfig, head: str, dtype, hf_config: dic
             "model_config": model_cfg.to_dict(),
             "hf_config": hf_config, "written_layout": {"tp": topo.tp, "pp": topo.pp},
             "tensors": {n: list(s) for n, s in hf_mapping.hf_shapes(model_cfg, head).items()},
-            "source": source, "files": files, "timing": job.timing(), **extra}
+            "source": source, "files": files, "timing": outputs.timing(), **extra}
 
 
 def has_optimizer_state(manifest: dict) -> bool:
@@ -273,14 +276,14 @@ def train_state_pointer(role: str, step: int) -> dict:
 
 def train_state_manifest(role: str, step: int, checkpoint_id: str, files: dict) -> dict:
     return {"kind": TRAIN_STATE, "role": role, "step": step, "checkpoint_id": checkpoint_id, "files": files,
-            "timing": job.timing()}
+            "timing": outputs.timing()}
 
 
 def require_train_state(url: str, manifest: dict) -> tuple[str, dict] | None:
     """(its URL, its manifest) of the published training state of the checkpoint ``url``, or None
     when the state is inside the checkpoint (older ppo) or there is none (shard: step 0). Refused in
     one line when it is missing, unfinished or not of these weights. Sizes and checksums are the
-    reader's to verify (``job.verify_input``, over its ranks)."""
+    reader's to verify (``outputs.verify_input``, over its ranks)."""
     pointer = manifest.get("train_state") or {}
     if has_optimizer_state(manifest) or not pointer.get("url"):
         return None

@@ -17,10 +17,14 @@ import time
 
 import torch
 
-from llamarl.lib import checkpoint, dcp_format, dtypes, hf_mapping, job, parallel, publish
-from llamarl.lib.config import LlamaConfig
+from llamarl.lib.files import checkpoint, dcp_format, outputs, publish
+from llamarl.lib import dtypes
+from llamarl.lib.model import hf_mapping
+from llamarl.lib.runtime import job
+from llamarl.lib.distributed import collectives, parallel
+from llamarl.lib.model.config import LlamaConfig
 from llamarl.lib.errors import UserError
-from llamarl.lib.safetensors_io import Deferred, SafetensorsFile, write_file
+from llamarl.lib.files.safetensors_io import Deferred, SafetensorsFile, write_file
 from llamarl.stages import contract, space
 from llamarl.stages.config import ExportConfig
 
@@ -119,12 +123,12 @@ def run(cfg: ExportConfig) -> None:
     # Any number of processes, each writing whole files; gloo also on GPU machines (export moves
     # bytes on the CPU).
     parallel.init(1, 1, backend="gloo", timeout_s=cfg.collective_timeout_s)
-    rank, world = job.rank_world()
+    rank, world = collectives.rank_world()
     t0 = time.perf_counter()  # after start-up (imports, process group): the work itself
 
     # The input's checksums are verified while it is read: nothing made from it is published
     # before every rank's share checked out (a damaged file's error wins over what reading it did).
-    verifying = job.start_verify(src, manifest) if cfg.verify else None
+    verifying = outputs.start_verify(src, manifest) if cfg.verify else None
 
     expect = {"kind": contract.HF_EXPORT, "head": head, "dtype": out_dtype,
               "source": {"url": src, "created": manifest["created"], "files": manifest["files"]}}
@@ -143,7 +147,7 @@ def run(cfg: ExportConfig) -> None:
         failure = _failure(e, rank, src)
     # A damaged input file (its checksum, any rank's) is the error to report, before what reading it did.
     verified = verifying.result() if verifying else None
-    results = job.all_gather_object((verified, failure, written))
+    results = collectives.all_gather_object((verified, failure, written))
     failures = [("user", None, v) for v, _, _ in results if v] + [f for _, f, _ in results if f]
     if failures and rank == 0:  # what was written from bad input, or cut short, goes (it was only ever ours)
         publish.discard(dst)
@@ -155,10 +159,10 @@ def run(cfg: ExportConfig) -> None:
         try:
             _write_side_files(src, dst, manifest, head, out_dtype, groups, names, files)
             _check_written(dst, shapes, out_dtype, groups, names)
-            publish.publish(dst, {**expect, "files": files, "timing": job.timing()})
+            publish.publish(dst, {**expect, "files": files, "timing": outputs.timing()})
         except (UserError, OSError) as e:
             failure = dcp_format.describe(e, rank)
-    dcp_format.raise_first(f"exporting {src} to {dst}", [job.broadcast_object(failure)])
+    dcp_format.raise_first(f"exporting {src} to {dst}", [collectives.broadcast_object(failure)])
     if rank == 0:
         dt = time.perf_counter() - t0
         total = sum(v["bytes"] for k, v in files.items() if k.endswith(".safetensors"))

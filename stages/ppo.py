@@ -36,8 +36,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, dtypes, job, parallel, publish
-from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
+from llamarl.lib.files import checkpoint, outputs, publish
+from llamarl.lib import dtypes
+from llamarl.lib.runtime import job
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.stages import contract, space
 from llamarl.stages.config import PPOConfig
@@ -107,13 +110,13 @@ def run(cfg: PPOConfig) -> None:
     if rank == 0:
         clear_published(out)  # a resumed run writes its outputs again, whole
     for root in dict.fromkeys(filter(None, (cfg.actor, reference, cfg.critic if critic_m else None))):
-        job.verify_input(root, publish.require_published(root, contract.CHECKPOINT), "")  # weights (and old optim/)
+        outputs.verify_input(root, publish.require_published(root, contract.CHECKPOINT), "")  # weights (and old optim/)
     for role, found in states.items():
         if found is not None:
             verify_train_state(*found, cfg.actor if role == contract.ACTOR else cfg.critic)
 
     # 1. the models
-    from llamarl.lib.model import ParallelLlamaForCausalLM, ParallelLlamaForValue
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM, ParallelLlamaForValue
 
     clock = _Clock()
     dev = parallel.device()
@@ -217,7 +220,7 @@ def run(cfg: PPOConfig) -> None:
                    "tis": tis[0] if tis else None, "dynamic_sampling": sampling_stats}
         # The id of each sub-output: the stage's own id changes with any of them.
         parts = [*trainers, *(f"{contract.TRAIN_STATE}/{name}" for name in trainers)]
-        publish.publish(out, {"kind": contract.PPO, "timing": job.timing(), "request": request, "files": files,
+        publish.publish(out, {"kind": contract.PPO, "timing": outputs.timing(), "request": request, "files": files,
                               "summary": finite_or_null(summary), "actor": contract.ACTOR,
                               "critic": contract.CRITIC if critic is not None else None,
                               "train_state": {name: f"{contract.TRAIN_STATE}/{name}" for name in trainers},

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import dtypes, optim
+from llamarl.lib import dtypes
+from llamarl.lib.rl import optim
 from llamarl.lib.errors import UserError
 from llamarl.stages.config import PPOConfig
 

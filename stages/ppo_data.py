@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llamarl.lib import publish, rl
+from llamarl.lib.files import publish
+from llamarl.lib.rl import core as rl
 from llamarl.lib.errors import UserError
 from llamarl.stages import contract
 from llamarl.stages.config import GROUP_ADVANTAGES, PPOConfig

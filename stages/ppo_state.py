@@ -15,9 +15,10 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import job, publish
+from llamarl.lib.distributed import collectives
+from llamarl.lib.files import outputs, publish
 from llamarl.lib.errors import UserError
-from llamarl.lib.parallel import Topology
+from llamarl.lib.distributed.parallel import Topology
 from llamarl.stages import contract
 from llamarl.stages.ppo_metrics import dumps
 from llamarl.stages.ppo_trainer import Trainer
@@ -37,7 +38,7 @@ def _entries(root: str, subs: tuple[str, ...]) -> dict:
     fs, path = fsspec.core.url_to_fs(root)
     names = sorted(f"{sub}/{p.rsplit('/', 1)[-1]}" for sub in subs if fs.exists(f"{path}/{sub}")
                    for p in fs.ls(f"{path}/{sub}", detail=False))
-    return job.file_entries(root, names)
+    return outputs.file_entries(root, names)
 
 
 def save_weights(root: str, role: str, trainer: Trainer, source: str, source_manifest: dict, step: int,
@@ -99,7 +100,7 @@ def verify_train_state(url: str, manifest: dict, checkpoint_url: str) -> None:
     """Collective: every file of the training state ``url`` checked against its manifest; a
     damaged one is refused in one line naming the fix."""
     try:
-        job.verify_input(url, manifest)
+        outputs.verify_input(url, manifest)
     except UserError as e:
         raise UserError(f"{str(e).split('; ')[0]}: the training state of {checkpoint_url} is damaged; "
                         f"{contract.redo_train_state(checkpoint_url)}") from None
@@ -124,7 +125,7 @@ def save_state(out: str, k: int, trainers: dict[str, Trainer], store_dtype: torc
         t.save(f"{root}/{name}", store_dtype)
     dist.barrier()
     fs, path = fsspec.core.url_to_fs(root)
-    files = job.file_entries(root, sorted(p[len(path) + 1 :] for p in fs.find(path)))
+    files = outputs.file_entries(root, sorted(p[len(path) + 1 :] for p in fs.find(path)))
     if dist.get_rank() == 0:
         marker = {"step": k, "metrics": metrics, "files": files}
         publish.write_bytes(f"{root}/done.json", dumps(marker).encode())  # written last
@@ -149,14 +150,14 @@ def resume(out: str, trainers: dict[str, Trainer], start_step: int) -> tuple[int
         except json.JSONDecodeError:
             error = (f"{done}/done.json is not valid JSON: the saved training state is damaged; delete {done} to resume "
                      "from an earlier step (or the whole output to start over)")
-    job.check(error)
+    collectives.check(error)
     dist.broadcast_object_list(found, src=0)
     k, marker = found
     metrics = (marker or {}).get("metrics")
     if k:
         root = _state_root(out, k)
         try:
-            job.verify_input(root, {"files": marker.get("files", {})})  # states saved before checksums: none
+            outputs.verify_input(root, {"files": marker.get("files", {})})  # states saved before checksums: none
         except UserError as e:
             raise UserError(f"{e.args[0].split('; ')[0]}: the saved training state is damaged; delete {root} to resume "
                             "from an earlier step (or the whole output to start over)") from None

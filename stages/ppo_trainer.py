@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, optim, rl, schedule, vocab_parallel
-from llamarl.lib.batch import TokenBatch
-from llamarl.lib.parallel import Topology
+from llamarl.lib.files import checkpoint
+from llamarl.lib.rl import core as rl, optim
+from llamarl.lib.model import schedule, vocab_parallel
+from llamarl.lib.model.batch import TokenBatch
+from llamarl.lib.distributed.parallel import Topology
 from llamarl.stages import contract
 from llamarl.stages.config import PPOConfig
 from llamarl.stages.ppo_checks import StepCheck

@@ -8,7 +8,7 @@ ones an iteration takes (``dataset_rows``, ``selected_rows``), and a dataset can
 - **Rows.** A dataset is Parquet or JSON lines (``.jsonl``/``.json``), one file or a folder of
   them in path order, at any fsspec URL. Its rows are numbered from 0 across its files; a blank
   line is no row. A row's number is its key: its prompt id without ``id_column``, and what its
-  random streams are keyed by (lib/sampling.py). A JSON line is parsed alone, by Python's json, so
+  random streams are keyed by (lib/engine/sampling.py). A JSON line is parsed alone, by Python's json, so
   its values are what it says whatever the lines around it say, and a line may be of any length.
 - **The index** (``row_index``): where each row lies — the byte offset of each JSON line, the row
   count of each Parquet row group (from the footers) — built once per dataset version and kept in

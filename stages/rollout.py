@@ -9,11 +9,11 @@ goes to data-parallel group c mod dp. Each chunk becomes one part file, publishe
 nobody ever reads a partial part. The manifest comes last.
 
 Sampling is keyed per response: sample k of the prompt in row r draws from its own random stream,
-a function of (``seed``, r, k) only (lib/sampling.py). So a response does not depend on the number
+a function of (``seed``, r, k) only (lib/engine/sampling.py). So a response does not depend on the number
 of DP groups, on TP, on ``chunk_size``, on which chunks ran before it, nor on ``max_batch`` (how
 many sequences one engine decodes together), which only trades memory for speed.
 
-A rank's chunks go through one stream of the engine (lib/generate.py ``Engine.stream``): the next
+A rank's chunks go through one stream of the engine (lib/engine/generate.py ``Engine.stream``): the next
 chunk's sequences take the slots as the last ones free them, so the batch never drains at a chunk
 boundary. The prompts are read and tokenized ahead in one thread, the responses decoded and the
 parts written behind in another, while the engine runs; parts are still published one at a time,
@@ -27,7 +27,7 @@ from __future__ import annotations
 if __name__ == "__main__":
     # A stage process's start-up is Python-bound: one interpreter lock for its imports, the weight
     # load, the tokenizer and the kernels' first calls. So before its own imports it starts its
-    # tokenizer in a child process (transformers' import: seconds; lib/tokenizer_process.py) and,
+    # tokenizer in a child process (transformers' import: seconds; lib/engine/tokenizer_process.py) and,
     # on a GPU machine, a thread hashing Triton's sources (its cache key, the sampler kernel's
     # first call: ~1 s) beside those imports.
     import importlib
@@ -35,7 +35,7 @@ if __name__ == "__main__":
     import sys
     import threading
 
-    from llamarl.lib import tokenizer_process
+    from llamarl.lib.engine import tokenizer_process
 
     _TOKENIZER_PROC = tokenizer_process.spawn(tokenizer_process.config_json_value(sys.argv, "actor"))
 
@@ -58,11 +58,16 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import attention, background, checkpoint, dtypes, job, parallel, publish, sampling
-from llamarl.lib import tokenizer as toklib
-from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype, pad_vocab
+from llamarl.lib.model import attention
+from llamarl.lib.runtime import background, job
+from llamarl.lib.files import checkpoint, outputs, publish
+from llamarl.lib import dtypes
+from llamarl.lib.distributed import collectives, parallel
+from llamarl.lib.engine import sampling
+from llamarl.lib.engine import tokenizer as toklib
+from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype, pad_vocab
 from llamarl.lib.errors import UserError
-from llamarl.lib.generate import Batch, Engine, SamplingParams
+from llamarl.lib.engine.generate import Batch, Engine, SamplingParams
 from llamarl.stages import contract, prompts, space
 from llamarl.stages.config import RolloutConfig
 
@@ -127,7 +132,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         return
     # The weights are verified while they load: nothing is made from them before every rank's
     # share of the files checked out.
-    verifying = job.start_verify(actor, manifest, f"{contract.MODEL}/")
+    verifying = outputs.start_verify(actor, manifest, f"{contract.MODEL}/")
     done = set(contract.published_parts(out))
     spans.mark("prepare_and_verify")
 
@@ -136,11 +141,11 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     try:
         checkpoint.load_model(model, f"{actor}/{contract.MODEL}")
     except RuntimeError:
-        job.check(verifying.result())  # a damaged file: its one line, on every rank (a collective)
+        collectives.check(verifying.result())  # a damaged file: its one line, on every rank (a collective)
         raise
     model.eval()
     spans.mark("load")
-    job.check(verifying.result())
+    collectives.check(verifying.result())
     spans.mark("verify_wait")
     tok = tokenizer.result()
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
@@ -194,8 +199,8 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     progress.close()
 
     # job's collectives: none in a world of one (on NCCL the first would build a communicator).
-    all_stats = job.all_gather_object(stats if writer else None)
-    job.barrier()
+    all_stats = collectives.all_gather_object(stats if writer else None)
+    collectives.barrier()
     spans.mark("gathered")
     if rank == 0:
         parts = contract.published_parts(out)
@@ -212,18 +217,18 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         background_s = {"tokenizer": tokenizer.seconds, "kernel_warm_up": compiling.seconds if compiling else None,
                         "tokenizer_process": {k: round(v - spans.t0, 3) for k, v in getattr(tok, "times", {}).items()}}
         selection = {"selection": reading.selection} if reading.selection else {}
-        publish.publish(out, {"kind": contract.ROLLOUT, "timing": job.timing(), "request": request, "files": files, "rows": rows,
+        publish.publish(out, {"kind": contract.ROLLOUT, "timing": outputs.timing(), "request": request, "files": files, "rows": rows,
                               "schema": list(contract.ROLLOUT_COLUMNS) + list(cfg.keep_columns), "stats": totals,
                               **selection, "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None,
                               "spans_s": spans.seconds(), "background_s": background_s})
         print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "
               f"{totals['truncated_prompts']} prompts truncated)", flush=True)
-    job.barrier()
+    collectives.barrier()
 
 
 def _load_tokenizer(actor: str):
     """The actor's tokenizer: in the stage process's tokenizer process when it has one (started
-    first thing, lib/tokenizer_process.py), else here."""
+    first thing, lib/engine/tokenizer_process.py), else here."""
     proc = globals().get("_TOKENIZER_PROC")
     if proc is not None:
         return tokenizer_process.TokenizerProcess(proc).load(actor)
@@ -257,7 +262,7 @@ class _Spans:
     between steps, in order; ``first_tokens``: the engine's first progress report."""
 
     def __init__(self):
-        self.t0 = job.process_start_time() or _IMPORTED
+        self.t0 = outputs.process_start_time() or _IMPORTED
         self.steps = [("imports", time.time())]
 
     def mark(self, step: str) -> None:
@@ -277,7 +282,7 @@ class _Spans:
 
 
 def _build_actor(model_cfg, layout, dtype, device):
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
     with torch.device(device):
         return ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)

@@ -26,11 +26,15 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import checkpoint, job, parallel, publish, rewards, rl, schedule
-from llamarl.lib import tokenizer as toklib
-from llamarl.lib.config import LlamaConfig, ParallelLayout, compute_dtype
+from llamarl.lib.files import checkpoint, outputs, publish
+from llamarl.lib.runtime import job
+from llamarl.lib.distributed import collectives, parallel
+from llamarl.lib.rl import core as rl, rewards
+from llamarl.lib.model import schedule
+from llamarl.lib.engine import tokenizer as toklib
+from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
-from llamarl.lib.offload import ParamOffload
+from llamarl.lib.model.offload import ParamOffload
 from llamarl.stages import contract, space
 from llamarl.stages.config import RewardTerm, ScoreConfig
 
@@ -214,13 +218,13 @@ def run(cfg: ScoreConfig) -> None:
                                 request):
         return
     if use_rm:
-        job.verify_input(cfg.reward_model, rm_manifest, f"{contract.MODEL}/")
+        outputs.verify_input(cfg.reward_model, rm_manifest, f"{contract.MODEL}/")
     done = set(contract.published_parts(out))
 
     model = offload = actor_tok = rm_tok = None
     max_length = None
     if use_rm:
-        from llamarl.lib.model import ParallelLlamaForScore
+        from llamarl.lib.model.llama import ParallelLlamaForScore
 
         with torch.device(parallel.device()):
             model = ParallelLlamaForScore(rm_cfg, ParallelLayout(tp=cfg.tp, pp=cfg.pp, remove_padding=True), dtype=dtype)
@@ -263,7 +267,7 @@ def run(cfg: ScoreConfig) -> None:
                     contract.write_part(out, name, contract.scores_table(rows, total, columns, rm_id))
                     stats["parts"] += 1
                     stats["rows"] += len(rows)
-        job.check(error)
+        collectives.check(error)
 
     all_stats: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_stats, stats if writer else None)
@@ -273,7 +277,7 @@ def run(cfg: ScoreConfig) -> None:
             raise RuntimeError(f"{out}: {len(names)} parts written, {len(parts)} expected")
         files = contract.part_entries(out, names)
         totals = {k: sum(s[k] for s in all_stats if s) for k in stats}
-        publish.publish(out, {"kind": contract.SCORES, "timing": job.timing(), "request": request, "files": files, "rows": manifest["rows"],
+        publish.publish(out, {"kind": contract.SCORES, "timing": outputs.timing(), "request": request, "files": files, "rows": manifest["rows"],
                               "terms": [t.model_dump() for t in terms], "rm_id": rm_id, "stats": totals})
         print(f"{out}: scored {manifest['rows']} rows ({totals['truncated']} truncated for the RM)", flush=True)
     dist.barrier()

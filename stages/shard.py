@@ -23,11 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 import fsspec
 import torch
 
-from llamarl.lib import dcp_format, dtypes, hf_mapping, job, parallel, publish
-from llamarl.lib.config import LlamaConfig, ParallelLayout
+from llamarl.lib.files import dcp_format, outputs, publish
+from llamarl.lib import dtypes
+from llamarl.lib.model import hf_mapping
+from llamarl.lib.runtime import job
+from llamarl.lib.distributed import collectives, parallel
+from llamarl.lib.model.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
-from llamarl.lib.parallel import Topology
-from llamarl.lib.safetensors_io import SafetensorsCheckpoint
+from llamarl.lib.distributed.parallel import Topology
+from llamarl.lib.files.safetensors_io import SafetensorsCheckpoint
 from llamarl.stages import contract, space
 from llamarl.stages.config import ShardConfig
 
@@ -119,7 +123,7 @@ def run(cfg: ShardConfig) -> None:
 
     # gloo also on GPU machines: shard moves bytes on the CPU.
     topo = parallel.init(cfg.tp, cfg.pp, dp=1, backend="gloo", timeout_s=cfg.collective_timeout_s, stage="shard")
-    rank, world = job.rank_world()
+    rank, world = collectives.rank_world()
     t0 = time.perf_counter()  # after start-up (imports, process group): the work itself
 
     source_files = sorted(set(weights.where.values()) | {n for n in contract.SIDE_FILES if fs.exists(f"{src_path}/{n}")}
@@ -129,7 +133,7 @@ def run(cfg: ShardConfig) -> None:
     # share of the source files on a thread while it writes its chunks (``TREE``: a 3 GB file in
     # blocks, by several threads; the files are read, not written, here).
     # A published output's own algorithm is used to compare with it (older ones: xxh3_128 streams).
-    published = job.broadcast_object(publish.read_manifest(dst) if rank == 0 else None)
+    published = collectives.broadcast_object(publish.read_manifest(dst) if rank == 0 else None)
     before = {n: next((a for a in publish.ALGORITHMS if a in e), publish.TREE)
               for n, e in ((published or {}).get("source") or {}).get("files", {}).items()}
     mine = source_files[rank::world]
@@ -137,7 +141,7 @@ def run(cfg: ShardConfig) -> None:
         lambda: {n: publish.file_entry(f"{src}/{n}", before.get(n, publish.TREE)) for n in mine})
 
     def source() -> dict:
-        return {"url": src, "files": {k: v for part in job.all_gather_object(hashing.result()) for k, v in part.items()}}
+        return {"url": src, "files": {k: v for part in collectives.all_gather_object(hashing.result()) for k, v in part.items()}}
 
     expect = {"kind": contract.CHECKPOINT, "head": head, "dtype": out_dtype}
     if published:
@@ -149,20 +153,20 @@ def run(cfg: ShardConfig) -> None:
     pieces = _pieces(weights, model_cfg, head, topo, dtypes.torch_dtype(out_dtype))
     dcp_format.save(pieces, f"{dst}/{contract.MODEL}")
     nbytes = sum(p.nbytes for p in pieces)
-    ranks = job.all_gather_object({"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,
+    ranks = collectives.all_gather_object({"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,
                                    "peak_rss_bytes": _peak_rss_bytes()})
 
     if not published:
         expect["source"] = source()
     fs_dst, dst_path = fsspec.core.url_to_fs(dst)
     written = sorted(p.rsplit("/", 1)[-1] for p in fs_dst.ls(f"{dst_path}/{contract.MODEL}", detail=False))
-    files = {f"{contract.MODEL}/{k}": v for k, v in job.file_entries(f"{dst}/{contract.MODEL}", written).items()}
+    files = {f"{contract.MODEL}/{k}": v for k, v in outputs.file_entries(f"{dst}/{contract.MODEL}", written).items()}
     if rank == 0:
         side = contract.copy_side_files(src, contract.SIDE_FILES, f"{dst}/{contract.HF}")
         files.update({f"{contract.HF}/{name}": entry for name, entry in side.items()})
         publish.publish(dst, contract.checkpoint_manifest(model_cfg, head, out_dtype, hf_config, expect["source"], files,
                                                           layout, ranks=ranks))
-    job.barrier()
+    collectives.barrier()
     if rank == 0:
         dt = time.perf_counter() - t0
         total = sum(r["owned_bytes"] for r in ranks)

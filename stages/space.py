@@ -37,7 +37,9 @@ from dataclasses import dataclass
 
 import fsspec
 
-from llamarl.lib import dtypes, job, publish
+from llamarl.lib import dtypes
+from llamarl.lib.runtime import job
+from llamarl.lib.files import publish
 from llamarl.lib.errors import UserError
 from llamarl.stages import contract
 from llamarl.stages.config import (STAGES, ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig,
@@ -91,7 +93,7 @@ def size(n: int) -> str:
 
 
 def _shard(cfg: ShardConfig, path: str) -> Need:
-    from llamarl.lib.safetensors_io import SafetensorsCheckpoint
+    from llamarl.lib.files.safetensors_io import SafetensorsCheckpoint
 
     src = cfg.src.rstrip("/")
     weights = SafetensorsCheckpoint(src)
@@ -114,8 +116,8 @@ def _export(cfg: ExportConfig, path: str) -> Need:
 
 
 def _ppo(cfg: PPOConfig, path: str) -> Need:
-    from llamarl.lib import parallel
-    from llamarl.lib.config import compute_dtype
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.config import compute_dtype
 
     actor = publish.require_published(cfg.actor.rstrip("/"), contract.CHECKPOINT)
     roles = {contract.ACTOR: actor["tensors"]}

@@ -1,4 +1,4 @@
-"""lib/background.py's Soon: a call started now, its result (or its exception) taken later."""
+"""lib/runtime/background.py's Soon: a call started now, its result (or its exception) taken later."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from llamarl.lib import background
+from llamarl.lib.runtime import background
 
 
 def test_soon_runs_beside_the_caller_and_hands_back_its_value():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tiny
-from llamarl.lib.config import ConfigError, LlamaConfig, ParallelLayout, pad_vocab, split_layers
-from llamarl.lib.layers import rope_inv_freq
+from llamarl.lib.model.config import ConfigError, LlamaConfig, ParallelLayout, pad_vocab, split_layers
+from llamarl.lib.model.layers import rope_inv_freq
 
 
 def _cfg(**overrides):
@@ -142,7 +142,7 @@ def test_a_failing_rule_is_one_line_naming_the_part_and_row(rule, needle):
     from llamarl.stages.score import RewardTerm, _rule_scores
 
     import rules_for_tests  # noqa: F401  (importable by name from tests/)
-    from llamarl.lib import rewards
+    from llamarl.lib.rl import rewards
 
     rows = [{"prompt_id": "p0000", "sample_index": 0, "response": "hi"}]
     values, error = _rule_scores(RewardTerm(name=rule), rewards.resolve(rule), rows, None, "R/parts/part-000000.parquet")

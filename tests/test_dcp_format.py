@@ -1,4 +1,4 @@
-"""DCP's files: the one writer (lib/dcp_format.py) and the one item parser, against torch's own.
+"""DCP's files: the one writer (lib/files/dcp_format.py) and the one item parser, against torch's own.
 
 - items are ``torch.save``'s archives, and the parser finds the tensor in any of them;
 - a checkpoint written again from the same tensors is the same bytes, ``.metadata`` too;
@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llamarl.lib import checkpoint, dcp_format, publish
+from llamarl.lib.files import checkpoint, dcp_format, publish
 from llamarl.lib.errors import UserError
 from llamarl.stages import export
 from llamarl.stages.config import ExportConfig

@@ -246,7 +246,7 @@ def _checkpoint(path):
     """lib/dcp_format's writer (shard, ppo): each rank's failure gathered into one RuntimeError."""
     import numpy as np
 
-    from llamarl.lib import dcp_format
+    from llamarl.lib.files import dcp_format
     from llamarl.lib.dtypes import HostTensor
 
     data = np.zeros((1 << 8, 1 << 8), dtype=np.float32)
@@ -258,7 +258,7 @@ def _checkpoint(path):
 def test_the_errors_writers_raise_on_a_full_disk_are_recognised(tmpfs, write):
     """What torch, pyarrow and our checkpoint writer raise when the disk fills, for real: an
     OSError, or one it was raised from or quotes."""
-    from llamarl.lib import job
+    from llamarl.lib.runtime import job
     from llamarl.lib.errors import disk_full
 
     disk = tmpfs("tiny", size="64k")

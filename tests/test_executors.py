@@ -9,7 +9,8 @@ import sys
 import pytest
 import yaml
 
-from llamarl.cluster.executor import ExecutorBase, StageResult, make_executor, validate_options
+from llamarl.cluster.executor import ExecutorBase, StageResult
+from llamarl.cluster.kinds import make_executor, validate_options
 from llamarl.cluster.local import LocalExecutor, LocalOptions
 from llamarl.lib.errors import EXIT_USER_ERROR, UserError
 from llamarl.stages.config import ShardConfig

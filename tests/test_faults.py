@@ -30,7 +30,7 @@ import sys
 
 import pytest
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 from llamarl.pipeline import toy
 from llamarl.stages import ppo, rollout, score, shard
 from llamarl.stages.config import PPOConfig, RewardTerm, RolloutConfig, Sampling, ScoreConfig, ShardConfig

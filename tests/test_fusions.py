@@ -22,9 +22,11 @@ import torch
 
 import tiny
 from distpool import interpreter_pool, triton_available
-from llamarl.lib import attention, layers, optim, parallel, vocab_parallel
-from llamarl.lib.config import ParallelLayout, pad_vocab
-from llamarl.lib.model import ParallelLlamaForCausalLM
+from llamarl.lib.model import attention, layers, vocab_parallel
+from llamarl.lib.rl import optim
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model.config import ParallelLayout, pad_vocab
+from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
@@ -204,7 +206,7 @@ def test_wgrad_fusion_inside_the_fused_layer_regions():
 def wgrad_fusion_under_1f1b(micro_batches=4) -> float:
     """PP 2, fused layers: main_grad with wgrad fusion against the hook path after a 1F1B pass (a
     micro-batch's backward runs between the next one's forward and backward)."""
-    from llamarl.lib import schedule
+    from llamarl.lib.model import schedule
 
     parallel.init(1, 2)
     hf = tiny.hf_model(num_hidden_layers=4)

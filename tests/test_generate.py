@@ -8,11 +8,12 @@ import torch
 
 import tiny
 from distpool import interpreter_pool, triton_available
-from llamarl.lib import parallel, vocab_parallel
-from llamarl.lib.config import ParallelLayout
-from llamarl.lib.generate import SamplingParams, generate
-from llamarl.lib.sampling import sample, sequence_keys
-from llamarl.lib.model import ParallelLlamaForCausalLM
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model import vocab_parallel
+from llamarl.lib.model.config import ParallelLayout
+from llamarl.lib.engine.generate import SamplingParams, generate
+from llamarl.lib.engine.sampling import sample, sequence_keys
+from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
 EOS = 2
 PROMPTS = [[5, 17, 33, 9], [101, 7], [44, 45, 46, 47, 48, 49, 50, 51, 52], [200]]
@@ -187,7 +188,7 @@ def stream_vs_generate(tp, invariant):
     """Batches through one stream (6 slots, so sequences of the next batch take the slots the last
     ones free; an empty batch; a later batch with a prompt longer than the cache and the prompt
     store were made for) against each batch generated alone."""
-    from llamarl.lib.generate import Batch, Engine
+    from llamarl.lib.engine.generate import Batch, Engine
 
     _, model = _model(tp)
     params = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=STOPS)
@@ -244,7 +245,7 @@ def test_a_stream_of_batches_gives_each_batch_what_it_gives_alone(pool1, pool2, 
 def stream_times():
     import time
 
-    from llamarl.lib.generate import Batch, Engine
+    from llamarl.lib.engine.generate import Batch, Engine
 
     _, model = _model(1)
 
@@ -267,7 +268,7 @@ def test_the_engines_own_time_leaves_out_its_source_and_consumer(pool1):
 
 
 def drain_stats():
-    from llamarl.lib.generate import Batch, Engine
+    from llamarl.lib.engine.generate import Batch, Engine
 
     _, model = _model(1)
     prompts = [[5 + i, 17, 33 + i] for i in range(24)]
@@ -351,7 +352,7 @@ def test_the_samplers_kernel_draws_what_the_torch_code_draws():
 
 
 def test_top_p_threshold_by_bisection_equals_the_sorted_definition():
-    from llamarl.lib.sampling import _threshold
+    from llamarl.lib.engine.sampling import _threshold
 
     g = torch.Generator().manual_seed(0)
     for t, p in ((1.0, 0.9), (0.5, 0.3), (2.0, 0.99)):

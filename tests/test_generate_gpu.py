@@ -17,9 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture(scope="module")
 def model():
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
-    from llamarl.lib import parallel
-    from llamarl.lib.config import LlamaConfig, ParallelLayout
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.config import LlamaConfig, ParallelLayout
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
     parallel.init(1, 1)
     cfg = LlamaConfig.from_hf(dict(model_type="llama", vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
@@ -39,7 +39,7 @@ def _prompts(n, seed=0):
 
 
 def _run(model, params, *, graphs, fused, max_batch, samples=1):
-    from llamarl.lib.generate import Engine
+    from llamarl.lib.engine.generate import Engine
 
     engine = Engine(model, params, max_batch=max_batch, cuda_graphs=graphs, fused=fused, check_every=8)
     out = engine.generate(_prompts(20), seed=3, samples_per_prompt=samples)
@@ -47,7 +47,7 @@ def _run(model, params, *, graphs, fused, max_batch, samples=1):
 
 
 def test_graph_decode_equals_eager_decode_greedy(model):
-    from llamarl.lib.generate import SamplingParams
+    from llamarl.lib.engine.generate import SamplingParams
 
     params = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=tuple(range(3, 300)))
     graph, engine = _run(model, params, graphs=True, fused=True, max_batch=8, samples=2)
@@ -61,7 +61,7 @@ def test_graph_decode_equals_eager_decode_greedy(model):
 @pytest.mark.parametrize("options", [dict(), dict(top_k=50, top_p=0.9), dict(top_p=0.8, temperature=0.7)],
                          ids=["plain", "top_k_top_p", "top_p"])
 def test_graph_decode_equals_eager_decode_sampling(model, options):
-    from llamarl.lib.generate import SamplingParams
+    from llamarl.lib.engine.generate import SamplingParams
 
     params = SamplingParams(max_new_tokens=32, stop_token_ids=tuple(range(3, 600)), **options)
     graph, _ = _run(model, params, graphs=True, fused=True, max_batch=8, samples=3)
@@ -71,8 +71,8 @@ def test_graph_decode_equals_eager_decode_sampling(model, options):
 
 
 def test_logprobs_equal_a_teacher_forced_pass(model):
-    from llamarl.lib import vocab_parallel
-    from llamarl.lib.generate import SamplingParams
+    from llamarl.lib.model import vocab_parallel
+    from llamarl.lib.engine.generate import SamplingParams
 
     out, _ = _run(model, SamplingParams(max_new_tokens=24), graphs=True, fused=True, max_batch=8)
     errors = []
@@ -91,7 +91,7 @@ def test_logprobs_equal_a_teacher_forced_pass(model):
 def test_a_batch_invariant_stream_gives_each_batch_the_bits_it_gives_alone(model):
     # What a resumed rollout relies on (docs/generation.md, batch invariance): random stop lengths,
     # so the stream runs sequences of two batches side by side, at other slots and decode spans.
-    from llamarl.lib.generate import Batch, Engine, SamplingParams
+    from llamarl.lib.engine.generate import Batch, Engine, SamplingParams
 
     params = SamplingParams(max_new_tokens=40, stop_token_ids=tuple(range(3, 300)))
     prompts = _prompts(24, seed=1)
@@ -109,7 +109,7 @@ def test_a_batch_invariant_stream_gives_each_batch_the_bits_it_gives_alone(model
 @pytest.mark.parametrize("rows", [1, 64, 512])
 def test_the_samplers_kernel_draws_what_the_torch_code_draws_on_llamas_vocabulary(rows):
     # The kernel compiled for the GPU (not the interpreter): Llama 3's vocabulary, bf16 logits.
-    from llamarl.lib.sampling import SamplingParams, sample, sequence_keys
+    from llamarl.lib.engine.sampling import SamplingParams, sample, sequence_keys
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     logits = (torch.randn(rows, 128256, device="cuda", generator=g) * 2).bfloat16()
@@ -148,7 +148,7 @@ print(sorted(set(sys.modules) - before))
 def test_varlen_attention_without_gradients_computes_what_torchs_op_computes():
     # Without gradients the varlen path calls the flash kernel's aten op itself (no custom-op
     # wrapper): the very bits torch's varlen_attn gives.
-    from llamarl.lib import attention
+    from llamarl.lib.model import attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(700, 32, 64, device="cuda", dtype=torch.bfloat16, generator=g)

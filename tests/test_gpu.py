@@ -21,8 +21,9 @@ import torch
 import yaml
 
 from llamarl.cluster.local import LocalExecutor
-from llamarl.lib import checkpoint, hf_mapping, publish
-from llamarl.lib.config import LlamaConfig
+from llamarl.lib.files import checkpoint, publish
+from llamarl.lib.model import hf_mapping
+from llamarl.lib.model.config import LlamaConfig
 from llamarl.pipeline import toy
 from llamarl.stages.config import PPOConfig, RewardTerm, RolloutConfig, Sampling, ScoreConfig, ShardConfig
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import tiny
-from llamarl.lib import parallel
-from llamarl.lib.config import ParallelLayout
-from llamarl.lib.model import ParallelLlamaForScore, ParallelLlamaForValue
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model.config import ParallelLayout
+from llamarl.lib.model.llama import ParallelLlamaForScore, ParallelLlamaForValue
 
 
 def head_errors(tp, sp, rmpad, side):
@@ -54,7 +54,7 @@ def test_value_and_score_heads(pool2, tp, sp, rmpad, side):
 
 
 def test_row_without_tokens_is_a_clear_error():
-    from llamarl.lib.batch import TokenBatch
+    from llamarl.lib.model.batch import TokenBatch
 
     ids = torch.ones(2, 4, dtype=torch.long)
     mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]])

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from pool_executor import PoolExecutor
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 from llamarl.pipeline import toy
 from llamarl.pipeline.dag import load_spec
 from llamarl.pipeline.run import run_spec

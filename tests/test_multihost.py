@@ -25,8 +25,9 @@ from test_ppo import iteration  # noqa: F401 (a fixture: an actor, its rollout a
 from llamarl.cluster.executor import stage_command
 from llamarl.cluster.kubernetes import KubernetesExecutor, KubernetesOptions
 from llamarl.cluster.local import LocalExecutor, LocalOptions
-from llamarl.lib import checkpoint, hf_mapping, publish
-from llamarl.lib.config import LlamaConfig
+from llamarl.lib.files import checkpoint, publish
+from llamarl.lib.model import hf_mapping
+from llamarl.lib.model.config import LlamaConfig
 from llamarl.lib.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 from llamarl.pipeline import toy
 from llamarl.stages.config import PPOConfig, RolloutConfig, Sampling
@@ -309,7 +310,7 @@ def slurm_on_two_hosts(two_hosts, tmp_path):
 
 _SUBMIT = """
 import json, sys
-from llamarl.cluster.executor import make_executor
+from llamarl.cluster.kinds import make_executor
 from llamarl.stages.config import RolloutConfig
 cfg = RolloutConfig.model_validate_json(sys.argv[1])
 result = make_executor("slurm", {"timeout_min": 10}, sys.argv[2], "test").run("rollout", cfg, 2, nodes=2)

@@ -11,7 +11,8 @@ import types
 import pytest
 import torch
 
-from llamarl.lib import publish, rl
+from llamarl.lib.files import publish
+from llamarl.lib.rl import core as rl
 from llamarl.lib.errors import UserError
 from llamarl.stages.config import PPOConfig
 from llamarl.stages.ppo_checks import StepCheck, check_schedule

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 import tiny
-from llamarl.lib import optim, parallel, vocab_parallel
-from llamarl.lib.config import ParallelLayout
-from llamarl.lib.model import ParallelLlamaForCausalLM
+from llamarl.lib.rl import optim
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model import vocab_parallel
+from llamarl.lib.model.config import ParallelLayout
+from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
 
 def grad_norm(tp: int, tied: bool) -> float:

@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 from llamarl.pipeline import demo
 from llamarl.pipeline.dag import build_dag, load_spec
 from llamarl.pipeline.run import run_spec

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 import tiny
-from llamarl.lib import parallel
-from llamarl.lib.config import ParallelLayout
-from llamarl.lib.model import ParallelLlamaForCausalLM
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model.config import ParallelLayout
+from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
 
 def seeded_draws(tp):
@@ -86,7 +86,7 @@ def test_the_collective_timeout_bounds_every_group(pool2):
 
 def sums_over_given_groups() -> tuple[float, float, float]:
     import torch.distributed as dist
-    from llamarl.lib import mappings
+    from llamarl.lib.model import mappings
 
     parallel.init(2, 1)
     alone = [dist.new_group([r]) for r in range(2)][dist.get_rank()]  # collective: every rank makes both

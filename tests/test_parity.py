@@ -10,9 +10,11 @@ import pytest
 import torch
 
 import tiny
-from llamarl.lib import optim, parallel, schedule, vocab_parallel
-from llamarl.lib.config import ParallelLayout
-from llamarl.lib.model import ParallelLlamaForCausalLM
+from llamarl.lib.rl import optim
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model import schedule, vocab_parallel
+from llamarl.lib.model.config import ParallelLayout
+from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
 
 def _build(tp, pp, sp, rmpad, **hf_overrides):

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 from llamarl.pipeline import demo
 from llamarl.pipeline.dag import load_spec
 

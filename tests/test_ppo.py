@@ -12,8 +12,9 @@ import time
 import pytest
 import torch
 
-from llamarl.lib import checkpoint, hf_mapping, publish
-from llamarl.lib.config import LlamaConfig
+from llamarl.lib.files import checkpoint, publish
+from llamarl.lib.model import hf_mapping
+from llamarl.lib.model.config import LlamaConfig
 from llamarl.pipeline import toy
 from llamarl.stages import ppo, rollout, score, shard
 from llamarl.stages.config import PPOConfig, RewardTerm, RolloutConfig, Sampling, ScoreConfig, ShardConfig
@@ -115,9 +116,11 @@ def _sequence_ratios(tp: int, sp: bool, groups: list[list[int]]) -> list[float]:
     """GSPO's sequence ratio of each of three responses, their log-probs from a tiny Llama at ``tp``
     (sequence parallel ``sp``), the rows run as the micro-batches ``groups``; π_old is −3 a token."""
     import tiny
-    from llamarl.lib import parallel, rl, vocab_parallel
-    from llamarl.lib.config import ParallelLayout
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.rl import core as rl
+    from llamarl.lib.model import vocab_parallel
+    from llamarl.lib.model.config import ParallelLayout
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
     parallel.init(tp, 1)
     hf = tiny.hf_model()
@@ -285,7 +288,7 @@ def test_dynamic_sampling_trains_on_groups_of_differing_scores(pool1, pool2, ite
 # ---- each policy loss against a plain PyTorch reference ----------------------------------------------
 # ppo's first optimizer step (train_step, one mini-batch of the whole rollout in micro-batches of 40
 # tokens) at TP1 in one process, against the formula written out here with transformers' Llama and
-# torch autograd, nothing from lib/rl.py. The actor is the reference run's (6 steps on): the rollout
+# torch autograd, nothing from lib/rl/core.py. The actor is the reference run's (6 steps on): the rollout
 # is another policy's, so every ratio is off 1 and the clips, caps and gates act. What is compared
 # is the gradient: the update AdamW makes of it in a first step is lr·g/(|g| + eps), about lr·sign(g)
 # per weight, which would hide a loss with the same signs.
@@ -303,9 +306,9 @@ def _first_step_gradient(actor: str, cfg_json: dict) -> dict:
     """ppo's first optimizer step over every sample at TP1: the actor's gradient (HF names), the
     step's metrics and π_old's log-probs."""
     import tiny
-    from llamarl.lib import parallel
-    from llamarl.lib.config import ParallelLayout
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.config import ParallelLayout
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
     from llamarl.stages.ppo_data import advantages, load_samples, micro_batches, response_values
     from llamarl.stages.ppo_trainer import Trainer, token_outputs, train_step
 
@@ -424,7 +427,7 @@ def test_aggregation_of_micro_batches_is_the_hand_computed_mean(mode):
     # ppo's own path: samples cut into micro-batches by the token budget, right-padded, packed as
     # under TP2 sequence parallelism (a micro-batch of an odd token count gets a padding token, whose
     # loss is whatever the model computed there), each micro-batch's share summed.
-    from llamarl.lib.batch import TokenBatch
+    from llamarl.lib.model.batch import TokenBatch
     from llamarl.stages.ppo_data import Sample, micro_batches, padded
     from llamarl.stages.ppo_trainer import Aggregation
 
@@ -682,8 +685,9 @@ def test_bf16_masters_round_trip_exactly(pool1, iteration, tmp_path):
 def _masters_round_trip(actor: str, tmp: str) -> bool:
     """A bf16 model's fp32 masters saved in optim/ load back bit for bit (not rounded through the
     bf16 weights), and the weights saved from them come back as the masters rounded."""
-    from llamarl.lib import optim, parallel
-    from llamarl.lib.model import ParallelLlamaForCausalLM
+    from llamarl.lib.rl import optim
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
     parallel.init(1, 1)
     cfg = LlamaConfig.from_dict(publish.require_published(actor, "checkpoint")["model_config"])
@@ -712,7 +716,7 @@ def _masters_round_trip(actor: str, tmp: str) -> bool:
 
 
 def test_dtypes_a_device_cannot_run_are_refused_in_one_line(iteration, tmp_path):
-    from llamarl.lib.config import compute_dtype
+    from llamarl.lib.model.config import compute_dtype
     from llamarl.lib.errors import UserError
 
     with pytest.raises(UserError, match="dtype=fp16 does not run on CPU"):
@@ -728,7 +732,7 @@ def test_dtypes_a_device_cannot_run_are_refused_in_one_line(iteration, tmp_path)
 
 
 def test_fp32_on_a_gpu_takes_the_sdpa_path():
-    from llamarl.lib.attention import varlen_backend
+    from llamarl.lib.model.attention import varlen_backend
 
     assert varlen_backend(torch.device("cuda"), torch.float32) == "sdpa"
     assert varlen_backend(torch.device("cpu"), torch.bfloat16) == "sdpa"

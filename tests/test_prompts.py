@@ -16,7 +16,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 from llamarl.lib.errors import UserError
 from llamarl.pipeline import toy
 from llamarl.stages import prompts, shard

@@ -12,7 +12,7 @@ import pytest
 import torch
 import xxhash
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 
 
 def _xxh3(path) -> str:
@@ -61,8 +61,8 @@ def test_unknown_algorithm_is_one_clear_line(tmp_path):
 
 def test_written_checksum_equals_a_separate_hash_of_the_file(tmp_path):
     # Every writer that hashes on the way: open_write, write_bytes, the safetensors writer, DCP.
-    from llamarl.lib import checkpoint
-    from llamarl.lib.safetensors_io import write_file
+    from llamarl.lib.files import checkpoint
+    from llamarl.lib.files.safetensors_io import write_file
 
     with publish.open_write(str(tmp_path / "a" / "stream.bin")) as f:
         for i in range(50):

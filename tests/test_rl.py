@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from llamarl.lib import rl
+from llamarl.lib.rl import core as rl
 
 
 def t(*rows):
@@ -262,7 +262,7 @@ def test_aggregation_seq_mean_token_sum_norm():
 # ---- the policy losses: GSPO, CISPO, SAPO, and the sequence-level importance weights ---------------------
 # One small batch for every loss: three responses (label space, right padding), their token log-probs
 # now and at π_old, one advantage per response. Expected values are written from the papers' formulas
-# in plain Python, never from lib/rl.py.
+# in plain Python, never from lib/rl/core.py.
 
 DELTAS = [[0.1, 0.3, 0.0], [-0.5, 0.2, 0.0], [0.0, 0.0, 0.0]]  # log π − log π_old per token (0 on padding)
 MASK = [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
@@ -324,7 +324,7 @@ def test_gspo_sequence_ratio_does_not_depend_on_packing_or_grouping():
     # ppo computes the loss over packed tokens (padding removed, sequences end to end, an extra
     # sequence-parallel padding token), a micro-batch at a time: any grouping of whole sequences
     # gives each token the same loss and gradient as the padded batch at once.
-    from llamarl.lib.batch import TokenBatch
+    from llamarl.lib.model.batch import TokenBatch
 
     g = torch.Generator().manual_seed(3)
     lens = [(2, 5), (4, 1), (1, 3), (3, 6), (2, 2)]  # (prompt, response) tokens

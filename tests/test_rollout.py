@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 from llamarl.lib.errors import UserError
 from llamarl.pipeline import toy
 from llamarl.stages import rollout, shard
@@ -67,7 +67,7 @@ def test_rollout_writes_documented_parquet(pool2, actor, prompts, tmp_path):
     assert table.schema.field("response_logprobs").type.value_type == pa.float32()
     assert table.schema.field("response_token_ids").type.value_type == pa.int32()
 
-    tok = __import__("llamarl.lib.tokenizer", fromlist=["load"]).load(actor)
+    tok = __import__("llamarl.lib.engine.tokenizer", fromlist=["load"]).load(actor)
     keys = set()
     for r in _rows(out):
         keys.add((r["prompt_id"], r["sample_index"]))
@@ -134,7 +134,7 @@ def test_a_rollout_of_every_row_writes_the_parts_the_pyarrow_reader_made(pool1, 
 
     import pyarrow.dataset as pads
 
-    from llamarl.lib import tokenizer as toklib
+    from llamarl.lib.engine import tokenizer as toklib
     from llamarl.stages import contract
 
     url = tmp_path / "p.jsonl"
@@ -318,10 +318,10 @@ def test_the_multi_gpu_rollout_bench_runs_small_on_cpu(tmp_path, layout):
 
 
 def test_the_tokenizer_process_gives_the_ids_and_texts_of_the_tokenizer_here(tmp_path):
-    # A stage process tokenizes in a child process (lib/tokenizer_process.py): the same ids and
+    # A stage process tokenizes in a child process (lib/engine/tokenizer_process.py): the same ids and
     # texts as in-process, errors as one-line UserErrors, a dead child named.
-    from llamarl.lib import tokenizer as T
-    from llamarl.lib import tokenizer_process
+    from llamarl.lib.engine import tokenizer as T
+    from llamarl.lib.engine import tokenizer_process
 
     assert tokenizer_process.config_json_value(["--config-json", '{"actor": "s3://b/a/"}'], "actor") == "s3://b/a"
     for argv in (["--config", "x.yaml"], ["--config-json", "{not json"], ["--config-json", "[1]"], ["--config-json"]):
@@ -374,7 +374,7 @@ def test_tokenizer_loads_as_autotokenizer_would_without_its_imports(tmp_path):
     name, fingerprint, ids, auto = json.loads(out.stdout.strip().splitlines()[-1])
     from transformers import AutoTokenizer
 
-    from llamarl.lib import tokenizer as toklib
+    from llamarl.lib.engine import tokenizer as toklib
 
     ref = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert (name, fingerprint, ids) == (type(ref).__name__, toklib.fingerprint(ref), toklib.encode_prompt(ref, "the cat sat"))

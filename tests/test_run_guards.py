@@ -93,7 +93,7 @@ def test_a_restarted_driver_with_the_dead_ones_pid_takes_the_lock_at_once(tmp_pa
 
 
 def test_inputs_from_outside_the_run_are_keyed_by_content(tmp_path):
-    from llamarl.lib import publish
+    from llamarl.lib.files import publish
     from llamarl.pipeline.dag import build_dag, load_spec
     from llamarl.pipeline.records import assess, fingerprint, node_key, write_record
 

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import tiny
-from llamarl.lib import parallel, publish
-from llamarl.lib import tokenizer as toklib
-from llamarl.lib.config import ParallelLayout
+from llamarl.lib.distributed import parallel
+from llamarl.lib.files import publish
+from llamarl.lib.engine import tokenizer as toklib
+from llamarl.lib.model.config import ParallelLayout
 from llamarl.lib.errors import UserError
-from llamarl.lib.model import ParallelLlamaForScore
+from llamarl.lib.model.llama import ParallelLlamaForScore
 from llamarl.pipeline import toy
 from llamarl.stages import rollout, score, shard
 from llamarl.stages.config import RewardTerm, RolloutConfig, Sampling, ScoreConfig, ShardConfig
@@ -188,7 +189,7 @@ def test_reward_term_errors():
 
 
 def test_offload_moves_parameters_and_back():
-    from llamarl.lib.offload import ParamOffload
+    from llamarl.lib.model.offload import ParamOffload
 
     model = torch.nn.Linear(4, 4)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -203,7 +204,7 @@ def test_offload_moves_parameters_and_back():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_offload_releases_device_memory():
-    from llamarl.lib.offload import ParamOffload
+    from llamarl.lib.model.offload import ParamOffload
 
     model = torch.nn.Linear(4096, 4096, device="cuda")
     used = torch.cuda.memory_allocated()

@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 import tiny
-from llamarl.lib import checkpoint, dcp_format, parallel, publish
-from llamarl.lib.config import LlamaConfig, ParallelLayout
+from llamarl.lib.files import checkpoint, dcp_format, publish
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
-from llamarl.lib.model import ParallelLlamaForCausalLM, ParallelLlamaForScore
+from llamarl.lib.model.llama import ParallelLlamaForCausalLM, ParallelLlamaForScore
 from llamarl.stages import export, shard
 from llamarl.stages.config import ExportConfig, ShardConfig
 
@@ -74,7 +75,7 @@ def load_and_compare(ckpt, src, tp, pp, kind):
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     if pp > 1:
-        from llamarl.lib import schedule
+        from llamarl.lib.model import schedule
 
         batch = model.make_batch(ids, mask, pos)
         outs = schedule.forward(model, [batch])
@@ -247,7 +248,7 @@ def test_what_real_checkpoints_carry_beside_their_parameters_is_not_extra(pool2,
 
 
 def _names_match(cfg_kwargs: dict, head: str, tp: int, pp: int):
-    from llamarl.lib import hf_mapping
+    from llamarl.lib.model import hf_mapping
 
     cfg = LlamaConfig(**cfg_kwargs)
     topo = parallel.init(tp, pp)
@@ -336,7 +337,7 @@ def test_reader_copies_views_of_the_stored_bytes(tmp_path, monkeypatch, direct, 
     # blocks, where they map onto it 1:1, through the ranges otherwise. Row and column pieces
     # written, other pieces read, strided targets, another dtype, 0-d, bool, misaligned items
     # (DCP packs them back to back).
-    from llamarl.lib.checkpoint import Chunks
+    from llamarl.lib.files.checkpoint import Chunks
 
     g = torch.Generator().manual_seed(0)
     full = {"a": torch.randn(128, 96, generator=g).to(torch.bfloat16), "b": torch.randn(33, 7, generator=g),
@@ -454,7 +455,7 @@ def test_loading_what_the_checkpoint_lacks_is_one_error(tmp_path):
 def test_dtype_names_are_one_table(tmp_path):
     # A config's name, a manifest's and a safetensors header's all name the same torch dtype.
     from llamarl.lib import dtypes
-    from llamarl.lib.safetensors_io import SafetensorsFile, write_file
+    from llamarl.lib.files.safetensors_io import SafetensorsFile, write_file
 
     for short, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
         assert dtypes.torch_dtype(short) == dtype and dtypes.torch_dtype(dtypes.name(dtype)) == dtype
@@ -472,7 +473,7 @@ def test_safetensors_written_by_threads_at_offsets_is_the_same_file(tmp_path):
     import fsspec
     from safetensors.torch import save as st_save
 
-    from llamarl.lib.safetensors_io import Deferred, write_file
+    from llamarl.lib.files.safetensors_io import Deferred, write_file
 
     g = torch.Generator().manual_seed(0)
     tensors = {f"t{i}": torch.randn(17 + i, 9, generator=g) for i in range(7)}
@@ -500,7 +501,7 @@ def test_slices_read_by_many_threads_at_once_are_each_their_own(tmp_path):
     import fsspec
     from safetensors.torch import save
 
-    from llamarl.lib.safetensors_io import SafetensorsFile
+    from llamarl.lib.files.safetensors_io import SafetensorsFile
 
     w = torch.arange(512 * 64, dtype=torch.float32).reshape(512, 64)
     url = "memory://llamarl-threads/model.safetensors"

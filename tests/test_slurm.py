@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 import slurm_cluster
-from llamarl.cluster.executor import make_executor
+from llamarl.cluster.kinds import make_executor
 from llamarl.cluster.slurm import agree_on_port
-from llamarl.lib import publish
+from llamarl.lib.files import publish
 from llamarl.lib.errors import EXIT_USER_ERROR
 from llamarl.pipeline import demo
 from llamarl.pipeline.dag import load_spec

@@ -8,9 +8,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import tiny
-from llamarl.lib import parallel, vocab_parallel
-from llamarl.lib.config import ParallelLayout, pad_vocab
-from llamarl.lib.model import ParallelLlamaForCausalLM
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model import vocab_parallel
+from llamarl.lib.model.config import ParallelLayout, pad_vocab
+from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
 V = 251
 

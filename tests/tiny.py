@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llamarl.lib import hf_mapping, parallel
-from llamarl.lib.config import LlamaConfig
+from llamarl.lib.model import hf_mapping
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model.config import LlamaConfig
 
 PAD_ID = 0
 

@@ -20,14 +20,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import job, liveness
-from .errors import UserError
+from llamarl.lib.distributed import liveness
+from llamarl.lib.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Topology:
 
 _TOPOLOGY: Topology | None = None
 _GROUPS: Groups | None = None
+joined_at: float | None = None  # when this process joined the job's process group (the start-up profile)
 
 
 def device() -> torch.device:
@@ -112,7 +114,8 @@ def init(tp: int = 1, pp: int = 1, *, dp: int | None = None, backend: str | None
         else:  # started by hand, not by torchrun or an executor: a job of one process
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         liveness.start()  # so that a rank whose collective fails can name the peer that was lost
-        job.mark("process_group")
+        global joined_at
+        joined_at = time.time()
     destroy_model_parallel()
     dp, rank = world // (tp * pp), dist.get_rank()
     grid = Topology(tp, pp, dp, rank % tp, rank // (tp * dp), (rank // tp) % dp)

@@ -8,7 +8,7 @@ vocabulary padding of a layout never reach the files.
 
 The files are DCP's (``FsspecWriter``'s layout: a ``.metadata`` pickle and ``__<rank>_<i>.distcp``
 files of ``torch.save`` items; DCP's reader loads them, and this module loads what DCP wrote). They
-are written by lib/dcp_format.py (each file hashed as it is written, a chunk held by several ranks
+are written by lib/files/dcp_format.py (each file hashed as it is written, a chunk held by several ranks
 written once). Reading is this module's own: a rank's items are read in coalesced ranges of up to
 ``BLOCK_BYTES`` by ``READ_THREADS`` threads and each tensor is copied out of that buffer into its
 target (no ``torch.load`` copy); a large item that maps 1:1 onto its target is read straight into
@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import fsspec
 import torch
-
-from . import dcp_format, hf_mapping, job
-from .dcp_format import METADATA, read_metadata  # noqa: F401 — part of this module's interface
+from llamarl.lib.distributed import collectives
+from llamarl.lib.files import dcp_format
+from llamarl.lib.files.dcp_format import METADATA, read_metadata  # noqa: F401 — part of this module's interface
+from llamarl.lib.model import hf_mapping
 
 
 class Chunks:
@@ -395,8 +396,8 @@ def load(state: dict, url: str, block_bytes: int | None = None, threads: int | N
     try:
         read(state, url, block_bytes=block_bytes, threads=threads)
     except Exception as e:  # reported on every rank below
-        error, cause = f"rank {job.rank_world()[0]}: {type(e).__name__}: {e}", e
-    error = job.agree(error)
+        error, cause = f"rank {collectives.rank_world()[0]}: {type(e).__name__}: {e}", e
+    error = collectives.agree(error)
     if error is not None:
         raise RuntimeError(f"loading the checkpoint {url} failed: {error}") from cause
 
@@ -410,4 +411,4 @@ def load_model(model, url: str) -> None:
             if sum(view.numel() for _, _, view in by_param[name]) < p.numel():
                 p.zero_()  # vocabulary padding rows are not in the checkpoint: they must read as zeros
         load(_state(model, by_param), url)
-    job.barrier()
+    collectives.barrier()

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .parallel import group_size
+from llamarl.lib.distributed.parallel import group_size
 
 _M32 = 0xFFFFFFFF
 
@@ -54,7 +54,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # EOS and any other stop tokens
 
     def check(self) -> None:
-        from .errors import UserError
+        from llamarl.lib.errors import UserError
 
         if self.temperature < 0:
             raise UserError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
@@ -140,10 +140,10 @@ def _row_stats(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, lo
 
 @functools.cache
 def _kernel():
-    """``lib/sampler_kernel.py``'s kernel, compiled on first use; None without Triton (imported
+    """``lib/engine/sampler_kernel.py``'s kernel, compiled on first use; None without Triton (imported
     here, not at import time, so that importing lib/ never imports Triton)."""
     try:
-        from . import sampler_kernel
+        from llamarl.lib.engine import sampler_kernel
     except ImportError:
         return None
     return sampler_kernel.row_stats_kernel

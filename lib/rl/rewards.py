@@ -11,7 +11,7 @@ import importlib
 import re
 from typing import Callable
 
-from .errors import UserError
+from llamarl.lib.errors import UserError
 
 Rule = Callable[..., float]
 

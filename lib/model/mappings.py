@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .parallel import group_rank, group_size
+from llamarl.lib.distributed.parallel import group_rank, group_size
 
 # torch 2.13 renamed these two (the old names warn); torch 2.11 on the GPU image has only the old.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)

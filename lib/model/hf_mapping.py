@@ -19,7 +19,7 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from .config import LlamaConfig, pad_vocab, split_layers
+from llamarl.lib.model.config import LlamaConfig, pad_vocab, split_layers
 
 if TYPE_CHECKING:
     import torch
@@ -115,7 +115,7 @@ def hf_shapes(cfg: LlamaConfig, head: str = "lm") -> dict[str, tuple[int, ...]]:
 
 def stage_param_names(cfg: LlamaConfig, head: str, pp: int, pp_rank: int) -> list[str]:
     """Our parameter names on pipeline stage ``pp_rank`` of ``pp`` (any TP rank: TP splits
-    parameters, never names them), as lib/model.py's models name them: the embedding on the first
+    parameters, never names them), as lib/model/llama.py's models name them: the embedding on the first
     stage, the layers of ``split_layers``, the final norm and the head on the last. With tied
     embeddings the head is the embedding (pp 1) or the last stage's copy of it."""
     names = ["model.embed_tokens.weight"] if pp_rank == 0 else []

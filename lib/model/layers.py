@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from . import mappings
-from .config import LlamaConfig
-from .parallel import group_rank, group_size
+from llamarl.lib.model import mappings
+from llamarl.lib.model.config import LlamaConfig
+from llamarl.lib.distributed.parallel import group_rank, group_size
 
 
 class ColumnParallelLinear(nn.Module):

@@ -19,9 +19,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .batch import TokenBatch
-from .model import ParallelLlama
-from .parallel import Topology
+from llamarl.lib.model.batch import TokenBatch
+from llamarl.lib.model.llama import ParallelLlama
+from llamarl.lib.distributed.parallel import Topology
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 

@@ -24,7 +24,7 @@ import time
 
 _STARTED = time.time()
 
-from .errors import UserError
+from llamarl.lib.errors import UserError
 
 
 class TokenizerProcess:
@@ -44,7 +44,7 @@ class TokenizerProcess:
                 self.proc.stdin.flush()
                 status, value = pickle.load(self.proc.stdout)
             except (EOFError, BrokenPipeError, OSError) as e:
-                raise RuntimeError(f"the tokenizer process (python -m llamarl.lib.tokenizer_process) exited "
+                raise RuntimeError(f"the tokenizer process (python -m llamarl.lib.engine.tokenizer_process) exited "
                                    f"(status {self.proc.poll()}); its error is above") from e
         if status == "user_error":
             raise UserError(value)
@@ -78,7 +78,7 @@ class TokenizerProcess:
 def spawn(checkpoint: str | None = None) -> subprocess.Popen:
     """Start the child; it imports ``transformers`` at once and, given the ``checkpoint`` it will
     be asked for, loads its tokenizer before the request comes."""
-    return subprocess.Popen([sys.executable, "-m", "llamarl.lib.tokenizer_process", *([checkpoint] if checkpoint else [])],
+    return subprocess.Popen([sys.executable, "-m", "llamarl.lib.engine.tokenizer_process", *([checkpoint] if checkpoint else [])],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
@@ -93,7 +93,7 @@ def config_json_value(argv: list[str], key: str) -> str | None:
 
 
 def _serve(requests, replies, early: str | None) -> None:
-    from . import tokenizer
+    from llamarl.lib.engine import tokenizer
 
     def load(checkpoint: str):
         try:

@@ -11,7 +11,7 @@ import tempfile
 
 import fsspec
 
-from .errors import UserError
+from llamarl.lib.errors import UserError
 
 
 @functools.cache

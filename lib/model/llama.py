@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from . import hf_mapping, mappings, parallel
-from .attention import AttentionMetadata, attention
-from .batch import TokenBatch
-from .config import LlamaConfig, ParallelLayout, pad_vocab, split_layers
-from .layers import (
+from llamarl.lib.model import hf_mapping, mappings
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model.attention import AttentionMetadata, attention
+from llamarl.lib.model.batch import TokenBatch
+from llamarl.lib.model.config import LlamaConfig, ParallelLayout, pad_vocab, split_layers
+from llamarl.lib.model.layers import (
     ColumnParallelLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -40,7 +41,7 @@ from .layers import (
     swiglu,
     wgrad_target,
 )
-from .parallel import Topology, group_rank, group_size
+from llamarl.lib.distributed.parallel import Topology, group_rank, group_size
 
 
 class ParallelAttention(nn.Module):

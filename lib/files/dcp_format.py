@@ -3,7 +3,7 @@
 A DCP checkpoint is a directory: ``__<rank>_<i>.distcp`` files, each a run of items — one
 ``torch.save`` archive per chunk of a tensor, back to back — and ``.metadata``, the pickle of DCP's
 ``Metadata`` (every tensor's size, dtype and chunks, and the byte range of each chunk). DCP's own
-``load`` reads what is written here, and lib/checkpoint.py reads what DCP writes.
+``load`` reads what is written here, and lib/files/checkpoint.py reads what DCP writes.
 
 The writer is ours rather than ``torch.distributed.checkpoint.save`` for what DCP does not do:
 
@@ -32,9 +32,8 @@ from typing import Callable, NamedTuple
 
 import fsspec
 import torch
-
-from . import job, publish
-from .errors import UserError
+from llamarl.lib.distributed import collectives
+from llamarl.lib.files import publish
 
 METADATA = ".metadata"
 
@@ -150,9 +149,18 @@ def _check_tiling(url: str, tensors: dict[str, tuple], chunks: dict[str, list]) 
 def _metadata(url: str, tensors: dict[str, tuple], written: list[tuple]) -> bytes:
     """``.metadata``: DCP's ``Metadata`` of the written items, pickled as DCP pickles it. Its save
     id is the items' digest (DCP draws a random one): a rerun writes the same bytes."""
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.filesystem import (
+        CURRENT_DCP_VERSION,
+        _StorageInfo,
+    )
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     chunks: dict[str, list] = collections.defaultdict(list)
     for fqn, off, shape, *_ in written:
@@ -201,10 +209,10 @@ def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
     rank 0 writes ``.metadata`` last. A failure on any rank raises on every rank (``raise_first``)
     and leaves no ``.metadata``."""
     url = url.rstrip("/")
-    rank, _world = job.rank_world()
+    rank, _world = collectives.rank_world()
     plan = [(p.fqn, p.offsets, p.shape, p.nbytes) for p in pieces]
     tensors = {p.fqn: (tuple(p.size), p.dtype) for p in pieces}
-    plans = job.all_gather_object((plan, tensors))
+    plans = collectives.all_gather_object((plan, tensors))
     mine = assign([p for p, _ in plans])[rank]
     buckets = _buckets([p for p in pieces if (p.fqn, tuple(p.offsets)) in mine], threads)
     failure, written = None, []
@@ -220,14 +228,14 @@ def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
         failure = e
     finally:
         torch.serialization.set_crc32_options(crc)
-    results = job.all_gather_object((describe(failure, rank), written))
+    results = collectives.all_gather_object((collectives.describe(failure, rank), written))
     first = next((f for f, _ in results if f is not None), None)
     if rank == 0 and first is None:
         try:
             _write_metadata(url, _metadata(url, _all_tensors(plans), [w for _, ws in results for w in ws]))
         except Exception as e:
-            first = describe(e, 0)
-    raise_first(f"saving the checkpoint {url}", [job.broadcast_object(first)])
+            first = collectives.describe(e, 0)
+    collectives.raise_first(f"saving the checkpoint {url}", [collectives.broadcast_object(first)])
 
 
 def _all_tensors(plans: list[tuple]) -> dict[str, tuple]:
@@ -243,32 +251,8 @@ def _all_tensors(plans: list[tuple]) -> dict[str, tuple]:
 # ---- failures, the same on every rank -------------------------------------------------------------
 
 
-def describe(e: BaseException | None, rank: int) -> tuple | None:
-    """A failure as it travels to the other ranks: ``(kind, errno, message)``; kind ``user`` (a
-    ``UserError``: its own line), ``os`` (storage refused a read or write: full, read-only, gone)
-    or ``bug``."""
-    if e is None:
-        return None
-    if isinstance(e, UserError):
-        return "user", None, str(e)
-    if isinstance(e, OSError):
-        return "os", e.errno, f"rank {rank}: {e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-    return "bug", None, f"rank {rank}: {type(e).__name__}: {e}"
 
 
-def raise_first(what: str, failures: list[tuple | None]) -> None:
-    """Raise the first of ``failures`` (one per rank, ``describe``'s) on this rank as its kind: a
-    ``UserError`` stays one; an ``OSError`` keeps its errno, so that every rank reports a full disk
-    as one (never as damaged input); anything else is a ``RuntimeError``."""
-    first = next((f for f in failures if f is not None), None)
-    if first is None:
-        return
-    kind, errno, message = first
-    if kind == "user":
-        raise UserError(message)
-    if kind == "os":
-        raise OSError(errno, f"{what} failed: {message}")
-    raise RuntimeError(f"{what} failed: {message}")
 
 
 # ---- reading -------------------------------------------------------------------------------------

@@ -21,8 +21,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from .errors import (EXIT_PEER_LOST, EXIT_STATUS_ENV, EXIT_USER_ERROR, PARENT_ENV, UserError, chain, disk_full,
-                     disk_full_error, unreadable)
+from llamarl.lib.distributed import collectives
+from llamarl.lib.errors import (
+    EXIT_PEER_LOST,
+    EXIT_STATUS_ENV,
+    EXIT_USER_ERROR,
+    PARENT_ENV,
+    UserError,
+    chain,
+    disk_full,
+    disk_full_error,
+    unreadable,
+)
+from llamarl.lib.files import outputs
 
 C = TypeVar("C")
 
@@ -56,56 +67,18 @@ def _load(cls, argv):
     parser.error("give --config or --config-json")
 
 
-# ---- the stage's processes: torch.distributed's group (lib/parallel.py) ---------------------------
 
 
-def _dist():
-    """torch.distributed when this process is in its process group, else None (without importing
-    torch: a process that never imported it is in no such group)."""
-    dist = sys.modules.get("torch.distributed")
-    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
-def rank_world() -> tuple[int, int]:
-    if (dist := _dist()) is not None:
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
-def all_gather_object(obj) -> list:
-    """Collective: every rank's ``obj``, by rank. Alone (a world of one) no collective runs: on
-    NCCL the first one would build a communicator, most of a second."""
-    if (dist := _dist()) is not None and dist.get_world_size() > 1:
-        out: list = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-    return [obj]
 
 
-def broadcast_object(obj=None):
-    """Collective: rank 0's ``obj`` on every rank."""
-    if (dist := _dist()) is not None and dist.get_world_size() > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return obj
 
 
-def barrier() -> None:
-    if (dist := _dist()) is not None and dist.get_world_size() > 1:
-        dist.barrier()
 
 
-def _leave() -> None:
-    if (dist := _dist()) is not None:
-        dist.destroy_process_group()
-
-
-def agree(error: str | None) -> str | None:
-    """Collective: the first error any rank hit (by rank), or None if none did."""
-    if rank_world()[1] == 1:
-        return error
-    return next((e for e in all_gather_object(error) if e is not None), None)
 
 
 @dataclass(frozen=True)
@@ -148,9 +121,9 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
         return Failure(EXIT_PEER_LOST, error)
     finally:
         mark("end")
-        if (liveness := sys.modules.get(f"{__package__}.liveness")) is not None:  # torch.distributed's stages
+        if (liveness := sys.modules.get("llamarl.lib.distributed.liveness")) is not None:  # torch.distributed's stages
             liveness.stop()
-        _leave()
+        collectives.leave()
         _write_profile()
     return None
 
@@ -192,14 +165,14 @@ def _lost_peer(e: BaseException) -> bool:
 
 
 def _peer_error(e: BaseException) -> str:
-    from . import liveness
+    from llamarl.lib.distributed import liveness
 
     text = " ".join(str(e).split())
     text = re.sub(r"^\[[^\]]*\] ", "", text)  # gloo prefixes its source file and line
     text = text.split(" This is typically caused")[0][:200]  # and may add advice meant for its own bug tracker
     me = f"rank {os.environ.get('RANK', '0')} on {socket.gethostname()}"
     master = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    if _dist() is None or "waiting for clients" in text or "client socket has timed out" in text:
+    if not collectives.joined() or "waiting for clients" in text or "client socket has timed out" in text:
         return (f"{me}: the stage's processes did not all join the rendezvous at {master} within "
                 f"collective_timeout_s ({text}); check that every node started and can reach {master}")
     lost = liveness.lost_ranks()
@@ -212,10 +185,10 @@ def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -
     (``EXIT_USER_ERROR``, ``EXIT_PEER_LOST``), or 0."""
     import threading
 
-    from .stack_sampler import from_env
+    from llamarl.lib.runtime.stack_sampler import from_env
 
     _die_with_parent()
-    sampler = from_env()  # LLAMARL_STACKS_DIR: every thread's stacks, sampled (lib/stack_sampler.py)
+    sampler = from_env()  # LLAMARL_STACKS_DIR: every thread's stacks, sampled (lib/runtime/stack_sampler.py)
     failure = execute(cls, run, argv)
     if sampler is not None:
         sampler.stop()
@@ -256,14 +229,8 @@ def _die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def check(error: str | None) -> None:
-    """Raise the first error of any rank on every rank (a collective)."""
-    first = agree(error)
-    if first is not None:
-        raise UserError(first)
 
 
-_work_start: float | None = None
 
 # Start-up profile: when this process reached each step, in Unix seconds. ``LLAMARL_PROFILE_DIR``
 # set (bench/startup.py sets it), each rank writes its steps there as rank-<RANK>.json at the end.
@@ -280,98 +247,23 @@ def _write_profile() -> None:
     folder = os.environ.get(PROFILE_ENV)
     if not folder:
         return
-    publish = sys.modules.get("llamarl.lib.publish")
-    steps = {"process_start": process_start_time(), **_marks, "work_start": _work_start,
+    publish = sys.modules.get("llamarl.lib.files.publish")
+    parallel = sys.modules.get("llamarl.lib.distributed.parallel")  # a stage on torch.distributed
+    steps = {"process_start": outputs.process_start_time(), **_marks,
+             "process_group": getattr(parallel, "joined_at", None), "work_start": outputs.work_start(),
              "first_byte": getattr(publish, "first_write_time", None)}
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}.json"), "w") as f:
         json.dump(steps, f)
 
 
-def process_start_time() -> float | None:
-    """When this process started, in Unix seconds (10 ms resolution), from /proc; None elsewhere."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def timing() -> dict:
-    """For a stage's manifest: when this process started, when it began the stage's work (its
-    output prepared: imports, process groups and input checks done) and now, in Unix seconds."""
-    return {"process_start": process_start_time(), "work_start": _work_start, "work_end": time.time()}
 
 
-def verify_input(root: str, manifest: dict, prefix: str = "") -> None:
-    """Collective: the files of a published input under ``prefix`` checked against its manifest
-    (sizes and checksums), each rank a share of the bytes (several files at a time); a damaged file
-    fails every rank in one line."""
-    check(start_verify(root, manifest, prefix).result())
 
 
-def start_verify(root: str, manifest: dict, prefix: str = ""):
-    """``verify_input``'s share of this rank, on a thread: a future of this rank's error (None when
-    its files are whole). Not collective: the caller agrees on the result (``check``) before it
-    publishes anything made from the input — a stage that reads while its input is verified."""
-    from concurrent.futures import Future
-    from threading import Thread
-
-    from . import publish
-
-    names = sorted(k for k in manifest["files"] if k.startswith(prefix))
-    rank, world = rank_world()
-    mine = publish.share(manifest["files"], names, rank, world)
-    done: Future = Future()
-
-    def run() -> None:
-        try:
-            publish.verify(root, manifest["files"], mine)
-            done.set_result(None)
-        except UserError as e:
-            done.set_result(str(e))
-        except BaseException as e:  # noqa: BLE001 — raised where the result is asked for
-            done.set_exception(e)
-
-    Thread(target=run, name="llamarl-verify", daemon=True).start()
-    return done
 
 
-def file_entries(root: str, names: list[str]) -> dict:
-    """Collective: size and checksum of each ``root/name`` for a manifest, gathered on every rank.
-    A file some rank wrote through ``publish.open_write`` (or ``checkpoint.save``) was hashed as it
-    was written: that rank's entry is used. The rest are read and hashed, each rank a share."""
-    from . import publish
-
-    rank, world = rank_world()
-    known = {n: e for n in names if (e := publish.written_entry(f"{root}/{n}")) is not None}
-    if world > 1:
-        known = {k: v for p in all_gather_object(known) for k, v in p.items()}
-    rest = [n for n in names if n not in known]
-    if not rest:
-        return {n: known[n] for n in names}
-    mine = publish.file_entries(root, rest[rank::world])
-    if world > 1:
-        mine = {k: v for p in all_gather_object(mine) for k, v in p.items()}
-    return {n: known.get(n) or mine[n] for n in names}
 
 
-def prepare_output(out: str, is_current, request: dict | None = None) -> str:
-    """Collective ``publish.prepare``: rank 0 decides ("skip", "resume" or "fresh"), every rank
-    gets the decision, or the same error. Marks the start of the stage's work (``timing``)."""
-    from . import publish
-
-    global _work_start
-    _work_start = _work_start or time.time()
-
-    decision, error = None, None
-    if rank_world()[0] == 0:
-        try:
-            decision = publish.prepare(out, is_current, request)
-        except UserError as e:
-            error = str(e)
-    check(error)
-    return broadcast_object(decision)

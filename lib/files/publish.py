@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import fsspec
 
-from .errors import UserError
+from llamarl.lib.errors import UserError
 
 MANIFEST = "llamarl.json"
 INCOMPLETE = ".llamarl-incomplete"
@@ -104,7 +104,7 @@ def _tree_checksum(url: str, threads: int, read_bytes: int = 4 << 20) -> str:
 
 # ---- hashing while writing -----------------------------------------------------------------------
 # Every file a writer of this process writes through ``open_write`` (and DCP's writer in
-# lib/checkpoint.py, the safetensors writer) is hashed as its bytes go out, and its entry is kept
+# lib/files/checkpoint.py, the safetensors writer) is hashed as its bytes go out, and its entry is kept
 # here; ``file_entry`` returns it for as long as the file still has the size and modification time
 # it had when closed, instead of reading the file a second time.
 

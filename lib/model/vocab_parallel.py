@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import parallel
-from .layers import fusions_on
-from .parallel import group_rank, group_size
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model.layers import fusions_on
+from llamarl.lib.distributed.parallel import group_rank, group_size
 
 
 def _or_current(group: ProcessGroup | None) -> ProcessGroup | None:

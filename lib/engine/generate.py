@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from .attention import Decode, KVCache, Prefill
-from .model import ParallelLlamaForCausalLM
-from .sampling import SamplingParams, fused_available, sample, sequence_keys
+from llamarl.lib.model.attention import Decode, KVCache, Prefill
+from llamarl.lib.model.llama import ParallelLlamaForCausalLM
+from llamarl.lib.engine.sampling import SamplingParams, fused_available, sample, sequence_keys
 
 __all__ = ["SPAN_QUANTUM", "Batch", "Completion", "Engine", "SamplingParams", "generate"]
 

@@ -21,10 +21,11 @@ from typing import Callable
 import fsspec
 import torch
 
-from . import dtypes, publish
-from .dcp_format import ShortRead, read_into
-from .dtypes import SAFETENSORS_CODES
-from .errors import UserError
+from llamarl.lib import dtypes
+from llamarl.lib.files import publish
+from llamarl.lib.files.dcp_format import ShortRead, read_into
+from llamarl.lib.dtypes import SAFETENSORS_CODES
+from llamarl.lib.errors import UserError
 
 # A header's dtype code ("BF16") → torch's name of the dtype ("bfloat16"), from lib/dtypes.py's table.
 CODES = SAFETENSORS_CODES

@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .dtypes import torch_dtype
-from .errors import UserError
+from llamarl.lib.dtypes import torch_dtype
+from llamarl.lib.errors import UserError
 
 
 class ConfigError(UserError, ValueError):

@@ -27,8 +27,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, hf_mapping, parallel
-from .layers import own_version
+from llamarl.lib.files import checkpoint
+from llamarl.lib.model import hf_mapping
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model.layers import own_version
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

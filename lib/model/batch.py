@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import Packed, Padded
+from llamarl.lib.model.attention import Packed, Padded
 
 
 @dataclass(frozen=True)
