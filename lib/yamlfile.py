@@ -1,0 +1,81 @@
+"""The YAML a user writes — a run spec, a stage's options file — read so that it means exactly one
+thing, or refused in one ``UserError`` line naming the file.
+
+PyYAML's safe loader, with what it lets through refused:
+
+- a key given twice in one mapping: YAML says a mapping's keys are unique, and PyYAML silently
+  keeps the last, so ``seed: 1`` further up would be ignored (a merge key's ``<<`` entries may
+  still be overridden, as YAML means them to be);
+- a string that no file, path or terminal can hold: a lone surrogate (``"\\ud800"``, which UTF-8
+  cannot encode), anywhere in a value or a key;
+- nesting too deep for the reader (a recursion error, not a traceback).
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from .errors import UserError
+
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+class _Loader(yaml.SafeLoader):
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}  # key: the line it is first on
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE:
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"{key!r} is given twice (first on line {seen[key]}); keep one",
+                            key_node.start_mark)
+                    seen[key] = key_node.start_mark.line + 1
+                except TypeError:
+                    continue  # an unhashable key: the constructor refuses it
+        return super().construct_mapping(node, deep)
+
+
+def problem(e: yaml.YAMLError) -> str:
+    """A YAML error in a few words, with its line and column where yaml knows them."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:  # nearly every syntax error
+        mark = e.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {e.problem or e.context}"
+    return str(e).splitlines()[0]
+
+
+def load(stream, source: str):
+    """The one YAML document of ``stream`` (text, or a text stream) as Python values, or a one-line
+    ``UserError`` naming ``source``. Reading the stream may raise what reading raises (OSError,
+    UnicodeDecodeError): the caller knows what the file was meant to be."""
+    try:
+        data = yaml.load(stream, Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise UserError(f"{source}: not valid YAML ({problem(e)})") from None
+    except RecursionError:
+        raise UserError(f"{source}: nested too deeply to read; flatten it") from None
+    _encodable(data, source)
+    return data
+
+
+def _encodable(data, source: str) -> None:
+    """Every string of ``data`` (values and keys) encodable as UTF-8, or a one-line error naming
+    where it sits. Iterative: ``data`` may nest as deep as the reader let it."""
+    stack = [((), data)]
+    while stack:
+        at, value = stack.pop()
+        if isinstance(value, dict):
+            stack += [(at + (k,), k) for k in value if isinstance(k, str)]
+            stack += [(at + (k,), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(at + (i,), v) for i, v in enumerate(value)]
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                where = ".".join(map(str, at)) or "the document"
+                raise UserError(f"{source}: {where}: holds a lone surrogate ({value[e.start]!r}), which no file or "
+                                "terminal can hold (UTF-8 cannot encode it); write the character itself") from None
