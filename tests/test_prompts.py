@@ -490,7 +490,7 @@ def test_a_rollout_config_refuses_kept_columns_that_shadow_its_own(tmp_path):
                        (["x", "x"], "'x' is given twice; keep each column once")):
         with pytest.raises(UserError, match=rf"^opts.yaml: keep_columns={keep!r}: {says}".replace("[", r"\[")):
             RolloutConfig.parse(base | {"keep_columns": keep}, "opts.yaml")
-    from llamarl.pipeline.spec import parse_spec
+    from llamarl.pipeline.dag import parse_spec
 
     spec = {"name": "t", "storage": str(tmp_path), "actor": str(tmp_path / "a"), "prompts": str(tmp_path / "p.jsonl"),
             "rollout": {"keep_columns": ["response"]}, "score": {"rewards": [{"name": "length"}]}}
