@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import yaml
 
-from .errors import UserError
+from .errors import UserError, one_line
 
 _MERGE = "tag:yaml.org,2002:merge"
 
@@ -76,6 +76,6 @@ def _encodable(data, source: str) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as e:
-                where = ".".join(map(str, at)) or "the document"
+                where = one_line(".".join(map(str, at))) or "the document"  # a key may hold the surrogate
                 raise UserError(f"{source}: {where}: holds a lone surrogate ({value[e.start]!r}), which no file or "
                                 "terminal can hold (UTF-8 cannot encode it); write the character itself") from None

@@ -179,7 +179,8 @@ def check_models(spec: RunSpec) -> None:
     """Each stage's tp and pp against the model it runs — heads, kv heads, MLP width, layers —
     read from the ``config.json`` of the spec's actor and reward model where they exist (plain HF
     checkpoint folders): the very check (lib/config.py, torch-free) a stage makes when it starts,
-    hours later. Also the rollout's (and validation's) ``max_new_tokens`` against the actor's context."""
+    hours later. Also the rollout's (and validation's) ``max_new_tokens`` against the actor's context,
+    and their stop tokens against its vocabulary."""
     L = spec.layout
     uses_rm = any(t.name == "rm" for t in spec.score.rewards)
     models = {"actor": (spec.actor, [("shard", L.shard.tp, L.shard.pp, False), ("rollout", L.rollout.tp, 1, False),
@@ -250,7 +251,8 @@ def check_columns(spec: RunSpec) -> None:
 
 def parse_spec(data_, source: str) -> RunSpec:
     """The spec in ``data_`` (read from ``source``), checked whole: its fields, the executor's
-    options, every stage's config of every iteration, and the layouts against the models."""
+    options, every stage's config of every iteration, the rules' columns, and the layouts against
+    the models."""
     spec = validate(RunSpec, data_ if data_ is not None else {}, source)
     spec._source = source
     validate_options(spec.executor.kind, spec.executor.options, Source(source, at="executor.options"))

@@ -265,17 +265,23 @@ MIN_TEMPERATURE = 1e-6
 a few hundred already overflows to inf (then softmax is NaN); sampling there is greedy anyway."""
 
 
-def _temperature(t: float) -> float:
-    if 0 < t < MIN_TEMPERATURE:
-        raise ValueError(f"Input should be 0 (greedy) or at least {MIN_TEMPERATURE}: logits / temperature would "
-                         "overflow float32")
-    return t
+def _temperature(greedy: bool):
+    """A check of a temperature that refuses what lies between 0 and ``MIN_TEMPERATURE`` (and says
+    whether 0, greedy, is taken)."""
+
+    def check(t: float) -> float:
+        if 0 < t < MIN_TEMPERATURE:
+            allowed = f"0 (greedy) or at least {MIN_TEMPERATURE}" if greedy else f"at least {MIN_TEMPERATURE}"
+            raise ValueError(f"Input should be {allowed}: logits / temperature would overflow float32")
+        return t
+
+    return AfterValidator(check)
 
 
 class Sampling(Strict):
     samples_per_prompt: Count = Field(1, le=INT32_MAX, description="Responses drawn for each prompt (GRPO-style groups "
                                                                    "need several).")
-    temperature: Annotated[float, AfterValidator(_temperature)] = Field(
+    temperature: Annotated[float, _temperature(greedy=True)] = Field(
         1.0, ge=0, description=f"Softmax temperature; 0 = greedy, else at least {MIN_TEMPERATURE}.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens whose "
                                                       "probability reaches top_p.")
@@ -577,8 +583,8 @@ class PPOConfig(StageConfig):
                                                         "lr_decay reaches 0; larger than warmup_steps.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm (the same at every "
                                                            "layout); null to disable.")
-    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, description="Must equal the rollout's: log-probs are of "
-                                                                    "softmax(logits / temperature).")
+    temperature: Annotated[float, _temperature(greedy=False)] = Field(
+        1.0, gt=0, description="Must equal the rollout's: log-probs are of softmax(logits / temperature).")
     off_policy: bool = Field(False, description="Allow a rollout sampled from another actor checkpoint than actor "
                                                 "(its recorded log-probs are then another policy's); by default that "
                                                 "is refused as a mix-up. The pipeline sets it with max_staleness > 0.")
