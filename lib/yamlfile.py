@@ -57,25 +57,55 @@ def load(stream, source: str):
         raise UserError(f"{source}: not valid YAML ({problem(e)})") from None
     except RecursionError:
         raise UserError(f"{source}: nested too deeply to read; flatten it") from None
-    _encodable(data, source)
+    _sound(data, source)
     return data
 
 
-def _encodable(data, source: str) -> None:
-    """Every string of ``data`` (values and keys) encodable as UTF-8, or a one-line error naming
-    where it sits. Iterative: ``data`` may nest as deep as the reader let it."""
-    stack = [((), data)]
+def _sound(data, source: str) -> None:
+    """``data`` as small as its text and every string in it encodable, or a one-line error: YAML's
+    aliases let a few lines name a structure of billions of values (each alias is the one object
+    it names; "billion laughs"), or one that holds itself, which every reader after this one would
+    walk for ever. So each mapping and list is visited once (by its id), and the values it stands
+    for are counted with what it holds. Iterative: ``data`` may nest as deep as the reader let it."""
+    counted: dict[int, int] = {}  # id of a mapping or list: the values it stands for, once done
+    open_: set[int] = set()  # begun, not done: its own descendants
+    stack = [((), data, False)]
     while stack:
-        at, value = stack.pop()
-        if isinstance(value, dict):
-            stack += [(at + (k,), k) for k in value if isinstance(k, str)]
-            stack += [(at + (k,), v) for k, v in value.items()]
-        elif isinstance(value, list):
-            stack += [(at + (i,), v) for i, v in enumerate(value)]
-        elif isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:
-                where = one_line(".".join(map(str, at))) or "the document"  # a key may hold the surrogate
-                raise UserError(f"{source}: {where}: holds a lone surrogate ({value[e.start]!r}), which no file or "
-                                "terminal can hold (UTF-8 cannot encode it); write the character itself") from None
+        at, value, done = stack.pop()
+        if isinstance(value, str):
+            _encodes(value, at, source)
+        if not isinstance(value, (dict, list)):
+            continue
+        children = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        if done:
+            open_.discard(id(value))
+            counted[id(value)] = 1 + sum(counted.get(id(c), 1) for c in children)
+            if counted[id(value)] > MAX_VALUES:
+                raise UserError(f"{source}: {_where(at)}: stands for more than {MAX_VALUES} values (YAML aliases "
+                                "repeating aliases); write out what is meant") from None
+            continue
+        if id(value) in counted:
+            continue
+        if id(value) in open_:
+            raise UserError(f"{source}: {_where(at)}: holds itself (a YAML alias inside its own anchor); write out "
+                            "what is meant") from None
+        open_.add(id(value))
+        stack.append((at, value, True))
+        keys = list(value) if isinstance(value, dict) else range(len(value))
+        stack += [(at + (k,), k, False) for k in keys if isinstance(k, str)]
+        stack += [(at + (k,), value[k], False) for k in keys]
+
+
+MAX_VALUES = 100_000  # a spec holds hundreds
+
+
+def _encodes(text: str, at: tuple, source: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{source}: {_where(at)}: holds a lone surrogate ({text[e.start]!r}), which no file or terminal "
+                        "can hold (UTF-8 cannot encode it); write the character itself") from None
+
+
+def _where(at: tuple) -> str:
+    return one_line(".".join(map(str, at))) or "the document"  # a key may hold the surrogate

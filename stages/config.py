@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import reprlib
 from typing import Annotated, Any, Literal, Mapping, TypeVar
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo,
@@ -193,7 +194,7 @@ def one_line(error: ValidationError, source: str, model: type[BaseModel] | None 
     elif first["type"] == "model_type":  # pydantic's message names our classes
         parent = _model_at(model, first["loc"]) if model else None
         valid = f" ({', '.join(parent.model_fields)})" if parent else ""
-        text = f"{where}={first.get('input')!r}: expected a mapping of options{valid}"
+        text = f"{where}={_VALUE.repr(first.get('input'))}: expected a mapping of options{valid}"
     elif isinstance(cause, FieldsError):
         text = cause.render(source)
         if first["loc"]:  # a nested model's check: say which one
@@ -201,10 +202,17 @@ def one_line(error: ValidationError, source: str, model: type[BaseModel] | None 
     else:
         msg = first["msg"].removeprefix("Value error, ")
         value = first.get("input")
-        shown = f"={value!r}" if first["loc"] and not isinstance(value, dict) else ""
+        shown = f"={_VALUE.repr(value)}" if first["loc"] and not isinstance(value, dict) else ""
         text = f"{where}{shown}: {msg}" if where else msg
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return source.line(f"{text}{more}")
+
+
+# A value shown in an error as Python writes it, but of a readable length: a list of a thousand
+# items or a page of text is cut (`[1, 2, 3, ...]`, `'abc...'`).
+_VALUE = reprlib.Repr()  # (its keyword arguments are Python 3.12's)
+_VALUE.maxlevel, _VALUE.maxstring, _VALUE.maxlong, _VALUE.maxother = 3, 160, 80, 160
+_VALUE.maxdict = _VALUE.maxlist = _VALUE.maxtuple = _VALUE.maxset = 8
 
 
 def _model_at(model, loc) -> type[BaseModel] | None:

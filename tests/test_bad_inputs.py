@@ -177,10 +177,15 @@ BAD_YAML = [  # (a spec's or an options file's text, what its one line says afte
     ('name: "t\\ud800"\n', "name: holds a lone surrogate ('\\ud800'), which no file or terminal can hold"),
     ('x: [{"\\udfff": 1}]\n', "x.0.\\udfff: holds a lone surrogate ('\\udfff')"),
     ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply to read; flatten it"),
+    # a billion values in nine lines (each alias is the list it names), and a list that holds itself
+    ("".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}' if i else 'x'] * 9)}]\n" for i in range(9)),
+     "a8.8.8.8: stands for more than 100000 values (YAML aliases repeating aliases)"),
+    ("rollout: &r {keep_columns: [*r]}\n", "rollout.keep_columns.0: holds itself (a YAML alias inside its own anchor)"),
 ]
 
 
-@pytest.mark.parametrize("text,says", BAD_YAML, ids=["key-twice", "flow-key-twice", "surrogate", "surrogate-key", "deep"])
+@pytest.mark.parametrize("text,says", BAD_YAML, ids=["key-twice", "flow-key-twice", "surrogate", "surrogate-key", "deep",
+                                                     "laughs", "itself"])
 def test_a_yaml_file_that_means_no_one_thing_is_one_line(tmp_path, text, says, monkeypatch):
     from typer.testing import CliRunner
 
