@@ -196,7 +196,10 @@ def shard_export(path: str) -> list[str]:
             "",
             f"Loading onto the GPU: lib/ `checkpoint.load_model` {r['lib_load_GB_s']:.2f} GB/s against HF "
             f"`from_pretrained` {r['from_pretrained_GB_s']:.2f} GB/s: **{r['lib_load_vs_from_pretrained']:.2f}×**; "
-            f"export bit-identical to the source: {r['export_bit_identical']}."]
+            f"export bit-identical to the source: {r['export_bit_identical']}."] + (
+        [f"Each run against the `save_pretrained` just before it (interleaved), median: shard "
+         f"**{r['shard_vs_save_pretrained_paired']:.2f}×**, export **{r['export_vs_save_pretrained_paired']:.2f}×**."]
+        if "shard_vs_save_pretrained_paired" in r else [])
 
 
 def handoff(path: str) -> list[str]:

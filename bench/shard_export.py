@@ -8,8 +8,9 @@ Llama-3.2-1B shape, bf16, random weights. Measures, on one machine:
     (→ HF dir, PROCS processes): whole-command wall time (process start and imports included) and
     the stage's own time;
   * loading the sharded checkpoint into lib/'s model on the GPU (``checkpoint.load_model``).
-Each ``--repeat`` times (medians reported, every run kept; the first lib/ load pays CUDA's and the
-reader's first-use costs). Checks the export is bit-identical to the HF source. Prints one JSON object and writes it to
+Each ``--repeat`` times, save_pretrained, shard and export interleaved (medians reported, every run
+kept, and each command against the save_pretrained just before it; the first lib/ load pays CUDA's
+and the reader's first-use costs). Checks the export is bit-identical to the HF source. Prints one JSON object and writes it to
 bench/results/shard_export-<device>-<date>.json (``--out`` elsewhere).
 """
 
@@ -78,9 +79,12 @@ def main():
     with torch.device(dev):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
 
-    saves = []
-    for i in range(args.repeat):  # into a fresh directory each time; the first one is kept
-        target = hf_dir if i == 0 else os.path.join(args.workdir, f"hf{i}")
+    # Interleaved, each into a fresh directory (the first kept: the next command's input; a published
+    # one would be skipped): a load that comes and goes on the machine meets all three alike.
+    stages = (("shard", hf_dir, ckpt, "--tp"), ("export", ckpt, out, "--procs"))
+    saves, runs = [], {stage: [] for stage, *_ in stages}
+    for i in range(args.repeat):
+        target = hf_dir if i == 0 else f"{hf_dir}{i}"
         if dev == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -88,11 +92,24 @@ def main():
         saves.append(time.perf_counter() - t)
         if i:
             shutil.rmtree(target)
+        for stage, src, dst, flag in stages:
+            dst = dst if i == 0 else f"{dst}.{i}"
+            runs[stage].append(timed_cli("stage", stage, src, dst, flag, str(args.procs))[:2])
+            if i:
+                shutil.rmtree(dst)
     res["save_pretrained_runs_s"] = saves
     res["save_pretrained_s"] = statistics.median(saves)
     size = dir_bytes(hf_dir)
     res["GB"] = size / 1e9
     res["save_pretrained_GB_s"] = size / res["save_pretrained_s"] / 1e9
+    for stage, stage_runs in runs.items():
+        wall = statistics.median(w for w, _ in stage_runs)
+        work = statistics.median(k for _, k in stage_runs) if all(k is not None for _, k in stage_runs) else None
+        res.update({f"{stage}_runs_s": stage_runs, f"{stage}_wall_s": wall, f"{stage}_work_s": work,
+                    f"{stage}_GB_s_wall": size / wall / 1e9, f"{stage}_GB_s_work": size / work / 1e9 if work else None,
+                    # each run against the save_pretrained just before it
+                    f"{stage}_vs_save_pretrained_paired": statistics.median(
+                        sp / w for sp, (w, _) in zip(saves, stage_runs))})
     del model
     t = time.perf_counter()
     m2 = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, **({"device_map": dev} if dev == "cuda" else {}))
@@ -100,19 +117,6 @@ def main():
         torch.cuda.synchronize()
     res["from_pretrained_GB_s"] = size / (time.perf_counter() - t) / 1e9
     del m2
-
-    for stage, args_of in (("shard", lambda dst: ("stage", "shard", hf_dir, dst, "--tp", str(args.procs))),
-                           ("export", lambda dst: ("stage", "export", ckpt, dst, "--procs", str(args.procs)))):
-        runs = []
-        for i in range(args.repeat):  # each into a fresh directory (a published one would be skipped)
-            dst = {"shard": ckpt, "export": out}[stage] + (f".{i}" if i else "")
-            runs.append(timed_cli(*args_of(dst))[:2])
-            if i:
-                shutil.rmtree(dst)
-        wall = statistics.median(w for w, _ in runs)
-        work = statistics.median(k for _, k in runs) if all(k is not None for _, k in runs) else None
-        res.update({f"{stage}_runs_s": runs, f"{stage}_wall_s": wall, f"{stage}_work_s": work,
-                    f"{stage}_GB_s_wall": size / wall / 1e9, f"{stage}_GB_s_work": size / work / 1e9 if work else None})
 
     # lib/ loading the sharded checkpoint onto the GPU (what rollout/score/ppo do), TP=1.
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")

@@ -6,8 +6,7 @@ difference; starting them directly keeps the output to what the stage prints and
 to the stage's own (2: a user error, reported in one line, which comes back as the result's
 error). If one process dies, the others are stopped rather than left waiting in a collective.
 
-Each process leads a process group of its own (started in a session of its own; a forked one in
-a group of its own): stopping a stage stops what its processes started too (the rollout's
+Each process leads a process group of its own (started in a session of its own): stopping a stage stops what its processes started too (the rollout's
 tokenizer process), even after they are gone; and a signal meant for the driver (Ctrl-C in its
 terminal, SIGHUP from a closed ssh session) reaches the driver alone, which stops the stages in
 order. Each dies with the driver (``PARENT_ENV``, lib/job.py). While they run, their process ids
@@ -48,9 +47,6 @@ class LocalOptions(Strict):
                                            "every stage takes GPUs 0..n-1). With gpus, a stage gets GPUs no "
                                            "running stage holds (CUDA_VISIBLE_DEVICES) and waits until enough "
                                            "are free.")
-    fork: bool = Field(True, description="Start the processes of the stages that never import torch (shard, "
-                                         "export) as forks of this one, when it runs no other thread (`llamarl "
-                                         "stage`): they begin with their imports done (0.3-0.4 s a process).")
 
 
 @dataclass
@@ -167,31 +163,20 @@ class LocalExecutor(ExecutorBase):
         port = free_port()
         with self._starting:
             self._runs.append(run)
-        # Forks only from a process with no other thread (a fork keeps the calling thread alone, and
-        # a lock another thread held stays held in the child) and no torch (CUDA does not survive a fork).
-        fork = (self.options.fork and stage in FORKED_STAGES and threading.active_count() == 1
-                and "torch" not in sys.modules and hasattr(os, "fork"))
-        if fork:  # imported once, here, for every fork
-            import importlib
-
-            importlib.import_module(f"llamarl.stages.{stage}")
         parent = {PARENT_ENV: str(os.getpid())}  # each process dies with this one (lib/job.py)
         for rank in range(nprocs):
             env = {**self._env(rank, nprocs, port), **devices, **parent}
             with self._starting:  # stop_all kills what started before it, and nothing starts after
                 if self._stopping:
                     break
-                if fork:
-                    proc = _ForkedRank(stage, config, env)
-                else:
-                    proc = subprocess.Popen(self.command(stage, config), env={**os.environ, **env},
-                                            stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+                proc = subprocess.Popen(self.command(stage, config), env={**os.environ, **env},
+                                        stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
                 run.procs.append(proc)
                 run.starts.append(process_start(proc.pid))
         with self._starting:  # once stopping, stop_all has them: it kills them and they leave the registry
             if self.registry is not None and run.procs and not self._stopping:
                 self.registry.started(run.name, run.groups)
-        for i, proc in enumerate(run.procs):  # after the forks: no thread of ours runs while forking
+        for i, proc in enumerate(run.procs):
             reader = threading.Thread(target=_forward, args=(proc.stderr, run, i), daemon=True)
             reader.start()
             run.readers.append(reader)
@@ -238,62 +223,6 @@ class LocalExecutor(ExecutorBase):
             if failed_at is not None and time.monotonic() - failed_at > self.options.grace_s:
                 _kill_groups(run)
             time.sleep(0.01)
-
-
-FORKED_STAGES = ("shard", "export")  # they never import torch (tests/test_torch_free.py)
-
-
-class _ForkedRank:
-    """One process of a stage, forked from this one: ``job.main`` of the stage module with the
-    config as ``--config-json`` and torchrun's environment, exactly what the command would run.
-    The ``subprocess.Popen`` members the executor uses: ``stderr``, ``poll``, ``pid``."""
-
-    def __init__(self, stage: str, config: Any, env: dict[str, str]):
-        import json
-
-        argv = ["--config-json", json.dumps(config.to_json())]
-        read_end, write_end = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            code = 1
-            try:
-                os.setpgid(0, 0)  # a process group of its own, as the executor's other processes
-                os.close(read_end)
-                os.dup2(write_end, 2)
-                os.close(write_end)
-                sys.stderr = open(2, "w", buffering=1, closefd=False)
-                os.environ.update(env)
-                import importlib
-
-                from llamarl.lib import job
-
-                module = importlib.import_module(f"llamarl.stages.{stage}")
-                job.main(type(config), module.run, argv)  # exits with the stage's status
-                code = 0
-            except BaseException:  # noqa: BLE001 — a bug: its traceback, then the child's exit
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        try:
-            os.setpgid(pid, pid)  # here too: a stop right after the fork must find the group
-        except OSError:  # the child did it already, or is gone
-            pass
-        os.close(write_end)
-        self.pid, self.returncode = pid, None
-        self.stderr = os.fdopen(read_end, "r", buffering=1)
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
 
 
 def _forward(stream, run: LocalRun, index: int) -> None:

@@ -6,19 +6,13 @@ unpadded vocabulary), each rank writing the pieces it owns as chunks with their 
 own pieces, read from the overlapping chunks. No conversion step, and the fused QKV / gate_up and
 vocabulary padding of a layout never reach the files.
 
-The files are DCP's, byte for byte in layout (``FsspecWriter``'s: a ``.metadata`` pickle and
-``__<rank>_<i>.distcp`` files of ``torch.save`` items; any DCP reader loads them, and this module
-loads what DCP wrote), but reading and writing are our own, for three reasons:
-
-* start-up: importing ``torch.distributed.checkpoint`` costs every process 0.45 s of CPU and
-  ~50 MB (it pulls in DTensor and sympy) before its first byte; the files are written, and
-  ``.metadata`` read, by lib/dcp_format.py, which needs no torch at all (shard and export run
-  without it);
-* checksums: every file is hashed as it is written (``publish.open_write``), so the manifest costs
-  no second read;
-* reads: a rank's items are read in coalesced ranges of up to ``BLOCK_BYTES`` by ``READ_THREADS``
-  threads, and each tensor is copied out of that buffer into its target (no ``torch.load`` copy);
-  for a CUDA target they pass through a few pinned staging buffers and non-blocking copies.
+The files are DCP's (``FsspecWriter``'s layout: a ``.metadata`` pickle and ``__<rank>_<i>.distcp``
+files of ``torch.save`` items; DCP's reader loads them, and this module loads what DCP wrote). They
+are written by lib/dcp_format.py (each file hashed as it is written, a chunk held by several ranks
+written once). Reading is this module's own: a rank's items are read in coalesced ranges of up to
+``BLOCK_BYTES`` by ``READ_THREADS`` threads and each tensor is copied out of that buffer into its
+target (no ``torch.load`` copy); a large item that maps 1:1 onto its target is read straight into
+it; for a CUDA target the bytes pass through a few pinned staging buffers and non-blocking copies.
 
 DCP knows DTensor and ShardedTensor, neither of which can say "rows 128:192 of k_proj, also held
 by another rank" (kv heads replicated over TP); ``Chunks`` does, and ``save`` writes each chunk
@@ -29,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import io
-import pickle
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -38,9 +31,8 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from . import dcp_format, dtypes, hf_mapping, job
-from .dcp_format import DCP_VERSION, METADATA  # noqa: F401 — part of this module's interface
-from .dtypes import HostTensor
+from . import dcp_format, hf_mapping, job
+from .dcp_format import METADATA, read_metadata  # noqa: F401 — part of this module's interface
 
 
 class Chunks:
@@ -130,8 +122,7 @@ def save(state: dict, url: str, threads: int = 4) -> None:
     """Collective: every rank of the stage calls it with its own state (tensors or ``Chunks``); a
     chunk held by several ranks is written once (``dcp_format.save``: files hashed as written,
     ``.metadata`` last, a failure on any rank raised on every rank)."""
-    pieces = [dcp_format.Piece(fqn, tuple(size), tuple(off), tuple(t.shape), dtypes.name(t.dtype),
-                               lambda t=t: HostTensor.of(_host(t)))
+    pieces = [dcp_format.Piece(fqn, tuple(size), tuple(off), tuple(t.shape), t.dtype, lambda t=t: _host(t))
               for fqn, (size, ps) in _pieces(state).items() for off, t in ps.items()]
     dcp_format.save(pieces, url, threads)
 
@@ -141,22 +132,6 @@ def save(state: dict, url: str, threads: int = 4) -> None:
 BLOCK_BYTES = 64 << 20  # a read covers neighbouring items up to this many bytes
 READ_THREADS = 8
 _GAP_BYTES = 1 << 20  # items this close are read in one range, the bytes between them included
-
-
-def read_metadata(url: str):
-    """DCP metadata: ``state_dict_metadata`` (every stored tensor's ``size``, ``properties.dtype``
-    — its name, a str — and ``chunks``) and ``storage_data`` (where each chunk lies)."""
-    try:
-        return dcp_format.read_metadata(url)
-    except dcp_format.FormatError:  # another DCP version's classes: DCP's own reader
-        import torch.distributed.checkpoint  # noqa: F401
-
-        fs, path = fsspec.core.url_to_fs(url.rstrip("/"))
-        md = pickle.loads(fs.cat_file(f"{path}/{METADATA}"))
-        for stored in md.state_dict_metadata.values():
-            if hasattr(stored, "properties"):
-                stored.properties.dtype = dcp_format.DType(dtypes.name(stored.properties.dtype))
-        return md
 
 
 @dataclass
@@ -204,125 +179,13 @@ def _plan(state: dict, md, url: str) -> list[_Read]:
     return reads
 
 
-class _Stored:
-    """Where one DCP item's tensor lies in a buffer holding the item's bytes (a ``torch.save``
-    zip): dtype, size, stride and the byte offset of element 0. None when the item is not the
-    plain one-tensor archive DCP writes (read through ``torch.load`` instead)."""
-
-    _STORAGES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
-
-    class _Unpickler(pickle.Unpickler):
-        # Only the names a saved tensor needs; anything else means: not our fast path.
-        def find_class(self, module, name):
-            if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-                return lambda storage, offset, size, stride, *_: (storage, offset, tuple(size), tuple(stride))
-            if (module, name) == ("collections", "OrderedDict"):
-                return collections.OrderedDict
-            if module == "torch" and name in _Stored._STORAGES:
-                return _Stored._STORAGES[name]
-            raise pickle.UnpicklingError(f"{module}.{name}")
-
-        def persistent_load(self, pid):
-            kind, dtype, key, _location, numel = pid
-            if kind != "storage" or not isinstance(dtype, torch.dtype):
-                raise pickle.UnpicklingError(str(pid))
-            return dtype, key, numel
-
-    @staticmethod
-    def parse(item: io.RawIOBase, start: int = 0):
-        """``item``: the item's bytes as a file (``_MemoryFile``, ``_Sparse``); ``start``: where the
-        item begins in the buffer the returned offset is to count from."""
-        try:
-            zf = torch._C.PyTorchFileReader(item)
-            if zf.has_record("byteorder") and bytes(zf.get_record("byteorder")) != b"little":
-                return None
-            (dtype, key, numel), offset, size, stride = _Stored._Unpickler(io.BytesIO(zf.get_record("data.pkl"))).load()
-            item_size = torch.empty((), dtype=dtype).element_size()
-            if _record_size(zf, item, f"data/{key}") != numel * item_size:
-                return None
-            return dtype, size, stride, start + zf.get_record_offset(f"data/{key}") + offset * item_size
-        except Exception:  # any other archive: torch.load reads it
-            return None
-
-
-def _record_size(zf, item: io.RawIOBase, name: str) -> int:
-    """Bytes of record ``name`` of the archive ``item``. torch < 2.12's reader cannot say (it has
-    no ``get_record_size``): then the zip's central directory, at the item's end, does — without
-    it every item fell back to ``torch.load`` there, 10x slower."""
-    if hasattr(zf, "get_record_size"):
-        return zf.get_record_size(name)
-    import zipfile
-
-    item.seek(0)
-    with zipfile.ZipFile(item) as z:
-        return next(i.file_size for i in z.infolist() if i.filename.split("/", 1)[-1] == name)
-
-
-class _Sparse(io.RawIOBase):
-    """An item of which only the first and last bytes were read (enough for its zip directory,
-    its pickle and the offset of its data); reading anything else fails."""
-
-    def __init__(self, head: bytes, tail: bytes, length: int):
-        self.head, self.tail, self.length, self.pos = head, tail, length, 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def readinto(self, b):
-        n = max(0, min(len(b), self.length - self.pos))
-        if self.pos + n <= len(self.head):
-            b[:n] = self.head[self.pos : self.pos + n]
-        elif self.pos >= self.length - len(self.tail):
-            at = self.pos - (self.length - len(self.tail))
-            b[:n] = self.tail[at : at + n]
-        else:
-            raise OSError("outside the bytes read")
-        self.pos += n
-        return n
-
-    def seek(self, offset, whence=io.SEEK_SET):
-        self.pos = offset + (0, self.pos, self.length)[whence]
-        return self.pos
-
-    def tell(self):
-        return self.pos
-
-
-class _MemoryFile(io.RawIOBase):
-    """A read-only, seekable file over a memoryview (no copy)."""
-
-    def __init__(self, view: memoryview):
-        self.view, self.pos = view, 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def readinto(self, b):
-        n = max(0, min(len(b), len(self.view) - self.pos))
-        b[:n] = self.view[self.pos : self.pos + n]
-        self.pos += n
-        return n
-
-    def seek(self, offset, whence=io.SEEK_SET):
-        self.pos = offset + (0, self.pos, len(self.view))[whence]
-        return self.pos
-
-    def tell(self):
-        return self.pos
-
-
-def _copy_stored(target: torch.Tensor, buf: torch.Tensor, stored, offsets, lengths, non_blocking: bool) -> None:
+def _copy_stored(target: torch.Tensor, buf: torch.Tensor, stored: dcp_format.StoredTensor, offsets, lengths,
+                 non_blocking: bool) -> None:
     """Copy the region ``offsets``/``lengths`` of a stored tensor lying in the uint8 ``buf`` into
     ``target``: as bytes where both have unit last stride (any alignment, no temporary), otherwise
     through an aligned copy of the stored dtype."""
     dtype, _size, stride, begin = stored
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     lengths = list(lengths) or [1]
     stride = list(stride) or [1]
     begin += item * sum(o * st for o, st in zip(offsets, stride))
@@ -363,16 +226,16 @@ _DIRECT_BYTES = 1 << 20  # items this large are read straight into their target 
 _EDGE_BYTES = 64 << 10  # of such an item, what is read first: its zip directory, pickle, data offset
 
 
-def _header(fs, path: str, r: _Read):
-    """``_Stored`` of a large item, from its first and last bytes only."""
+def _header(fs, path: str, r: _Read) -> dcp_format.StoredTensor | None:
+    """Where a large item's tensor lies, from the item's first and last bytes only."""
     n = r.end - r.begin
     head, tail = bytearray(min(n, _EDGE_BYTES)), bytearray(min(n, _EDGE_BYTES))
     dcp_format.read_into(fs, path, r.begin, memoryview(head))
     dcp_format.read_into(fs, path, r.end - len(tail), memoryview(tail))
-    return _Stored.parse(_Sparse(bytes(head), bytes(tail), n))
+    return dcp_format.parse_item(dcp_format.Sparse(bytes(head), bytes(tail), n))
 
 
-def _flat_span(r: _Read, stored) -> tuple[int, int] | None:
+def _flat_span(r: _Read, stored: dcp_format.StoredTensor | None) -> tuple[int, int] | None:
     """(file offset, bytes) of what ``r`` reads when it is one run of bytes that maps 1:1 onto a
     contiguous target of the same dtype (whole chunks, or rows of them: a layout read as written,
     or split along dim 0); None otherwise."""
@@ -395,7 +258,7 @@ def _copy_range(buf: torch.Tensor, begin: int, rs: list[_Read], pin: bool) -> No
     """Copy each of ``rs`` out of ``buf``, the bytes of its file from ``begin`` on."""
     view = memoryview(buf.numpy()).cast("B")
     for r in rs:
-        stored = _Stored.parse(_MemoryFile(view[r.begin - begin : r.end - begin]), r.begin - begin)
+        stored = dcp_format.parse_item(dcp_format.MemoryFile(view[r.begin - begin : r.end - begin]), r.begin - begin)
         if stored is not None:
             _copy_stored(r.target, buf, stored, r.offsets, r.lengths, non_blocking=pin and r.target.is_cuda)
             continue
@@ -514,15 +377,23 @@ def _read_staged(fs, pool: ThreadPoolExecutor, jobs: list[tuple], threads: int) 
         finish_oldest()
 
 
+def read(state: dict, url: str, md=None, block_bytes: int | None = None, threads: int | None = None) -> None:
+    """Fill the tensors/chunks of ``state`` in place from the checkpoint at ``url`` (written at any
+    layout: each piece is read from the chunks it overlaps), on this rank alone. ``md``: the
+    checkpoint's ``read_metadata``, when the caller has it. A missing tensor or a shape that
+    differs is a ``KeyError`` / ``ValueError``; a damaged item fails in its reader."""
+    url = url.rstrip("/")
+    with torch.no_grad():
+        _read(url, _plan(state, md if md is not None else read_metadata(url), url), block_bytes or BLOCK_BYTES,
+              threads or READ_THREADS)
+
+
 def load(state: dict, url: str, block_bytes: int | None = None, threads: int | None = None) -> None:
-    """Collective. Fills the tensors/chunks of ``state`` in place from the checkpoint at ``url``
-    (written at any layout: each piece is read from the chunks it overlaps). A missing tensor, a
-    shape that differs or a read that fails raises on every rank."""
+    """Collective ``read``: a failure on any rank raises on every rank."""
     url = url.rstrip("/")
     error, cause = None, None
     try:
-        with torch.no_grad():
-            _read(url, _plan(state, read_metadata(url), url), block_bytes or BLOCK_BYTES, threads or READ_THREADS)
+        read(state, url, block_bytes=block_bytes, threads=threads)
     except Exception as e:  # reported on every rank below
         error, cause = f"rank {job.rank_world()[0]}: {type(e).__name__}: {e}", e
     error = job.agree(error)

@@ -23,7 +23,6 @@ from typing import Any, Callable, TypeVar
 
 from .errors import (EXIT_PEER_LOST, EXIT_STATUS_ENV, EXIT_USER_ERROR, PARENT_ENV, UserError, chain, disk_full,
                      disk_full_error, one_line, unreadable)
-from .iogroup import IOGroup, PeerLost
 
 C = TypeVar("C")
 
@@ -56,11 +55,7 @@ def _load(cls, argv):
     parser.error("give --config or --config-json")
 
 
-# ---- the stage's processes: torch.distributed's group, or an IOGroup ------------------------------
-# Stages that compute join torch.distributed (lib/parallel.py); stages that only move bytes join an
-# ``IOGroup`` (``join_io_group``) and never import torch. The collectives below serve both.
-
-_io_group: IOGroup | None = None
+# ---- the stage's processes: torch.distributed's group (lib/parallel.py) ---------------------------
 
 
 def _dist():
@@ -70,21 +65,9 @@ def _dist():
     return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
-def join_io_group(timeout_s: float) -> None:
-    """Join the stage's processes (torchrun's environment) as an ``IOGroup``; nothing to do in a
-    process already in a torch.distributed group (tests run stages so)."""
-    global _io_group
-    if _dist() is None and _io_group is None:
-        token = "|".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_PORT"))
-        _io_group = IOGroup.from_env(timeout_s, token + "|" + " ".join(sys.argv[1:]))
-        mark("process_group")
-
-
 def rank_world() -> tuple[int, int]:
     if (dist := _dist()) is not None:
         return dist.get_rank(), dist.get_world_size()
-    if _io_group is not None:
-        return _io_group.rank, _io_group.world
     return 0, 1
 
 
@@ -95,7 +78,7 @@ def all_gather_object(obj) -> list:
         out: list = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
         return out
-    return _io_group.all_gather(obj) if _io_group is not None else [obj]
+    return [obj]
 
 
 def broadcast_object(obj=None):
@@ -104,23 +87,17 @@ def broadcast_object(obj=None):
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-    return _io_group.broadcast(obj) if _io_group is not None else obj
+    return obj
 
 
 def barrier() -> None:
     if (dist := _dist()) is not None and dist.get_world_size() > 1:
         dist.barrier()
-    elif _io_group is not None:
-        _io_group.barrier()
 
 
 def _leave() -> None:
-    global _io_group
     if (dist := _dist()) is not None:
         dist.destroy_process_group()
-    if _io_group is not None:
-        _io_group.close()
-        _io_group = None
 
 
 def agree(error: str | None) -> str | None:
@@ -209,8 +186,6 @@ _PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken 
 
 def _lost_peer(e: BaseException) -> bool:
     """Did ``e`` come from a collective or the rendezvous losing another process (not a bug here)?"""
-    if isinstance(e, PeerLost):
-        return True
     dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", ())
     return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_SIGNS))
 
@@ -218,8 +193,6 @@ def _lost_peer(e: BaseException) -> bool:
 def _peer_error(e: BaseException) -> str:
     from . import liveness
 
-    if isinstance(e, PeerLost):  # it names the process already
-        return f"{e}; the stage stopped, nothing unfinished is published: rerun it to resume"
     text = " ".join(str(e).split())
     text = re.sub(r"^\[[^\]]*\] ", "", text)  # gloo prefixes its source file and line
     text = text.split(" This is typically caused")[0][:200]  # and may add advice meant for its own bug tracker

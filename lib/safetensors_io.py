@@ -5,9 +5,7 @@ S3 or NFS should fetch only those bytes: the format is an 8-byte header length, 
 with each tensor's dtype, shape and byte range, then raw little-endian data — so a row range of a
 tensor is one range read, and a column range is read in bounded row blocks.
 
-No torch here: tensors are read into and written from numpy arrays of their storage
-(``dtypes.HostTensor``), so that shard and export, which only move bytes, never import it; torch
-callers get views of the same memory (``read``, and ``write_file`` takes torch tensors too).
+Reads go straight into the memory of the torch tensor they return, writes straight out of it.
 """
 
 from __future__ import annotations
@@ -21,10 +19,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import fsspec
-import numpy as np
+import torch
 
-from . import publish
-from .dtypes import SAFETENSORS_CODES, HostTensor, numpy_storage
+from . import dtypes, publish
+from .dcp_format import ShortRead, read_into
+from .dtypes import SAFETENSORS_CODES
 from .errors import UserError
 
 # A header's dtype code ("BF16") → torch's name of the dtype ("bfloat16"), from lib/dtypes.py's table.
@@ -74,40 +73,38 @@ class SafetensorsFile:
                 raise SafetensorsError(f"{url}: truncated ({size} bytes, tensor {name} ends at {end}); re-copy the file")
             self.tensors[name] = TensorInfo(CODES[info["dtype"]], tuple(info["shape"]), begin, end)
 
-    def _read(self, f, begin: int, end: int, dtype: str, shape):
-        out = np.empty(shape, dtype=numpy_storage(dtype))
+    def _read(self, begin: int, end: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        """Bytes ``begin:end`` as a tensor: read straight into its memory by a range read, which
+        several threads may do at once (an fsspec file object is one position, and memory://
+        hands every opener the same one)."""
+        out = torch.empty(shape, dtype=dtype)
         if end > begin:
-            f.seek(begin)  # straight into the array's memory: no intermediate bytes object
-            if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != end - begin:
-                raise SafetensorsError(f"{self.url}: short read; the file changed while being read")
+            try:
+                read_into(self.fs, self.path, begin, memoryview(out.view(-1).view(torch.uint8).numpy()))
+            except ShortRead:
+                raise SafetensorsError(f"{self.url}: short read; the file changed while being read") from None
         return out
 
-    def read_host(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> HostTensor:
+    def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) ``start:stop`` of tensor ``name``."""
         info = self.tensors[name]
         shape = info.shape
         stop = shape[dim] if stop is None else stop
-        itemsize = numpy_storage(info.dtype).itemsize
-        with self.fs.open(self.path, "rb") as f:
-            if dim == 0:
-                row = itemsize * math.prod(shape[1:])
-                data = self._read(f, info.begin + start * row, info.begin + stop * row, info.dtype, (stop - start, *shape[1:]))
-                return HostTensor(info.dtype, data)
-            if dim != 1 or len(shape) != 2:
-                raise ValueError(f"only row or column slices of 2-D tensors are supported ({name}, dim {dim})")
-            rows, cols = shape
-            row_bytes = cols * itemsize
-            step = max(1, _BLOCK_BYTES // row_bytes)
-            out = np.empty((rows, stop - start), dtype=numpy_storage(info.dtype))
-            for r0 in range(0, rows, step):
-                r1 = min(rows, r0 + step)
-                block = self._read(f, info.begin + r0 * row_bytes, info.begin + r1 * row_bytes, info.dtype, (r1 - r0, cols))
-                out[r0:r1] = block[:, start:stop]
-        return HostTensor(info.dtype, out)
-
-    def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None):
-        """``read_host`` as a torch tensor."""
-        return self.read_host(name, dim, start, stop).torch()
+        dtype = dtypes.torch_dtype(info.dtype)
+        if dim == 0:
+            row = dtype.itemsize * math.prod(shape[1:])
+            return self._read(info.begin + start * row, info.begin + stop * row, dtype, (stop - start, *shape[1:]))
+        if dim != 1 or len(shape) != 2:
+            raise ValueError(f"only row or column slices of 2-D tensors are supported ({name}, dim {dim})")
+        rows, cols = shape
+        row_bytes = cols * dtype.itemsize
+        step = max(1, _BLOCK_BYTES // row_bytes)
+        out = torch.empty((rows, stop - start), dtype=dtype)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            block = self._read(info.begin + r0 * row_bytes, info.begin + r1 * row_bytes, dtype, (r1 - r0, cols))
+            out[r0:r1] = block[:, start:stop]
+        return out
 
 
 class SafetensorsCheckpoint:
@@ -142,10 +139,7 @@ class SafetensorsCheckpoint:
     def info(self, name: str) -> TensorInfo:
         return self.files[self.where[name]].tensors[name]
 
-    def read_host(self, name: str, dim: int, start: int, stop: int) -> HostTensor:
-        return self.files[self.where[name]].read_host(name, dim, start, stop)
-
-    def read(self, name: str, dim: int, start: int, stop: int):
+    def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         return self.files[self.where[name]].read(name, dim, start, stop)
 
 
@@ -158,15 +152,15 @@ class Deferred:
     """A tensor to write whose bytes are fetched when its turn comes (``get()``): a file's
     header needs only dtypes and shapes, so a writer need not hold the whole file in memory."""
 
-    dtype: str
+    dtype: torch.dtype
     shape: tuple[int, ...]
-    get: Callable[[], HostTensor]
+    get: Callable[[], torch.Tensor]
 
 
 def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None, threads: int = 1) -> dict:
     """Write a safetensors file at any fsspec URL; returns its manifest entry (``bytes`` and
-    checksum). ``tensors``: ``HostTensor``s, ``Deferred``s (fetched when their turn comes, up to
-    ``threads`` at once) or CPU torch tensors.
+    checksum). ``tensors``: CPU tensors, or ``Deferred``s (fetched when their turn comes, up to
+    ``threads`` at once).
 
     On a local filesystem with ``threads`` > 1, ``threads`` threads each fetch a tensor and write
     it at its offset (the header fixes every offset up front), and the file is then hashed as a
@@ -175,25 +169,24 @@ def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None, 
 
     The layout is the safetensors library's: header JSON padded with spaces to 8 bytes, tensors
     ordered by element size (largest first, so each starts aligned), then name, with no gaps."""
-    host = {n: t if isinstance(t, (HostTensor, Deferred)) else HostTensor.of(t) for n, t in tensors.items()}
-    specs = {n: (t.dtype, tuple(t.shape), math.prod(t.shape) * numpy_storage(t.dtype).itemsize) for n, t in host.items()}
-    order = sorted(host, key=lambda n: (-numpy_storage(specs[n][0]).itemsize, n))
+    specs = {n: (t.dtype, tuple(t.shape), math.prod(t.shape) * t.dtype.itemsize) for n, t in tensors.items()}
+    order = sorted(tensors, key=lambda n: (-specs[n][0].itemsize, n))
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset, offsets = 0, {}
     for name in order:
         dtype, shape, nbytes = specs[name]
-        header[name] = {"dtype": _CODE_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": _CODE_OF[dtypes.name(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offsets[name] = offset
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head = struct.pack("<Q", len(head) + (-len(head) % 8)) + head + b" " * (-len(head) % 8)
 
     def fetch(name: str) -> memoryview:
-        t = host[name].get() if isinstance(host[name], Deferred) else host[name]
+        t = tensors[name].get() if isinstance(tensors[name], Deferred) else tensors[name]
         if (t.dtype, tuple(t.shape)) != specs[name][:2]:
             raise ValueError(f"{url}: {name} came as {t.dtype} {list(t.shape)}, planned as "
                              f"{specs[name][0]} {list(specs[name][1])}")
-        return memoryview(np.ascontiguousarray(t.data).reshape(-1).view(np.uint8))
+        return memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
 
     fs, path = fsspec.core.url_to_fs(url)
     if threads > 1 and getattr(fs, "local_file", False):

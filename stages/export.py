@@ -15,15 +15,14 @@ import json
 import math
 import time
 
-from llamarl.lib import dcp_format, dtypes, hf_mapping, job, publish
+import torch
+
+from llamarl.lib import checkpoint, dcp_format, dtypes, hf_mapping, job, parallel, publish
 from llamarl.lib.config import LlamaConfig
 from llamarl.lib.errors import UserError
 from llamarl.lib.safetensors_io import Deferred, SafetensorsFile, write_file
 from llamarl.stages import contract, space
 from llamarl.stages.config import ExportConfig
-
-# No torch here: export moves bytes (numpy arrays of the tensors' storage, lib/dtypes.HostTensor)
-# over a torch-free process group (lib/iogroup.py), and starts in a fraction of a second.
 
 THREADS = 4  # tensors read, converted and written at once by each rank (safetensors_io.write_file)
 
@@ -59,13 +58,53 @@ def hf_config_for(manifest: dict, head: str, dtype: str) -> dict:
     return out
 
 
-def _read_metadata(url: str):
-    try:
-        return dcp_format.read_metadata(url)
-    except dcp_format.FormatError:  # another DCP version's classes: read through torch's (rare)
-        from llamarl.lib import checkpoint
+class _Unreadable(Exception):
+    """The checkpoint's files do not hold what its metadata says (a failure to read, never to write)."""
 
-        return checkpoint.read_metadata(url)
+
+def _tensor(url: str, md, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """Tensor ``name`` of the checkpoint, whole, as ``dtype``."""
+    stored = md.state_dict_metadata[name]
+    t = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+    try:
+        checkpoint.read({name: t}, url, md)
+    except Exception as e:  # whatever reading met: a file gone, cut short, or not DCP's
+        raise _Unreadable(f"{name}: {type(e).__name__}: {e}") from e
+    return t.to(dtype)
+
+
+def _metadata(src: str, shapes: dict[str, tuple], dtype: str):
+    """The checkpoint's DCP metadata, checked against its manifest: every tensor of the model, with
+    its shape and the manifest's dtype."""
+    try:
+        md = checkpoint.read_metadata(f"{src}/{contract.MODEL}")
+    except Exception as e:  # noqa: BLE001 — a .metadata damaged anyhow
+        raise _Unreadable(f"{contract.MODEL}/{checkpoint.METADATA}: {type(e).__name__}: {e}") from e
+    stored = md.state_dict_metadata
+    missing = [n for n in shapes if n not in stored]
+    if missing:
+        raise _Unreadable(f"it lacks {len(missing)} tensors of its model (first: {missing[0]})")
+    for n, shape in shapes.items():
+        if tuple(stored[n].size) != tuple(shape) or dtypes.name(stored[n].properties.dtype) != dtype:
+            raise _Unreadable(f"{n} is stored as {dtypes.name(stored[n].properties.dtype)} {list(stored[n].size)}, "
+                              f"its manifest says {dtype} {list(shape)}")
+    return md
+
+
+def _write(url: str, model_url: str, md, names: list[str], shapes: dict, dtype: torch.dtype) -> dict:
+    """One safetensors file of the tensors ``names``, each read whole when its turn comes; its
+    manifest entry. ``_Unreadable`` for the input, ``OSError`` for the output's storage."""
+    tensors = {n: Deferred(dtype, tuple(shapes[n]), lambda n=n: _tensor(model_url, md, n, dtype)) for n in names}
+    try:
+        return write_file(url, tensors, metadata={"format": "pt"}, threads=THREADS)
+    except OSError as e:  # reading raises _Unreadable: this is the output's storage
+        raise OSError(e.errno, f"writing {url}: {e.strerror or e}") from e
+
+
+def _failure(e: Exception, rank: int, src: str) -> tuple:
+    if isinstance(e, _Unreadable):
+        return "user", None, f"rank {rank}: {src}: {e}; the checkpoint is damaged: reshard it"
+    return dcp_format.describe(e, rank)
 
 
 def run(cfg: ExportConfig) -> None:
@@ -73,23 +112,13 @@ def run(cfg: ExportConfig) -> None:
     src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
     manifest = publish.require_published(src, kind=contract.CHECKPOINT)
     model_cfg = LlamaConfig.from_dict(manifest["model_config"])
-    head = manifest["head"]
+    head, src_dtype = manifest["head"], manifest["dtype"]
     shapes = hf_mapping.hf_shapes(model_cfg, head)
-    model_url = f"{src}/{contract.MODEL}"
-    md = _read_metadata(model_url)
-    stored = md.state_dict_metadata
-    missing = [n for n in shapes if n not in stored]
-    if missing:
-        raise UserError(f"{src}: the checkpoint lacks {len(missing)} tensors of its model (first: {missing[0]}); "
-                        "it is damaged: reshard it")
-    for n, shape in shapes.items():
-        if tuple(stored[n].size) != tuple(shape):
-            raise UserError(f"{src}: {n} is stored with shape {list(stored[n].size)}, its config implies {list(shape)}")
-    src_dtype = str(stored[next(iter(shapes))].properties.dtype)
     out_dtype = dtypes.torch_name(cfg.dtype) if cfg.dtype else src_dtype
 
-    # Any number of processes, each writing whole files.
-    job.join_io_group(cfg.collective_timeout_s)
+    # Any number of processes, each writing whole files; gloo also on GPU machines (export moves
+    # bytes on the CPU).
+    parallel.init(1, 1, backend="gloo", timeout_s=cfg.collective_timeout_s)
     rank, world = job.rank_world()
     t0 = time.perf_counter()  # after start-up (imports, process group): the work itself
 
@@ -104,36 +133,36 @@ def run(cfg: ExportConfig) -> None:
 
     groups = plan_files(shapes, dtypes.itemsize(out_dtype), int(cfg.max_shard_gb * 2**30))
     names = file_names(len(groups))
-    written: dict[str, dict] = {}
-    error = None
+    written, failure = {}, None
     try:
+        md = _metadata(src, shapes, src_dtype)
         for i in range(rank, len(groups), world):  # rank k writes files k, k + world, …
-            tensors = {n: Deferred(out_dtype, tuple(shapes[n]),
-                                   lambda n=n: dcp_format.read_whole(model_url, md, n).to(out_dtype))
-                       for n in groups[i]}
-            written[names[i]] = write_file(f"{dst}/{names[i]}", tensors, metadata={"format": "pt"}, threads=THREADS)
-    except (OSError, dcp_format.FormatError, ValueError) as e:
-        error = f"rank {rank}: {src}: {e}; the checkpoint is damaged: reshard it"
-    error = job.agree((verifying.result() if verifying else None) or error)
-    if error is not None:  # bad input: what was written from it goes (it was only ever ours, unpublished)
-        if rank == 0:
-            publish.discard(dst)
-        raise UserError(error)
-    files = {k: v for part in job.all_gather_object(written) for k, v in part.items()}
+            written[names[i]] = _write(f"{dst}/{names[i]}", f"{src}/{contract.MODEL}", md, groups[i], shapes,
+                                       dtypes.torch_dtype(out_dtype))
+    except (_Unreadable, OSError) as e:
+        failure = _failure(e, rank, src)
+    # A damaged input file (its checksum, any rank's) is the error to report, before what reading it did.
+    verified = verifying.result() if verifying else None
+    results = job.all_gather_object((verified, failure, written))
+    failures = [("user", None, v) for v, _, _ in results if v] + [f for _, f, _ in results if f]
+    if failures and rank == 0:  # what was written from bad input, or cut short, goes (it was only ever ours)
+        publish.discard(dst)
+    dcp_format.raise_first(f"exporting {src} to {dst}", failures)
+    files = {k: v for _, _, part in results for k, v in part.items()}
 
+    failure = None
     if rank == 0:
         try:
             _write_side_files(src, dst, manifest, head, out_dtype, groups, names, files)
             _check_written(dst, shapes, out_dtype, groups, names)
-        except UserError as e:
-            error = str(e)
-    job.check(error)
+            publish.publish(dst, {**expect, "files": files, "timing": job.timing()})
+        except (UserError, OSError) as e:
+            failure = dcp_format.describe(e, rank)
+    dcp_format.raise_first(f"exporting {src} to {dst}", [job.broadcast_object(failure)])
     if rank == 0:
-        publish.publish(dst, {**expect, "files": files, "timing": job.timing()})
         dt = time.perf_counter() - t0
         total = sum(v["bytes"] for k, v in files.items() if k.endswith(".safetensors"))
         print(f"{dst}: exported {total / 1e9:.2f} GB ({len(names)} file(s)) in {dt:.1f}s ({total / 1e9 / dt:.2f} GB/s)", flush=True)
-    job.barrier()
 
 
 def _write_side_files(src, dst, manifest, head, dtype, groups, names, files) -> None:

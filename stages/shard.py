@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
+import torch
 
-from llamarl.lib import dcp_format, dtypes, hf_mapping, job, publish
+from llamarl.lib import dcp_format, dtypes, hf_mapping, job, parallel, publish
 from llamarl.lib.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
+from llamarl.lib.parallel import Topology
 from llamarl.lib.safetensors_io import SafetensorsCheckpoint
 from llamarl.stages import contract, space
 from llamarl.stages.config import ShardConfig
-
-# No torch here: shard moves bytes (numpy arrays of the tensors' storage, lib/dtypes.HostTensor)
-# over a torch-free process group (lib/iogroup.py), and starts in a fraction of a second.
 
 
 def head_of(hf_config: dict) -> str:
@@ -41,13 +41,25 @@ def head_of(hf_config: dict) -> str:
     return "lm"
 
 
+# Rotary frequencies: a buffer older checkpoints saved beside the parameters; the config makes it.
+_ROTARY_BUFFER = re.compile(r"(.+\.)?rotary_emb\.inv_freq")
+
+
 def _check_weights(src: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, root: str) -> str:
-    """Every tensor the config implies exists with the implied shape; returns the source dtype's name."""
+    """Every tensor the config implies exists with the implied shape, and no other is there to be
+    dropped; returns the source dtype's name."""
     expected = hf_mapping.hf_shapes(cfg, head)
     missing = [n for n in expected if n not in src.where]
     if missing:
         raise UserError(f"{root}: {len(missing)} tensors that config.json implies are missing (first: {missing[0]}); "
                         "the weights do not match the config")
+    # With tied embeddings a saved head is the embedding's copy: the embedding is what the model uses.
+    tied_copy = {"lm_head.weight"} if head == "lm" and cfg.tie_word_embeddings else set()
+    extra = sorted(n for n in src.where if n not in expected and n not in tied_copy and not _ROTARY_BUFFER.fullmatch(n))
+    if extra:
+        raise UserError(f"{root}: {len(extra)} tensors that config.json does not imply would be dropped "
+                        f"({', '.join(extra[:3])}{', …' if len(extra) > 3 else ''}); fix config.json (num_hidden_layers, "
+                        "attention_bias, mlp_bias, tie_word_embeddings, architectures) or remove them from the weights")
     found = set()
     for name, shape in expected.items():
         info = src.info(name)
@@ -69,15 +81,14 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _pieces(weights: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, layout: ParallelLayout, rank: int,
-            dtype: str) -> list[dcp_format.Piece]:
-    """The chunks rank ``rank`` of the layout owns (the slices of the HF tensors its parameters
-    are made of), each read from the source files when it is written."""
-    tp_rank, pp_rank = rank % layout.tp, rank // layout.tp  # lib/parallel.py's order, dp = 1
+def _pieces(weights: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, topo: Topology,
+            dtype: torch.dtype) -> list[dcp_format.Piece]:
+    """The chunks this rank's place in the layout owns (the slices of the HF tensors its
+    parameters are made of), each read from the source files when it is written."""
     shapes = hf_mapping.hf_shapes(cfg, head)
     pieces: dict[tuple, dcp_format.Piece] = {}
-    for name in hf_mapping.stage_param_names(cfg, head, layout.pp, pp_rank):
-        for s in hf_mapping.param_slices(cfg, layout.tp, tp_rank, name):
+    for name in hf_mapping.stage_param_names(cfg, head, topo.pp, topo.pp_rank):
+        for s in hf_mapping.param_slices(cfg, topo.tp, topo.tp_rank, name):
             size = shapes[s.hf_name]
             stop = min(s.stop, size[s.dim])  # rows past the end are vocabulary padding: not stored
             if stop <= s.start:
@@ -86,7 +97,7 @@ def _pieces(weights: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, layout:
             off[s.dim], shape[s.dim] = s.start, stop - s.start
             pieces[(s.hf_name, tuple(off))] = dcp_format.Piece(
                 s.hf_name, size, tuple(off), tuple(shape), dtype,
-                lambda s=s, stop=stop: weights.read_host(s.hf_name, s.dim, s.start, stop).to(dtype))
+                lambda s=s, stop=stop: weights.read(s.hf_name, s.dim, s.start, stop).to(dtype))
     return list(pieces.values())
 
 
@@ -106,11 +117,9 @@ def run(cfg: ShardConfig) -> None:
     src_dtype = _check_weights(weights, model_cfg, head, src)
     out_dtype = dtypes.torch_name(cfg.dtype) if cfg.dtype else src_dtype
 
-    job.join_io_group(cfg.collective_timeout_s)
+    # gloo also on GPU machines: shard moves bytes on the CPU.
+    topo = parallel.init(cfg.tp, cfg.pp, dp=1, backend="gloo", timeout_s=cfg.collective_timeout_s, stage="shard")
     rank, world = job.rank_world()
-    if world != cfg.tp * cfg.pp:
-        raise UserError(f"shard runs with tp*pp*dp = {cfg.tp}*{cfg.pp}*1 = {cfg.tp * cfg.pp} processes, not {world}; "
-                        "launch it through `llamarl stage` or `llamarl run`, which start that many")
     t0 = time.perf_counter()  # after start-up (imports, process group): the work itself
 
     source_files = sorted(set(weights.where.values()) | {n for n in contract.SIDE_FILES if fs.exists(f"{src_path}/{n}")}
@@ -137,7 +146,7 @@ def run(cfg: ShardConfig) -> None:
         return
 
     rss_before = _rss_bytes()
-    pieces = _pieces(weights, model_cfg, head, layout, rank, out_dtype)
+    pieces = _pieces(weights, model_cfg, head, topo, dtypes.torch_dtype(out_dtype))
     dcp_format.save(pieces, f"{dst}/{contract.MODEL}")
     nbytes = sum(p.nbytes for p in pieces)
     ranks = job.all_gather_object({"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,

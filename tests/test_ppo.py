@@ -658,7 +658,7 @@ def test_bf16_keeps_fp32_state_and_the_stored_dtype(bf16_run, reference_run, ite
     assert m["dtype"] == "float32"  # the toy actor is stored in fp32: so is the update
     meta = checkpoint.read_metadata(str(bf16_run / "train_state" / "actor" / "optim")).state_dict_metadata
     masters = [k for k in meta if k.endswith(".master")]
-    assert masters and all(meta[k].properties.dtype == "float32" for k in meta)
+    assert masters and all(meta[k].properties.dtype == torch.float32 for k in meta)
     assert publish.require_published(str(bf16_run), "ppo")["summary"]["dtype"] == "bfloat16"
     # The update is the fp32 one up to bf16 rounding of activations, not something else.
     err = _update_error(str(bf16_run), str(reference_run), _weights(str(iteration / "actor")))

@@ -214,6 +214,61 @@ def test_config_that_does_not_match_weights(tmp_path):
         shard.run(ShardConfig(src=str(src), dst=str(tmp_path / "c")))
 
 
+def test_tensors_the_config_does_not_imply_are_refused_not_dropped(tmp_path):
+    src = tmp_path / "hf"
+    _hf_dir(str(src))  # 3 layers
+    cfg = json.load(open(src / "config.json"))
+    cfg["num_hidden_layers"] = 2
+    json.dump(cfg, open(src / "config.json", "w"))
+    with pytest.raises(UserError, match=r"hf: 9 tensors that config.json does not imply would be dropped "
+                                        r"\(model.layers.2.input_layernorm.weight, model.layers.2.mlp.down_proj.weight, "
+                                        r"model.layers.2.mlp.gate_proj.weight, …\); fix config.json \(num_hidden_layers, "
+                                        r"attention_bias, mlp_bias, tie_word_embeddings, architectures\) or remove them"):
+        shard.run(ShardConfig(src=str(src), dst=str(tmp_path / "c")))
+    assert not (tmp_path / "c").exists()
+
+
+def test_what_real_checkpoints_carry_beside_their_parameters_is_not_extra(pool2, tmp_path):
+    # Tied embeddings saved with the head's copy, and rotary frequencies older checkpoints kept:
+    # made from the config, so sharding goes on; the export is the model as HF saves it.
+    from safetensors.torch import save_file
+
+    model = tiny.hf_model("lm", tie_word_embeddings=True)
+    ref, src = str(tmp_path / "ref"), tmp_path / "hf"
+    model.save_pretrained(ref)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    assert "lm_head.weight" in state
+    state["model.rotary_emb.inv_freq"] = torch.rand(8)
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
+    model.config.save_pretrained(src)
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    pool2.run(shard_then_export, str(src), str(tmp_path / "ckpt"), str(tmp_path / "out"), 2, 1)
+    _assert_identical(ref, tmp_path / "out")
+
+
+def _names_match(cfg_kwargs: dict, head: str, tp: int, pp: int):
+    from llamarl.lib import hf_mapping
+
+    cfg = LlamaConfig(**cfg_kwargs)
+    topo = parallel.init(tp, pp)
+    cls = ParallelLlamaForCausalLM if head == "lm" else ParallelLlamaForScore
+    model = cls(cfg, ParallelLayout(tp=tp, pp=pp), dtype=torch.float32)
+    try:
+        return sorted(n for n, _ in model.named_parameters()) == sorted(
+            hf_mapping.stage_param_names(cfg, head, pp, topo.pp_rank))
+    finally:
+        parallel.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_shard_plans_the_model_s_parameter_names(pool2, tp, pp):
+    base = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                head_dim=8)
+    for extra, head in (({}, "lm"), ({"tie_word_embeddings": True}, "lm"), ({"attention_bias": True, "mlp_bias": True}, "lm"),
+                        ({}, "score")):
+        assert all(pool2.run(_names_match, {**base, **extra}, head, tp, pp)), (extra, head)
+
+
 def test_destination_that_is_not_ours_is_never_touched(pool2, tmp_path):
     src = str(tmp_path / "hf")
     _hf_dir(src)
@@ -349,7 +404,6 @@ def test_files_are_dcp_s_format_both_ways(pool2, tmp_path):
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
     from torch.distributed.checkpoint.metadata import Metadata
 
-    assert checkpoint.DCP_VERSION == CURRENT_DCP_VERSION
     full = _full_tensors()
     ours = str(tmp_path / "ours")
     pool2.run(save_with_replicas, ours)
@@ -370,7 +424,7 @@ def test_files_are_dcp_s_format_both_ways(pool2, tmp_path):
     assert torch.equal(w, full["w"]) and torch.equal(kv[2:], full["kv"][2:]) and not kv[:2].any()
     md = checkpoint.read_metadata(theirs)
     assert tuple(md.state_dict_metadata["w"].size) == (12, 10)
-    assert md.state_dict_metadata["w"].properties.dtype == "bfloat16"
+    assert md.state_dict_metadata["w"].properties.dtype == torch.bfloat16
     # The same state saved by both writers: the same metadata, field for field (bar the save id).
     checkpoint.save(full, str(tmp_path / "ours1"), threads=2)
     a, b = (pickle.loads((tmp_path / d / ".metadata").read_bytes()) for d in ("ours1", "theirs"))
@@ -409,6 +463,54 @@ def test_dtype_names_are_one_table(tmp_path):
     write_file(str(tmp_path / "t.safetensors"), written)
     assert {n: t.dtype for n, t in SafetensorsFile(str(tmp_path / "t.safetensors")).tensors.items()} == \
         {n: dtypes.name(t.dtype) for n, t in written.items()}
+
+
+def test_safetensors_written_by_threads_at_offsets_is_the_same_file(tmp_path):
+    # Local files: tensors fetched and written at their offsets by several threads, then hashed as
+    # a block tree; a stream elsewhere (memory:// here), in order. The same bytes either way, and
+    # what safetensors itself writes.
+    import fsspec
+    from safetensors.torch import save as st_save
+
+    from llamarl.lib.safetensors_io import Deferred, write_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(17 + i, 9, generator=g) for i in range(7)}
+    tensors["h"] = torch.randn(5, generator=g).to(torch.bfloat16)
+    lazy = {n: Deferred(t.dtype, tuple(t.shape), lambda t=t: t) for n, t in tensors.items()}
+    a = write_file(str(tmp_path / "a.safetensors"), lazy, threads=4)
+    b = write_file(str(tmp_path / "b.safetensors"), tensors, threads=1)
+    c = write_file("memory://llamarl-test/c.safetensors", lazy, threads=4)
+    data = (tmp_path / "a.safetensors").read_bytes()
+    assert data == (tmp_path / "b.safetensors").read_bytes() == fsspec.filesystem("memory").cat("/llamarl-test/c.safetensors")
+    assert data == st_save(tensors)
+    assert publish.TREE in a and "xxh3_128" in b and "xxh3_128" in c
+    publish.verify(str(tmp_path), {"a.safetensors": a, "b.safetensors": b})
+    wrong = {**lazy, "t3": Deferred(torch.float32, (1, 1), lambda: tensors["t3"])}
+    with pytest.raises(ValueError, match="t3 came as torch.float32"):
+        write_file(str(tmp_path / "d.safetensors"), wrong, threads=4)
+    assert not (tmp_path / "d.safetensors").exists()
+
+
+def test_slices_read_by_many_threads_at_once_are_each_their_own(tmp_path):
+    # Shard's writer threads read slices of one source file at once; on memory:// every opener
+    # of a file gets the same file object (one position), so a read is a range request.
+    from concurrent.futures import ThreadPoolExecutor
+
+    import fsspec
+    from safetensors.torch import save
+
+    from llamarl.lib.safetensors_io import SafetensorsFile
+
+    w = torch.arange(512 * 64, dtype=torch.float32).reshape(512, 64)
+    url = "memory://llamarl-threads/model.safetensors"
+    fsspec.filesystem("memory").pipe_file(url, save({"w": w}))
+    f = SafetensorsFile(url)
+    spans = [(dim, a, a + 7) for dim, n in ((0, 512), (1, 64)) for a in range(0, n - 7, 3)] * 4
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda s: f.read("w", *s), spans))
+    for (dim, a, b), t in zip(spans, got):
+        assert torch.equal(t, w.narrow(dim, a, b - a)), (dim, a, b)
 
 
 def test_unpublished_checkpoint_is_refused(tmp_path):
@@ -470,6 +572,50 @@ def test_killed_at_random_points_then_rerun_gives_identical_result(tmp_path):
     assert _cli("stage", "shard", src, ckpt, "--tp", "2").wait(timeout=300) == 0
     assert _cli("stage", "export", ckpt, out).wait(timeout=300) == 0
     _assert_identical(src, out)
+
+
+@pytest.mark.slow
+def test_shard_under_torchrun(tmp_path):
+    # torchrun's agent holds MASTER_PORT (its store) for its workers; the stage joins through it.
+    from llamarl.cluster.executor import free_port
+
+    src, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    _hf_dir(src)
+    cfg = ShardConfig(src=src, dst=ckpt, tp=2).model_dump_json()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "-m", "llamarl.stages.shard", "--config-json", cfg],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert publish.read_manifest(ckpt)["written_layout"] == {"tp": 2, "pp": 1}
+
+
+def _file_size_limit(max_bytes: int):
+    """For a child process: writes past ``max_bytes`` fail with EFBIG (its SIGXFSZ ignored), as a
+    full disk fails them with ENOSPC. Run it with PYTHONDONTWRITEBYTECODE: the bytecode it would
+    cache would be cut short too, and break every later import of those modules."""
+    def limit():
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+    return limit
+
+
+@pytest.mark.parametrize("stage", ["shard", "export"])
+def test_a_write_that_fails_is_never_blamed_on_the_input(tmp_path, stage):
+    src, ckpt, out = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "out")
+    _hf_dir(src)
+    shard.run(ShardConfig(src=src, dst=ckpt)) if stage == "export" else None
+    cfg = {"src": src, "dst": ckpt} if stage == "shard" else {"src": ckpt, "dst": out}
+    before = {p: p.read_bytes() for p in (tmp_path / ("hf" if stage == "shard" else "ckpt")).rglob("*") if p.is_file()}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {"PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-m", f"llamarl.stages.{stage}", "--config-json", json.dumps(cfg)],
+                          env=env, capture_output=True, text=True, timeout=300, preexec_fn=_file_size_limit(16 << 10))
+    assert proc.returncode != 0, proc.stderr
+    assert "File too large" in proc.stderr, proc.stderr
+    assert "damaged" not in proc.stderr and "reshard" not in proc.stderr, proc.stderr
+    assert publish.read_manifest(cfg["dst"]) is None
+    assert {p: p.read_bytes() for p in before} == before  # the input as it was
 
 
 def test_memory_filesystem_roundtrip(tmp_path):

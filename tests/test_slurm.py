@@ -170,7 +170,8 @@ def test_detached_run_chains_the_dag_cancels_after_a_failure_and_a_rerun_submits
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert time.monotonic() - started < 60, "--detach waited for the jobs"
-    assert proc.stdout.count("submitted as job") == 6, proc.stdout  # 2 shards, rollout, scores, ppo, export
+    # 2 shards, rollout, scores, ppo, its validation's rollout and scores, export
+    assert proc.stdout.count("submitted as job") == 8, proc.stdout
     rerun = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(spec)], env=env,
                            capture_output=True, text=True, timeout=120)
     assert rerun.returncode == 2 and "still queued or running" in rerun.stdout, rerun.stdout  # no second copy
@@ -181,15 +182,17 @@ def test_detached_run_chains_the_dag_cancels_after_a_failure_and_a_rerun_submits
     assert st["iter-001/scores"][0] == "failed" and "ValueError" in st["iter-001/scores"][1], st
     assert st["iter-001/ppo"] == ("cancelled", "iter-001/scores failed"), st
     assert st["export"] == ("cancelled", "iter-001/ppo cancelled"), st
+    assert st["iter-001/val-scores"] == ("cancelled", "iter-001/val-rollout cancelled"), st
 
     data["score"]["rewards"] = [{"name": "llamarl.pipeline.demo:vowel_ratio"}]
     spec.write_text(yaml.safe_dump(data))
     proc = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(spec), "--detach"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("submitted as job") == 3 and proc.stdout.count("done, skipped") == 3, proc.stdout
+    assert proc.stdout.count("submitted as job") == 5 and proc.stdout.count("done, skipped") == 3, proc.stdout
     _wait_until_queue_empty(cluster, 600)
     st = _status(env, run_dir)
     assert {state for state, _ in st.values()} == {"done"}, st
     assert publish.require_published(os.path.join(run_dir, "export"), "hf_export")
-    assert os.path.exists(os.path.join(run_dir, "metrics.jsonl"))  # ppo's recorder updated the run's metrics
+    # The recorders of ppo and of the validation's scores updated the run's metrics.
+    assert "val_score" in json.loads(open(os.path.join(run_dir, "metrics.jsonl")).readline())

@@ -1,0 +1,145 @@
+"""DCP's files: the one writer (lib/dcp_format.py) and the one item parser, against torch's own.
+
+- items are ``torch.save``'s archives, and the parser finds the tensor in any of them;
+- a checkpoint written again from the same tensors is the same bytes, ``.metadata`` too;
+- a failure on one rank raises on every rank as its kind (a user error, a full disk, a bug);
+- a checkpoint written before the writer moved onto torch (tests/data/ckpt-db68fda) still loads
+  and exports bit for bit;
+- whole tensors (what export reads) come back from chunks of our writer and of DCP's.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llamarl.lib import checkpoint, dcp_format, publish
+from llamarl.lib.errors import UserError
+from llamarl.stages import export
+from llamarl.stages.config import ExportConfig
+
+OLD = os.path.join(os.path.dirname(__file__), "data", "ckpt-db68fda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool, torch.int8])
+@pytest.mark.parametrize("shape", [(5, 3), (), (0,), (2, 3, 4)])
+def test_the_parser_finds_the_tensor_of_any_torch_save_archive(dtype, shape):
+    t = (torch.randn(shape) * 50).to(dtype)
+    for saved in (t, t.t() if t.dim() == 2 else t):  # a transposed (strided) tensor too
+        buf = io.BytesIO()
+        torch.save(saved, buf)
+        raw = buf.getvalue()
+        stored = dcp_format.parse_item(dcp_format.MemoryFile(memoryview(raw)), start=0)
+        assert stored is not None and stored.dtype == dtype and stored.size == tuple(saved.shape)
+        assert stored.begin % 64 == 0  # torch aligns its records
+        span = sum((n - 1) * s for n, s in zip(stored.size, stored.stride)) + 1 if saved.numel() else 0
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)[stored.begin : stored.begin + span * dtype.itemsize]
+        assert torch.equal(data.view(dtype).as_strided(stored.size, stored.stride), saved)
+    assert dcp_format.parse_item(dcp_format.MemoryFile(memoryview(b"not a zip at all")), start=0) is None
+
+
+def test_a_checkpoint_written_again_is_the_same_bytes(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(64, 40, generator=g)
+    state = {"w": torch.randn(40, 8, generator=g).to(torch.bfloat16), "b": torch.arange(7),
+             "rows": checkpoint.Chunks((64, 40), {(0, 0): big[:30], (30, 0): big[30:]})}  # views of one storage
+    checkpoint.save(state, str(tmp_path / "a"), threads=2)
+    first = {f: (tmp_path / "a" / f).read_bytes() for f in os.listdir(tmp_path / "a")}
+    shutil.rmtree(tmp_path / "a")
+    checkpoint.save(state, str(tmp_path / "a"), threads=2)  # a rerun, after a kill that lost it all
+    again = {f: (tmp_path / "a" / f).read_bytes() for f in os.listdir(tmp_path / "a")}
+    assert ".metadata" in first and first == again  # .metadata too: its save id is the items' digest
+    # An item holds its chunk alone, not the whole storage the chunk is a view of.
+    assert sum(len(v) for k, v in first.items() if k != ".metadata") < 2 * (64 * 40 * 4 + 40 * 8 * 2 + 7 * 8)
+    out = {"w": torch.zeros(40, 8, dtype=torch.bfloat16), "b": torch.zeros(7, dtype=torch.int64),
+           "rows": torch.zeros(64, 40)}
+    checkpoint.load(out, str(tmp_path / "a"))
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and torch.equal(out["rows"], big)
+
+
+def save_failing_on_rank_1(url: str, failure: str) -> str:
+    rank = torch.distributed.get_rank()
+
+    def get():
+        if rank == 1 and failure == "user":
+            raise UserError("src/model.safetensors: short read; the file changed while being read")
+        if rank == 1 and failure == "disk":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{url}/__1_0.distcp")
+        if rank == 1:
+            raise KeyError("a bug")
+        return torch.ones(2)
+
+    piece = dcp_format.Piece("t", (4,), (2 * rank,), (2,), torch.float32, get)
+    try:
+        dcp_format.save([piece], url)
+    except Exception as e:  # noqa: BLE001 — what each rank raised, by kind
+        return f"{type(e).__name__} {getattr(e, 'errno', None)} {e}"
+    return "saved"
+
+
+@pytest.mark.parametrize("failure", ["user", "disk", "bug"])
+def test_a_failure_on_one_rank_raises_its_kind_on_every_rank(pool2, tmp_path, failure):
+    url = str(tmp_path / f"m-{failure}")
+    got = pool2.run(save_failing_on_rank_1, url, failure)
+    assert got[0] == got[1], got  # the same on both ranks
+    kind = {"user": "UserError None src/model.safetensors: short read",
+            "disk": f"OSError {errno.ENOSPC} [Errno {errno.ENOSPC}] saving the checkpoint {url} failed: rank 1: "
+                    "No space left on device",
+            "bug": f"RuntimeError None saving the checkpoint {url} failed: rank 1: KeyError"}[failure]
+    assert got[0].startswith(kind), got[0]
+    assert not os.path.exists(f"{url}/.metadata")
+
+
+def test_a_checkpoint_written_before_the_one_runtime_loads_and_exports(pool2, tmp_path):
+    # Written at db68fda (TP 2, bf16, one kv head replicated over TP) by the torch-free writer,
+    # whose .metadata pickled stand-ins under DCP's class names. Its source is beside it.
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(OLD, "checkpoint"), ckpt)
+    source = load_file(os.path.join(OLD, "hf-source", "model.safetensors"))
+    md = checkpoint.read_metadata(f"{ckpt}/model")
+    whole = {n: torch.zeros(tuple(md.state_dict_metadata[n].size), dtype=torch.bfloat16) for n in source}
+    checkpoint.load(whole, f"{ckpt}/model")
+    assert all(torch.equal(whole[n], source[n]) for n in source)
+    pool2.run(export.run, ExportConfig(src=ckpt, dst=str(tmp_path / "out")))
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert out.keys() == source.keys() and all(torch.equal(out[n], source[n]) for n in source)
+    assert publish.read_manifest(str(tmp_path / "out"))["kind"] == "hf_export"
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["ranges", "rows-read-in-place"])
+def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, direct):
+    # What export reads: whole tensors from chunks split by rows (read straight into place when
+    # their items are large: every item here, with direct) or by columns (copied), written by
+    # lib/ or by DCP's own writer (strided items included).
+    import torch.distributed.checkpoint as dcp
+
+    flat = []
+    if direct:
+        monkeypatch.setattr(checkpoint, "_DIRECT_BYTES", 1)
+        monkeypatch.setattr(checkpoint, "_EDGE_BYTES", 4096)  # torch's zip reader looks for the end in 4 KiB
+        real = checkpoint._flat_span
+        monkeypatch.setattr(checkpoint, "_flat_span", lambda r, st: flat.append(real(r, st)) or flat[-1])
+    g = torch.Generator().manual_seed(3)
+    full = {"rows": torch.randn(96, 40, generator=g).to(torch.bfloat16), "cols": torch.randn(24, 50, generator=g),
+            "vec": torch.randn(3000, generator=g).to(torch.float16)}
+    ours = str(tmp_path / "ours")
+    checkpoint.save({"rows": checkpoint.Chunks((96, 40), {(0, 0): full["rows"][:32], (32, 0): full["rows"][32:]}),
+                     "cols": checkpoint.Chunks((24, 50), {(0, 0): full["cols"][:, :20], (0, 20): full["cols"][:, 20:]}),
+                     "vec": full["vec"]}, ours, threads=2)
+    theirs = str(tmp_path / "theirs")
+    dcp.save({"rows": full["rows"], "cols": full["cols"].t().contiguous().t(), "vec": full["vec"]},
+             storage_writer=dcp.FileSystemWriter(theirs, thread_count=2))
+    for url in (ours, theirs):
+        md = checkpoint.read_metadata(url)
+        for name, t in full.items():
+            got = export._tensor(url, md, name, t.dtype)
+            assert got.dtype == t.dtype and torch.equal(got, t), (url, name)
+    # Read in place: rows (2 chunks of ours, 1 of DCP's) and vec (1 each); not the columns of
+    # ours, nor DCP's strided item of cols.
+    assert len([f for f in flat if f is not None]) == (5 if direct else 0)
