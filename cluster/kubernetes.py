@@ -26,7 +26,7 @@ import re
 import shlex
 import sys
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import ConfigDict, Field
@@ -55,8 +55,11 @@ def _dns_name(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:50]
 
 
+# YAML reads `cpu: 32` or `OMP_NUM_THREADS: 8` as a number; the API takes such values as strings.
+AsText = Annotated[str, Field(strict=False)]
+
+
 class KubernetesOptions(Strict):
-    # YAML reads `cpu: 32` as a number; the API takes quantities as strings.
     model_config = ConfigDict(coerce_numbers_to_str=True)
 
     image: str = Field(description="Container image with llamarl installed.")
@@ -67,11 +70,11 @@ class KubernetesOptions(Strict):
     gpus_per_node: int | None = Field(None, ge=0, description="GPUs of each pod (nvidia.com/gpu). Default: one per "
                                                              "process for the stages that compute on GPUs (rollout, "
                                                              "score, ppo), none for shard and export; 0 for none.")
-    cpu: str | None = Field(None, description="CPU request of each pod, e.g. 32 or 500m.")
-    memory: str | None = Field(None, description="Memory request of each pod, e.g. 256Gi.")
+    cpu: AsText | None = Field(None, description="CPU request of each pod, e.g. 32 or 500m.")
+    memory: AsText | None = Field(None, description="Memory request of each pod, e.g. 256Gi.")
     restarts: int = Field(2, ge=0, description="Times a failed stage's pods are all replaced and the stage resumed "
                                                "(a user error is never retried).")
-    shm_size: str | None = Field(None, description="Size limit of the memory-backed /dev/shm, e.g. 64Gi (counted "
+    shm_size: AsText | None = Field(None, description="Size limit of the memory-backed /dev/shm, e.g. 64Gi (counted "
                                                    "against the pod's memory); default: no limit of its own.")
     run_as_user: int = Field(1000, ge=1, description="Non-root user (and group, and fsGroup of the storage) the "
                                                       "pods run as.")
@@ -79,8 +82,8 @@ class KubernetesOptions(Strict):
     apply: bool = Field(False, description="Create the objects and follow the Job; otherwise only write the YAML.")
     manifests_dir: str | None = Field(None, description="Where the YAML is written without apply (one file per "
                                                         "stage); default RUN/pipeline/k8s.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the pods.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="nodeSelector of the pods.")
+    env: dict[str, AsText] = Field(default_factory=dict, description="Extra environment variables of the pods.")
+    node_selector: dict[str, AsText] = Field(default_factory=dict, description="nodeSelector of the pods.")
     poll_s: float = Field(5.0, gt=0, description="Seconds between reads of a Job's status.")
     driver_restarts: int = Field(10, ge=0, description="`llamarl run --detach`: times the driver pod (which runs the "
                                                        "resumable `llamarl run` in the cluster) is restarted after a "

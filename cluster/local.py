@@ -34,12 +34,16 @@ from llamarl.stages.config import Strict
 from .executor import ExecutorBase, StageResult, free_port, per_node, stage_command
 
 
+MACHINE_MAX = 1024  # more cores or GPUs than one machine has: a typo (gpus: 1e9 would list a billion GPUs)
+
+
 class LocalOptions(Strict):
-    threads_per_process: int = Field(1, ge=1, description="OMP/intra-op threads each process may use (CPU runs).")
+    threads_per_process: int = Field(1, ge=1, le=MACHINE_MAX, description="OMP/intra-op threads each process may use "
+                                                                          "(CPU runs).")
     grace_s: float = Field(30.0, ge=0, description="Seconds the other processes get to exit after one has failed.")
     max_concurrent_stages: int = Field(1, ge=1, description="Stages that may run at once when the DAG allows it "
                                                             "(max_staleness > 0: a rollout beside a ppo).")
-    gpus: int = Field(0, ge=0, description="GPUs of this machine the stages share, one per process (0: none, or "
+    gpus: int = Field(0, ge=0, le=MACHINE_MAX, description="GPUs of this machine the stages share, one per process (0: none, or "
                                            "every stage takes GPUs 0..n-1). With gpus, a stage gets GPUs no "
                                            "running stage holds (CUDA_VISIBLE_DEVICES) and waits until enough "
                                            "are free.")

@@ -76,6 +76,16 @@ def disk_full_error(path: str, words: str = _DISK_FULL[28]) -> str:
             f"iterations are deleted, then rerun: what was published is kept")
 
 
+def one_line(text: str) -> str:
+    """``text`` as one printable line: what a user's value in a message may hold and a terminal
+    must not get — a newline, a NUL, an escape sequence, a right-to-left override, a lone
+    surrogate (which no UTF-8 stream can even write) — written as Python escapes (``\\n``,
+    ``\\x1b``, ``\\u202e``, ``\\ud800``). Every ``error: …`` line goes through it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def unreadable(e: OSError | UnicodeDecodeError) -> str:
     """Why a file the user named could not be read, in a few words (for a one-line error)."""
     if isinstance(e, UnicodeDecodeError):

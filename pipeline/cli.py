@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import typer
 
-from llamarl.lib.errors import EXIT_USER_ERROR, Stopped, disk_full, disk_full_error
+from llamarl.lib.errors import EXIT_USER_ERROR, Stopped, disk_full, disk_full_error, one_line
 from llamarl.pipeline.spec import ExportLayout
 from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
 
@@ -34,6 +34,7 @@ def run(
     """Run (or resume) every stage of a spec that is not done yet."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from llamarl.lib.errors import UserError
     from llamarl.pipeline.run import run_spec
@@ -52,27 +53,27 @@ def run(
             report = run_spec(loaded, dry_run=dry_run, show_launch=show_launch, detach=detach and not dry_run,
                               echo=lambda m: _say(console, m, markup=False, wrap=True))
     except UserError as e:
-        _say(console, f"[red]error:[/red] {e}")
+        _error(console, str(e))
         raise typer.Exit(EXIT_USER_ERROR)
     except Stopped as e:
         stages = f": stopped {', '.join(e.stages)}, every process of each" if e.stages else ""
-        _say(console, f"[red]error:[/red] llamarl run got {e.name}{stages}; rerun `llamarl run {spec}` to resume")
+        _error(console, f"llamarl run got {e.name}{stages}; rerun `llamarl run {spec}` to resume")
         _leave(e.exit_status)
     except OSError as e:  # the driver's own writes (records, the spec's copy) to a full run directory
         if (words := disk_full(e)) is None:
             raise
-        _say(console, f"[red]error:[/red] {disk_full_error(e.filename or (loaded.run_dir if loaded else spec), words)}")
+        _error(console, disk_full_error(e.filename or (loaded.run_dir if loaded else spec), words))
         raise typer.Exit(EXIT_USER_ERROR)
     if dry_run:
-        table = Table(title=f"{loaded.run_dir} (dry run)")
+        table = Table(title=Text(f"{loaded.run_dir} (dry run)"))
         table.add_column("stage")
         table.add_column("plan")
         for name, what in report:
-            table.add_row(name, what)
+            table.add_row(Text(name), Text(what))
         console.print(table)
         return
     if detach:
-        console.print(f"submitted; follow it with `llamarl status {loaded.run_dir}`", highlight=False)
+        console.print(f"submitted; follow it with `llamarl status {loaded.run_dir}`", highlight=False, markup=False)
         return
     _print_metrics(console, loaded.run_dir, loaded.iterations)
 
@@ -103,12 +104,20 @@ def stopped_by_signals():
             signal.signal(sig, handler)
 
 
-def _say(console, text: str, markup: bool = True, wrap: bool = False) -> None:
+def _say(console, text, markup: bool = True, wrap: bool = False) -> None:
     """A line to the terminal, which may be gone (SIGHUP): then it is dropped."""
     try:
         console.print(text, highlight=False, markup=markup, soft_wrap=not wrap)
     except OSError:
         pass
+
+
+def _error(console, message: str) -> None:
+    """``error: MESSAGE`` in one line, the message as written: never read as rich markup (a path may
+    hold ``[/x]``), its control characters escaped (``errors.one_line``)."""
+    from rich.text import Text
+
+    _say(console, Text.assemble(("error:", "red"), " ", one_line(message)))
 
 
 def _leave(status: int) -> None:
@@ -140,7 +149,7 @@ def _print_metrics(console, run_dir: str, iterations: int) -> None:
     for r in rows:
         table.add_row(*(_cell(r.get(key)) for key in columns.values()))
     console.print(table)
-    console.print(f"plot: {run_dir}/metrics.png   export: {run_dir}/export")
+    console.print(f"plot: {run_dir}/metrics.png   export: {run_dir}/export", markup=False)
 
 
 def _cell(value) -> str:
@@ -154,6 +163,7 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
     """Show the run's stages: done / running / failed / pending, and why."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from llamarl.lib.errors import UserError
     from llamarl.pipeline.status import status
@@ -162,19 +172,20 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
     try:
         rows = status(run)
     except UserError as e:
-        console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        _error(console, str(e))
         raise typer.Exit(EXIT_USER_ERROR)
     colors = {"done": "green", "failed": "red", "running": "yellow", "stale": "yellow"}
-    table = Table(title=run)
+    table = Table(title=Text(run))
     for col in ("stage", "state", "why"):
         table.add_column(col)
     for name, state, why in rows:
-        table.add_row(name, f"[{colors.get(state, 'white')}]{state}[/]", why)
+        table.add_row(Text(name), Text(state, style=colors.get(state, "white")), Text(why))
     console.print(table)
     from llamarl.pipeline.lock import RunLock
 
     holder = RunLock(run).holder()
-    console.print(f"being run by {holder}" if holder else "no `llamarl run` holds this run now", highlight=False)
+    console.print(f"being run by {holder}" if holder else "no `llamarl run` holds this run now", highlight=False,
+                  markup=False)
 
 
 def _field(model, name: str, *decls: str, **kw):
@@ -230,26 +241,24 @@ def export(
 
 
 def _fail(message: str):
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {one_line(message)}", err=True)
     raise typer.Exit(EXIT_USER_ERROR)
 
 
 def _options(config: str) -> dict:
     """The options file of a stage command, or a one-line error."""
-    import yaml
-
-    from llamarl.lib.errors import unreadable
-    from llamarl.pipeline.spec import yaml_problem
+    from llamarl.lib.files import yamlfile
+    from llamarl.lib.errors import UserError, unreadable
 
     try:
         with open(config) as f:
-            data = yaml.safe_load(f) or {}
+            data = yamlfile.load(f, config) or {}
     except FileNotFoundError:
         _fail(f"{config}: no such options file; check the --config path")
     except (OSError, UnicodeDecodeError) as e:
         _fail(f"{config}: cannot be read as an options file ({unreadable(e)}); check the --config path")
-    except yaml.YAMLError as e:
-        _fail(f"{config}: not valid YAML ({yaml_problem(e)})")
+    except UserError as e:
+        _fail(str(e))
     return data
 
 
@@ -287,6 +296,21 @@ def _rules_epilog() -> str:
                          "its row are passed first):", *describe_rules()])
 
 
+def _check_rollout_inputs(cfg: RolloutConfig) -> None:
+    """What the rollout's ranks would refuse first, refused here before any of them starts (each
+    imports torch: seconds): an actor that is no published checkpoint, a prompts file with a bad
+    row (every row checked, stages/prompts.py; torch-free). The ranks check again: the files may
+    change in between."""
+    from llamarl.lib.errors import UserError
+    from llamarl.stages import contract, prompts
+
+    try:
+        contract.require_checkpoint(cfg.actor.rstrip("/"), "lm", "rollout's actor")
+        prompts.check_dataset(cfg.prompts, prompts.Columns.of(cfg), cfg.index_cache)
+    except UserError as e:
+        _fail(str(e))
+
+
 @stage_app.command("rollout", epilog=epilog(RolloutConfig))
 def rollout(
     actor: str = typer.Argument(..., help="Published actor checkpoint."),
@@ -300,6 +324,7 @@ def rollout(
 
     cfg = _config(RolloutConfig, config, {"actor": actor, "prompts": prompts, "out": out, "tp": tp, "dp": dp},
                   ("actor", "prompts", "out"))
+    _check_rollout_inputs(cfg)
     _run_local("rollout", cfg, tp * dp)
     typer.echo(out)
 

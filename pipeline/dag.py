@@ -23,16 +23,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 import fsspec
-import yaml
 
 from llamarl.cluster.kinds import validate_options
+from llamarl.lib.files import yamlfile
 from llamarl.lib.errors import UserError, unreadable
 from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, Source, StageConfig,
                                    validate)
 
 from . import data
 from .monitor import check_installed
-from .spec import RunSpec, StageLayout, yaml_problem
+from .spec import RunSpec, StageLayout
 
 TRAIN, VALIDATE = "train", "validate"
 
@@ -179,7 +179,8 @@ def check_models(spec: RunSpec) -> None:
     """Each stage's tp and pp against the model it runs — heads, kv heads, MLP width, layers —
     read from the ``config.json`` of the spec's actor and reward model where they exist (plain HF
     checkpoint folders): the very check (lib/model/config.py, torch-free) a stage makes when it starts,
-    hours later. Also the rollout's (and validation's) ``max_new_tokens`` against the actor's context."""
+    hours later. Also the rollout's (and validation's) ``max_new_tokens`` against the actor's context,
+    and their stop tokens against its vocabulary."""
     L = spec.layout
     uses_rm = any(t.name == "rm" for t in spec.score.rewards)
     models = {"actor": (spec.actor, [("shard", L.shard.tp, L.shard.pp, False), ("rollout", L.rollout.tp, 1, False),
@@ -205,6 +206,7 @@ def check_models(spec: RunSpec) -> None:
             except ConfigError as e:
                 raise UserError(f"{spec.source}: layout.{stage}: {e} (the {key.replace('_', ' ')}: {config_url})") from None
         if key == "actor":
+            _check_vocabulary(spec, model.vocab_size, config_url)
             lengths = [("rollout.sampling.max_new_tokens", spec.rollout.sampling.max_new_tokens)]
             if spec.validation and spec.validation.sampling.max_new_tokens is not None:
                 lengths.append(("validation.sampling.max_new_tokens", spec.validation.sampling.max_new_tokens))
@@ -214,14 +216,49 @@ def check_models(spec: RunSpec) -> None:
                                     f"max_position_embeddings={model.max_position_embeddings} ({config_url}); lower it")
 
 
+def _check_vocabulary(spec: RunSpec, vocab_size: int, config_url: str) -> None:
+    """The stop tokens within the actor's vocabulary: a token it cannot sample would never stop a response."""
+    stops = [("rollout.sampling.stop_token_ids", spec.rollout.sampling.stop_token_ids)]
+    if spec.validation and spec.validation.sampling.stop_token_ids is not None:
+        stops.append(("validation.sampling.stop_token_ids", spec.validation.sampling.stop_token_ids))
+    for where, ids in stops:
+        for i, token in enumerate(ids):
+            if token >= vocab_size:
+                raise UserError(f"{spec.source}: {where}.{i}={token} is no token of the actor, whose vocabulary has "
+                                f"{vocab_size} ({config_url}); give ids below {vocab_size}")
+
+
+def check_columns(spec: RunSpec) -> None:
+    """Each built-in rule's column (exact_match's ``answer``) among the columns the rollout writes:
+    its own and ``rollout.keep_columns`` — or references to bring it (their columns are not read
+    here). Otherwise a misspelt column fails the first score, after the first rollout."""
+    from llamarl.stages.contract import ROLLOUT_COLUMNS
+
+    v = spec.validation
+    scored = [("score.rewards", spec.score.rewards, spec.score.references, "score.references")]
+    if v is not None:  # a validation is scored with its own references, and by default with score's rewards
+        scored.append(("validation.rewards" if v.rewards else "score.rewards", v.rewards or spec.score.rewards,
+                       v.references, "validation.references"))
+    have = [*ROLLOUT_COLUMNS, *spec.rollout.keep_columns]
+    for where, terms, references, named in scored:
+        for i, term in enumerate(terms):
+            missing = next((c for c in term.columns() if c not in have), None)
+            if missing is not None and references is None:
+                raise UserError(f"{spec.source}: {where}.{i}: rule {term.name!r} reads column {missing!r}, which no row "
+                                f"of the rollout has (rollout.keep_columns={spec.rollout.keep_columns!r}); keep it in "
+                                f"rollout.keep_columns, or give {named} that have it")
+
+
 def parse_spec(data_, source: str) -> RunSpec:
     """The spec in ``data_`` (read from ``source``), checked whole: its fields, the executor's
-    options, every stage's config of every iteration, and the layouts against the models."""
+    options, every stage's config of every iteration, the rules' columns, and the layouts against
+    the models."""
     spec = validate(RunSpec, data_ if data_ is not None else {}, source)
     spec._source = source
     validate_options(spec.executor.kind, spec.executor.options, Source(source, at="executor.options"))
     check_installed(spec.metrics, source)
     check_spec(spec)
+    check_columns(spec)
     check_models(spec)
     return spec
 
@@ -229,11 +266,9 @@ def parse_spec(data_, source: str) -> RunSpec:
 def load_spec(path: str) -> RunSpec:
     try:
         with fsspec.open(path, "r") as f:
-            loaded = yaml.safe_load(f)
+            loaded = yamlfile.load(f, path)
     except FileNotFoundError:
         raise UserError(f"{path}: no such run spec") from None
     except (OSError, UnicodeDecodeError) as e:  # a folder, no permission, not text
         raise UserError(f"{path}: cannot be read as a run spec ({unreadable(e)}); give the spec's YAML file") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML ({yaml_problem(e)})") from None
     return parse_spec(loaded, path)

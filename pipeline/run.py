@@ -57,16 +57,33 @@ class PipelineError(UserError):
 # ---- running ---------------------------------------------------------------------------------------------
 
 
-def _beside(nodes: list[Node], by_name: dict[str, Node]) -> dict[str, list[str]]:
-    """For each stage, the stages it may run at the same time with: neither needs the other's
-    output, directly or not (with max_staleness > 0: a rollout and the ppo before it). The shards,
-    which everything needs, are left out."""
-    upstream: dict[str, set[str]] = {}
+def _beside(nodes: list[Node], shown: int = 4) -> dict[str, str]:
+    """For each stage, the stages it may run at the same time with, in words: neither needs the
+    other's output, directly or not (with max_staleness > 0: a rollout and the ppo before it; a
+    validation and every stage after it). The shards, which everything needs, are left out. At
+    most ``shown`` are named, then how many more: a validation of a long run may run beside
+    thousands. Sets of stages are bits of one integer, so a run of n stages costs n²/64 word
+    operations, not n² set lookups."""
+    bit = {n.name: 1 << i for i, n in enumerate(nodes)}
+    up, down = {}, dict.fromkeys(bit, 0)
     for n in nodes:  # in DAG order: a node's inputs come first
-        upstream[n.name] = set(n.inputs).union(*(upstream[i] for i in n.inputs))
-    return {n.name: [m.name for m in nodes if m is not n and "shard" not in (m.stage, n.stage)
-                     and m.name not in upstream[n.name] and n.name not in upstream[m.name]]
-            for n in nodes}
+        up[n.name] = 0
+        for i in n.inputs:
+            up[n.name] |= bit[i] | up[i]
+    for n in reversed(nodes):
+        for i in n.inputs:
+            down[i] |= bit[n.name] | down[n.name]
+    others = ((1 << len(nodes)) - 1) & ~sum(bit[n.name] for n in nodes if n.stage == "shard")
+    words = {}
+    for n in nodes:
+        mask = 0 if n.stage == "shard" else others & ~(bit[n.name] | up[n.name] | down[n.name])
+        count, names = mask.bit_count(), []
+        while mask and len(names) < (shown if count <= shown else shown - 1):
+            low = mask & -mask
+            names.append(nodes[low.bit_length() - 1].name)
+            mask ^= low
+        words[n.name] = ", ".join(names) + (f" and {count - len(names)} more" if count > len(names) else "")
+    return words
 
 
 def executor_for(spec: RunSpec) -> Executor:
@@ -86,7 +103,7 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
         check_prompts(spec, record=False)
         report = []
         executor = (executor or executor_for(spec)) if show_launch else None
-        beside = _beside(nodes, by_name)
+        beside = _beside(nodes)
         states = plan(run, nodes, by_name)
         for n in nodes:
             done, why = states[n.name]
@@ -94,7 +111,7 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
                 if executor is not None:
                     echo(executor.render(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name))
                 if beside[n.name]:
-                    why += f"; may run beside {', '.join(beside[n.name])}"
+                    why += f"; may run beside {beside[n.name]}"
             report.append((n.name, ("skip: " if done else "run: ") + why))
         return report
 

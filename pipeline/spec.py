@@ -37,7 +37,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
 
 from llamarl.stages.config import (GROUP_ADVANTAGES, Strict, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RewardTerm,
-                                   RolloutConfig, Sampling, ScoreConfig, ShardConfig, Source, StageConfig, kind_of,
+                                   RolloutConfig, Sampling, ScoreConfig, ShardConfig, Source, StageConfig, Url, kind_of,
                                    options_model, validate)
 
 def _run_sampling() -> type[BaseModel]:
@@ -63,6 +63,13 @@ PPOOptions = options_model(PPOConfig)
 ExportOptions = options_model(ExportConfig)
 
 
+# A typo must not start a billion processes (dp: 1e9), nor build a DAG that no memory holds
+# (iterations: 1e12): every `llamarl run` and dry run builds and checks each stage of every
+# iteration (about 1 ms a stage on one core).
+MAX_PROCESSES = 2**16
+MAX_ITERATIONS = 10_000
+
+
 def _nodes():
     return Field(1, description="Nodes of a cluster job (slurm, kubernetes); the processes are spread evenly over "
                                 "them, so nodes must divide their number.")
@@ -80,6 +87,10 @@ class StageLayout(Strict):
 
     @model_validator(mode="after")
     def _spread_evenly(self):
+        if self.world > MAX_PROCESSES:
+            counts = " × ".join(f"{name}={value}" for name, value in self if name != "nodes")
+            raise ValueError(f"{counts} is {self.world} processes, more than any job runs (at most {MAX_PROCESSES}); "
+                             "lower them")
         if self.world % self.nodes:
             counts = " × ".join(name for name in type(self).model_fields if name != "nodes")
             raise ValueError(f"{self.world} processes ({counts}) do not spread evenly over nodes={self.nodes}; use "
@@ -144,7 +155,7 @@ class ValidationSpec(Strict):
     iterations and after the last; its mean score (``val_score``), per-term means, best@n and
     pass@k land in that iteration's row of metrics.jsonl. Nothing waits for it."""
 
-    prompts: str = Field(description="Validation prompts (Parquet or JSONL, file or folder), the columns of the run's "
+    prompts: Url = Field(description="Validation prompts (Parquet or JSONL, file or folder), the columns of the run's "
                                      "prompts (rollout.prompt_column, id_column, keep_columns).")
     every: Count = Field(10, description="Validate after every N-th iteration, and after the last.")
     sampling: SamplingOverrides = Field(default_factory=SamplingOverrides,
@@ -153,7 +164,7 @@ class ValidationSpec(Strict):
                                                     "at every validation.")
     rewards: list[RewardTerm] | None = Field(None, min_length=1, description="Reward terms of the validation score; "
                                                                              "default: the run's score.rewards.")
-    references: str | None = Field(None, description="References for rules, joined on prompt_id (as score.references); "
+    references: Url | None = Field(None, description="References for rules, joined on prompt_id (as score.references); "
                                                      "default: none.")
     pass_threshold: float = Field(1.0, description="A sample passes when its total score is at least this (1.0: a "
                                                    "built-in rule's score for a right answer); pass@k counts passes.")
@@ -186,15 +197,15 @@ class MetricsSpec(Strict):
     """Where the per-iteration metrics go besides RUN/metrics.jsonl and metrics.png: the same rows,
     written by the driver."""
 
-    tensorboard: str | None = Field(None, description="Folder of TensorBoard event files (`tensorboard --logdir` it).")
+    tensorboard: Url | None = Field(None, description="Folder of TensorBoard event files (`tensorboard --logdir` it).")
     wandb: WandbSpec | None = Field(None, description="Log to Weights & Biases (needs the wandb package).")
 
 
 class RunSpec(Strict):
     name: str = Field(description="Run name: the run directory is STORAGE/NAME.")
-    storage: str = Field(description="Root of run directories (any fsspec URL shared by all nodes).")
-    actor: str = Field(description="HF checkpoint of the initial actor; also the reference.")
-    prompts: str = Field(description="Prompts (Parquet or JSONL, file or folder).")
+    storage: Url = Field(description="Root of run directories (any fsspec URL shared by all nodes).")
+    actor: Url = Field(description="HF checkpoint of the initial actor; also the reference.")
+    prompts: Url = Field(description="Prompts (Parquet or JSONL, file or folder).")
     prompts_per_iteration: Count | None = Field(None, description="Prompts each iteration's rollout takes, the next "
                                                                   "ones of the dataset's epochs (see shuffle); null: "
                                                                   "every prompt, every iteration.")
@@ -203,9 +214,10 @@ class RunSpec(Strict):
                                                    "epoch.")
     seed: int = Field(0, description="Run seed: the prompts' order and every iteration's sampling seed derive from it "
                                      "(no two iterations share random streams).")
-    reward_model: str | None = Field(None, description="HF reward model (LlamaForSequenceClassification, one label); "
+    reward_model: Url | None = Field(None, description="HF reward model (LlamaForSequenceClassification, one label); "
                                                        "needed by an 'rm' reward term.")
-    iterations: Count = Field(1, description="PPO iterations (rollout → score → ppo).")
+    iterations: Count = Field(1, le=MAX_ITERATIONS, description=f"PPO iterations (rollout → score → ppo), at most "
+                                                                f"{MAX_ITERATIONS}.")
     validation: ValidationSpec | None = Field(None, description="A held-out prompt set scored as the run goes.")
     retention: RetentionSpec = Field(default_factory=RetentionSpec, description="What is deleted as the run goes on.")
     metrics: MetricsSpec = Field(default_factory=MetricsSpec, description="TensorBoard and W&B.")
@@ -288,10 +300,3 @@ class RunSpec(Strict):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
-
-def yaml_problem(e: yaml.YAMLError) -> str:
-    """A YAML syntax error in a few words, with its line and column where yaml knows them."""
-    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:  # nearly every syntax error
-        mark = e.problem_mark
-        return f"line {mark.line + 1}, column {mark.column + 1}: {e.problem or e.context}"
-    return str(e).splitlines()[0]

@@ -23,14 +23,15 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import reprlib
 from typing import Annotated, Any, Literal, Mapping, TypeVar
 
-from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, create_model,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo,
+                      create_model, field_validator, model_validator)
 
 from llamarl.lib.dtypes import CONFIG_NAMES
 from llamarl.lib.errors import UserError
-from llamarl.lib.rl.rewards import BUILTIN
+from llamarl.lib.rl.rewards import BUILTIN, check_args
 
 StoredDtype = Literal[CONFIG_NAMES]
 """What a checkpoint stores (lib/dtypes.py's config names)."""
@@ -39,6 +40,8 @@ ComputeDtype = Literal[("auto", *CONFIG_NAMES)]
 TrainDtype = Literal[tuple(d for d in ("auto", *CONFIG_NAMES) if d != "fp16")]
 """What ppo trains in: no fp16, which would need loss scaling."""
 Count = Annotated[int, Field(ge=1)]
+Column = Annotated[str, Field(min_length=1)]
+"""A column of the prompts (Parquet and JSON name columns by text; an empty name is none)."""
 INT32_MAX = 2**31 - 1  # rollout parts store sample indices (and token ids) as int32
 MAX_TIMEOUT_S = 10**9  # ~31 years: "never"; far larger overflows the timedelta that torch's process groups take
 
@@ -49,6 +52,32 @@ NOT_IDENTITY = (OUTPUT, LAYOUT, PLACEMENT)  # kinds that do not change what a st
 
 def _kind(kind: str) -> dict:
     return {"json_schema_extra": {"kind": kind}}
+
+
+def _usable(url: str) -> str:
+    """``url`` if the stages can open it: not empty, no NUL (no file system's path holds one), and
+    every protocol in it one that fsspec knows, with its package installed (``s3://`` needs
+    s3fs) — checked before anything runs, not when the first stage opens it."""
+    if not url:
+        raise ValueError("is empty; give a path or a URL")
+    if "\x00" in url:
+        raise ValueError("holds a NUL character, which no path can hold; remove it")
+    import fsspec
+
+    for part in url.split("::"):  # fsspec's chained URLs: simplecache::s3://…
+        protocol = fsspec.core.split_protocol(part)[0] or "file"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ValueError:
+            raise ValueError(f"{protocol}:// is no storage fsspec knows; give a path, or a URL of a known protocol "
+                             f"(file, memory, s3, gs, …)") from None
+        except ImportError as e:
+            raise ValueError(f"{protocol}:// needs a package that is not installed ({e}); install it") from None
+    return url
+
+
+Url = Annotated[str, AfterValidator(_usable)]
+"""A location any stage may read or write: a path or an fsspec URL, checked usable (``_usable``)."""
 
 
 def path(doc: str, default: Any = ..., *, kind: str = INPUT) -> Any:
@@ -76,9 +105,11 @@ class Strict(BaseModel):
     sets (``options_model``), the executors' options: an unknown option is refused, and so is a
     float that is not finite. YAML's ``.inf`` / ``.nan`` and JSON's ``Infinity`` / ``NaN`` parse as
     floats, and no option means them: an infinite learning rate or KL coefficient would train every
-    weight to inf and publish it."""
+    weight to inf and publish it. Values are taken as the types they are written as (pydantic's
+    strict mode): ``keep_last: true`` or ``weight: false`` is no number and ``tp: "2"`` no count, where
+    the lax mode would read them as 1, 0 and 2; an integer is still a float."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StageConfig(Strict):
@@ -163,7 +194,7 @@ def one_line(error: ValidationError, source: str, model: type[BaseModel] | None 
     elif first["type"] == "model_type":  # pydantic's message names our classes
         parent = _model_at(model, first["loc"]) if model else None
         valid = f" ({', '.join(parent.model_fields)})" if parent else ""
-        text = f"{where}={first.get('input')!r}: expected a mapping of options{valid}"
+        text = f"{where}={_VALUE.repr(first.get('input'))}: expected a mapping of options{valid}"
     elif isinstance(cause, FieldsError):
         text = cause.render(source)
         if first["loc"]:  # a nested model's check: say which one
@@ -171,10 +202,17 @@ def one_line(error: ValidationError, source: str, model: type[BaseModel] | None 
     else:
         msg = first["msg"].removeprefix("Value error, ")
         value = first.get("input")
-        shown = f"={value!r}" if first["loc"] and not isinstance(value, dict) else ""
+        shown = f"={_VALUE.repr(value)}" if first["loc"] and not isinstance(value, dict) else ""
         text = f"{where}{shown}: {msg}" if where else msg
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return source.line(f"{text}{more}")
+
+
+# A value shown in an error as Python writes it, but of a readable length: a list of a thousand
+# items or a page of text is cut (`[1, 2, 3, ...]`, `'abc...'`).
+_VALUE = reprlib.Repr()  # (its keyword arguments are Python 3.12's)
+_VALUE.maxlevel, _VALUE.maxstring, _VALUE.maxlong, _VALUE.maxother = 3, 160, 80, 160
+_VALUE.maxdict = _VALUE.maxlist = _VALUE.maxtuple = _VALUE.maxset = 8
 
 
 def _model_at(model, loc) -> type[BaseModel] | None:
@@ -208,8 +246,8 @@ def validate(cls: type[C], data: Any, source: str) -> C:
 
 
 class ShardConfig(StageConfig):
-    src: str = path("HF checkpoint directory (any fsspec URL): config.json, *.safetensors, tokenizer files.")
-    dst: str = path("Output directory (any fsspec URL); created, or resumed if an earlier run was interrupted.",
+    src: Url = path("HF checkpoint directory (any fsspec URL): config.json, *.safetensors, tokenizer files.")
+    dst: Url = path("Output directory (any fsspec URL); created, or resumed if an earlier run was interrupted.",
                     kind=OUTPUT)
     tp: int = layout("Tensor-parallel size of the job (the checkpoint itself loads at any layout).")
     pp: int = layout("Pipeline-parallel size of the job.")
@@ -217,8 +255,8 @@ class ShardConfig(StageConfig):
 
 
 class ExportConfig(StageConfig):
-    src: str = path("A published llamarl checkpoint directory (any fsspec URL).")
-    dst: str = path("Output HF directory (any fsspec URL).", kind=OUTPUT)
+    src: Url = path("A published llamarl checkpoint directory (any fsspec URL).")
+    dst: Url = path("Output HF directory (any fsspec URL).", kind=OUTPUT)
     dtype: StoredDtype | None = Field(None, description="Output dtype: bf16 | fp16 | fp32; default: the checkpoint's.")
     max_shard_gb: float = Field(1.0, gt=0, description="Largest safetensors file, in GB; bigger models are split "
                                                        "with an index, as HF does. A file is what one process "
@@ -230,16 +268,36 @@ class ExportConfig(StageConfig):
 # ---- rollout --------------------------------------------------------------------------------------------
 
 
+MIN_TEMPERATURE = 1e-6
+"""The smallest temperature but 0: logits are divided by it in float32, and below this a logit of
+a few hundred already overflows to inf (then softmax is NaN); sampling there is greedy anyway."""
+
+
+def _temperature(greedy: bool):
+    """A check of a temperature that refuses what lies between 0 and ``MIN_TEMPERATURE`` (and says
+    whether 0, greedy, is taken)."""
+
+    def check(t: float) -> float:
+        if 0 < t < MIN_TEMPERATURE:
+            allowed = f"0 (greedy) or at least {MIN_TEMPERATURE}" if greedy else f"at least {MIN_TEMPERATURE}"
+            raise ValueError(f"Input should be {allowed}: logits / temperature would overflow float32")
+        return t
+
+    return AfterValidator(check)
+
+
 class Sampling(Strict):
     samples_per_prompt: Count = Field(1, le=INT32_MAX, description="Responses drawn for each prompt (GRPO-style groups "
                                                                    "need several).")
-    temperature: float = Field(1.0, ge=0, description="Softmax temperature; 0 = greedy.")
+    temperature: Annotated[float, _temperature(greedy=True)] = Field(
+        1.0, ge=0, description=f"Softmax temperature; 0 = greedy, else at least {MIN_TEMPERATURE}.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens whose "
                                                       "probability reaches top_p.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     max_new_tokens: Count = Field(256, description="Longest response.")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list,
-                                                              description="Stop tokens besides the checkpoint's EOS.")
+    # Token ids are int32 in the rollout's parts; the spec also holds them to the actor's vocabulary.
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(
+        default_factory=list, description="Stop tokens besides the checkpoint's EOS.")
     seed: int = Field(0, description="Sampling seed. Sample k of prompt row r draws from its own random stream, keyed by "
                                      "(seed, r, k): responses depend on nothing else (not layout, batch or chunks).")
 
@@ -260,20 +318,20 @@ class PromptSelection(Strict):
 
 
 class RolloutConfig(StageConfig):
-    actor: str = path("Published actor checkpoint (from shard or ppo).")
-    prompts: str = path("Parquet or JSONL prompts: a file or a folder of them, any fsspec URL.")
-    out: str = path("Output folder for the Parquet parts.", kind=OUTPUT)
-    index_cache: str | None = path("Folder where the prompts' row index, and the result of checking every row, are "
+    actor: Url = path("Published actor checkpoint (from shard or ppo).")
+    prompts: Url = path("Parquet or JSONL prompts: a file or a folder of them, any fsspec URL.")
+    out: Url = path("Output folder for the Parquet parts.", kind=OUTPUT)
+    index_cache: Url | None = path("Folder where the prompts' row index, and the result of checking every row, are "
                                    "kept between rollouts (one of each per dataset version); default: each rollout "
                                    "builds the index (when it selects rows) and checks every row itself.", None,
                                    kind=OUTPUT)
     select: PromptSelection | None = Field(None, description="Take only these rows of the prompts (a run's "
                                                              "prompts_per_iteration); null: every row, in order.",
                                            **_kind(INPUT))
-    prompt_column: str = Field("prompt", description="Column holding the prompt: text, or chat messages "
+    prompt_column: Column = Field("prompt", description="Column holding the prompt: text, or chat messages "
                                                      "[{role, content}, ...].")
-    id_column: str | None = Field(None, description="Column holding a prompt id; default: the row number.")
-    keep_columns: list[str] = Field(default_factory=list, description="Prompt columns copied into every output row "
+    id_column: Column | None = Field(None, description="Column holding a prompt id; default: the row number.")
+    keep_columns: list[Column] = Field(default_factory=list, description="Prompt columns copied into every output row "
                                                                       "(e.g. a reference answer for rewards).")
     chat_template: Literal["auto", "never", "always"] = Field(
         "auto", description="auto: apply the tokenizer's chat template if it has one; never; always.")
@@ -372,7 +430,16 @@ class RewardTerm(Strict):
                     TypeAdapter(p.annotation).validate_python(args[p.name], strict=True)
                 except ValidationError as e:
                     raise ValueError(f"{p.name}={args[p.name]!r}: {e.errors()[0]['msg']}; {takes}") from None
+        check_args(name, args)
         return args
+
+    def columns(self) -> list[str]:
+        """The row columns a built-in rule reads by name (its ``column`` argument, or its default);
+        none for the reward model or a module:function rule, which nothing here can read."""
+        if self.name not in BUILTIN:
+            return []
+        _, params = _rule_inputs(BUILTIN[self.name])
+        return [self.args.get(p.name, p.default) for p in params if p.name == "column"]
 
 
 def _non_finite(value: Any, at: str = "") -> tuple[str, float] | None:
@@ -389,13 +456,13 @@ def _non_finite(value: Any, at: str = "") -> tuple[str, float] | None:
 
 
 class ScoreConfig(StageConfig):
-    rollout: str = path("Published rollout folder.")
-    out: str = path("Output folder for the scores parts.", kind=OUTPUT)
-    reward_model: str | None = path("Published reward-model checkpoint (head 'score'); needed when a term is "
+    rollout: Url = path("Published rollout folder.")
+    out: Url = path("Output folder for the scores parts.", kind=OUTPUT)
+    reward_model: Url | None = path("Published reward-model checkpoint (head 'score'); needed when a term is "
                                     "'rm'.", None)
     rewards: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm(name="rm")], min_length=1,
                                       description="Terms of the total score.")
-    references: str | None = Field(None, description="Optional Parquet/JSONL with prompt_id and reference columns "
+    references: Url | None = Field(None, description="Optional Parquet/JSONL with prompt_id and reference columns "
                                                      "for rules, joined on prompt_id.")
     tp: int = layout("Tensor-parallel size; processes = tp × pp × dp.")
     pp: int = layout("Pipeline-parallel size.")
@@ -445,13 +512,13 @@ GROUP_ADVANTAGES = ("grpo", "rloo", "reinforce++-baseline")
 
 
 class PPOConfig(StageConfig):
-    rollout: str = path("Published rollout folder.")
-    scores: str = path("Published scores folder of that rollout.")
-    actor: str = path("Actor checkpoint to update (from shard or the previous ppo).")
-    out: str = path("Output folder: actor/, critic/ (published checkpoints) and metrics.jsonl.", kind=OUTPUT)
-    reference: str | None = path("Frozen reference for the KL; default: the actor (right for the first "
+    rollout: Url = path("Published rollout folder.")
+    scores: Url = path("Published scores folder of that rollout.")
+    actor: Url = path("Actor checkpoint to update (from shard or the previous ppo).")
+    out: Url = path("Output folder: actor/, critic/ (published checkpoints) and metrics.jsonl.", kind=OUTPUT)
+    reference: Url | None = path("Frozen reference for the KL; default: the actor (right for the first "
                                  "iteration).", None)
-    critic: str | None = path("Critic checkpoint (head 'score'); default: the actor's backbone with a zero "
+    critic: Url | None = path("Critic checkpoint (head 'score'); default: the actor's backbone with a zero "
                               "value head.", None)
     tp: int = layout("Tensor-parallel size; processes = tp × pp × dp.")
     pp: int = layout("Pipeline-parallel size (1F1B schedule).")
@@ -515,7 +582,7 @@ class PPOConfig(StageConfig):
     critic_lr: float = Field(1e-5, ge=0, le=1, description="Critic learning rate (AdamW), at most 1.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (actor and critic).")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
-        (0.9, 0.999), description="AdamW betas.")
+        (0.9, 0.999), strict=False, description="AdamW betas.")  # a list (YAML, JSON) is a tuple; its items stay strict
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up, in optimizer steps counted across iterations.")
     lr_decay: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="constant | linear | cosine (to 0 at total_steps, after the warm-up; needs "
@@ -524,8 +591,8 @@ class PPOConfig(StageConfig):
                                                         "lr_decay reaches 0; larger than warmup_steps.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm (the same at every "
                                                            "layout); null to disable.")
-    temperature: float = Field(1.0, gt=0, description="Must equal the rollout's: log-probs are of "
-                                                      "softmax(logits / temperature).")
+    temperature: Annotated[float, _temperature(greedy=False)] = Field(
+        1.0, gt=0, description="Must equal the rollout's: log-probs are of softmax(logits / temperature).")
     off_policy: bool = Field(False, description="Allow a rollout sampled from another actor checkpoint than actor "
                                                 "(its recorded log-probs are then another policy's); by default that "
                                                 "is refused as a mix-up. The pipeline sets it with max_staleness > 0.")

@@ -138,6 +138,23 @@ def jsonl_lines(ds: Dataset, f: int) -> Iterator[tuple[int, bytes]]:
             offset += len(line)
 
 
+class _KeyTwice(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """An object's keys, each once: Python's json keeps the last of a repeated key, silently, and
+    which value the line means is not said."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        raise _KeyTwice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+_JSON = json.JSONDecoder(object_pairs_hook=_unique_keys)  # built once: json.loads(s, hook) builds one per call
+
+
 def _decode(text: bytes, names: list[str]) -> dict:
     """The values of ``names`` in a JSON line (absent ones left out), or a ``ValueError`` saying
     what is wrong and the fix."""
@@ -146,9 +163,12 @@ def _decode(text: bytes, names: list[str]) -> dict:
     except UnicodeDecodeError as e:
         raise ValueError(f"not UTF-8 (byte {e.start} of the line); save the file as UTF-8") from None
     try:
-        obj = json.loads(s)
+        obj = _JSON.decode(s)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno}); fix the line or remove it") from None
+    except _KeyTwice as e:
+        raise ValueError(f"gives {e.args[0]!r} twice in one object, and which value is meant is not said; keep "
+                         "one") from None
     except RecursionError:
         raise ValueError("JSON nested too deeply to read; flatten the line") from None
     if not isinstance(obj, dict):
@@ -223,15 +243,15 @@ def require_columns(ds: Dataset, names: list[str]) -> None:
                 continue
             try:
                 obj = json.loads(first[1])
-            except ValueError:
-                return  # not an object: the row's check names the fault
+            except (ValueError, RecursionError):
+                return  # no JSON object: the row's check names the fault
             if not isinstance(obj, dict):
                 return
             has = list(obj)
         missing = [n for n in names if n not in has]
         if missing:
             where = ds.url if len(ds.files) == 1 else ds.name(f)
-            raise UserError(f"{where}: no column(s) {', '.join(missing)}; it has {', '.join(map(str, has))}")
+            raise UserError(f"{where}: no column(s) {', '.join(missing)}; it has {', '.join(map(str, has)) or 'none'}")
         if ds.kind == JSONL:
             return
 

@@ -117,7 +117,7 @@ def _text_fault(text: str) -> str | None:
 
 def _kind(value) -> str:
     return {bool: "a boolean", int: "a number", float: "a number", dict: "an object", bytes: "binary (bytes)",
-            str: "text", list: "a list"}.get(type(value), type(value).__name__)
+            str: "text", list: "a list", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _prompt_fault(name: str, value) -> str | None:

@@ -5,6 +5,7 @@ float field of every options model, so that a new field cannot escape the finite
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -18,8 +19,8 @@ from pydantic import BaseModel, ValidationError
 from llamarl.cluster.kubernetes import KubernetesOptions
 from llamarl.cluster.local import LocalOptions
 from llamarl.cluster.slurm import SlurmOptions
-from llamarl.lib.errors import UserError
-from llamarl.pipeline.dag import parse_spec
+from llamarl.lib.errors import UserError, one_line
+from llamarl.pipeline.dag import load_spec, parse_spec
 from llamarl.pipeline.spec import RunSpec
 from llamarl.stages.config import STAGES
 
@@ -79,6 +80,37 @@ CASES = [
      "executor.options.grace_s=inf: Input should be a finite number"),
     ("spec", {"executor": {"kind": "kubernetes", "options": {"image": "i", "pvc": "p", "poll_s": NAN}}},
      "executor.options.poll_s=nan: Input should be a finite number"),
+    # -- found by tests/test_fuzz.py. Types as written (strict): no boolean for a number, no text for a count
+    ("spec", {"retention": {"keep_last": True}}, "retention.keep_last=True: Input should be a valid integer"),
+    ("score", {"rewards": [{"name": "length", "weight": False}]}, "rewards.0.weight=False: Input should be a valid number"),
+    ("rollout", {"chunk_size": "4"}, "chunk_size='4': Input should be a valid integer"),
+    ("spec", {"prompts_per_iteration": 1, "shuffle": "true"}, "shuffle='true': Input should be a valid boolean"),
+    # -- bounded where a value meets something finite: memory, processes, float32, int32
+    ("spec", {"iterations": 10**12}, "iterations=1000000000000: Input should be less than or equal to 10000"),
+    ("spec", {"layout": {"rollout": {"dp": 10**30}}}, "layout.rollout: tp=1 × dp=10" + "0" * 29 + " is 1" + "0" * 30
+                                                      + " processes, more than any job runs (at most 65536)"),
+    ("spec", {"executor": {"kind": "local", "options": {"gpus": 10**30}}},
+     "executor.options.gpus=1" + "0" * 30 + ": Input should be less than or equal to 1024"),
+    ("rollout", {"sampling": {"temperature": 5e-324}}, "sampling.temperature=5e-324: Input should be 0 (greedy) or at "
+                                                       "least 1e-06: logits / temperature would overflow float32"),
+    ("ppo", {"temperature": 1e-9}, "temperature=1e-09: Input should be at least 1e-06: logits / temperature"),
+    ("rollout", {"sampling": {"stop_token_ids": [2**31]}}, "sampling.stop_token_ids.0=2147483648: Input should be less "
+                                                           "than or equal to 2147483647"),
+    ("rollout", {"keep_columns": [""]}, "keep_columns.0='': String should have at least 1 character"),
+    ("rollout", {"id_column": ""}, "id_column='': String should have at least 1 character"),
+    ("score", {"rewards": [{"name": "regex", "args": {"pattern": "^(ye"}}]},
+     "rewards.0.args: pattern='^(ye' is no regular expression (missing ), unterminated subpattern at position 1)"),
+    # -- paths that a stage can open
+    ("spec", {"prompts": "nosuch://p.jsonl"}, "prompts='nosuch://p.jsonl': nosuch:// is no storage fsspec knows"),
+    ("spec", {"storage": ""}, "storage='': is empty; give a path or a URL"),
+    ("spec", {"reward_model": "/models/rm\x00"}, "reward_model='/models/rm\\x00': holds a NUL character"),
+    ("score", {"references": "nosuch://refs.jsonl"}, "references='nosuch://refs.jsonl': nosuch:// is no storage"),
+    # -- a rule reads its column from the rollout's rows (score's references do not reach a validation)
+    ("spec", {"score": {"rewards": [{"name": "exact_match", "args": {"column": "answr"}}]}},
+     "score.rewards.0: rule 'exact_match' reads column 'answr', which no row of the rollout has"),
+    ("spec", {"score": {"rewards": [{"name": "contains"}], "references": "refs.jsonl"}, "validation": {"prompts": "v.jsonl"}},
+     "score.rewards.0: rule 'contains' reads column 'answer', which no row of the rollout has (rollout.keep_columns=[]); "
+     "keep it in rollout.keep_columns, or give validation.references that have it"),
 ]
 
 
@@ -123,6 +155,80 @@ def test_dry_run_refuses_yaml_infinity_in_one_line(tmp_path):
     assert r.returncode == 2 and lines == [f"error: {tmp_path / 'spec.yaml'}: ppo.kl_coef=inf: Input should be a "
                                            "finite number"], r.stdout + r.stderr
     assert not (tmp_path / "t").exists()
+
+
+def test_stop_tokens_beyond_the_actors_vocabulary_are_refused(tmp_path):
+    (tmp_path / "actor").mkdir()
+    (tmp_path / "actor" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 251, "max_position_embeddings": 512}))
+    message = _one_line(lambda: parse_spec(_spec(tmp_path, "rollout", {"sampling": {"stop_token_ids": [2, 251]}}),
+                                           "spec.yaml"))
+    assert message.startswith("spec.yaml: rollout.sampling.stop_token_ids.1=251 is no token of the actor, whose "
+                              "vocabulary has 251 ("), message
+
+
+# ---- files: what YAML lets through, and what no terminal prints ---------------------------------------------
+
+BAD_YAML = [  # (a spec's or an options file's text, what its one line says after "FILE: ") — found by test_fuzz.py
+    ("seed: 1\nseed: 2\n", "not valid YAML (line 2, column 1: 'seed' is given twice (first on line 1); keep one)"),
+    ("ppo: {kl_coef: 0.1, kl_coef: 0.2}\n", "not valid YAML (line 1, column 21: 'kl_coef' is given twice (first on "
+                                           "line 1); keep one)"),
+    ('name: "t\\ud800"\n', "name: holds a lone surrogate ('\\ud800'), which no file or terminal can hold"),
+    ('x: [{"\\udfff": 1}]\n', "x.0.\\udfff: holds a lone surrogate ('\\udfff')"),
+    ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply to read; flatten it"),
+    # a billion values in nine lines (each alias is the list it names), and a list that holds itself
+    ("".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}' if i else 'x'] * 9)}]\n" for i in range(9)),
+     "a8.8.8.8: stands for more than 100000 values (YAML aliases repeating aliases)"),
+    ("rollout: &r {keep_columns: [*r]}\n", "rollout.keep_columns.0: holds itself (a YAML alias inside its own anchor)"),
+]
+
+
+@pytest.mark.parametrize("text,says", BAD_YAML, ids=["key-twice", "flow-key-twice", "surrogate", "surrogate-key", "deep",
+                                                     "laughs", "itself"])
+def test_a_yaml_file_that_means_no_one_thing_is_one_line(tmp_path, text, says, monkeypatch):
+    from typer.testing import CliRunner
+
+    from llamarl.lib.runtime.job import _load
+    from llamarl.pipeline import cli
+    from llamarl.stages.config import ExportConfig
+
+    path = tmp_path / "file.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    assert _one_line(lambda: load_spec(str(path))).startswith(f"{path}: {says}")  # llamarl run
+    assert _one_line(lambda: _load(ExportConfig, ["--config", str(path)])).startswith(f"{path}: {says}")  # a stage
+    monkeypatch.setattr(cli, "_run_local", lambda *a: pytest.fail("started"))
+    result = CliRunner().invoke(cli.app, ["stage", "score", "R", str(tmp_path / "o"), "--config", str(path)])
+    lines = result.output.splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {one_line(f'{path}: {says}')}"), \
+        result.output
+
+
+def test_yaml_merge_keys_may_override_what_they_merge(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(_spec(tmp_path, "spec", {})) + "base: &b {kl_coef: 0.1, actor_lr: 1.0e-6}\n"
+                    "ppo:\n  <<: *b\n  kl_coef: 0.2\n")
+    assert "base: unknown option" in _one_line(lambda: load_spec(str(path)))  # read whole, then the fields checked
+
+
+@pytest.mark.parametrize("value", ["[/x]", "a\nb", "\x1b[31mred", "\u202eevil", "[bold]x"])
+def test_an_error_line_is_one_printable_line_whatever_the_value_holds(tmp_path, value):
+    # Once, `[/x]` was read as rich markup (a MarkupError traceback) and a newline split the line.
+    from typer.testing import CliRunner
+
+    from llamarl.pipeline import cli
+
+    spec = _spec(tmp_path, "spec", {"name": value, "prompts": str(tmp_path / value / "p.jsonl")})
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    result = CliRunner().invoke(cli.app, ["run", str(tmp_path / "spec.yaml"), "--dry-run"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert result.output == f"error: {tmp_path / 'spec.yaml'}: name={one_line(repr(value))}: use letters, digits, '.', " \
+                            "'_' and '-' (it names the run directory)\n"
+    spec["name"] = "t"
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    result = CliRunner().invoke(cli.app, ["run", str(tmp_path / "spec.yaml"), "--dry-run"])
+    assert result.exit_code == 2 and result.output == f"error: {one_line(spec['prompts'])}: no such file or folder; " \
+                                                      "check the prompts path\n", result.output
 
 
 # ---- the sweep: every float of every options model --------------------------------------------------------

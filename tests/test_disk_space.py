@@ -244,13 +244,12 @@ def _pyarrow_to_path(path):
 
 def _checkpoint(path):
     """lib/dcp_format's writer (shard, ppo): each rank's failure gathered into one RuntimeError."""
-    import numpy as np
+    import torch
 
     from llamarl.lib.files import dcp_format
-    from llamarl.lib.dtypes import HostTensor
 
-    data = np.zeros((1 << 8, 1 << 8), dtype=np.float32)
-    piece = dcp_format.Piece("w", data.shape, (0, 0), data.shape, "float32", lambda: HostTensor("float32", data))
+    data = torch.zeros((1 << 8, 1 << 8), dtype=torch.float32)
+    piece = dcp_format.Piece("w", tuple(data.shape), (0, 0), tuple(data.shape), torch.float32, lambda: data)
     dcp_format.save([piece], path)
 
 

@@ -129,7 +129,7 @@ def test_every_executor_implements_the_whole_protocol(kind, options, detach, que
     ("local", {"threads_per_process": 0},
      "spec.yaml: executor.options: threads_per_process=0: Input should be greater than or equal to 1"),
     ("slurm", {"timeout_min": "soon"},
-     "spec.yaml: executor.options: timeout_min='soon': Input should be a valid integer, unable to parse string as an integer"),
+     "spec.yaml: executor.options: timeout_min='soon': Input should be a valid integer"),
     ("slurm", {"last_error": "x"}, "spec.yaml: executor.options: last_error: unknown option; valid options: folder, "),
     ("kubernetes", {"image": "i"}, "spec.yaml: executor.options: pvc: required, not given"),
     ("kubernetes", {"image": "i", "pvc": "p", "master_port": 70000},

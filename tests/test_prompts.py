@@ -303,6 +303,12 @@ BAD_JSONL = [  # (name, the second line of the file, what the one line says afte
     ("not-utf8", b'{"prompt": "caf\xe9", "id": "b", "answer": "x"}\n', "not UTF-8 (byte 15 of the line); save the file as UTF-8"),
     ("array-line", b'["the cat", "b"]\n', "a JSON list, not an object; give each row as one object"),
     ("string-line", b'"the cat"\n', "a JSON str, not an object"),
+    # found by tests/test_fuzz.py: a key given twice (json kept the last, silently), a null message
+    ("key-twice", b'{"prompt": "the cat", "id": "b", "answer": "x", "id": "c"}\n',
+     "gives 'id' twice in one object, and which value is meant is not said; keep one"),
+    ("message-key-twice", b'{"prompt": [{"role": "user", "content": "a", "content": "b"}], "id": "b", "answer": "x"}\n',
+     "gives 'content' twice in one object"),
+    ("null-message", _row(prompt=[None]), "'prompt' message 0 is null, not a message {role, content}"),
 ]
 
 
@@ -376,7 +382,11 @@ def test_what_is_no_dataset_is_refused_in_one_line(tmp_path):
     cases = [(str(tmp_path / "bad.parquet"), "cannot be read as Parquet"),
              (_parquet(tmp_path / "p.parquet"), "no column(s) question; it has prompt, id, answer"),
              (_jsonl(tmp_path / "p.jsonl", [GOOD]), "no column(s) question; it has prompt, id, answer"),
-             (_jsonl(tmp_path / "e.jsonl", [b"\n", b"  \n"]), "no prompts (0 rows)")]
+             (_jsonl(tmp_path / "e.jsonl", [b"\n", b"  \n"]), "no prompts (0 rows)"),
+             # found by tests/test_fuzz.py: the column check read the first line alone, a RecursionError
+             (_jsonl(tmp_path / "deep.jsonl", [b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"]),
+              "line 1 (row 0): JSON nested too deeply to read"),
+             (_jsonl(tmp_path / "keyless.jsonl", [{}]), "no column(s) question; it has none")]
     for url, says in cases:
         with pytest.raises(UserError) as e:
             prompts.check_dataset(url, Columns("question" if "column" in says else "prompt"))

@@ -291,6 +291,22 @@ def test_dry_run_of_a_good_spec_plans_without_torch(tmp_path):
     assert len(build_dag(parse_spec(_spec(tmp_path), "x"))) == 9
 
 
+def test_a_long_runs_dry_run_names_a_few_stages_beside_each_and_counts_the_rest(tmp_path):
+    # A validation may run beside every stage after it: naming them all made the plan's text grow
+    # as n² (found by tests/test_fuzz.py: a dry run of 1000 iterations took 131 s).
+    from llamarl.pipeline.run import run_spec
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    spec = parse_spec(_spec(tmp_path, iterations=300, validation={"prompts": str(tmp_path / "p.jsonl"), "every": 1}), "x")
+    plan = dict(run_spec(spec, dry_run=True, echo=lambda m: None))
+    # 300 × (rollout, scores, ppo, val-rollout, val-scores) and the export; not its 3 inputs, itself, its val-scores
+    assert plan["iter-001/val-rollout"].endswith("may run beside iter-002/rollout, iter-002/scores, iter-002/ppo and "
+                                                 f"{300 * 5 + 1 - 5 - 3} more"), plan["iter-001/val-rollout"]
+    # and the last validation beside every validation before it, and the export
+    assert plan["iter-300/val-rollout"].endswith("may run beside iter-001/val-rollout, iter-001/val-scores, "
+                                                 f"iter-002/val-rollout and {299 * 2 + 1 - 3} more")
+
+
 def test_dry_run_shows_what_each_stage_would_launch(tmp_path):
     from llamarl.pipeline.run import run_spec
 

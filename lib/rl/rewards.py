@@ -45,6 +45,16 @@ def length(response: str, row: dict, target: int = 64, scale: float = 64.0, unit
 BUILTIN: dict[str, Rule] = {"exact_match": exact_match, "contains": contains, "regex": regex, "length": length}
 
 
+def check_args(name: str, args: dict) -> None:
+    """What a built-in rule's ``args`` (bound to its signature and typed already) must also be, or a
+    ``ValueError`` saying why: checked when a config is built, not at the first row it scores."""
+    if name == "regex":
+        try:
+            re.compile(args["pattern"], flags=re.DOTALL)
+        except re.error as e:
+            raise ValueError(f"pattern={args['pattern']!r} is no regular expression ({e})") from None
+
+
 def resolve(name: str) -> Rule:
     """A rule by built-in name or ``module:function`` path."""
     if name in BUILTIN:

@@ -31,6 +31,7 @@ from llamarl.lib.errors import (
     chain,
     disk_full,
     disk_full_error,
+    one_line,
     unreadable,
 )
 from llamarl.lib.files import outputs
@@ -51,18 +52,17 @@ def _load(cls, argv):
         return cls.parse(data, "--config-json")
     if args.config:
         import fsspec
-        import yaml
+
+        from llamarl.lib.files import yamlfile
 
         try:
             with fsspec.open(args.config, "r") as f:
-                data = yaml.safe_load(f) or {}
+                data = yamlfile.load(f, args.config) or {}
         except FileNotFoundError:
             raise UserError(f"{args.config}: no such config file; check the --config path") from None
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"{args.config}: cannot be read as a config file ({unreadable(e)}); check the --config "
                             "path") from None
-        except yaml.YAMLError as e:
-            raise UserError(f"{args.config}: not valid YAML ({str(e).splitlines()[0]})") from None
         return cls.parse(data, args.config)
     parser.error("give --config or --config-json")
 
@@ -106,18 +106,18 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
             # the ranks agreed on it (as a UserError, or a RuntimeError every rank raises: the
             # same line, which the local executor shows once).
             if os.environ.get("RANK", "0") == "0" or not isinstance(e, UserError):
-                print(f"error: {full}", file=sys.stderr, flush=True)
+                print(f"error: {one_line(full)}", file=sys.stderr, flush=True)
             return Failure(EXIT_USER_ERROR, full)
         if isinstance(e, UserError):
             # Errors reach every rank alike (config checks run everywhere; later ones go through
             # `check`), so rank 0 alone reports.
             if os.environ.get("RANK", "0") == "0":
-                print(f"error: {e}", file=sys.stderr, flush=True)
+                print(f"error: {one_line(str(e))}", file=sys.stderr, flush=True)
             return Failure(EXIT_USER_ERROR, str(e))
         if not _lost_peer(e):
             raise
         error = _peer_error(e)
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
         return Failure(EXIT_PEER_LOST, error)
     finally:
         mark("end")
