@@ -89,6 +89,11 @@ ACTOR_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
                 rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 8192})
+# The SmolLM2-135M shape: many thin layers, tied embeddings; per-iteration work is a few seconds, so
+# the fixed costs of an iteration (process starts, loads, state writes) decide its speed.
+ACTOR_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                  num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                  rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
 RM_SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                 num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5,
                 rope_theta=500000.0, tie_word_embeddings=False)
@@ -102,12 +107,20 @@ RM_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_at
                tie_word_embeddings=False)
 
 
-def workload_params(tiny: bool, prompts: int | None, micro_batch_tokens: int | None = None) -> dict:
-    """The shape of one iteration; TRL gets the same."""
-    p = dict(prompts=16, samples=4, max_new_tokens=16, mini_batch=16, chunk_size=8, max_batch=32,
-             micro_batch_tokens=4096, trl_micro_batch=4) if tiny else \
-        dict(prompts=256, samples=4, max_new_tokens=256, mini_batch=64, chunk_size=64, max_batch=256,
-             micro_batch_tokens=4096, trl_micro_batch=16)  # 4096: ppo's default, ≈ TRL's 16 sequences
+def actor_shape(shape: str) -> dict:
+    return {"tiny": ACTOR_TINY, "1b": ACTOR_1B, "135m": ACTOR_135M}[shape]
+
+
+def workload_params(shape: str, prompts: int | None, micro_batch_tokens: int | None = None) -> dict:
+    """The shape of one iteration; TRL gets the same. ``shape``: tiny (CPU), 1b or 135m."""
+    p = {"tiny": dict(prompts=16, samples=4, max_new_tokens=16, mini_batch=16, chunk_size=8, max_batch=32,
+                      micro_batch_tokens=4096, trl_micro_batch=4),
+         # 4096: ppo's default, ≈ TRL's 16 sequences
+         "1b": dict(prompts=256, samples=4, max_new_tokens=256, mini_batch=64, chunk_size=64, max_batch=256,
+                    micro_batch_tokens=4096, trl_micro_batch=16),
+         # 4 optimizer steps of 256 an iteration
+         "135m": dict(prompts=128, samples=8, max_new_tokens=48, mini_batch=256, chunk_size=128, max_batch=256,
+                      micro_batch_tokens=8192, trl_micro_batch=64)}[shape]
     if prompts:
         p["prompts"] = prompts
     if micro_batch_tokens:
@@ -125,11 +138,12 @@ def workload_params(tiny: bool, prompts: int | None, micro_batch_tokens: int | N
 # ---- inputs ------------------------------------------------------------------------------------------
 
 
-def make_inputs(work: str, tiny: bool, prompts: int, deadline: float) -> dict:
+def make_inputs(work: str, shape: str, prompts: int, deadline: float) -> dict:
     """Actor, reward model and prompts under WORK/inputs, built once (a child process does the
     building, so this process never holds a CUDA context)."""
     inputs = os.path.join(work, "inputs")
-    stamp = {"tiny": tiny, "prompts": prompts, "actor": ACTOR_TINY if tiny else ACTOR_1B, "rm": RM_TINY if tiny else RM_SMALL}
+    tiny = shape == "tiny"
+    stamp = {"tiny": tiny, "prompts": prompts, "actor": actor_shape(shape), "rm": RM_TINY if tiny else RM_SMALL}
     stamp_path = os.path.join(inputs, "inputs.json")
     if os.path.exists(stamp_path):
         with open(stamp_path) as f:
@@ -222,13 +236,14 @@ def write_spec(work: str, paths: dict, workload: str, layout_name: str, p: dict,
         "actor": paths["actor"],
         "prompts": paths["prompts"],
         "iterations": iterations,
+        "seed": 0,
         **({} if staleness is None else {"max_staleness": staleness}),
         "layout": {"shard": {"tp": lay["tp"]}, "rollout": stage, "score": stage, "ppo": stage,
                    # split: each stage's processes get GPUs of their own, export's too (2 at most)
                    "export": {"procs": min(export_procs, 2) if layout_name == SPLIT else export_procs}},
         "rollout": {"id_column": "id", "chunk_size": p["chunk_size"], "max_batch": p["max_batch"],
                     "sampling": {"samples_per_prompt": p["samples"], "max_new_tokens": p["max_new_tokens"],
-                                 "temperature": 1.0, "seed": 0}},
+                                 "temperature": 1.0}},
         "ppo": {"mini_batch_size": p["mini_batch"], "ppo_epochs": 1, "kl_coef": 0.05,
                 "micro_batch_tokens": p["micro_batch_tokens"], "seed": 0},
         "export": {},
@@ -879,6 +894,9 @@ def main():
     ap.add_argument("--layouts", help="layouts of rollout/score/ppo (shard's tp follows): tp1 | tp2 | dp2 … | "
                                       f"{SPLIT} (every stage tp1 on one of 2 GPUs, 2 stages at once); default tp1 on "
                                       f"1 GPU, tp2,dp2 on 2; with a --max-staleness above 0: {SPLIT} on 2 GPUs and --tiny")
+    ap.add_argument("--shape", choices=("1b", "135m"), default="1b",
+                    help="the actor and its workload: 1b (Llama-3.2-1B, 256 prompts × 4 × 256 tokens) or 135m "
+                         "(SmolLM2-135M, 128 prompts × 8 × 48 tokens); --tiny overrides it")
     ap.add_argument("--iterations", type=int, default=1, help="PPO iterations per run (default 1)")
     ap.add_argument("--max-staleness", default="0", help="comma-separated max_staleness values, each a fresh run of "
                                                          "every workload and layout (default 0: sequential), e.g. 0,1")
@@ -942,7 +960,8 @@ def main():
             raise SystemExit(f"--layouts {name}: needs {world} GPUs, this machine has {dev['count']}")
     if dev["kind"] == "cpu" and not args.tiny:
         raise SystemExit("no GPU here: use --tiny for the CPU smoke run")
-    p = workload_params(args.tiny, args.prompts, args.micro_batch_tokens)
+    shape = "tiny" if args.tiny else args.shape
+    p = workload_params(shape, args.prompts, args.micro_batch_tokens)
     export_procs = args.export_procs or (1 if args.tiny else 4)
     date = time.strftime("%Y-%m-%d")
     out = args.out or (f"{work}/e2e-tiny-{date}.json" if args.tiny else f"{HERE}/results/e2e-{dev['slug']}-{date}.json")
@@ -953,7 +972,7 @@ def main():
     inv = {"id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
            "date": date, "device": dev, "versions": versions(), "tiny": args.tiny, "argv": sys.argv[1:],
            "budget_s": args.budget_s, "workload": {k: v for k, v in p.items()},
-           "shapes": {"actor": ACTOR_TINY if args.tiny else ACTOR_1B, "rm": RM_TINY if args.tiny else RM_SMALL},
+           "shape": shape, "shapes": {"actor": actor_shape(shape), "rm": RM_TINY if args.tiny else RM_SMALL},
            "measured": {
                "stage wall_s": "from `llamarl run`'s '[stage] running' line to the next stage's (or its exit): process "
                                "start, load, work, save, publish, pipeline bookkeeping",
@@ -985,7 +1004,7 @@ def main():
                              "(same_layout) and over the workload's fastest staleness-0 run (best_sequential)"})
     echo(f"e2e: {dev['name']} × {dev['count']}, workloads {workloads}, layouts {layouts}, budget {args.budget_s:.0f} s → {out}")
     try:
-        inv["inputs"] = make_inputs(work, args.tiny, p["prompts"], deadline)
+        inv["inputs"] = make_inputs(work, shape, p["prompts"], deadline)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
         inv["inputs"] = {"error": f"making the inputs failed: {e}"}
         write_results(out, inv)

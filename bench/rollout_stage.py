@@ -91,8 +91,8 @@ def main():
     counts = [int(x) for x in args.prompts.split(",")]
     work = os.path.abspath(args.work)
     os.makedirs(work, exist_ok=True)
-    p = e2e.workload_params(args.tiny, max(counts))
-    inputs = e2e.make_inputs(work, args.tiny, max(counts), deadline)
+    p = e2e.workload_params("tiny" if args.tiny else "1b", max(counts))
+    inputs = e2e.make_inputs(work, "tiny" if args.tiny else "1b", max(counts), deadline)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     actor = f"{work}/actor-tp1"
     if not os.path.exists(f"{actor}/llamarl.json"):
