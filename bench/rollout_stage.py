@@ -7,7 +7,7 @@ the invocation's first run finds empty compile caches (``TORCHINDUCTOR_CACHE_DIR
 process's wall (its start to its manifest), the engine's own time (``stats.engine_s``) and issue
 15's ratio ``wall / engine`` (goal ≤ 1.15) for both, rank 0's ``spans_s`` and ``background_s``.
 ``--stacks`` samples every thread's Python stack (``LLAMARL_STACKS_DIR``, lib/runtime/stack_sampler.py:
-``WORK/<run>-stacks/rank-0.stacks.jsonl``, timestamped: cut it by the manifest's spans).
+``WORK/<run>-stacks/rank-0-<PID>.stacks.jsonl``, timestamped: cut it by the manifest's spans).
 
     python bench/rollout_stage.py --prompts 256,1216 --repeats 2
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import shutil
@@ -73,7 +74,7 @@ def run_once(work: str, actor: str, prompts: str, cfg: str, env: dict, name: str
                background_s=m.get("background_s"), process_wall_s=process_wall and round(process_wall, 3),
                command_wall_over_engine=round(wall / engine, 3),
                process_wall_over_engine=process_wall and round(process_wall / engine, 3),
-               stacks=stacks_dir and f"{stacks_dir}/rank-0.stacks.jsonl")
+               stacks=stacks_dir and next(iter(glob.glob(f"{stacks_dir}/rank-0-*.stacks.jsonl")), None))
     return res
 
 

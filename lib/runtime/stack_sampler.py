@@ -1,7 +1,7 @@
 """Where a stage process's threads spend their time: every thread's Python stack, sampled.
 
 ``LLAMARL_STACKS_DIR`` set, a stage process (``job.main``) runs a ``StackSampler`` for its whole
-life and writes ``rank-<RANK>.stacks.jsonl`` there: one line per sample of a thread that was not
+life and writes ``rank-<RANK>-<PID>.stacks.jsonl`` there (a run's stages share the folder): one line per sample of a thread that was not
 idle, ``[unix time, thread name, "file:function:line;…" (outermost first)]``. The times let a
 reader cut the samples by the manifest's ``spans_s`` (``bench/rollout_stage.py --stacks``).
 
@@ -70,4 +70,4 @@ def from_env() -> StackSampler | None:
     folder = os.environ.get(STACKS_ENV)
     if not folder:
         return None
-    return StackSampler(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}.stacks.jsonl")).start()
+    return StackSampler(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}-{os.getpid()}.stacks.jsonl")).start()
