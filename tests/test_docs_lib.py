@@ -23,7 +23,7 @@ LIB_MAP = os.path.join(ROOT, "docs", "lib.md")
 # A path from the repository root, not inside a longer path or name (``RUN/pipeline/…``, ``x.lib/``).
 ROOT_PATH = re.compile(r"(?<![\w/.$~-])((?:lib|stages|pipeline|cluster|bench|tests|docs)/[\w./*{}<>-]*)")
 DOTTED = re.compile(r"`((?:llamarl\.)?(?:lib|stages|pipeline|cluster)\.[\w.]+)")
-LINK = re.compile(r"\]\(([\w./-]+\.md)(?:#[\w-]*)?\)")
+LINK = re.compile(r"\]\(([\w./-]+\.md)?(?:#([\w-]+))?\)")
 FILE_ENDINGS = (".py", ".md", ".sh", ".json", ".jsonl", ".txt", ".toml", ".yaml")
 
 
@@ -36,6 +36,19 @@ def _exists(path: str) -> bool:
     if "." in last and not last.endswith(FILE_ENDINGS):  # stages/ppo_trainer.train_step
         return os.path.isfile(os.path.join(ROOT, folder, last.split(".")[0] + ".py"))
     return False
+
+
+def _anchors(doc: str) -> set[str]:
+    """The anchors GitHub gives a doc's headings: lower case, punctuation dropped, spaces to hyphens."""
+    heads = re.findall(r"^#+ (.+)$", open(doc).read(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def _link_missing(doc: str, target: str | None, anchor: str | None) -> bool:
+    path = os.path.join(os.path.dirname(doc), target) if target else doc
+    if not os.path.exists(path):
+        return True
+    return bool(anchor) and anchor not in _anchors(path)
 
 
 def _dotted_exists(ref: str) -> bool:
@@ -63,8 +76,8 @@ def _missing(doc: str) -> list[str]:
         if not _exists(path):
             missing.append(path)
     missing += [m.group(1) for m in DOTTED.finditer(text) if not _dotted_exists(m.group(1))]
-    here = os.path.dirname(doc)
-    missing += [m.group(1) for m in LINK.finditer(text) if not os.path.exists(os.path.join(here, m.group(1)))]
+    missing += [m.group(0)[2:-1] for m in LINK.finditer(text)
+                if (m.group(1) or m.group(2)) and _link_missing(doc, m.group(1), m.group(2))]
     return missing
 
 
@@ -107,6 +120,6 @@ def test_the_checks_catch_a_stale_path(tmp_path):
     doc = tmp_path / "x.md"
     doc.write_text("See `lib/parallel.py`, lib/files/checkpoint.py, `lib.schedule.forward_backward`, "
                    "`lib.model.schedule.forward_backward`, stages/ppo_trainer.train_step, lib/job.execute, "
-                   "RUN/pipeline/lock.json and [x](nowhere.md).\n")
+                   "RUN/pipeline/lock.json, [x](nowhere.md), [y](#the-title), [z](x.md#gone).\n# The title\n")
     assert sorted(_missing(str(doc))) == ["lib.schedule.forward_backward", "lib/job.execute", "lib/parallel.py",
-                                          "nowhere.md"]
+                                          "nowhere.md", "x.md#gone"]
