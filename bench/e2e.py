@@ -942,7 +942,7 @@ def main():
     if args.iterations < 1:
         raise SystemExit(f"--iterations {args.iterations}: at least 1")
     # Several iterations or staleness values: runs are named and reported per staleness ("iterations");
-    # otherwise every name and number is as it always was.
+    # otherwise one iteration a run, named by workload and layout alone and reported as "iteration".
     several = args.iterations > 1 or stalenesses != [0]
     overlap = max(stalenesses) > 0
     default_layouts = (SPLIT if overlap and (args.gpus == 2 or args.tiny) else
@@ -1021,7 +1021,7 @@ def main():
     gpus = GpuMemory()
     try:
         for j, (kind, workload, lay, *staleness) in enumerate(jobs):
-            staleness = staleness[0] if several and staleness else None  # None: today's single run
+            staleness = staleness[0] if several and staleness else None  # None: one iteration, no staleness in the name
             name = run_name(workload, lay or "", staleness)
             label = name if several else f"{workload} {lay}"
             now = time.time()

@@ -1,303 +1,385 @@
-"""Markdown tables for docs/benchmarks.md, made from the JSON files in bench/results/.
+"""docs/benchmarks.md's generated part: the goals against the newest results in bench/results/.
 
-    python bench/report.py            # every file's tables; paste them under "Measured" in the docs
+    python bench/report.py            # the generated part, to stdout
+    python bench/report.py --write    # the same, written into docs/benchmarks.md between its markers
     python bench/report.py FILE...    # those files' tables only
 
-Only what the files say: every row names its file, and ratios are within one file (one run).
+A results file is named ``<bench>-[<qualifier>-]<machine>-<date>[-<label>].json`` (``.jsonl`` for
+GPU checks); its kind is its bench on its machine. The newest file of a kind has the latest date,
+then the latest start time where the file records one, then the latest commit adding it (a file
+not yet committed is newer than any): these say when a measurement was made, which a label does
+not. Files equal on all three are newest together. Each goal takes its number from the newest
+file of each machine that measures it; tables follow for the newest file of every kind and every
+file a goal cites (bench/tables.py: every row names its file, every ratio is within one file).
 """
 
 from __future__ import annotations
 
+import functools
 import glob
-import json
 import os
+import subprocess
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/tables.py, even under PYTHONSAFEPATH
+import tables  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+DOC = os.path.join(ROOT, "docs", "benchmarks.md")
+BEGIN = "<!-- bench/report.py: begin. Edit bench/report.py or bench/tables.py, then `python bench/report.py --write`. -->"
+END = "<!-- bench/report.py: end -->"
+Measure = Callable[[object], "tuple[str, str] | None"]  # a file's data → (what it measured, verdict), or None
 
 
-def _fmt(x, spec=",.0f"):
-    return "–" if x is None else format(x, spec)
+GPU = ("h100", "h200")  # the machines the speed goals are set on; a shared 2-core CPU says little of them
 
 
-def e2e(path: str) -> list[str]:
-    data = json.load(open(path))
-    out = []
-    for inv in data["invocations"]:
-        trl = inv.get("trl") or {}
-        timed = (trl.get("iterations") or [None])[-1]
+@dataclass(frozen=True)
+class Goal:
+    issue: str
+    text: str
+    bench: str
+    measure: Measure
+    machines: tuple[str, ...] | None = GPU  # None: any machine
+
+
+def _verdict(*checks: tuple[bool, str]) -> str:
+    """``met`` or ``**not met**``, per issue where a goal has one level per issue."""
+    if len(checks) == 1:
+        return "met" if checks[0][0] else "**not met**"
+    return "; ".join(f"{issue}: {'met' if ok else '**not met**'}" for ok, issue in checks)
+
+
+def _runs(r: dict):
+    for inv in r["invocations"]:
         for run in inv["runs"]:
-            it = run.get("iteration") or {}
-            out.append(f"\n**{run['workload']} at {run['layout']}** — {inv['device']['name']} × {inv['device']['count']}, "
-                       f"{inv['date']} (`{os.path.basename(path)}`, invocation {inv['id']})\n")
-            out.append("| stage | wall s | process start → work s | work s | throughput (wall) | peak GPU GB |")
-            out.append("|---|---|---|---|---|---|")
-            for name in run["stages"]:  # in the run's order (bench/e2e.py's run_nodes)
-                s = run["stages"][name]
-                if s.get("status") == "not run":
-                    continue
-                if "generated_tokens" in s:
-                    tput = f"{_fmt(s.get('tok_s_per_gpu_wall'))} gen tok/s/GPU"
-                    if s.get("wall_over_engine"):
-                        tput += (f"; engine {s['engine_s']:.1f} s, wall / engine {s['wall_over_engine']:.2f}×, "
-                                 f"work / engine {s['work_over_engine']:.2f}×")
-                        if s.get("not_engine_s") is not None:
-                            tput += f", not engine {s['not_engine_s']:.1f} s"
-                elif "trained_tokens" in s:
-                    tput = (f"{_fmt(s.get('tok_s_per_gpu_wall'))} trained tok/s/GPU; update loop "
-                            f"{_fmt(s.get('update_tok_s'))} tok/s; phases s: "
-                            + ", ".join(f"{k} {v:.1f}" for k, v in (s.get("phases_s") or {}).items()))
-                elif "bytes" in s:
-                    tput = f"{s.get('gb_s_wall')} GB/s"
-                else:
-                    tput = f"{_fmt(s.get('seq_s_wall'), ',.1f')} seq/s"
-                out.append(f"| {name} | {_fmt(s.get('wall_s'), '.1f')} | {_fmt(s.get('to_first_work_s'), '.1f')} | "
-                           f"{_fmt(s.get('work_s'), '.1f')} | {tput} | {_fmt(s.get('peak_gpu_gb'), '.1f')} |")
-            if it:
-                line = (f"| **iteration** (rollout + score + ppo) | **{it['wall_s']:.1f}** | | | "
-                        f"**{_fmt(it['generated_tok_s_per_gpu'])} gen, {_fmt(it['trained_tok_s_per_gpu'])} trained "
-                        f"tok/s/GPU**; with shard + export {it['wall_with_shard_export_s']:.1f} s | |")
-                out.append(line)
-            if run["workload"] == "grpo" and timed:
-                ratio = (it.get("vs_trl") or {}).get("generated_tok_s_per_gpu_ratio")
-                out.append(f"| TRL {inv['versions'].get('trl')} GRPOTrainer, same run, iteration {timed['iteration']} "
-                           f"| {timed['seconds']:.1f} | | | {_fmt(timed['generated_tok_s'])} gen tok/s/GPU; "
-                           f"llamarl/TRL = **{ratio}×** | {timed.get('peak_gpu_gb_allocated')} (allocated) |")
-    return out
+            yield inv, run
 
 
-def train_step(path: str) -> list[str]:
-    r = json.load(open(path))
-    out = [f"\n**train step** — {r['device']}, {r['date']} (`{os.path.basename(path)}`), {r['tokens_per_step']} "
-           "tokens a step, bf16\n"]
-    names = [n for n in r.get("variants", ("llamarl", "llamarl-eager", "hf")) if isinstance(r.get(n), dict)]
-    if not names:  # files before 2026-11-24: flat keys only
-        return out + ["| | tokens/s | MFU | peak GB |", "|---|---|---|---|",
-                      f"| llamarl | {r['llamarl_tok_s']:,.0f} | {r['llamarl_mfu']:.1%} | {r['llamarl_peak_gb']:.1f} |",
-                      f"| HF | {r['hf_tok_s']:,.0f} | {r['hf_mfu']:.1%} | {r['hf_peak_gb']:.1f} |",
-                      f"| ratio | {r['ratio_llamarl_over_hf']:.2f}× | | |"]
-    hf, raw = r.get("hf"), r.get("llamarl")
-    ppo = any("ppo" in r[n] for n in names)
-    out += ["| | tokens/s | MFU | peak GB | step ms (median, min–max) | tokens/s vs HF | peak memory vs HF"
-            + (" | tokens/s vs llamarl | micro-batches |" if ppo else " |"),
-            "|---|---|---|---|---|---|---|" + ("---|---|" if ppo else "")]
-    for n in names:
-        v = r[n]
-        row = (f"| {n} | {v['tok_s']:,.0f} | {v['mfu']:.1%} | {_fmt(v['peak_gb'], '.1f')} | "
-               f"{v['step_s_median'] * 1e3:.1f} ({v['step_s_min'] * 1e3:.1f}–{v['step_s_max'] * 1e3:.1f}) | "
-               + (f"{v['tok_s'] / hf['tok_s']:.2f}× | " if hf else "– | ")
-               + (f"{v['peak_gb'] / hf['peak_gb']:.2f}× |" if hf and v['peak_gb'] and hf['peak_gb'] else "– |"))
-        if ppo:
-            micro = v.get("ppo", {}).get("micro_batches")
-            row += (f" **{v['tok_s'] / raw['tok_s']:.2f}×** |" if "ppo" in v and raw else " |") + f" {_fmt(micro, 'd')} |"
-        out.append(row)
-    profiled = [n for n in names if r[n].get("profile")]
-    if profiled:
-        cats = [c for c in r[profiled[0]]["profile"]["ms"]
-                if c == "idle" or any(r[n]["profile"]["ms"].get(c) for n in profiled)]
-        out += ["", "Where a step's GPU time goes (`--profile`, ms per step and share of the step's GPU span):", "",
-                "| category | " + " | ".join(profiled) + " |", "|---|" + "---|" * len(profiled)]
-        for c in cats:
-            cells = []
-            for n in profiled:
-                p = r[n]["profile"]
-                cells.append(f"{p['ms'].get(c, 0.0):.1f} ({p['ms'].get(c, 0.0) / p['step_ms']:.0%})")
-            out.append(f"| {c} | " + " | ".join(cells) + " |")
-        out.append("| **GPU span of a step** | " + " | ".join(f"**{r[n]['profile']['step_ms']:.1f}**" for n in profiled) + " |")
-    return out
+def _hidden(inv: dict) -> int | None:
+    return ((inv.get("shapes") or {}).get("actor") or {}).get("hidden_size")
 
 
-def rollout(path: str) -> list[str]:
-    r = json.load(open(path))
-    out = [f"\n**rollout engine** — {r['device']}, {r['date']} (`{os.path.basename(path)}`), prompts of "
-           f"{r['prompt_len']} → {r['new_tokens']} new tokens, {r['sampling']}\n"]
-    if r.get("fixed"):
-        out += ["| batch | llamarl new tok/s | HF static compiled | ratio | bandwidth bound | measured | fraction of bound |",
-                "|---|---|---|---|---|---|---|"]
-    hf = r.get("hf_static_compiled") or {}
-    for bs, v in (r.get("fixed") or {}).items():
-        ratio = f"**{v['new_tok_s'] / hf['new_tok_s']:.2f}×**" if hf and int(bs) == hf.get("batch") else ""
-        out.append(f"| {bs} | {v['new_tok_s']:,.0f} | {_fmt(hf.get('new_tok_s')) if ratio else ''} | {ratio} | "
-                   f"{_fmt(v.get('bandwidth_bound_s'), '.3f')} s | {v['seconds']:.3f} s | "
-                   f"{_fmt(v.get('fraction_of_bandwidth_bound'), '.2f')} |")
-    out += _rollout_drain(r) + _rollout_parallel(r)
-    for key in ("continuous_batching", "continuous_batching_2048_prompts"):
-        cb = r.get(key)
-        if not cb:
+def _last_iteration(run: dict) -> tuple[str, list[dict]] | None:
+    """The last iteration's name and its stages, for a run whose stages ran one after another."""
+    names = sorted({n.split("/")[0] for n in run["stages"] if n.startswith("iter-")})
+    if not names or (run.get("iterations") or {}).get("overlapped") or run["layout"] == "shared":
+        return None
+    return names[-1], [s for n, s in run["stages"].items() if n.startswith(names[-1] + "/") and s.get("wall_s")]
+
+
+def vs_trl(hidden: int, staleness: int, level: float) -> Measure:
+    def measure(r):
+        for inv, run in _runs(r):
+            ratio = tables._vs_trl(inv, run)
+            if ratio is not None and _hidden(inv) == hidden and (run.get("max_staleness") or 0) == staleness:
+                return f"{ratio:.2f}× ({run['workload']} at {run['layout']})", _verdict((ratio >= level, ""))
+    return measure
+
+
+def outside_work(r):
+    for inv, run in _runs(r):
+        last = _last_iteration(run) if _hidden(inv) == 2048 else None
+        if last and all(s.get("work_s") is not None for s in last[1]):
+            wall, work = sum(s["wall_s"] for s in last[1]), sum(s["work_s"] for s in last[1])
+            share = 1 - work / wall
+            return (f"{share:.0%} ({last[0]}: stages {wall:.1f} s, their work {work:.1f} s)",
+                    _verdict((share <= 0.10, "")))
+
+
+def state_write(r):
+    for inv, run in _runs(r):
+        last = _last_iteration(run) if _hidden(inv) == 2048 else None
+        phase = (run["stages"].get(f"{last[0]}/ppo", {}).get("phases_s") or {}).get("train_state") if last else None
+        if phase is not None:
+            wall = sum(s["wall_s"] for s in last[1])
+            return f"{phase / wall:.0%} ({last[0]}: {phase:.1f} s of {wall:.1f} s)", _verdict((phase / wall <= 0.10, ""))
+
+
+def first_work(r):
+    for inv, run in _runs(r):
+        share = {n: s["to_first_work_s"] / s["wall_s"] for n, s in run["stages"].items()
+                 if s.get("to_first_work_s") is not None and s.get("wall_s")}
+        if share:
+            worst = max(share, key=share.get)
+            return (f"{sum(v <= 0.10 for v in share.values())} of {len(share)} stages; the worst {share[worst]:.0%} "
+                    f"({worst})", _verdict((share[worst] <= 0.10, "")))
+
+
+def dp2(r):
+    for inv, run in _runs(r):
+        one = [o for o in inv["runs"] if o["layout"] == "tp1" and o["workload"] == run["workload"]]
+        wall = (run.get("iterations") or run.get("iteration") or {}).get("wall_s")
+        base = (one[0].get("iterations") or one[0].get("iteration") or {}).get("wall_s") if one else None
+        if run["layout"] == "dp2" and wall and base:
+            return f"{wall / base:.2f}× ({wall:.1f} s against {base:.1f} s)", _verdict((wall / base <= 0.55, ""))
+
+
+def _step(r, hidden: int, tp: int = 1) -> dict | None:
+    shape, layout = r.get("shape") or {}, r.get("layout") or {}
+    if shape.get("hidden_size") == hidden and layout.get("tp", 1) == tp and isinstance(r.get("llamarl"), dict):
+        return r["llamarl"]
+    return None
+
+
+def step_mfu(r):
+    if v := _step(r, 2048):
+        return f"{v['mfu']:.1%}", _verdict((v["mfu"] >= 0.50, "#16"), (v["mfu"] >= 0.60, "#29"))
+
+
+def step_vs_hf(r):
+    v, hf = _step(r, 2048), r.get("hf")
+    if v and hf:
+        speed, memory = v["tok_s"] / hf["tok_s"], v["peak_gb"] / hf["peak_gb"]
+        return f"{speed:.2f}× HF's tokens/s, {memory:.2f}× its peak memory", _verdict((speed >= 1.35 and memory <= 0.8, ""))
+
+
+def ppo_update(r):
+    v = _step(r, 2048)
+    if v and isinstance(r.get("ppo"), dict):
+        ppo = r["ppo"]["tok_s"] / v["tok_s"]
+        ragged = r["ppo-ragged"]["tok_s"] / v["tok_s"] if isinstance(r.get("ppo-ragged"), dict) else None
+        return (f"{ppo:.2f}× (micro-batches of {r['ppo']['ppo']['micro_batch_tokens']} tokens); ragged {_fmt2(ragged)}×",
+                _verdict((ppo >= 0.8, "#16"), (min(ppo, ragged or 0) >= 0.9, "#29")))
+
+
+def step_8b_tp2(r):
+    if v := _step(r, 4096, tp=2):
+        return f"{v['mfu']:.1%} MFU", _verdict((v["mfu"] >= 0.45, ""))
+
+
+def engine_vs_hf(r):
+    hf, fixed = r.get("hf_static_compiled") or {}, (r.get("fixed") or {}).get("64")
+    if hf.get("batch") == 64 and fixed:
+        ratio = fixed["new_tok_s"] / hf["new_tok_s"]
+        return (f"{ratio:.2f}× ({fixed['new_tok_s']:,.0f} against {hf['new_tok_s']:,.0f} new tok/s)",
+                _verdict((ratio >= 2, "#15"), (ratio >= 3, "#29")))
+
+
+def engine_bound(r):
+    fraction = ((r.get("fixed") or {}).get("256") or {}).get("fraction_of_bandwidth_bound")
+    if fraction is not None:
+        return f"{fraction:.2f} of the bound", _verdict((fraction >= 0.5, ""))
+
+
+def random_stops(r):
+    found = [(cb["prompts"], cb["ratio_every4"]) for cb in tables._continuous(r) if "ratio_every4" in cb]
+    if found:
+        return (", ".join(f"{x:.2f} at {n} prompts" for n, x in found) + " (`check_every` 4)",
+                _verdict((min(x for _, x in found) >= 0.8, "")))
+
+
+def rollout_dp2(r):
+    if (r.get("parallel") or {}).get("dp") == 2 and r.get("dp_speedup") is not None:
+        return f"{r['dp_speedup']:.2f}× one GPU", _verdict((r["dp_speedup"] >= 1.8, ""))
+
+
+def stage_over_engine(r):
+    runs = [x for x in r["runs"] if x.get("process_wall_over_engine")]
+    if runs:
+        return (", ".join(f"{x['process_wall_over_engine']:.2f}× ({x['prompts']} prompts, {x['caches']})" for x in runs),
+                _verdict((all(x["process_wall_over_engine"] <= 1.15 for x in runs), "")))
+
+
+def whole_command(cmd: str) -> Measure:
+    def measure(r):
+        ratio = r["save_pretrained_s"] / r[f"{cmd}_wall_s"]
+        return (f"{ratio:.2f}× ({r[f'{cmd}_wall_s']:.2f} s against {r['save_pretrained_s']:.2f} s, "
+                f"{r['procs']} processes, torch {r.get('torch')})", _verdict((ratio >= 1, "")))
+    return measure
+
+
+def lib_load(r):
+    if r.get("lib_load_GB_s"):
+        ratio = r["lib_load_GB_s"] / r["from_pretrained_GB_s"]
+        return (f"{ratio:.2f}× ({r['lib_load_GB_s']:.2f} against {r['from_pretrained_GB_s']:.2f} GB/s)",
+                _verdict((ratio >= 1, "")))
+
+
+def first_byte(r):
+    limits = {"1": 3.0, "4": 5.0}
+    seen = {n: v["median"]["first_byte_s"] for n, v in r["runs"].items() if v["median"].get("first_byte_s") is not None}
+    if any(n.rpartition("-")[2] in limits for n in seen):
+        return (", ".join(f"{n} {s:.2f} s" for n, s in seen.items()),
+                _verdict((all(s <= limits.get(n.rpartition("-")[2], float("inf")) for n, s in seen.items()), "")))
+
+
+def handoff_s(shape: str, limit: float) -> Measure:
+    def measure(r):
+        if r["shape"] == shape:
+            s = r["median"]["handoff_s"]
+            return f"{s:.2f} s ({r['median']['GB']:.1f} GB)", _verdict((s <= limit, ""))
+    return measure
+
+
+def rss(r):
+    return (f"shard {r['shard_max_rss_GB']:.2f} GB, export {r['export_max_rss_GB']:.2f} GB a process for "
+            f"{r['model_GB']:.1f} GB over {r['procs']} processes", _verdict((r["bounded"], "")))
+
+
+def ci_time(r):
+    return (f"{r['tests_s'] / 60:.1f} min of tests ({r['passed']} passed, {r['failed']} failed)",
+            _verdict((r["tests_s"] <= 15 * 60, "")))
+
+
+def _fmt2(x):
+    return "–" if x is None else f"{x:.2f}"
+
+
+GOALS = [
+    Goal("#29", "1B shape, on-policy: ≥ 1.0× TRL's generated tok/s/GPU (TRL in the same run)", "e2e", vs_trl(2048, 0, 1.0)),
+    Goal("#29", "1B shape, `max_staleness: 1`: ≥ 1.5× TRL", "e2e", vs_trl(2048, 1, 1.5)),
+    Goal("#29", "135M shape, on-policy: ≥ 1.0× TRL", "e2e", vs_trl(576, 0, 1.0)),
+    Goal("#29", "1B: an iteration's wall outside its stages' own work ≤ 10 %", "e2e", outside_work),
+    Goal("#11", "process start to first work ≤ 10 % of each stage's wall", "e2e", first_work),
+    Goal("#11", "DP2: ≤ 0.55× one GPU's iteration time", "e2e", dp2),
+    Goal("#17", "the training-state write adds ≤ 10 % to an iteration", "e2e", state_write),
+    Goal("#16, #29", "1B train step: ≥ 50 % MFU (#16); ≥ 60 % (#29)", "train_step", step_mfu),
+    Goal("#16", "1B train step: ≥ 1.35× HF's tokens/s at ≤ 0.8× its peak memory", "train_step", step_vs_hf),
+    Goal("#16, #29", "ppo update: ≥ 0.8× the raw step (#16); ≥ 0.9×, ragged batches too (#29)", "train_step", ppo_update),
+    Goal("#16", "8B shape at TP2: ≥ 45 % MFU", "train_step", step_8b_tp2),
+    Goal("#15, #29", "rollout engine, batch 64, 128 → 256: ≥ 2× HF static compiled (#15); ≥ 3× (#29)", "rollout",
+         engine_vs_hf),
+    Goal("#29", "rollout engine at 256 sequences: ≥ 0.5 of the memory-bandwidth bound", "rollout", engine_bound),
+    Goal("#15", "random stops keep ≥ 80 % of the fixed-length throughput", "rollout", random_stops),
+    Goal("#15", "rollout at DP2: ≥ 1.8× one GPU", "rollout", rollout_dp2),
+    Goal("#15", "rollout stage wall ≤ 1.15× the engine's own time", "rollout_stage", stage_over_engine),
+    Goal("#28", "shard, whole command: ≥ 1× `save_pretrained` (same run)", "shard_export", whole_command("shard")),
+    Goal("#28", "export, whole command: ≥ 1× `save_pretrained` (same run)", "shard_export", whole_command("export")),
+    Goal("#17", "lib/ load onto the GPU: ≥ 1× `from_pretrained`", "shard_export", lib_load),
+    Goal("#17", "command → first byte: ≤ 3 s with 1 process, ≤ 5 s with 4", "startup", first_byte),
+    Goal("#17", "hand-off (publish → on the GPU), 1B: ≤ 5 s", "handoff", handoff_s("1b", 5)),
+    Goal("#17", "hand-off, 8B (16 GB, one host): ≤ 20 s", "handoff", handoff_s("8b", 20)),
+    Goal("#17", "8B shard and export: no process holds the whole model", "peak_rss", rss, None),
+    Goal("#14", "`make test` on a clean clone well under CI's time limit (aim: 15 min)", "ci", ci_time, None),
+]
+
+
+@dataclass(frozen=True)
+class Result:
+    path: str
+    bench: str
+    machine: str
+    key: tuple  # (date, start time, commit time): larger is newer
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+
+@functools.lru_cache(maxsize=None)
+def _data(path: str):
+    return tables._load(path)
+
+
+def _started(data) -> str:
+    if not isinstance(data, dict):
+        return ""
+    return max([data.get("started") or ""] + [inv.get("started") or "" for inv in data.get("invocations", [])])
+
+
+def git_added(results: str) -> Callable[[str], float]:
+    """When each results file was last added to the repository (Unix seconds); uncommitted: +inf."""
+    try:
+        log = subprocess.run(["git", "log", "--format=%x00%ct", "--name-only", "--diff-filter=A", "--", "."],
+                             cwd=results, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"bench/report.py orders results by the commits that added them: run it in a git checkout ({e})")
+    added = {}
+    for entry in log.split("\0")[1:]:
+        when, *names = entry.strip().splitlines()
+        for n in names:
+            added.setdefault(os.path.basename(n.strip()), float(when))  # the log is newest first
+    return lambda name: added.get(name, float("inf"))
+
+
+def results(folder: str = RESULTS, added: Callable[[str], float] | None = None) -> tuple[list[Result], list[str]]:
+    """The results files of a known bench, and the names of the others (logs, one-off records)."""
+    added = added or git_added(folder)
+    found, others = [], []
+    for path in sorted(glob.glob(os.path.join(folder, "*"))):
+        m = tables.NAME.fullmatch(os.path.basename(path))
+        if not m:
+            others.append(os.path.basename(path))
             continue
-        out += ["", f"Continuous batching ({cb['slots']} slots, {cb['prompts']} prompts, a stop set of "
-                    f"{cb['stop_tokens']} token ids):", "",
-                "| prompts | `check_every` | fixed length tok/s | random stops tok/s | ratio | mean length | slot utilisation (stops) |",
-                "|---|---|---|---|---|---|---|"]
-        for k in sorted((k for k in cb if k.startswith("ratio_every")), key=lambda k: int(k[len("ratio_every"):])):
-            e = k[len("ratio_every"):]
-            f, s = cb[f"fixed_length_every{e}"], cb[f"random_stops_every{e}"]
-            out.append(f"| {cb['prompts']} | {e} | {f['new_tok_s']:,.0f} | {s['new_tok_s']:,.0f} | **{cb[k]:.2f}** | "
-                       f"{s['mean_len']:.0f} | {s['slot_utilisation']:.2f} |")
-    return out
+        key = (m["date"], _started(_data(path)), added(os.path.basename(path)))
+        found.append(Result(path, m["bench"], m["machine"], key))
+    return found, others
 
 
-def _rollout_parallel(r: dict) -> list[str]:
-    """``bench/rollout.py --tp N / --dp N``: one GPU against the layout, in the same run."""
-    par = r.get("parallel")
-    if not par:
-        return []
-    tp, dp = par["tp"], par["dp"]
-    one, lay = r.get("one_gpu") or {}, r.get(f"tp{tp}_dp{dp}") or {}
-    out = ["", f"Several devices ({r.get('gpus') or 'CPU'} × {r['device']}, {r.get('backend')}): {par['prompts']} prompts "
-               f"in chunks of {par['chunk']}, {par['max_batch']} slots per engine, {par['engine']}:", "",
-           "| layout | new tok/s | seconds | tokens | speed-up over one device | efficiency | same tokens as one device |",
-           "|---|---|---|---|---|---|---|"]
-    if one:
-        out.append(f"| one device (TP1) | {one['new_tok_s']:,.0f} | {one['seconds']:.2f} | {one['tokens']:,} | 1.00× | | |")
-    if lay:
-        out.append(f"| TP{tp} × DP{dp} | {lay['new_tok_s']:,.0f} | {lay['seconds']:.2f} | {lay['tokens']:,} | "
-                   f"**{lay['speedup_over_one_gpu']:.2f}×** | {lay['efficiency']:.0%} | "
-                   f"{lay['same_tokens_as_one_gpu']:.2f} |")
-    else:
-        out.append(f"| TP{tp} × DP{dp} | – (not in the file: the run ended before it) | | | | | |")
-    return out
+def _newest_first(files: list[Result]) -> list[list[Result]]:
+    keys = sorted({f.key for f in files}, reverse=True)
+    return [[f for f in files if f.key == k] for k in keys]
 
 
-def _rollout_drain(r: dict) -> list[str]:
-    """``bench/rollout.py --drain-slots``: the batch-invariant stream against the default engine."""
-    dr = r.get("drain")
-    if not dr:
-        return []
-    out = ["", f"Batch invariance at a stream's end (the stage's stream: chunks of {dr['chunk']}, random stops from "
-               f"{dr['stop_tokens']} stop ids, ≤ {dr['new_tokens']} new tokens; drain: from the window where nothing "
-               "is left to admit to the end):", "",
-           "| slots | prompts | batch-invariant tok/s | default tok/s | ratio | extra s | drain s (invariant / default) "
-           "| drain slot-steps (invariant / default) |",
-           "|---|---|---|---|---|---|---|---|"]
-    for key, row in dr.items():
-        if not isinstance(row, dict):
-            continue
-        inv, base = row["batch_invariant"], row["default"]
-        out.append(f"| {inv.get('engine_slots', row['slots'])} | {row['prompts']} | {inv['new_tok_s']:,.0f} | "
-                   f"{base['new_tok_s']:,.0f} | **{row['invariant_over_default_tok_s']:.2f}** | {row['extra_s']:.2f} | "
-                   f"{inv['drain_s']:.2f} / {base['drain_s']:.2f} | {inv['drain_slot_steps']:,} / "
-                   f"{base['drain_slot_steps']:,} |")
-    return out
+def _kinds(files: list[Result], bench: str, only: tuple[str, ...] | None = None) -> list[list[list[Result]]]:
+    """Per machine (in name order; ``only`` those), that bench's files grouped newest first."""
+    machines = sorted({f.machine for f in files if f.bench == bench and (only is None or f.machine in only)})
+    return [_newest_first([f for f in files if f.bench == bench and f.machine == m]) for m in machines]
 
 
-def shard_export(path: str) -> list[str]:
-    r = json.load(open(path))
-    sp = r["save_pretrained_s"]
-    return [f"\n**shard / export** — {r['device']}, {r['date']} (`{os.path.basename(path)}`), {r['GB']:.2f} GB bf16, "
-            f"{r['procs']} processes, {r['cpus']} CPUs\n",
-            "| | seconds (whole command) | stage's own work s | GB/s (whole command) | vs `save_pretrained` |",
-            "|---|---|---|---|---|",
-            f"| HF `save_pretrained` | {sp:.2f} | | {r['save_pretrained_GB_s']:.2f} | 1.00× |",
-            f"| `llamarl stage shard` | {r['shard_wall_s']:.2f} | {_fmt(r.get('shard_work_s'), '.2f')} | "
-            f"{r['shard_GB_s_wall']:.2f} | **{r['shard_vs_save_pretrained']:.2f}×** |",
-            f"| `llamarl stage export` | {r['export_wall_s']:.2f} | {_fmt(r.get('export_work_s'), '.2f')} | "
-            f"{r['export_GB_s_wall']:.2f} | **{r['export_vs_save_pretrained']:.2f}×** |",
-            "",
-            f"Loading onto the GPU: lib/ `checkpoint.load_model` {r['lib_load_GB_s']:.2f} GB/s against HF "
-            f"`from_pretrained` {r['from_pretrained_GB_s']:.2f} GB/s: **{r['lib_load_vs_from_pretrained']:.2f}×**; "
-            f"export bit-identical to the source: {r['export_bit_identical']}."] + (
-        [f"Each run against the `save_pretrained` just before it (interleaved), median: shard "
-         f"**{r['shard_vs_save_pretrained_paired']:.2f}×**, export **{r['export_vs_save_pretrained_paired']:.2f}×**."]
-        if "shard_vs_save_pretrained_paired" in r else [])
+def goal_rows(files: list[Result]) -> tuple[list[str], set[str]]:
+    rows, cited = ["| issue | goal | measured | file | |", "|---|---|---|---|---|"], set()
+    for goal in GOALS:
+        hits = []
+        for groups in _kinds(files, goal.bench, goal.machines):
+            for group in groups:
+                found = [(f, m) for f in group if (m := goal.measure(_data(f.path)))]
+                if found:
+                    hits += found
+                    break
+        for f, (measured, verdict) in hits:
+            rows.append(f"| {goal.issue} | {goal.text} | {measured} | `{f.name}` | {verdict} |")
+            cited.add(f.path)
+        if not hits:
+            rows.append(f"| {goal.issue} | {goal.text} | no file in bench/results measures it | – | |")
+    return rows, cited
 
 
-def handoff(path: str) -> list[str]:
-    r = json.load(open(path))
-    m = r["median"]
-    out = [f"\n**weight hand-off** — {r['device_full']}, {r['date']} (`{os.path.basename(path)}`), shape {r['shape']}, "
-           f"{m['GB']:.2f} GB bf16, median of {len(r['runs'])}{', cold page cache' if r.get('cold') else ''}\n",
-           "| save s | verify s | build s | load s | **hand-off s** | save GB/s | verify GB/s | load GB/s | bit-identical |",
-           "|---|---|---|---|---|---|---|---|---|",
-           f"| {m['save_s']:.2f} | {m['verify_s']:.2f} | {m['build_s']:.2f} | {m['load_s']:.2f} | **{m['handoff_s']:.2f}** | "
-           f"{m['save_GB_s']:.2f} | {m['verify_GB_s']:.2f} | {m['load_GB_s']:.2f} | {r['bit_identical']} |"]
-    c = r.get("checksums")
-    if c:
-        out += ["", f"Checksums on one core ({c['MB']:.0f} MB): xxh3_128 {c['xxh3_128_GB_s']:.2f} GB/s, sha256 "
-                    f"{c['sha256_GB_s']:.2f}, blake2b {c['blake2b_GB_s']:.2f}; a write {c['write_s']:.2f} s, hashed while "
-                    f"written {c['write_hashing_xxh3_128_s']:.2f} s, a second xxh3 pass {c['second_pass_xxh3_128_s']:.2f} s."]
-    return out
+def generate(folder: str = RESULTS, added: Callable[[str], float] | None = None) -> str:
+    files, others = results(folder, added)
+    rows, cited = goal_rows(files)
+    out = [BEGIN, "", "## The goals, against the newest results", "",
+           "Each row: the newest file of each machine that measures the goal (several when equally new).", ""]
+    out += rows + ["", "## The newest results", "",
+                   "The newest file of every bench on every machine, and every older file a goal above cites.", ""]
+    for bench in tables.RENDER:
+        for groups in _kinds(files, bench):
+            shown = [f for group in groups for f in group if f in groups[0] or f.path in cited]
+            for f in shown:
+                out += tables.RENDER[bench](f.path)
+    out += ["", "Not rendered (logs and one-off records): " + ", ".join(f"`{n}`" for n in others) + ".", "", END]
+    return "\n".join(out) + "\n"
 
 
-def startup(path: str) -> list[str]:
-    r = json.load(open(path))
-    where = r.get("device") or f"{r.get('cpus')} CPUs"
-    out = [f"\n**start-up** — {where}, {r['date']} (`{os.path.basename(path)}`), {r.get('model')}, median of "
-           f"{r['repeat']}, seconds from the command's launch\n",
-           "| command | whole command | first byte | all ranks writing | cli | imports | config | process group | planning | work | exit |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, v in r["runs"].items():
-        m, sp = v["median"], v["median"]["spans_s"]
-        out.append(f"| {name} | {_fmt(m['wall_s'], '.2f')} | **{_fmt(m['first_byte_s'], '.2f')}** | "
-                   f"{_fmt(m['all_writing_s'], '.2f')} | "
-                   + " | ".join(_fmt(sp.get(s), ".2f") for s in ("cli", "imports", "config", "process_group", "planning",
-                                                                 "work", "exit")) + " |")
-    return out
+def splice(doc: str, generated: str) -> str:
+    """``doc`` with the text from its begin marker to its end marker replaced by ``generated``."""
+    begin, end = doc.find(BEGIN), doc.find(END)
+    if begin < 0 or end < begin:
+        raise SystemExit(f"{DOC}: no '{BEGIN}' … '{END}' markers to write between")
+    return doc[:begin] + generated + doc[end + len(END) + 1:]
 
 
-def rollout_stage(path: str) -> list[str]:
-    """``bench/rollout_stage.py``: the stage alone, per run its wall against the engine's own time."""
-    r = json.load(open(path))
-    d, w = r["device"], r["workload"]
-    out = [f"\n**rollout stage** — {d['name']} × {d['count']}, {r['date']} (`{os.path.basename(path)}`), "
-           f"{w['samples']} samples × {w['max_new_tokens']} new tokens a prompt, chunks of {w['chunk_size']}, "
-           f"max_batch {w['max_batch']}; seconds\n",
-           "| prompts | caches | new tokens | engine | engine tok/s | process wall | **wall / engine** | command / engine "
-           "| imports | build + load | waiting: tokenizer, kernels | first tokens |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for run in r["runs"]:
-        if "engine_s" not in run:
-            out.append(f"| {run['prompts']} | {run['caches']} | failed (rc {run['rc']}) | | | | | | | | | |")
-            continue
-        sp = run.get("spans_s") or {}
-        out.append(f"| {run['prompts']} | {run['caches']} | {run['new_tokens']:,} | {run['engine_s']:.2f} | "
-                   f"{run['engine_tok_s']:,} | {_fmt(run.get('process_wall_s'), '.2f')} | "
-                   f"**{_fmt(run.get('process_wall_over_engine'), '.2f')}×** | {run['command_wall_over_engine']:.2f}× | "
-                   f"{_fmt(sp.get('imports'), '.2f')} | {sp.get('build', 0) + sp.get('load', 0):.2f} | "
-                   f"{_fmt(sp.get('tokenizer_wait'), '.2f')}, {_fmt(sp.get('compile_wait'), '.2f')} | "
-                   f"{_fmt(sp.get('first_tokens'), '.2f')} |")
-    return out
-
-
-def gpu_checks(path: str) -> list[str]:
-    out = [f"\n**GPU checks** (`{os.path.basename(path)}`, from `pytest -m gpu tests/test_gpu.py`)\n",
-           "| check | GPUs | result |", "|---|---|---|"]
-    for line in open(path):
-        r = json.loads(line)
-        nums = {k: v for k, v in r.items() if k not in ("check", "gpu", "gpus", "torch", "stages")}
-        out.append(f"| {r['check']} | {r['gpus']} × {r['gpu']} | "
-                   + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in nums.items()) + " |")
-    return out
-
-
-RENDER = {"e2e": e2e, "train_step": train_step, "gpu-checks": gpu_checks, "rollout": rollout,
-          "shard_export": shard_export, "handoff": handoff, "startup": startup, "rollout_stage": rollout_stage}
-
-
-def main() -> None:
-    if len(sys.argv) > 1:
-        lines = []
-        for path in sys.argv[1:]:
-            name = os.path.basename(path)
-            kind = max((k for k in RENDER if name.startswith(k + "-")), key=len, default=None)
-            if kind is None:
-                raise SystemExit(f"{path}: not a results file of {', '.join(RENDER)}")
-            lines += RENDER[kind](path)
-        print("\n".join(lines))
+def main(argv: list[str]) -> None:
+    if argv == ["--write"]:
+        text = splice(open(DOC).read(), generate())
+        with open(DOC, "w") as f:
+            f.write(text)
+        return
+    if not argv:
+        sys.stdout.write(generate())
         return
     lines = []
-    for path in sorted(glob.glob(f"{RESULTS}/e2e-*.json")):
-        lines += e2e(path)
-    for path in sorted(glob.glob(f"{RESULTS}/train_step-*.json")):
-        lines += train_step(path)
-    for path in sorted(glob.glob(f"{RESULTS}/gpu-checks-*.jsonl")):
-        lines += gpu_checks(path)
-    for prefix, render in (("rollout", rollout), ("rollout_stage", rollout_stage), ("shard_export", shard_export),
-                           ("handoff", handoff), ("startup", startup)):
-        for path in sorted(glob.glob(f"{RESULTS}/{prefix}-*.json")):
-            lines += render(path)
+    for path in argv:
+        m = tables.NAME.fullmatch(os.path.basename(path))
+        if not m:
+            raise SystemExit(f"{path}: not a results file of {', '.join(tables.RENDER)}")
+        lines += tables.RENDER[m["bench"]](path)
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

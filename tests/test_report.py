@@ -1,4 +1,5 @@
-"""bench/report.py renders what the bench scripts write (fast: synthetic results files)."""
+"""bench/report.py and bench/tables.py: docs/benchmarks.md is what they make of bench/results, and they
+render what the bench scripts write (fast: the committed results and synthetic files)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import report  # noqa: E402
+import tables  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _engine(tok_s, seconds, drain_s, drain_slot_steps, slots=8):
@@ -30,7 +34,7 @@ def test_rollout_renders_the_multi_gpu_and_drain_fields(tmp_path):
                          "extra_s": 0.2, "extra_drain_s": 0.07}}}
     path = tmp_path / "rollout-cpu-x.json"
     path.write_text(json.dumps(r))
-    text = "\n".join(report.rollout(str(path)))
+    text = "\n".join(tables.rollout(str(path)))
     assert "| batch |" not in text  # no fixed-length workload in this file: no empty table
     assert "| one device (TP1) | 2,000 | 0.25 | 512 | 1.00× | | |" in text
     assert "| TP1 × DP2 | 3,800 | 0.14 | 512 | **1.90×** | 95% | 1.00 |" in text
@@ -38,7 +42,7 @@ def test_rollout_renders_the_multi_gpu_and_drain_fields(tmp_path):
     # a layout run cut off before its row: said so, not a crash
     del r["tp1_dp2"]
     path.write_text(json.dumps(r))
-    assert "not in the file" in "\n".join(report.rollout(str(path)))
+    assert "not in the file" in "\n".join(tables.rollout(str(path)))
 
 
 def test_rollout_stage_renders_wall_over_engine_and_a_failed_run(tmp_path):
@@ -51,6 +55,62 @@ def test_rollout_stage_renders_wall_over_engine_and_a_failed_run(tmp_path):
          "workload": {"samples": 4, "max_new_tokens": 16, "chunk_size": 8, "max_batch": 32}}
     path = tmp_path / "rollout_stage-cpu-x.json"
     path.write_text(json.dumps(r))
-    lines = report.RENDER["rollout_stage"](str(path))
+    lines = tables.RENDER["rollout_stage"](str(path))
     assert "| 16 | cold | 1,019 | 4.00 | 255 | 5.00 | **1.25×** | 1.50× | 2.00 | 0.75 | 0.10, 0.00 | 0.30 |" in lines
     assert "| 32 | warm | failed (rc 1) | | | | | | | | | |" in lines
+
+
+def test_docs_benchmarks_md_is_what_report_py_makes_of_the_committed_results():
+    doc = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
+    begin, end = doc.index(report.BEGIN), doc.index(report.END) + len(report.END) + 1
+    assert doc[begin:end] == report.generate(), (
+        "docs/benchmarks.md differs from bench/results: run `python bench/report.py --write` and commit it")
+
+
+def test_every_results_file_of_a_known_bench_renders():
+    found, others = report.results()
+    assert found and all(f.bench in tables.RENDER for f in found)
+    for f in found:
+        assert f"`{f.name}`" in "\n".join(tables.RENDER[f.bench](f.path)), f.name
+    assert not [n for n in others if n.endswith((".json", ".jsonl"))
+                and any(n.startswith(b + "-") for b in tables.RENDER)], "a results file whose name report.py cannot read"
+
+
+def _startup(tmp_path, name, first_byte, started=None):
+    r = {"date": name.split("-h100-")[1][:10], "cpus": 16, "model": "tiny", "repeat": 1,
+         "runs": {"shard-1": {"median": {"wall_s": 1.0, "first_byte_s": first_byte, "all_writing_s": first_byte,
+                                         "spans_s": {}}}}}
+    if started:
+        r["started"] = started
+    (tmp_path / name).write_text(json.dumps(r))
+
+
+def test_the_newest_file_is_the_latest_date_then_start_then_commit(tmp_path):
+    _startup(tmp_path, "startup-h100-2026-11-24-late.json", 9.0)
+    _startup(tmp_path, "startup-h100-2026-11-25-b.json", 2.0, started="2026-11-25T08:00:00Z")
+    _startup(tmp_path, "startup-h100-2026-11-25-a.json", 1.0, started="2026-11-25T09:00:00Z")
+    _startup(tmp_path, "startup-h100-2026-11-25-c.json", 4.0, started="2026-11-25T09:00:00Z")
+    (tmp_path / "pytest-gpu-h100-2026-11-25.txt").write_text("5 passed")
+    added = {"startup-h100-2026-11-25-a.json": 2.0, "startup-h100-2026-11-25-c.json": 1.0}
+    text = report.generate(str(tmp_path), added=lambda name: added.get(name, 0.0))
+    # -a: the same day and start as -c, committed later; -b started earlier; -late is a day older
+    assert "| shard-1 1.00 s | `startup-h100-2026-11-25-a.json` | met |" in text
+    assert "`startup-h100-2026-11-25-c.json`" not in text and "`startup-h100-2026-11-24-late.json`" not in text
+    assert "Not rendered (logs and one-off records): `pytest-gpu-h100-2026-11-25.txt`." in text
+    assert "| #28 | shard, whole command: ≥ 1× `save_pretrained` (same run) | no file in bench/results measures it |" in text
+    # equally new on all three counts: both are the newest, each in its own row
+    added["startup-h100-2026-11-25-c.json"] = 2.0
+    text = report.generate(str(tmp_path), added=lambda name: added.get(name, 0.0))
+    assert "`startup-h100-2026-11-25-a.json` | met |" in text and "`startup-h100-2026-11-25-c.json` | **not met** |" in text
+
+
+def test_write_replaces_only_what_lies_between_the_markers():
+    doc = f"# title\nprose\n{report.BEGIN}\nold\n{report.END}\n## History\nrows\n"
+    assert report.splice(doc, f"{report.BEGIN}\nnew\n{report.END}\n") == \
+        f"# title\nprose\n{report.BEGIN}\nnew\n{report.END}\n## History\nrows\n"
+    try:
+        report.splice("# no markers\n", "x")
+    except SystemExit as e:
+        assert "markers" in str(e)
+    else:
+        raise AssertionError("a doc without markers was written")
