@@ -11,7 +11,7 @@ A model asks once, when it is built, and keeps its ``Topology`` and TP group; it
 The grid is megatron-core's default order (tensor fastest, then data, then pipeline):
 ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, and the groups are the ones its
 ``parallel_state`` builds (tests/test_parallel.py checks them against it). They are built here
-rather than by ``parallel_state`` because importing megatron-core costs every stage process 3–7 s
+rather than by ``parallel_state`` because importing megatron-core costs every stage process 4–6 s
 of start-up for what is a few ``new_group`` calls.
 """
 
