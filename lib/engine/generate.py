@@ -26,7 +26,7 @@ queue; free slots take the next ones:
   batch boundary), and each batch comes back as soon as its last sequence finishes.
   ``generate`` is a stream of one batch.
 
-Sampling (``lib.sampling``) gives each sequence its own counter-based stream keyed by (seed,
+Sampling (``lib.engine.sampling``) gives each sequence its own counter-based stream keyed by (seed,
 prompt key, sample index), so a response does not depend on ``max_batch``, DP, TP or the order
 sequences run in. Under TP every rank runs the same steps and draws the same tokens, without
 gathering the vocabulary.

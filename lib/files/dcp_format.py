@@ -309,8 +309,8 @@ def parse_item(item: io.RawIOBase, start: int = 0) -> StoredTensor | None:
 
 def _record_size(zf, item: io.RawIOBase, name: str) -> int:
     """Bytes of record ``name`` of the archive ``item``. torch < 2.12's reader cannot say (it has
-    no ``get_record_size``): then the zip's central directory, at the item's end, does — without
-    it every item fell back to ``torch.load`` there, 10x slower."""
+    no ``get_record_size``): then the zip's central directory, at the item's end, does, so that
+    the item is still read in place rather than through ``torch.load``."""
     if hasattr(zf, "get_record_size"):
         return zf.get_record_size(name)
     import zipfile

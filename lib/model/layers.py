@@ -147,8 +147,8 @@ class _RegionLinear(torch.autograd.Function):
 # alias with a version counter of its own and declares no mutation: nothing in a graph reads
 # main_grad, and a declared one would fail that check wherever another micro-batch's backward has
 # run between this one's forward and backward (1F1B). Its output is dx, so it is never dead code.
-# A plain torch.library kernel: dispatching it costs ~7-12 us of host time against ~28-37 through
-# torch.library.custom_op's wrapper (dev CPU, torch 2.13), on every backward of every linear.
+# A plain torch.library kernel, not a torch.library.custom_op: its dispatch costs a fraction of the
+# custom op wrapper's host time (docs/training.md), paid on every backward of every linear.
 _OPS = torch.library.Library("llamarl", "FRAGMENT")
 _OPS.define("linear_grad_into_main_backward(Tensor dy, Tensor x, Tensor weight, Tensor main_grad) -> Tensor")
 
