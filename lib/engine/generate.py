@@ -126,13 +126,9 @@ class Engine(Slots):
         ``batches`` is read lazily: the next batch when fewer sequences wait than there are slots
         (and before the first step, enough to fill them). Time spent in ``batches`` and in the
         consumer (between a yield and the next request) is not the engine's: ``stats["busy_s"]``
-        is the rest, ``stats["source_s"]`` the time waiting for batches.
-
-        The host runs one window behind the device: it queues window k's decode steps, then
-        reads the flags of window k-1 (finished by then or soon), queues the copy of the finished
-        sequences to the host (read one window later), and admits new ones into their slots — all
-        queued behind window k, so that the GPU decodes while the host prepares the next prefill.
-        A slot freed in window k-1 idles (masked) through window k."""
+        is the rest, ``stats["source_s"]`` the time waiting for batches. The host runs one window
+        behind the device (the module docstring's Check): a slot freed in window k-1 idles
+        (masked) through window k."""
         if samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt={samples_per_prompt} must be >= 1")
         yield from _Stream(self, batches, seed, samples_per_prompt, on_tokens).run()

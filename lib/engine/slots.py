@@ -231,24 +231,25 @@ class Slots:
         caller reads it later (after its event), once more work has been queued behind it."""
         host = buf[:, :b]
         host.copy_(torch.stack([self.live[:b].long(), self.made[:b]]), non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return host, event, seqs
+        return host, self._event(), seqs
 
     def fetch(self, slots: list[int], made: list[int], seqs: list[int]):
         """Queue a copy of finished sequences' tokens and log-probs (in ``slots``, ``made`` tokens
         each) to the host, before their slots are refilled; ``delivered`` reads it a window later."""
         at, k = self.tensor(slots), max(made)
         tokens, logps = self.out_tokens[at, :k], self.out_logps[at, :k]
-        event = None
         if self.device.type == "cuda":
             tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
             logps = torch.empty(logps.shape, dtype=logps.dtype, pin_memory=True).copy_(logps, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        return tokens, logps, event, made, seqs
+        return tokens, logps, self._event(), made, seqs
+
+    def _event(self) -> torch.cuda.Event | None:
+        """An event recorded behind the work queued so far (None on CPU, where nothing is queued)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def delivered(self, fetched) -> list[tuple[int, Completion]]:
         tokens, logps, event, made, seqs = fetched
