@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from llamarl.lib.distributed.parallel import group_size
+from llamarl.lib.model import mappings
 
 _M32 = 0xFFFFFFFF
 
@@ -186,18 +187,10 @@ def warm_up(params: SamplingParams, vocab: int, vocab_start: int, dtype: torch.d
         torch.cuda.synchronize(device)
 
 
-# torch 2.13 renamed it (the old name warns); torch 2.11 on the GPU image has only the old one.
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
 def _all_gather(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``[tp, *x.shape]``."""
     tp = group_size(group)
-    if tp == 1:
-        return x[None]
-    out = x.new_empty(tp * x.shape[0], *x.shape[1:])
-    _all_gather_single(out, x.contiguous(), group=group)
-    return out.view(tp, *x.shape)
+    return x[None] if tp == 1 else mappings.all_gather(x, group).view(tp, *x.shape)
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:

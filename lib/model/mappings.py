@@ -27,7 +27,8 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x
 
 
-def _all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``x`` of every rank of ``group``, concatenated along dim 0 (no autograd)."""
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * group_size(group), *x.shape[1:]))
     _all_gather_single(out, x, group=group)
@@ -72,7 +73,7 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, grad_is_partial):
         ctx.group, ctx.grad_is_partial = group, grad_is_partial
-        return _all_gather(x, group)
+        return all_gather(x, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -87,7 +88,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, ctx.group), None
+        return all_gather(g, ctx.group), None
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
