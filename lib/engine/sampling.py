@@ -193,12 +193,6 @@ def _all_gather(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x[None] if tp == 1 else mappings.all_gather(x, group).view(tp, *x.shape)
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
-    return x
-
-
 def _ordered(f: torch.Tensor) -> torch.Tensor:
     """fp32 → int64 with the same order (negative floats' magnitude bits reversed)."""
     b = f.view(torch.int32).long()
@@ -218,14 +212,14 @@ def _nucleus_threshold(x: torch.Tensor, temperature: float, top_p: float, group:
     threshold rises, so the smallest kept logit is found by bisection over the 2^32 fp32 values in
     order: 33 steps, each one pass over the slice and an all-reduce of ``[rows]`` — never a gather
     or a global sort."""
-    m = _all_reduce(x.max(-1).values, group, dist.ReduceOp.MAX)
+    m = mappings.all_reduce(x.max(-1).values, group, dist.ReduceOp.MAX)
     p = torch.exp((x - m[:, None]) / temperature)
-    p = p / _all_reduce(p.sum(-1), group)[:, None]
+    p = p / mappings.all_reduce(p.sum(-1), group)[:, None]
     lo = _ordered(torch.full_like(m, float("-inf")))  # mass above it ≈ 1: not kept (top_p < 1)
     hi = _ordered(m)  # nothing above the maximum: kept
     for _ in range(33):
         mid = (lo + hi) // 2
-        mass = _all_reduce((p * (x > _unordered(mid)[:, None])).sum(-1), group)
+        mass = mappings.all_reduce((p * (x > _unordered(mid)[:, None])).sum(-1), group)
         keep = mass < top_p
         hi, lo = torch.where(keep, mid, hi), torch.where(keep, lo, mid)
     return _unordered(hi)

@@ -21,9 +21,11 @@ _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_ten
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
+def all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``x`` (contiguous) reduced over ``group`` in place and returned (no autograd); a group of
+    one, or None, runs no collective."""
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -56,13 +58,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
+        return all_reduce(g.contiguous(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        return all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, g):
