@@ -387,7 +387,7 @@ def _profile(engine, bs, dev) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     span = engine.max_len
-    engine._step(bs, span)  # capture (if new)
+    engine.step(bs, span)  # capture (if new)
     graph = engine._graphs.get((bs, span))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

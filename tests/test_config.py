@@ -7,7 +7,7 @@ import torch
 
 import tiny
 from llamarl.lib.model.config import ConfigError, LlamaConfig, ParallelLayout, pad_vocab, split_layers
-from llamarl.lib.model.layers import rope_inv_freq
+from llamarl.lib.model.rotary import rope_inv_freq
 
 
 def _cfg(**overrides):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llamarl.lib.files import checkpoint, dcp_format, publish
+from llamarl.lib.files import checkpoint, dcp_format, publish, ranges
 from llamarl.lib.errors import UserError
 from llamarl.stages import export
 from llamarl.stages.config import ExportConfig
@@ -35,13 +35,13 @@ def test_the_parser_finds_the_tensor_of_any_torch_save_archive(dtype, shape):
         buf = io.BytesIO()
         torch.save(saved, buf)
         raw = buf.getvalue()
-        stored = dcp_format.parse_item(dcp_format.MemoryFile(memoryview(raw)), start=0)
+        stored = dcp_format.parse_item(ranges.MemoryFile(memoryview(raw)), start=0)
         assert stored is not None and stored.dtype == dtype and stored.size == tuple(saved.shape)
         assert stored.begin % 64 == 0  # torch aligns its records
         span = sum((n - 1) * s for n, s in zip(stored.size, stored.stride)) + 1 if saved.numel() else 0
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)[stored.begin : stored.begin + span * dtype.itemsize]
         assert torch.equal(data.view(dtype).as_strided(stored.size, stored.stride), saved)
-    assert dcp_format.parse_item(dcp_format.MemoryFile(memoryview(b"not a zip at all")), start=0) is None
+    assert dcp_format.parse_item(ranges.MemoryFile(memoryview(b"not a zip at all")), start=0) is None
 
 
 def test_a_checkpoint_written_again_is_the_same_bytes(tmp_path):

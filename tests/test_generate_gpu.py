@@ -131,7 +131,7 @@ def test_attention_warm_up_leaves_no_imports_for_the_first_prefill():
 
     code = """
 import sys, torch
-from llamarl.lib import attention
+from llamarl.lib.model import attention
 attention.warm_up(torch.device("cuda"), torch.bfloat16, 32, 8, 64)
 before = set(sys.modules)
 q = torch.randn(300, 32, 64, device="cuda", dtype=torch.bfloat16)

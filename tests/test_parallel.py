@@ -51,7 +51,7 @@ def layout_mismatch():
 
 def test_model_layout_must_match_process_groups(pool2):
     msg = pool2.run(layout_mismatch)[0]
-    assert msg and "tp=2" in msg and "lib.parallel.init" in msg
+    assert msg and "tp=2" in msg and "lib.distributed.parallel.init" in msg
 
 
 def wrong_number_of_processes() -> str | None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import xxhash
 
-from llamarl.lib.files import publish
+from llamarl.lib.files import checksums, publish
 
 
 def _xxh3(path) -> str:
@@ -122,12 +122,12 @@ def test_memory_filesystem_writes_are_hashed_too():
 def test_tree_checksum_is_the_digest_of_its_blocks_digests(tmp_path, monkeypatch):
     import xxhash
 
-    monkeypatch.setattr(publish, "TREE_BLOCK", 1000)
+    monkeypatch.setattr(checksums, "TREE_BLOCK", 1000)
     data = os.urandom(3500)
     (tmp_path / "f").write_bytes(data)
     blocks = [xxhash.xxh3_128(data[i : i + 1000]).digest() for i in range(0, 3500, 1000)]
     want = xxhash.xxh3_128(b"".join(blocks)).hexdigest()
-    assert publish._tree_checksum(str(tmp_path / "f"), threads=3, read_bytes=300) == want
+    assert checksums._tree_checksum(str(tmp_path / "f"), threads=3, read_bytes=300) == want
     entry = publish.file_entry(str(tmp_path / "f"), publish.TREE)
     assert entry == {"bytes": 3500, publish.TREE: want}
     publish.verify(str(tmp_path), {"f": entry})  # verifies as any other entry

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import tiny
-from llamarl.lib.files import checkpoint, dcp_format, publish
+from llamarl.lib.files import checkpoint, checksums, dcp_format, publish
 from llamarl.lib.distributed import parallel
 from llamarl.lib.model.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
@@ -309,7 +309,7 @@ def test_manifest_checksums_are_those_of_the_files_and_old_sha256_checkpoints_ex
         for name, entry in publish.read_manifest(str(root))["files"].items():
             data = (root / name).read_bytes()
             if root == out and name.endswith(".safetensors"):  # written by several threads: a block tree
-                assert entry == {"bytes": len(data), publish.TREE: publish._tree_checksum(str(root / name), 1)}, name
+                assert entry == {"bytes": len(data), publish.TREE: checksums._tree_checksum(str(root / name), 1)}, name
                 continue
             assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}, name
     # The same checkpoint as an older llamarl published it: sha256 entries. It still exports,

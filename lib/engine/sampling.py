@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from llamarl.lib.distributed.parallel import group_size
+from llamarl.lib.model import mappings
 
 _M32 = 0xFFFFFFFF
 
@@ -186,24 +187,10 @@ def warm_up(params: SamplingParams, vocab: int, vocab_start: int, dtype: torch.d
         torch.cuda.synchronize(device)
 
 
-# torch 2.13 renamed it (the old name warns); torch 2.11 on the GPU image has only the old one.
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
 def _all_gather(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``[tp, *x.shape]``."""
     tp = group_size(group)
-    if tp == 1:
-        return x[None]
-    out = x.new_empty(tp * x.shape[0], *x.shape[1:])
-    _all_gather_single(out, x.contiguous(), group=group)
-    return out.view(tp, *x.shape)
-
-
-def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
-    return x
+    return x[None] if tp == 1 else mappings.all_gather(x, group).view(tp, *x.shape)
 
 
 def _ordered(f: torch.Tensor) -> torch.Tensor:
@@ -225,14 +212,14 @@ def _nucleus_threshold(x: torch.Tensor, temperature: float, top_p: float, group:
     threshold rises, so the smallest kept logit is found by bisection over the 2^32 fp32 values in
     order: 33 steps, each one pass over the slice and an all-reduce of ``[rows]`` — never a gather
     or a global sort."""
-    m = _all_reduce(x.max(-1).values, group, dist.ReduceOp.MAX)
+    m = mappings.all_reduce(x.max(-1).values, group, dist.ReduceOp.MAX)
     p = torch.exp((x - m[:, None]) / temperature)
-    p = p / _all_reduce(p.sum(-1), group)[:, None]
+    p = p / mappings.all_reduce(p.sum(-1), group)[:, None]
     lo = _ordered(torch.full_like(m, float("-inf")))  # mass above it ≈ 1: not kept (top_p < 1)
     hi = _ordered(m)  # nothing above the maximum: kept
     for _ in range(33):
         mid = (lo + hi) // 2
-        mass = _all_reduce((p * (x > _unordered(mid)[:, None])).sum(-1), group)
+        mass = mappings.all_reduce((p * (x > _unordered(mid)[:, None])).sum(-1), group)
         keep = mass < top_p
         hi, lo = torch.where(keep, mid, hi), torch.where(keep, lo, mid)
     return _unordered(hi)

@@ -21,7 +21,6 @@ once, from the rank holding the fewest bytes.
 
 from __future__ import annotations
 
-import collections
 import io
 import threading
 from collections import defaultdict
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 import fsspec
 import torch
 from llamarl.lib.distributed import collectives
-from llamarl.lib.files import dcp_format
+from llamarl.lib.files import dcp_format, ranges
 from llamarl.lib.files.dcp_format import METADATA, read_metadata  # noqa: F401 — part of this module's interface
 from llamarl.lib.model import hf_mapping
 
@@ -231,9 +230,9 @@ def _header(fs, path: str, r: _Read) -> dcp_format.StoredTensor | None:
     """Where a large item's tensor lies, from the item's first and last bytes only."""
     n = r.end - r.begin
     head, tail = bytearray(min(n, _EDGE_BYTES)), bytearray(min(n, _EDGE_BYTES))
-    dcp_format.read_into(fs, path, r.begin, memoryview(head))
-    dcp_format.read_into(fs, path, r.end - len(tail), memoryview(tail))
-    return dcp_format.parse_item(dcp_format.Sparse(bytes(head), bytes(tail), n))
+    ranges.read_into(fs, path, r.begin, memoryview(head))
+    ranges.read_into(fs, path, r.end - len(tail), memoryview(tail))
+    return dcp_format.parse_item(ranges.Sparse(bytes(head), bytes(tail), n))
 
 
 def _flat_span(r: _Read, stored: dcp_format.StoredTensor | None) -> tuple[int, int] | None:
@@ -259,7 +258,7 @@ def _copy_range(buf: torch.Tensor, begin: int, rs: list[_Read], pin: bool) -> No
     """Copy each of ``rs`` out of ``buf``, the bytes of its file from ``begin`` on."""
     view = memoryview(buf.numpy()).cast("B")
     for r in rs:
-        stored = dcp_format.parse_item(dcp_format.MemoryFile(view[r.begin - begin : r.end - begin]), r.begin - begin)
+        stored = dcp_format.parse_item(ranges.MemoryFile(view[r.begin - begin : r.end - begin]), r.begin - begin)
         if stored is not None:
             _copy_stored(r.target, buf, stored, r.offsets, r.lengths, non_blocking=pin and r.target.is_cuda)
             continue
@@ -273,30 +272,6 @@ GPU_STAGING = "pinned"
 load (``STAGING_BYTES`` each, ``threads + 2`` of them) and non-blocking copies; ``pageable`` —
 each reading thread copies its own buffer, synchronously (the driver stages it)."""
 STAGING_BYTES = 16 << 20
-
-
-class _Staging:
-    """Pinned host buffers that every block bound for a GPU passes through, pinned once per load
-    and cycled: pinning is a system call over every page (slow, and slower in a VM: 64 MiB took
-    0.2 s on the H100 machines), so a buffer per block cost more than the reads. A buffer is
-    handed out again once the copies queued out of it have run (an event). Used from the loading
-    thread only."""
-
-    def __init__(self, count: int, nbytes: int):
-        self.free = collections.deque(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count))
-        self.busy: collections.deque = collections.deque()
-
-    def take(self) -> torch.Tensor:
-        if not self.free:
-            event, buf = self.busy.popleft()
-            event.synchronize()
-            self.free.append(buf)
-        return self.free.popleft()
-
-    def give_back(self, buf: torch.Tensor) -> None:
-        event = torch.cuda.Event()
-        event.record()
-        self.busy.append((event, buf))
 
 
 def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
@@ -335,7 +310,7 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
             jobs.append((f"{root}/{name}", begin, end - begin, None,
                          lambda buf, begin=begin, rs=rs: _copy_range(buf, begin, rs, pinned)))
         if pinned:
-            _read_staged(fs, pool, jobs, threads)
+            ranges.read_staged(fs, pool, jobs, threads)
         else:
             mine = threading.local()  # each thread's buffer, grown as needed and reused
 
@@ -345,7 +320,7 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
                     if getattr(mine, "buf", None) is None or mine.buf.numel() < n:
                         mine.buf = torch.empty(n, dtype=torch.uint8)
                     buf = mine.buf[:n]
-                dcp_format.read_into(fs, path, begin, memoryview(buf.numpy()))
+                ranges.read_into(fs, path, begin, memoryview(buf.numpy()))
                 if then is not None:
                     then(buf)
 
@@ -353,29 +328,6 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
                 fut.result()
     if gpu:
         torch.cuda.current_stream().synchronize()
-
-
-def _read_staged(fs, pool: ThreadPoolExecutor, jobs: list[tuple], threads: int) -> None:
-    """``jobs`` read by ``pool`` into pinned staging buffers; what to do with each (the copies
-    out of it) runs on this thread, in order, before its buffer is handed out again."""
-    staging = _Staging(threads + 2, max([n for _, _, n, into, _ in jobs if into is None], default=1))
-    pending: collections.deque = collections.deque()
-
-    def finish_oldest() -> None:
-        fut, buf, n, then, staged = pending.popleft()
-        fut.result()
-        if then is not None:
-            then(buf[:n])
-        if staged:
-            staging.give_back(buf)
-
-    for path, begin, n, into, then in jobs:
-        buf = staging.take() if into is None else into
-        pending.append((pool.submit(dcp_format.read_into, fs, path, begin, memoryview(buf[:n].numpy())), buf, n, then, into is None))
-        if len(pending) >= threads:
-            finish_oldest()
-    while pending:
-        finish_oldest()
 
 
 def read(state: dict, url: str, md=None, block_bytes: int | None = None, threads: int | None = None) -> None:

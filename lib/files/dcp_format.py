@@ -248,13 +248,6 @@ def _all_tensors(plans: list[tuple]) -> dict[str, tuple]:
     return out
 
 
-# ---- failures, the same on every rank -------------------------------------------------------------
-
-
-
-
-
-
 # ---- reading -------------------------------------------------------------------------------------
 
 
@@ -316,8 +309,8 @@ def parse_item(item: io.RawIOBase, start: int = 0) -> StoredTensor | None:
 
 def _record_size(zf, item: io.RawIOBase, name: str) -> int:
     """Bytes of record ``name`` of the archive ``item``. torch < 2.12's reader cannot say (it has
-    no ``get_record_size``): then the zip's central directory, at the item's end, does — without
-    it every item fell back to ``torch.load`` there, 10x slower."""
+    no ``get_record_size``): then the zip's central directory, at the item's end, does, so that
+    the item is still read in place rather than through ``torch.load``."""
     if hasattr(zf, "get_record_size"):
         return zf.get_record_size(name)
     import zipfile
@@ -325,84 +318,3 @@ def _record_size(zf, item: io.RawIOBase, name: str) -> int:
     item.seek(0)
     with zipfile.ZipFile(item) as z:
         return next(i.file_size for i in z.infolist() if i.filename.split("/", 1)[-1] == name)
-
-
-class _ReadOnly(io.RawIOBase):
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def seek(self, offset, whence=io.SEEK_SET):
-        self.pos = offset + (0, self.pos, len(self))[whence]
-        return self.pos
-
-    def tell(self):
-        return self.pos
-
-
-class MemoryFile(_ReadOnly):
-    """A read-only, seekable file over a memoryview (no copy)."""
-
-    def __init__(self, view: memoryview):
-        self.view, self.pos = view, 0
-
-    def __len__(self) -> int:
-        return len(self.view)
-
-    def readinto(self, b):
-        n = max(0, min(len(b), len(self.view) - self.pos))
-        b[:n] = self.view[self.pos : self.pos + n]
-        self.pos += n
-        return n
-
-
-class Sparse(_ReadOnly):
-    """An item of which only the first and last bytes were read (enough for its zip directory,
-    its pickle and the offset of its data); reading anything else fails."""
-
-    def __init__(self, head: bytes, tail: bytes, length: int):
-        self.head, self.tail, self.length, self.pos = head, tail, length, 0
-
-    def __len__(self) -> int:
-        return self.length
-
-    def readinto(self, b):
-        n = max(0, min(len(b), self.length - self.pos))
-        if self.pos + n <= len(self.head):
-            b[:n] = self.head[self.pos : self.pos + n]
-        elif self.pos >= self.length - len(self.tail):
-            at = self.pos - (self.length - len(self.tail))
-            b[:n] = self.tail[at : at + n]
-        else:
-            raise OSError("outside the bytes read")
-        self.pos += n
-        return n
-
-
-class ShortRead(OSError):
-    """A file ended before the bytes asked for: it changed while being read."""
-
-
-def read_into(fs, path: str, begin: int, view: memoryview) -> None:
-    """Bytes ``begin:begin+len(view)`` of a file into ``view`` (local files: ``preadv``, no
-    intermediate copy; others: one range request). ``ShortRead`` where the file ends before."""
-    import os
-
-    if getattr(fs, "local_file", False):
-        fd = os.open(fs._strip_protocol(path), os.O_RDONLY)
-        try:
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], begin + done)
-                if n <= 0:
-                    raise ShortRead(f"{path}: short read at byte {begin + done}; the file changed while being read")
-                done += n
-        finally:
-            os.close(fd)
-    else:
-        data = fs.cat_file(path, begin, begin + len(view))
-        if len(data) != len(view):
-            raise ShortRead(f"{path}: short read at byte {begin}; the file changed while being read")
-        view[:] = data

@@ -23,7 +23,7 @@ import torch
 
 from llamarl.lib import dtypes
 from llamarl.lib.files import publish
-from llamarl.lib.files.dcp_format import ShortRead, read_into
+from llamarl.lib.files.ranges import ShortRead, read_into
 from llamarl.lib.dtypes import SAFETENSORS_CODES
 from llamarl.lib.errors import UserError
 

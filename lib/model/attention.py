@@ -223,8 +223,8 @@ def equal_lengths(num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int) ->
 
 
 DENSE_SHAPES_MAX = 16
-"""cuDNN builds a plan for every new attention shape (about 0.1 s of host time each, forward and
-backward, on the H100 machines), so the dense path takes at most this many distinct (sequences,
+"""cuDNN builds a plan for every new attention shape (a tenth of a second of host time or so,
+forward and backward), so the dense path takes at most this many distinct (sequences,
 length) shapes per process; the rest go varlen. Single sequences always do: micro-batches of one
 sequence of any length (ragged data) would each have built one."""
 _dense_shapes: set[tuple[int, int]] = set()
@@ -249,8 +249,8 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, backend
     """Causal attention within each packed sequence. ``backend`` (None: ``attention_backend``'s
     choice) is one of ``varlen_backend``'s, or ``sdpa_dense``: sequences of equal length as a
     ``[seqs, heads, len, d]`` batch through SDPA (``is_causal``, GQA without repeated keys), which
-    on Hopper runs cuDNN's attention, about 1.7x torch's varlen (FlashAttention-2) kernels on the
-    1B shape (docs/benchmarks.md)."""
+    on Hopper runs cuDNN's attention, faster than torch's varlen (FlashAttention-2) kernels
+    (docs/benchmarks.md)."""
     if backend is None:
         backend = attention_backend(q.device, q.dtype, q.shape[0], cu_seqlens, max_seqlen)
     if backend == "sdpa_dense":

@@ -1,4 +1,4 @@
-"""Building blocks: tensor-parallel linears, vocab-parallel embedding, RMSNorm, rotary embedding.
+"""Building blocks: tensor-parallel linears, vocab-parallel embedding, RMSNorm, SwiGLU (rotary: ``rotary.py``).
 
 Activations are ``[tokens, features]``. Under sequence parallelism (SP) the tokens between blocks
 are split over TP ranks; a column-parallel linear gathers them first, a row-parallel linear
@@ -21,10 +21,10 @@ after every op.
 At TP 1 (``LLAMARL_FUSED_LAYERS``, on by default) a decoder layer is instead two regions with its
 matmuls inside — everything before attention and everything after it — so a layer costs two
 calls through the compiled code's host path instead of four plus five eager matmuls
-(``lib.model.DecoderLayer``).
+(``lib.model.llama.DecoderLayer``).
 
 Gradient accumulation fusion (``linear``, as megatron's ``gradient_accumulation_fusion``): where
-a bf16 weight has an fp32 ``main_grad`` (``lib.optim.GradBuffer``) and fusions are on, the weight
+a bf16 weight has an fp32 ``main_grad`` (``lib.rl.optim.GradBuffer``) and fusions are on, the weight
 gradient of its linear is computed by one GEMM that adds into ``main_grad`` in fp32 (cuBLAS with
 an fp32 C matrix: ``torch.addmm(..., out_dtype=torch.float32)`` on CUDA), instead of a bf16
 gradient written out, then read and added into ``main_grad`` by a hook, once per micro-batch.
@@ -35,7 +35,6 @@ regions only on request (``wgrad_fusion_on``).
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -44,7 +43,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from llamarl.lib.model import mappings
-from llamarl.lib.model.config import LlamaConfig
 from llamarl.lib.distributed.parallel import group_rank, group_size
 
 
@@ -149,8 +147,8 @@ class _RegionLinear(torch.autograd.Function):
 # alias with a version counter of its own and declares no mutation: nothing in a graph reads
 # main_grad, and a declared one would fail that check wherever another micro-batch's backward has
 # run between this one's forward and backward (1F1B). Its output is dx, so it is never dead code.
-# A plain torch.library kernel: dispatching it costs ~7-12 us of host time against ~28-37 through
-# torch.library.custom_op's wrapper (dev CPU, torch 2.13), on every backward of every linear.
+# A plain torch.library kernel, not a torch.library.custom_op: its dispatch costs a fraction of the
+# custom op wrapper's host time (docs/training.md), paid on every backward of every linear.
 _OPS = torch.library.Library("llamarl", "FRAGMENT")
 _OPS.define("linear_grad_into_main_backward(Tensor dy, Tensor x, Tensor weight, Tensor main_grad) -> Tensor")
 
@@ -215,13 +213,9 @@ def wgrad_fusion_on(device: torch.device, in_region: bool = False) -> bool:
     ``LLAMARL_FUSED_WGRAD`` = ``auto`` (default: the eager linears on CUDA where ``fusions_on`` and
     torch's mixed-dtype ``addmm`` works; not those inside the compiled layer regions, ``in_region``),
     ``1`` (everywhere, inside the regions too; on CPU by upcasting: for tests) or ``0`` (never: the
-    bf16 gradient, added into ``main_grad`` by ``GradBuffer``'s hook).
-
-    Inside the regions the fusion was first two ``torch.library.custom_op`` calls a linear, whose
-    Python dispatch on every forward and backward cost more host time on one H100 (1B shape, 4
-    micro-batches of 4096 tokens) than the ~5 ms of GPU time a micro-batch it saves (0.74x the raw
-    step against 0.81x without it, docs/training.md), hence not by default. It is now one plain
-    kernel in the backward alone (``_RegionLinear``), not yet timed on a GPU."""
+    bf16 gradient, added into ``main_grad`` by ``GradBuffer``'s hook). Not inside the regions by
+    default: there its host time a linear may cost more than the GPU time it saves, and its
+    measurement is open (docs/training.md)."""
     mode = os.environ.get(WGRAD_ENV, "auto")
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"{WGRAD_ENV}={mode!r}: use auto, 0 or 1")
@@ -302,58 +296,6 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE ``cos``/``sin`` for given positions, with ``rope_theta`` and Llama-3 / linear scaling.
-
-    Positions come from the data (not restarted per packed sequence), so left padding and packed
-    sequences get the positions the checkpoint was trained with."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = scaling["factor"]
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [tokens, heads, head_dim]`` (HF's half-split convention)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-def rotary_qk(q, k, cos, sin, *, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``apply_rotary`` to queries and keys; ``fused``: both in one compiled kernel, and only
-    ``cos``/``sin`` kept for backward (rotation is linear in q and k)."""
-    if fused:
-        return compiled_region(region_rotary_qk, 0, 1, 2, 3)(q, k, cos, sin)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
 def swiglu(gate_up: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` of the gate_up projection ``[tokens, 2 * ffn]``; ``fused``: one compiled
     kernel, keeping only ``gate_up`` for backward (SiLU recomputed there)."""
@@ -402,10 +344,6 @@ def region_rms_norm(x, weight, eps: float):
 def region_add_rms_norm(x, residual, weight, eps: float):
     s = x + residual
     return s, region_rms_norm(s, weight, eps)
-
-
-def region_rotary_qk(q, k, cos, sin):
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def region_swiglu(gate_up):

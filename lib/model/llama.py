@@ -6,7 +6,7 @@
 
 A model object is one pipeline stage: the first holds the embedding, the last the final norm
 and head, each a contiguous range of decoder layers. ``forward(batch, hidden)`` runs the stage;
-``lib.schedule`` chains stages. With PP = 1, ``model.run(input_ids, attention_mask)`` does it all.
+``lib.model.schedule`` chains stages. With PP = 1, ``model.run(input_ids, attention_mask)`` does it all.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from llamarl.lib.model.config import LlamaConfig, ParallelLayout, pad_vocab, spl
 from llamarl.lib.model.layers import (
     ColumnParallelLinear,
     RMSNorm,
-    RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     column_input,
@@ -35,12 +34,11 @@ from llamarl.lib.model.layers import (
     region_add_rms_norm,
     region_linear,
     region_rms_norm,
-    region_rotary_qk,
     region_swiglu,
-    rotary_qk,
     swiglu,
     wgrad_target,
 )
+from llamarl.lib.model.rotary import RotaryEmbedding, region_rotary_qk, rotary_qk
 from llamarl.lib.distributed.parallel import Topology, group_rank, group_size
 
 
@@ -102,7 +100,7 @@ class DecoderLayer(nn.Module):
         self.mlp = ParallelMLP(cfg, tp_group, sp, dtype)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, fused: bool = False):
-        """``fused``: norms, residual add, rotary and SwiGLU as compiled regions (``lib.layers``);
+        """``fused``: norms, residual add, rotary and SwiGLU as compiled regions (``lib.model.layers``);
         at TP 1 with ``LLAMARL_FUSED_LAYERS=1`` (``fused_layers_on``), two regions with the
         matmuls inside: everything before attention, and everything after it."""
         if fused and self.self_attn.tp_group_size == 1 and fused_layers_on():
@@ -116,7 +114,7 @@ class DecoderLayer(nn.Module):
         eps = self.input_layernorm.eps
         qkv, o, gate_up, down = a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
         # Each linear's fp32 main_grad goes in as an argument where its gradient is fused into it
-        # (LLAMARL_FUSED_WGRAD=1 only: see lib.layers.wgrad_fusion_on).
+        # (LLAMARL_FUSED_WGRAD=1 only: see lib.model.layers.wgrad_fusion_on).
         q, k, v = compiled_region(_attention_in, 0, 5, 6)(
             x, self.input_layernorm.weight, qkv.weight, qkv.bias, wgrad_target(qkv.weight, True), cos, sin, eps,
             a.heads, a.kv_heads, a.head_dim)
@@ -194,13 +192,13 @@ class ParallelLlama(nn.Module):
         topo = parallel.topology()
         if (topo.tp, topo.pp) != (layout.tp, layout.pp):
             raise ValueError(f"layout tp={layout.tp}, pp={layout.pp} does not match the initialised "
-                             f"process groups tp={topo.tp}, pp={topo.pp}; call lib.parallel.init first")
+                             f"process groups tp={topo.tp}, pp={topo.pp}; call lib.distributed.parallel.init first")
         layout.check(cfg)
         self.cfg, self.layout, self.dtype = cfg, layout, dtype
         # The groups this model computes over, fixed now: every layer and collective uses these.
         self.topology, self.tp_group = topo, topo.groups.tp
         # fused: the decoder's elementwise work as compiled regions when training (None: on CUDA
-        # unless LLAMARL_FUSED=0; see lib.layers).
+        # unless LLAMARL_FUSED=0; see lib.model.layers).
         self.model = ParallelLlamaModel(cfg, topo, self.tp_group, layout.sequence_parallel, dtype, layer_split, fused)
         if topo.is_last_stage:
             self._build_head()
@@ -236,7 +234,7 @@ class ParallelLlama(nn.Module):
     def run(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Whole-model forward for PP = 1 from padded inputs; outputs padded like the inputs."""
         if self.layout.pp > 1:
-            raise RuntimeError("with pp > 1 run the stages through lib.schedule (forward / forward_backward)")
+            raise RuntimeError("with pp > 1 run the stages through lib.model.schedule (forward / forward_backward)")
         batch = self.make_batch(input_ids, attention_mask, position_ids)
         return self.to_padded(self(batch), batch)
 

@@ -21,13 +21,16 @@ _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_ten
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
+def all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``x`` (contiguous) reduced over ``group`` in place and returned (no autograd); a group of
+    one, or None, runs no collective."""
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def _all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``x`` of every rank of ``group``, concatenated along dim 0 (no autograd)."""
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * group_size(group), *x.shape[1:]))
     _all_gather_single(out, x, group=group)
@@ -55,13 +58,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
+        return all_reduce(g.contiguous(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        return all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, g):
@@ -72,7 +75,7 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, grad_is_partial):
         ctx.group, ctx.grad_is_partial = group, grad_is_partial
-        return _all_gather(x, group)
+        return all_gather(x, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -87,7 +90,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, ctx.group), None
+        return all_gather(g, ctx.group), None
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

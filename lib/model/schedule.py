@@ -109,6 +109,15 @@ def forward_backward(
                 run_backward(x, out, None)
         return results
 
+    _one_f_one_b(topo, n, p2p, recv_spec, run_forward, run_backward)
+    return results
+
+
+def _one_f_one_b(topo: Topology, n: int, p2p, recv_spec, run_forward, run_backward) -> None:
+    """The 1F1B order of ``n`` micro-batches on this rank's stage (module docstring), given how to
+    receive one (``recv_spec(i)``), run it forward (``run_forward(i, received) -> (input, output)``)
+    and back (``run_backward(input, output, grad_out) -> grad_in``)."""
+    first, last = topo.is_first_stage, topo.is_last_stage
     warmup = min(topo.pp - topo.pp_rank - 1, n)
     alive: deque = deque()
     for i in range(warmup):
@@ -137,7 +146,6 @@ def forward_backward(
         _, grad_out = p2p(recv_next=None if last else recv_spec(j))
         grad_in = run_backward(x0, out0, grad_out)
         p2p(send_prev=None if first else grad_in)
-    return results
 
 
 def forward(model: ParallelLlama, batches: Sequence[TokenBatch]) -> list[torch.Tensor]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from llamarl.lib.distributed import parallel
+from llamarl.lib.model import mappings
 from llamarl.lib.model.layers import fusions_on
 from llamarl.lib.distributed.parallel import group_rank, group_size
 
@@ -35,18 +36,12 @@ def _or_current(group: ProcessGroup | None) -> ProcessGroup | None:
     return parallel.tp_group() if group is None else group
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
-    return x
-
-
 def _softmax_stats(logits: torch.Tensor, group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 probabilities of this rank's slice, global log-sum-exp per token)."""
     x = logits.float()
-    m = _all_reduce(x.amax(-1), group, dist.ReduceOp.MAX)
+    m = mappings.all_reduce(x.amax(-1), group, dist.ReduceOp.MAX)
     exp = (x - m[:, None]).exp_()
-    total = _all_reduce(exp.sum(-1), group)
+    total = mappings.all_reduce(exp.sum(-1), group)
     return exp.div_(total[:, None]), total.log() + m
 
 
@@ -55,7 +50,7 @@ def _label_logit(logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup
     local = labels - group_rank(group) * logits.shape[-1]
     mine = (local >= 0) & (local < logits.shape[-1])
     idx = local.clamp(0, logits.shape[-1] - 1)
-    return _all_reduce(logits.gather(-1, idx[:, None]).squeeze(-1).float() * mine, group), idx, mine
+    return mappings.all_reduce(logits.gather(-1, idx[:, None]).squeeze(-1).float() * mine, group), idx, mine
 
 
 class _LogProb(torch.autograd.Function):
@@ -82,7 +77,7 @@ class _Entropy(torch.autograd.Function):
         probs, lse = _softmax_stats(logits, group)
         x = logits.float()
         # Padded entries: p = 0 and x = dtype min, so p * x is 0, never 0 * -inf.
-        mean_logit = _all_reduce((probs * x).sum(-1), group)
+        mean_logit = mappings.all_reduce((probs * x).sum(-1), group)
         ctx.save_for_backward(probs, logits, mean_logit)
         return lse - mean_logit
 
@@ -102,7 +97,7 @@ class _LogProbEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, group):
         probs, lse = _softmax_stats(logits, group)
         label_logit, idx, mine = _label_logit(logits, labels, group)
-        mean_logit = _all_reduce((probs * logits.float()).sum(-1), group)
+        mean_logit = mappings.all_reduce((probs * logits.float()).sum(-1), group)
         ctx.save_for_backward(probs, logits, mean_logit, idx, mine)
         return label_logit - lse, lse - mean_logit
 
@@ -210,9 +205,9 @@ def _k_stats(x: torch.Tensor, group: ProcessGroup | None, with_mean: bool):
     if n:
         _kernels()[0][(n,)](x, x.stride(0), v, m, s, t, WITH_T=with_mean, BLOCK=_block(v), num_warps=8)
     if group_size(group) > 1:
-        top = _all_reduce(m.clone(), group, dist.ReduceOp.MAX)
+        top = mappings.all_reduce(m.clone(), group, dist.ReduceOp.MAX)
         scale = (m - top).exp()
-        st = _all_reduce(torch.stack([s * scale, t * scale]) if with_mean else (s * scale)[None], group)
+        st = mappings.all_reduce(torch.stack([s * scale, t * scale]) if with_mean else (s * scale)[None], group)
         m, s, t = top, st[0], st[-1]
     return m + s.log(), (t / s if with_mean else None)
 

@@ -1,0 +1,76 @@
+"""Checksums of output files: the algorithms a manifest may name, and a whole file's checksum
+read again (writers hash as they write: ``publish.open_write``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+
+import fsspec
+
+from llamarl.lib.errors import UserError
+
+# The checksum this version writes: XXH3-128 runs at memory speed (≈ 8 GB/s a core here, against
+# sha256's ≈ 1.3 and blake2b's ≈ 1.0), and a PPO iteration checksums tens of GB of optimizer state.
+# It guards against damage, not tampering. Each file's entry names its algorithm (the key holding
+# the digest); entries of older manifests with "sha256" still verify.
+CHECKSUM = "xxh3_128"
+# A file hashed by reading it, not while writing it (a shard stage's source): XXH3-128 of the
+# XXH3-128 digests of its 64 MiB blocks, so several threads hash one file at once.
+TREE = "xxh3_128_tree"
+TREE_BLOCK = 64 << 20
+ALGORITHMS = ("xxh3_128", TREE, "sha256")
+_BLOCK = 16 << 20  # bytes read at a time when hashing a file
+
+
+def hasher(algorithm: str = CHECKSUM):
+    """A new hash object (``update``, ``hexdigest``) of one of ``ALGORITHMS``."""
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    if algorithm not in ALGORITHMS or algorithm == TREE:  # TREE hashes blocks, not a stream: ``checksum``
+        raise UserError(f"unknown checksum algorithm {algorithm!r} for a stream; this version knows "
+                        f"{', '.join(a for a in ALGORITHMS if a != TREE)}")
+    return hashlib.new(algorithm)
+
+
+def checksum(url: str, algorithm: str = CHECKSUM, chunk: int = _BLOCK, threads: int = 4) -> str:
+    """The checksum of a whole file, read again."""
+    if algorithm == TREE:
+        return _tree_checksum(url, threads)
+    h = hasher(algorithm)
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with fsspec.open(url, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _tree_checksum(url: str, threads: int, read_bytes: int = 4 << 20) -> str:
+    """``TREE`` of a file: its blocks hashed by ``threads`` threads, each reading ``read_bytes`` at
+    a time (what it holds)."""
+    import xxhash
+
+    fs, path = fsspec.core.url_to_fs(url)
+    size = fs.size(path)
+
+    def block(start: int) -> bytes:
+        h = xxhash.xxh3_128()
+        buf = bytearray(read_bytes)
+        with fs.open(path, "rb") as f:
+            f.seek(start)
+            left = min(TREE_BLOCK, size - start)
+            while left:
+                n = f.readinto(memoryview(buf)[: min(read_bytes, left)])
+                if not n:
+                    raise UserError(f"{url}: short read; the file changed while being hashed")
+                h.update(memoryview(buf)[:n])
+                left -= n
+        return h.digest()
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        digests = list(pool.map(block, range(0, size, TREE_BLOCK)))
+    return xxhash.xxh3_128(b"".join(digests)).hexdigest()

@@ -1,0 +1,140 @@
+"""Byte ranges of files read into memory without an intermediate copy: ``read_into`` a buffer
+(``preadv`` on local files, a range request elsewhere); ``MemoryFile`` and ``Sparse``, read-only
+files over bytes already read (what torch's zip reader is given); ``Staging``, the pinned buffers
+that blocks bound for a GPU pass through, and ``read_staged``, which reads through them.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+class _ReadOnly(io.RawIOBase):
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        self.pos = offset + (0, self.pos, len(self))[whence]
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+
+class MemoryFile(_ReadOnly):
+    """A read-only, seekable file over a memoryview (no copy)."""
+
+    def __init__(self, view: memoryview):
+        self.view, self.pos = view, 0
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def readinto(self, b):
+        n = max(0, min(len(b), len(self.view) - self.pos))
+        b[:n] = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+class Sparse(_ReadOnly):
+    """An item of which only the first and last bytes were read (enough for its zip directory,
+    its pickle and the offset of its data); reading anything else fails."""
+
+    def __init__(self, head: bytes, tail: bytes, length: int):
+        self.head, self.tail, self.length, self.pos = head, tail, length, 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def readinto(self, b):
+        n = max(0, min(len(b), self.length - self.pos))
+        if self.pos + n <= len(self.head):
+            b[:n] = self.head[self.pos : self.pos + n]
+        elif self.pos >= self.length - len(self.tail):
+            at = self.pos - (self.length - len(self.tail))
+            b[:n] = self.tail[at : at + n]
+        else:
+            raise OSError("outside the bytes read")
+        self.pos += n
+        return n
+
+
+class ShortRead(OSError):
+    """A file ended before the bytes asked for: it changed while being read."""
+
+
+def read_into(fs, path: str, begin: int, view: memoryview) -> None:
+    """Bytes ``begin:begin+len(view)`` of a file into ``view`` (local files: ``preadv``, no
+    intermediate copy; others: one range request). ``ShortRead`` where the file ends before."""
+    if getattr(fs, "local_file", False):
+        fd = os.open(fs._strip_protocol(path), os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], begin + done)
+                if n <= 0:
+                    raise ShortRead(f"{path}: short read at byte {begin + done}; the file changed while being read")
+                done += n
+        finally:
+            os.close(fd)
+    else:
+        data = fs.cat_file(path, begin, begin + len(view))
+        if len(data) != len(view):
+            raise ShortRead(f"{path}: short read at byte {begin}; the file changed while being read")
+        view[:] = data
+
+
+class Staging:
+    """Pinned host buffers that every block bound for a GPU passes through, pinned once per load
+    and cycled: pinning is a system call over every page (slow, slower still in a VM), so a buffer
+    pinned per block costs more than the read. A buffer is handed out again once the copies queued
+    out of it have run (an event). Used from the loading thread only."""
+
+    def __init__(self, count: int, nbytes: int):
+        self.free = collections.deque(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count))
+        self.busy: collections.deque = collections.deque()
+
+    def take(self) -> torch.Tensor:
+        if not self.free:
+            event, buf = self.busy.popleft()
+            event.synchronize()
+            self.free.append(buf)
+        return self.free.popleft()
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self.busy.append((event, buf))
+
+
+def read_staged(fs, pool: ThreadPoolExecutor, jobs: list[tuple], threads: int) -> None:
+    """``jobs`` — ``(path, begin, bytes, into, then)``: read into the CPU tensor ``into`` or, when
+    None, a staging buffer; ``then(bytes read)`` or None — read by ``pool``; each ``then`` (the
+    copies out of the buffer) runs on this thread, in order, before its buffer is handed out again."""
+    staging = Staging(threads + 2, max([n for _, _, n, into, _ in jobs if into is None], default=1))
+    pending: collections.deque = collections.deque()
+
+    def finish_oldest() -> None:
+        fut, buf, n, then, staged = pending.popleft()
+        fut.result()
+        if then is not None:
+            then(buf[:n])
+        if staged:
+            staging.give_back(buf)
+
+    for path, begin, n, into, then in jobs:
+        buf = staging.take() if into is None else into
+        pending.append((pool.submit(read_into, fs, path, begin, memoryview(buf[:n].numpy())), buf, n, then, into is None))
+        if len(pending) >= threads:
+            finish_oldest()
+    while pending:
+        finish_oldest()
