@@ -174,8 +174,8 @@ def test_llamarl_run_one_iteration(tmp_path, name):
         pytest.skip(f"needs {gpus} GPUs")
     inputs = _make_inputs(tmp_path / "inputs")
     spec = {"name": name, "storage": str(tmp_path), "actor": inputs["actor"], "reward_model": inputs["rm"],
-            "prompts": inputs["prompts"], "iterations": 1, "layout": layout,
-            "rollout": {"id_column": "id", "sampling": {"samples_per_prompt": 4, "max_new_tokens": 32, "seed": 0}},
+            "prompts": inputs["prompts"], "iterations": 1, "seed": 0, "layout": layout,
+            "rollout": {"id_column": "id", "sampling": {"samples_per_prompt": 4, "max_new_tokens": 32}},
             "score": {"rewards": [{"name": "rm", "weight": 0.1}, {"name": "llamarl.pipeline.demo:vowel_ratio"}]},
             "ppo": {"mini_batch_size": 32, "micro_batch_tokens": 2048, "actor_lr": 1e-5, "critic_lr": 1e-5,
                     "dtype": "bf16"}}
