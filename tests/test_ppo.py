@@ -307,6 +307,24 @@ def test_iteration_one_runs_no_reference_forward(pool1, iteration, tmp_path, old
         assert diff < 5e-5
 
 
+def test_without_a_kl_no_reference_is_read(pool1, iteration, reference_run, tmp_path):
+    # kl_coef 0: no KL in the rewards or the loss, so no reference log-probs at all — not the
+    # rollout's, not a forward — and the kl metric is null; the update is the one the reference
+    # pass, forced, gives (its KL multiplied by 0), bit for bit.
+    runs = {}
+    for name, source in (("none", None), ("forward", "forward")):
+        cfg = _cfg(iteration, tmp_path / name, kl_coef=0.0, reference=str(reference_run / "actor"))
+        [runs[name]] = pool1.run(_ppo_counting_frozen_passes, cfg.to_json(), source)
+    assert publish.require_published(str(tmp_path / "none"), "ppo")["summary"]["ref_logp"] == "none"
+    assert runs["none"] == {"frozen_forwards": 0, "loads": [f"{iteration / 'actor'}/model"]}
+    assert runs["forward"]["frozen_forwards"] > 0
+    lines = {name: _steps(tmp_path / name) for name in runs}
+    assert all(x["kl"] is None for x in lines["none"]) and all(x["kl"] != 0 for x in lines["forward"])
+    assert [{**x, "kl": None} for x in lines["forward"]] == lines["none"]
+    for role in ("actor", "critic"):
+        assert _rel_diff(_weights(str(tmp_path / "none" / role)), _weights(str(tmp_path / "forward" / role))) == 0
+
+
 @pytest.mark.parametrize("layout", [dict(dp=2), dict(pp=2)], ids=["dp2", "pp2"])
 def test_recomputed_logprobs_at_any_layout(pool2, iteration, recomputed_run, tmp_path, layout):
     # The actor's log-probs are gathered over DP and live on the last pipeline stage only.
