@@ -127,7 +127,8 @@ def token_outputs(model, samples: list[Sample], groups: list[list[int]], tempera
         outs = schedule.forward_backward(model, batches, per_token, metas, forward_only=True)
     if not model.topology.is_last_stage:
         return None
-    return [v for g, out in zip(groups, outs) for v in response_values([samples[i] for i in g], out)]
+    # One copy to the host a micro-batch, not one a sample.
+    return [v for g, out in zip(groups, outs) for v in response_values([samples[i] for i in g], out.cpu())]
 
 
 def reference_source(cfg: PPOConfig, reference_id: str, actor_id: str, rollout_request: dict) -> str:
@@ -181,7 +182,9 @@ def frozen_logprobs(cfg: PPOConfig, source: str, samples: list[Sample], groups: 
         del ref  # used once per iteration: free its memory for training rather than park it on the host
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    actor_logp = gathered(token_outputs(actor, samples, groups, cfg.temperature)) if cfg.old_logp_source() == "actor" else None
+    actor_logp = None
+    if cfg.old_logp_source() == "actor":
+        actor_logp = gathered(token_outputs(actor, samples, groups, cfg.temperature))
     if source == "actor":
         ref_logp = actor_logp
     elif source == "rollout" and topo.is_last_stage:

@@ -490,7 +490,9 @@ def test_policy_loss_gradient_equals_a_plain_pytorch_reference(pool1, iteration,
     norm = sum(g.double().square().sum() for g in ref.values()) ** 0.5
     print(f"{case}: policy loss {loss.item():.6f} (stage {stage['metrics']['policy_loss']:.6f}), gradient norm "
           f"{norm:.4g}, relative error {err / norm:.2e}, clip_fraction {stage['metrics']['clip_fraction']:.3f}")
-    assert stage["metrics"]["policy_loss"] == pytest.approx(loss.item(), rel=1e-6)
+    # The loss sums ±A·r terms of order 1 that nearly cancel (advantages of a group sum to 0): its
+    # fp32 rounding is ~1e-7 absolute, whatever its own size (5e-8 seen, micro-batches of 40 tokens).
+    assert stage["metrics"]["policy_loss"] == pytest.approx(loss.item(), rel=1e-6, abs=1e-7)
     assert err / norm < 1e-6
     # The loss's own part acted: ratios past the clip (ppo, gspo), weights past the cap (cispo).
     if case in ("ppo", "gspo", "cispo"):

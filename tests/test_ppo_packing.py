@@ -65,8 +65,9 @@ def _one_step(cfg_json: dict, lengths: list[int], budget: int) -> dict:
     data = advantages(cfg, samples, ref, None, "cpu")
     trainer = Trainer(model, cfg.actor_lr, cfg, None, None, 0)
     metrics = train_step(cfg, {"actor": trainer}, samples, data, list(range(len(samples))), 0, "cpu", 16)
-    out = {"grad": trainer.grads.buffer.clone(), "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
-           "metrics": metrics, "micro_batches": len(micro_batches(list(range(len(samples))), samples, budget))}
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    out = {"grad": trainer.grads.buffer.clone(), "weights": weights, "metrics": metrics,
+           "micro_batches": len(micro_batches(list(range(len(samples))), samples, budget))}
     parallel.destroy_model_parallel()
     return out
 
