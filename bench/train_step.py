@@ -222,7 +222,8 @@ def build_ppo(hf_cfg, case, lengths, micro_batch_tokens, dev):
     from llamarl.stages.ppo_trainer import Trainer, train_step
 
     n = len(lengths)
-    cfg = PPOConfig(rollout="bench://rollout", scores="bench://scores", actor="bench://actor", out="bench://out",
+    cfg = PPOConfig(rollout="memory://bench/rollout", scores="memory://bench/scores", actor="memory://bench/actor",
+                    out="memory://bench/out",
                     advantage="grpo", use_kl_loss=True, kl_coef=0.05, mini_batch_size=n,
                     micro_batch_tokens=micro_batch_tokens, seed=0)
     # As stages/ppo.py builds it.
@@ -363,7 +364,7 @@ def measure(name, build, args, dev, n, flops, tokens, profile_dir, host=False, t
         if getattr(step, "ppo", None):
             out["ppo"] = dict(step.ppo["config"])
             last = step.ppo["metrics"][-1]
-            out["ppo"].update(micro_batches=_micro_batches(step), tokens_per_step=last["tokens"],
+            out["ppo"].update(**_packing(step), tokens_per_step=last["tokens"],
                               last_metrics={k: v for k, v in last.items() if isinstance(v, (int, float))})
         out["dynamo_counters"] = _counters_delta(dyn0, _dynamo_counters())  # compiles, recompiles, graph breaks
         if profile_dir:
@@ -380,11 +381,15 @@ def measure(name, build, args, dev, n, flops, tokens, profile_dir, host=False, t
     return out
 
 
-def _micro_batches(step) -> int:
-    from llamarl.stages.ppo_data import micro_batches
+def _packing(step) -> dict:
+    """The stage's micro-batches of the case: how many, the share of their budget left empty, the
+    share of their rows × longest that is padding (``ppo_data.packing_stats``)."""
+    from llamarl.stages.ppo_data import micro_batches, packing_stats
 
     cfg = step.ppo["config"]
-    return len(micro_batches(list(range(cfg["sequences"])), _Lens(cfg["lengths"]), cfg["micro_batch_tokens"]))
+    samples, budget = _Lens(cfg["lengths"]), cfg["micro_batch_tokens"]
+    stats = packing_stats(micro_batches(list(range(cfg["sequences"])), samples, budget), samples, budget)
+    return {"micro_batches": stats["micro_batches"], "budget_unused": stats["budget_unused"], "padding": stats["padding"]}
 
 
 class _Lens(list):

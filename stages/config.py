@@ -536,7 +536,7 @@ class PPOConfig(StageConfig):
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ.")
     kl_coef: float = Field(0.05, ge=0, description="β of the KL penalty in the reward (or of the KL loss with "
-                                                   "use_kl_loss).")
+                                                   "use_kl_loss); 0: no KL, no reference read, the kl metric null.")
     kl_estimator: Literal["kl", "abs", "mse", "low_var_kl"] = Field("kl", description="kl | abs | mse | low_var_kl.")
     use_kl_loss: bool = Field(False, description="KL as a loss term instead of a reward penalty.")
     whiten_advantages: bool = Field(True, description="Normalise gae, reinforce++ and reinforce++-baseline "
@@ -576,7 +576,8 @@ class PPOConfig(StageConfig):
                                                           "sequence; null: the rollout's sampling.max_new_tokens.")
     ppo_epochs: Count = Field(1, description="Passes over the rollout.")
     mini_batch_size: Count = Field(8, description="Sequences per optimizer step (over all DP ranks).")
-    micro_batch_tokens: Count = Field(4096, description="Token budget of one forward/backward (per rank).")
+    micro_batch_tokens: Count = Field(4096, description="Token budget of one forward/backward (per rank): whole "
+                                                        "sequences packed to it, longest first; a longer one alone.")
     # AdamW moves every weight by about lr a step, whatever the gradient's scale: at lr > 1 no model survives.
     actor_lr: float = Field(1e-6, ge=0, le=1, description="Actor learning rate (AdamW), at most 1.")
     critic_lr: float = Field(1e-5, ge=0, le=1, description="Critic learning rate (AdamW), at most 1.")

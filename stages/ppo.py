@@ -4,9 +4,10 @@ Run with tp × pp × dp processes (``llamarl stage ppo …``). The recipe:
 
 1. join rollout and scores on (prompt_id, sample_index); with dynamic sampling, drop the prompts
    whose scores are all equal;
-2. reference log-probs (frozen initial actor, freed once done), old values (critic) and, when
-   π_old is the actor's (``old_logp``), the actor's own log-probs before any update, the batch
-   split over DP;
+2. reference log-probs (a forward of the frozen initial actor, freed once done, only where the
+   rollout's or the actor's own give none: ``ppo_trainer.reference_source``), old values (critic)
+   and, when π_old is the actor's (``old_logp``), the actor's own log-probs before any update, the
+   batch split over DP;
 3. token rewards (score at the last token, minus β·KL unless KL is a loss term), the advantages
    (GAE, GRPO, RLOO, REINFORCE++), whitening, truncated importance weights;
 4. ``ppo_epochs`` passes over shuffled mini-batches; each mini-batch is one optimizer step of the
@@ -65,7 +66,8 @@ from llamarl.stages.ppo_state import (
     save_weights,
     verify_train_state,
 )
-from llamarl.stages.ppo_trainer import Trainer, gather_dp, token_outputs, train_step
+from llamarl.stages.ppo_trainer import (Trainer, frozen_logprobs, gather_dp, reference_source, token_outputs,
+                                        train_step)
 
 
 def run(cfg: PPOConfig) -> None:
@@ -92,6 +94,7 @@ def run(cfg: PPOConfig) -> None:
     check_schedule(cfg, start_step, total)
     agg_norm = _agg_norm(cfg, rollout_request)
     reference = cfg.reference or cfg.actor
+    ref_source = reference_source(cfg, publish.output_id(reference), publish.output_id(cfg.actor), rollout_request)
     use_critic = cfg.advantage == "gae"
     critic_m = contract.require_checkpoint(cfg.critic, "score", "a critic") if cfg.critic and use_critic else None
     # Each role's training state, when it lies beside its checkpoint (not inside, not none).
@@ -109,8 +112,11 @@ def run(cfg: PPOConfig) -> None:
         return
     if rank == 0:
         clear_published(out)  # a resumed run writes its outputs again, whole
+    read = (cfg.actor, reference if ref_source == "forward" else None, cfg.critic if critic_m else None)
     for root in dict.fromkeys(filter(None, (cfg.actor, reference, cfg.critic if critic_m else None))):
-        outputs.verify_input(root, publish.require_published(root, contract.CHECKPOINT), "")  # weights (and old optim/)
+        manifest = publish.require_published(root, contract.CHECKPOINT)
+        if root in read:  # weights (and old optim/)
+            outputs.verify_input(root, manifest, "")
     for role, found in states.items():
         if found is not None:
             verify_train_state(*found, cfg.actor if role == contract.ACTOR else cfg.critic)
@@ -134,27 +140,17 @@ def run(cfg: PPOConfig) -> None:
     # 2. reference log-probs and old values, the samples split over DP
     mine = [i for i in range(len(samples)) if i % topo.dp == topo.dp_rank]
     groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
-    with torch.device(dev):
-        ref = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
-    checkpoint.load_model(ref, f"{reference}/{contract.MODEL}")
-    ref.eval()
-    ref_logp = token_outputs(ref, samples, groups, cfg.temperature)
-    del ref  # used once per iteration: free its memory for training rather than park it on the host
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    old_values = token_outputs(critic, samples, groups, 1.0) if use_critic else None
     # π_old recomputed before any update (a resumed run recomputes it from the same input actor).
-    recompute = cfg.old_logp_source() == "actor"
-    actor_logp = token_outputs(actor, samples, groups, cfg.temperature) if recompute else None
-    order = [i for g in groups for i in g]
-    ref_logp, old_values, actor_logp = (gather_dp(dict(zip(order, x)) if x is not None else None, topo)
-                                        for x in (ref_logp, old_values, actor_logp))
+    ref_logp, actor_logp = frozen_logprobs(cfg, ref_source, samples, groups, actor, reference)
+    old_values = token_outputs(critic, samples, groups, 1.0) if use_critic else None
+    old_values = gather_dp(dict(zip([i for g in groups for i in g], old_values)) if old_values is not None else None,
+                           topo)
 
     # 3. rewards and advantages (on the last stage, where losses are computed), checked on every rank
     data = advantages(cfg, samples, ref_logp, old_values, dev, actor_logp) if topo.is_last_stage else None
     check = StepCheck(cfg, [s.score for s in samples], dev, store_dtype)
     if data is not None:
-        check.watch("log-probs", data["old_logp"], data["ref_logp"], *([data["tis"]] if "tis" in data else []))
+        check.watch("log-probs", data["old_logp"], *(data[k] for k in ("ref_logp", "tis") if k in data))
         check.watch("advantages", data["adv"])
         check.watch("returns", data["returns"], data["values"])
     check.verify("before the first optimizer step")
@@ -216,7 +212,7 @@ def run(cfg: PPOConfig) -> None:
                    "update_tokens_per_s": update_tokens / max(clock.laps["update"], 1e-9),
                    # The rollout's, over every sample (dynamic sampling may train on fewer).
                    "mean_score": joined_score, "mean_response_length": joined_length,
-                   "trained_samples": len(samples), "old_logp": cfg.old_logp_source(),
+                   "trained_samples": len(samples), "old_logp": cfg.old_logp_source(), "ref_logp": ref_source,
                    "tis": tis[0] if tis else None, "dynamic_sampling": sampling_stats}
         # The id of each sub-output: the stage's own id changes with any of them.
         parts = [*trainers, *(f"{contract.TRAIN_STATE}/{name}" for name in trainers)]

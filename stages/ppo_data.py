@@ -113,18 +113,35 @@ def mini_batch(cfg: PPOConfig, n: int, k: int) -> tuple[int, list[int]]:
 
 
 def micro_batches(indices: list[int], samples: list[Sample], budget: int) -> list[list[int]]:
-    """Consecutive groups whose padded size (rows × longest) stays within the token budget."""
-    groups, current, longest = [], [], 0
-    for i in indices:
+    """``indices`` packed into micro-batches of at most ``budget`` tokens each, first-fit decreasing:
+    longest first, each into the first micro-batch with room. The model packs a micro-batch's
+    sequences back to back (no padding), so its cost is its tokens, not rows × longest, and ragged
+    sequences fill budgets instead of leaving them part empty. A sequence longer than the budget is
+    a micro-batch of its own. The packing depends only on the lengths (ties in ``indices``' order),
+    each micro-batch lists its samples in ``indices``' order; the update does not depend on it but
+    for rounding (each micro-batch's loss is its share of the mini-batch's, ``Aggregation``)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(indices, key=lambda i: -len(samples[i].ids)):  # stable: ties keep their order
         n = len(samples[i].ids)
-        if current and max(longest, n) * (len(current) + 1) > budget:
-            groups.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        groups.append(current)
-    return groups
+        b = next((b for b, r in enumerate(room) if n <= r), None)
+        if b is None:
+            bins.append([])
+            room.append(budget)
+            b = len(bins) - 1
+        bins[b].append(i)
+        room[b] -= n
+    place = {i: k for k, i in enumerate(indices)}
+    return [sorted(b, key=place.__getitem__) for b in bins]
+
+
+def packing_stats(groups: list[list[int]], samples: list[Sample], budget: int) -> dict:
+    """How well ``groups`` use their budget: micro-batches, the share of their budget left empty, and
+    the share of their padded shape (rows × longest) that is padding."""
+    tokens = sum(len(samples[i].ids) for g in groups for i in g)
+    shape = sum(len(g) * max(len(samples[i].ids) for i in g) for g in groups)
+    return {"micro_batches": len(groups), "tokens": tokens, "budget_unused": 1 - tokens / (len(groups) * budget),
+            "padding": 1 - tokens / shape}
 
 
 def padded(samples: list[Sample], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,22 +176,23 @@ def response_values(samples: list[Sample], padded_out: torch.Tensor) -> list[lis
     return [padded_out[b, s.prompt_len - 1 : len(s.ids) - 1].tolist() for b, s in enumerate(samples)]
 
 
-def advantages(cfg: PPOConfig, samples: list[Sample], ref_logp: dict[int, list[float]],
+def advantages(cfg: PPOConfig, samples: list[Sample], ref_logp: dict[int, list[float]] | None,
                old_values: dict[int, list[float]] | None, dev, actor_logp: dict[int, list[float]] | None = None) -> dict:
     """Everything the losses read, per sample in label space: π_old's log-probs (the actor's,
-    ``actor_logp``, when recomputed, else the rollout's), the reference's, advantages, old values
-    and returns (zero without a critic), the response mask, the truncated importance weights
-    (``tis``, when ``cfg.uses_tis()``, per token or, ``tis_level`` sequence, the response's weight on
-    each of its tokens); the mean KL and the weights' statistics."""
+    ``actor_logp``, when recomputed, else the rollout's), the reference's (none without
+    ``ref_logp``: kl_coef 0), advantages, old values and returns (zero without a critic), the
+    response mask, the truncated importance weights (``tis``, when ``cfg.uses_tis()``, per token or,
+    ``tis_level`` sequence, the response's weight on each of its tokens); the mean KL (None without
+    a reference) and the weights' statistics."""
     n = len(samples)
     width = max(len(s.ids) for s in samples)
     rollout = label_space(samples, [s.rollout_logp for s in samples], width, dev)
     old = label_space(samples, [actor_logp[i] for i in range(n)], width, dev) if actor_logp is not None else rollout
-    ref = label_space(samples, [ref_logp[i] for i in range(n)], width, dev)
+    ref = label_space(samples, [ref_logp[i] for i in range(n)], width, dev) if ref_logp is not None else None
     resp = response_mask(samples, width, dev)
     scores = torch.tensor([s.score for s in samples], device=dev)
     groups = [s.group for s in samples]
-    kl = rl.kl_estimate(old, ref, cfg.kl_estimator) * resp
+    kl = rl.kl_estimate(old, ref, cfg.kl_estimator) * resp if ref is not None else torch.zeros_like(resp)
     beta = 0.0 if cfg.use_kl_loss else cfg.kl_coef
     values = returns = torch.zeros_like(resp)
     if cfg.advantage == "gae":
@@ -189,8 +207,10 @@ def advantages(cfg: PPOConfig, samples: list[Sample], ref_logp: dict[int, list[f
         adv = rl.returns_to_go(rl.token_rewards(scores, kl, resp, beta), resp, cfg.gamma)
     if cfg.whiten_advantages and cfg.advantage in ("gae", "reinforce++", "reinforce++-baseline"):
         adv = rl.whiten(adv, resp)
-    data = {"old_logp": old, "ref_logp": ref, "adv": adv, "values": values, "returns": returns, "resp": resp,
-            "kl": rl.masked_mean(kl, resp).item()}
+    data = {"old_logp": old, "adv": adv, "values": values, "returns": returns, "resp": resp,
+            "kl": rl.masked_mean(kl, resp).item() if ref is not None else None}
+    if ref is not None:
+        data["ref_logp"] = ref
     if cfg.uses_tis():
         if cfg.tis_level == "sequence":  # the whole batch is here: every response's tokens at once
             data["tis"], data["tis_truncated"] = rl.sequence_tis_weights(old, rollout, resp, cfg.tis_cap)
@@ -200,12 +220,18 @@ def advantages(cfg: PPOConfig, samples: list[Sample], ref_logp: dict[int, list[f
     return data
 
 
-def tis_stats(data: dict, rows: list[int]) -> dict:
+def tis_reads(data: dict, rows: list[int]) -> dict[str, torch.Tensor]:
     """The importance weights of ``rows``' response tokens: mean, max, and the fraction truncated
-    (per token, also at ``tis_level`` sequence, where a response's weight is on each of its tokens)."""
+    (per token, also at ``tis_level`` sequence, where a response's weight is on each of its tokens);
+    0-d tensors on the device, for the caller to read with whatever else it reads."""
     idx = torch.tensor(rows, device=data["resp"].device)
     m = data["resp"][idx]
     w, cut = data["tis"][idx] * m, data["tis_truncated"][idx] * m
     tokens = m.sum().clamp(min=1)
-    return {"tis_weight_mean": (w.sum() / tokens).item(), "tis_weight_max": w.max().item(),
-            "tis_truncated": (cut.sum() / tokens).item()}
+    return {"tis_weight_mean": w.sum() / tokens, "tis_weight_max": w.max(), "tis_truncated": cut.sum() / tokens}
+
+
+def tis_stats(data: dict, rows: list[int]) -> dict[str, float]:
+    """``tis_reads``, read (one wait for the device)."""
+    reads = tis_reads(data, rows)
+    return dict(zip(reads, torch.stack(list(reads.values())).tolist()))

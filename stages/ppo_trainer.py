@@ -8,6 +8,8 @@ computed on the last pipeline stage, per micro-batch, as its share of the mini-b
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +21,7 @@ from llamarl.lib.distributed.parallel import Topology
 from llamarl.stages import contract
 from llamarl.stages.config import PPOConfig
 from llamarl.stages.ppo_checks import StepCheck
-from llamarl.stages.ppo_data import Sample, micro_batches, padded, response_values, tis_stats
+from llamarl.stages.ppo_data import Sample, micro_batches, padded, response_values, tis_reads
 
 
 class Trainer:
@@ -82,6 +84,28 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (logits.float() / temperature).clamp(min=torch.finfo(torch.float32).min)
 
 
+def _on(dev, x):
+    """``x``, built on the host — a tensor, or a dataclass of them such as a ``TokenBatch`` — on
+    ``dev``. To a GPU from pinned memory, without waiting: a copy from pageable memory would wait
+    for everything queued on the device before it, once per tensor."""
+    if torch.is_tensor(x):
+        return x.pin_memory().to(dev, non_blocking=True) if torch.device(dev).type == "cuda" else x.to(dev)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _on(dev, getattr(x, f.name)) for f in dataclasses.fields(x) if f.init})
+    return x
+
+
+def micro_batch(model, samples: list[Sample], dev) -> tuple[TokenBatch, dict, int]:
+    """``samples`` as one micro-batch for ``model`` on ``dev``: its ``TokenBatch``; in its token order
+    each token's label and what a loss's share reads (``Aggregation.packed``); and its padded width.
+    Built on the host, where the lengths are known (packing on the device reads its token count
+    back: a wait per micro-batch), then copied."""
+    ids, mask, labels, resp = padded(samples, "cpu")
+    batch = model.make_batch(ids, mask)
+    per_token = {"labels": batch.flat(labels), **Aggregation.packed(batch, resp)}
+    return _on(dev, batch), {k: _on(dev, v) for k, v in per_token.items()}, ids.shape[1]
+
+
 def token_outputs(model, samples: list[Sample], groups: list[list[int]], temperature: float) -> list[list[float]] | None:
     """Per-response-token log-probs (CausalLM) or values (Value) for ``groups`` of samples; None
     off the last pipeline stage. Each micro-batch's head output is reduced as soon as it exists:
@@ -89,22 +113,83 @@ def token_outputs(model, samples: list[Sample], groups: list[list[int]], tempera
     dev = next(model.parameters()).device
     batches, metas = [], []
     for g in groups:
-        ids, mask, labels, _ = padded([samples[i] for i in g], dev)
-        batch = model.make_batch(ids, mask)
+        batch, per_token, _ = micro_batch(model, [samples[i] for i in g], dev)
         batches.append(batch)
-        metas.append((batch, labels))
+        metas.append((batch, per_token["labels"]))
 
     def per_token(out, meta):
         batch, labels = meta
         if model.hf_head == "lm":
-            out = vocab_parallel.log_probs(_scaled(out, temperature), batch.flat(labels), model.tp_group)
+            out = vocab_parallel.log_probs(_scaled(out, temperature), labels, model.tp_group)
         return batch.to_padded(out)
 
     with torch.no_grad():
         outs = schedule.forward_backward(model, batches, per_token, metas, forward_only=True)
     if not model.topology.is_last_stage:
         return None
-    return [v for g, out in zip(groups, outs) for v in response_values([samples[i] for i in g], out)]
+    # One copy to the host a micro-batch, not one a sample.
+    return [v for g, out in zip(groups, outs) for v in response_values([samples[i] for i in g], out.cpu())]
+
+
+def reference_source(cfg: PPOConfig, reference_id: str, actor_id: str, rollout_request: dict) -> str:
+    """Where π_ref's log-probs come from, so that no forward pass runs whose result is at hand (ids
+    are the published outputs' ids, which hash every file):
+
+    - ``none``: ``kl_coef`` is 0, so no KL enters the rewards or the loss; none is computed (the
+      ``kl`` metric is null) and the reference is not read;
+    - ``actor``: the reference is the actor, whose log-probs are recomputed as π_old anyway: one
+      forward gives both;
+    - ``rollout``: the reference is the policy that sampled, at this temperature, and π_old is the
+      rollout's: the rollout's recorded log-probs are π_ref's, in the numerics π_old already has, so
+      a KL between the two policies compares like with like (on-policy iteration 1: exactly 0);
+    - ``forward``: a forward pass of the reference.
+
+    With π_old the actor's, a reference that sampled but is not the actor still takes a forward:
+    the KL then compares the training forward's numbers with the training forward's, where the
+    rollout's would add the engine's difference from it to the KL (docs/rl.md §2)."""
+    recompute = cfg.old_logp_source() == "actor"
+    if cfg.kl_coef == 0:
+        return "none"
+    if recompute and reference_id == actor_id:
+        return "actor"
+    temperature = rollout_request.get("config", {}).get("sampling", {}).get("temperature")
+    recorded_at = 1.0 if temperature == 0 else temperature  # a greedy rollout records log-probs at 1
+    if not recompute and reference_id == rollout_request.get("actor_id") and recorded_at == cfg.temperature:
+        return "rollout"
+    return "forward"
+
+
+def frozen_logprobs(cfg: PPOConfig, source: str, samples: list[Sample], groups: list[list[int]], actor,
+                    reference: str) -> tuple[dict[int, list[float]] | None, dict[int, list[float]] | None]:
+    """Collective: π_ref's log-probs (from ``source``, ``reference_source``'s; None for ``none``) and,
+    with ``old_logp`` actor, π_old's (the actor's before any update), per sample index over all DP
+    ranks, on the last pipeline stage (None elsewhere); this rank runs ``groups``. A forward pass
+    runs only for what nothing else gives: the reference checkpoint ``reference`` is built like the
+    actor, read, run and freed only for ``forward``."""
+    topo = actor.topology
+    order = [i for g in groups for i in g]
+
+    def gathered(values):
+        return gather_dp(dict(zip(order, values)) if values is not None else None, topo)
+
+    ref_logp = None
+    if source == "forward":
+        with torch.device(next(actor.parameters()).device):
+            ref = type(actor)(actor.cfg, actor.layout, dtype=actor.dtype)
+        checkpoint.load_model(ref, f"{reference}/{contract.MODEL}")
+        ref.eval()
+        ref_logp = gathered(token_outputs(ref, samples, groups, cfg.temperature))
+        del ref  # used once per iteration: free its memory for training rather than park it on the host
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    actor_logp = None
+    if cfg.old_logp_source() == "actor":
+        actor_logp = gathered(token_outputs(actor, samples, groups, cfg.temperature))
+    if source == "actor":
+        ref_logp = actor_logp
+    elif source == "rollout" and topo.is_last_stage:
+        ref_logp = {i: s.rollout_logp for i, s in enumerate(samples)}
+    return ref_logp, actor_logp
 
 
 def gather_dp(mine: dict[int, list[float]] | None, topo: Topology) -> dict[int, list[float]] | None:
@@ -166,31 +251,20 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
     the last pipeline stage only, where ``data`` — ``ppo_data.advantages`` — lives). ``agg_norm``:
     the constant of ``loss_agg`` seq-mean-token-sum-norm. Collective: the step's losses, gradient
     norms and masters are checked (``check``, by default one that knows no stored dtype) and a
-    non-finite one stops every rank with a ``UserError``."""
+    non-finite one stops every rank with a ``UserError``. The host waits for the device once, in
+    that check; nothing per micro-batch."""
     check = check if check is not None else StepCheck(cfg, [s.score for s in samples], dev)
     actor = trainers[contract.ACTOR].model
     topo = actor.topology
-    mine = batch_idx[topo.dp_rank :: topo.dp]
-    groups = micro_batches(mine, samples, cfg.micro_batch_tokens)
+    groups = micro_batches(batch_idx[topo.dp_rank :: topo.dp], samples, cfg.micro_batch_tokens)
     agg = Aggregation(cfg.loss_agg, [samples[i].response_len for i in batch_idx], agg_norm)
     weighed = cfg.uses_tis()
     tokens = agg.tokens
     # Metric sums stay on the device (a host read per micro-batch would stall the GPU); read once a step.
     sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
             for k in ("policy_loss", "entropy", "approx_kl", "clip_fraction", "value_loss")}
-
-    batches, extras = [], []
-    for g in groups:
-        ids, mask, labels, resp = padded([samples[i] for i in g], dev)
-        batch = actor.make_batch(ids, mask)
-        batches.append(batch)
-        if data is None:
-            extras.append(None)
-            continue
-        rows, width = torch.tensor(g, device=dev), ids.shape[1]
-        keys = ("old_logp", "ref_logp", "adv", "values", "returns") + (("tis",) if weighed else ())
-        mine_of = {k: batch.flat(data[k][rows, :width]) for k in keys}
-        extras.append({"labels": batch.flat(labels), **agg.packed(batch, resp), **mine_of})
+    keys = [k for k in ("old_logp", "ref_logp", "adv", "values", "returns") if data and k in data]
+    batches, extras = _step_batches(actor, samples, groups, data, keys + (["tis"] if weighed else []), dev)
 
     def actor_loss(out, x):
         logp, entropy = vocab_parallel.log_probs_and_entropy(_scaled(out, cfg.temperature), x["labels"],
@@ -207,7 +281,7 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
         sums["entropy"] += ent_term.detach()
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * ent_term
-        if cfg.use_kl_loss:
+        if cfg.use_kl_loss and "ref_logp" in x:  # none without a reference: kl_coef 0
             kl_loss = cfg.kl_coef * agg(rl.kl_estimate(logp, x["ref_logp"], cfg.kl_estimator), x)
             check.watch("KL loss", kl_loss)
             loss = loss + kl_loss
@@ -218,30 +292,49 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
         sums["value_loss"] += loss.detach()
         return loss
 
-    metrics, norms = {}, {}
+    metrics, reads = {}, {}
     for name, t in trainers.items():
-        norms[name], metrics[f"{name}_lr"] = t.update(
-            batches, actor_loss if name == contract.ACTOR else critic_loss, extras, step)
-        check.watch(f"{name} grad norm", norms[name])
+        norm, metrics[f"{name}_lr"] = t.update(batches, actor_loss if name == contract.ACTOR else critic_loss,
+                                               extras, step)
+        reads[f"{name}_grad_norm"] = norm
+        check.watch(f"{name} grad norm", norm)
         check.watch_update(name, t.opt)
     check.watch("policy loss", sums["policy_loss"])
     check.watch("entropy", sums["entropy"])
     if contract.CRITIC in trainers:
         check.watch("value loss", sums["value_loss"])
-    check.verify(f"optimizer step {step + 1}")
-    metrics.update({f"{name}_grad_norm": float(norm) for name, norm in norms.items()})  # read: the check synced
-
-    metrics["tokens"] = sum(len(samples[i].ids) for i in batch_idx)
     if topo.is_last_stage:
         reduced = torch.stack(list(sums.values()))
         if topo.dp > 1:
             dist.all_reduce(reduced, group=topo.groups.dp)
-        metrics.update(dict(zip(sums, reduced.tolist())))
+        reads.update(zip(sums, reduced))
+        if weighed:
+            reads.update(tis_reads(data, batch_idx))
+    check.verify(f"optimizer step {step + 1}")  # the step's one wait for the device
+    metrics.update(zip(reads, torch.stack([x.double() for x in reads.values()]).tolist()))
+
+    metrics["tokens"] = sum(len(samples[i].ids) for i in batch_idx)
+    if topo.is_last_stage:
         if contract.CRITIC not in trainers:
             metrics["value_loss"] = None  # no critic, no value loss: undefined, not 0
         metrics["mean_score"] = sum(samples[i].score for i in batch_idx) / len(batch_idx)
         metrics["mean_response_length"] = tokens / len(batch_idx)
         metrics["kl"] = data["kl"]
-        if weighed:
-            metrics.update(tis_stats(data, batch_idx))
     return metrics
+
+
+def _step_batches(actor, samples: list[Sample], groups: list[list[int]], data: dict | None, keys: list[str],
+                  dev) -> tuple[list[TokenBatch], list[dict | None]]:
+    """The micro-batches of ``groups`` and what each one's loss reads: ``micro_batch``'s per-token
+    tensors and, off ``data`` (None: not the last pipeline stage), its samples' rows of ``keys``
+    in its token order."""
+    batches, extras = [], []
+    for g in groups:
+        batch, per_token, width = micro_batch(actor, [samples[i] for i in g], dev)
+        batches.append(batch)
+        if data is None:
+            extras.append(None)
+            continue
+        rows = _on(dev, torch.tensor(g))
+        extras.append({**per_token, **{k: batch.flat(data[k][rows, :width]) for k in keys}})
+    return batches, extras

@@ -92,13 +92,14 @@ class GradBuffer:
         with the step's other checks, once (a non-finite norm leaves the gradients non-finite)."""
         if self._shares is None:
             self._shares = _share_weights(self.model, self.topo)
-        pieces, shares = [], []
+            # Made once: a tensor from a host list is a copy that waits for the whole backward.
+            share = [w for _, _, weights in self._shares.values() for w in weights]
+            self._share = torch.tensor(share, dtype=torch.float64).to(self.buffer.device)
+        pieces = []
         for name, p in self.model.named_parameters():
-            dim, sizes, share = self._shares[name]
+            dim, sizes, _ = self._shares[name]
             pieces += list(p.main_grad.split(sizes, dim)) if len(sizes) > 1 else [p.main_grad]
-            shares += share
-        share = torch.tensor(shares, dtype=torch.float64, device=pieces[0].device)
-        total = (torch.stack(torch._foreach_norm(pieces)).double().square() * share).sum()
+        total = (torch.stack(torch._foreach_norm(pieces)).double().square() * self._share).sum()
         if self.model_parallel_group is not None:
             dist.all_reduce(total, group=self.model_parallel_group)
         norm = total.sqrt()

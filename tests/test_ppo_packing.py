@@ -1,0 +1,103 @@
+"""ppo's micro-batches: packed to a token budget (first-fit decreasing), and an update that does not
+depend on the packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llamarl.stages.ppo_data import Sample, micro_batches, packing_stats
+
+
+def _samples(lengths: list[int]) -> list[Sample]:
+    return [Sample([5] * n, 1, [0.0] * (n - 1), 0.0, str(i)) for i, n in enumerate(lengths)]
+
+
+def _ragged(n: int = 16, seq: int = 2048) -> list[int]:
+    """bench/train_step.py's ppo-ragged lengths: n from seq/4 to 3·seq/4, shuffled."""
+    lengths = [seq // 4 + round((seq // 2) * i / (n - 1)) for i in range(n)]
+    return [lengths[i] for i in torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()]
+
+
+def test_micro_batches_fill_the_budget_longest_first():
+    samples = _samples([3, 9, 4, 12, 2, 7, 5])
+    groups = micro_batches([0, 1, 2, 3, 4, 5, 6], samples, budget=12)
+    # 12 alone; 9 then 3 (the first with room); 7, 5; 4, 2 — each listed in the given order.
+    assert groups == [[3], [0, 1], [5, 6], [2, 4]]
+    assert sorted(i for g in groups for i in g) == list(range(7))
+    assert micro_batches([6, 5, 4, 3, 2, 1, 0], samples, 12) == [[3], [1, 0], [6, 5], [4, 2]]
+    # A sequence longer than the budget is a micro-batch of its own; the rest still pack.
+    assert micro_batches([0, 1, 2], _samples([20, 5, 6]), 12) == [[0], [1, 2]]
+
+
+def test_ragged_batches_pack_into_fewer_fuller_micro_batches():
+    samples = _samples(_ragged())  # 16384 tokens
+    stats = packing_stats(micro_batches(list(range(16)), samples, 4096), samples, 4096)
+    assert stats["tokens"] == 16384 and stats["micro_batches"] == 5  # 4 would need an exact fit
+    # Equal lengths pack as before: two of 2048 a micro-batch.
+    assert micro_batches(list(range(8)), _samples([2048] * 8), 4096) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def _one_step(cfg_json: dict, lengths: list[int], budget: int) -> dict:
+    """One ppo optimizer step of a tiny fp32 actor (TP1) on samples of ``lengths`` in micro-batches
+    of ``budget`` tokens: the clipped gradient, the weights after the step, the metrics."""
+    import tiny
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.config import ParallelLayout
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
+    from llamarl.stages.config import PPOConfig
+    from llamarl.stages.ppo_data import advantages
+    from llamarl.stages.ppo_trainer import Trainer, train_step
+
+    cfg = PPOConfig(**{**cfg_json, "micro_batch_tokens": budget})
+    parallel.init(1, 1)
+    hf = tiny.hf_model()
+    model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout())
+    model.load_hf_state_dict(hf.state_dict())
+    g = torch.Generator().manual_seed(3)
+    samples = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist()
+        prompt = 2 + i % 3
+        samples.append(Sample(ids, prompt, (-2 * torch.rand(n - prompt, generator=g)).tolist(),
+                              float(torch.rand((), generator=g)), str(i // 2)))
+    ref = {i: [x - 0.05 * (1 + j % 3) for j, x in enumerate(s.rollout_logp)] for i, s in enumerate(samples)}
+    data = advantages(cfg, samples, ref, None, "cpu")
+    trainer = Trainer(model, cfg.actor_lr, cfg, None, None, 0)
+    metrics = train_step(cfg, {"actor": trainer}, samples, data, list(range(len(samples))), 0, "cpu", 16)
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    out = {"grad": trainer.grads.buffer.clone(), "weights": weights, "metrics": metrics,
+           "micro_batches": len(micro_batches(list(range(len(samples))), samples, budget))}
+    parallel.destroy_model_parallel()
+    return out
+
+
+CASES = {
+    "ppo-token-mean": dict(advantage="grpo", use_kl_loss=True, entropy_coef=0.01),
+    "gspo-seq-mean": dict(advantage="grpo", policy_loss="gspo", clip_eps=3e-4, clip_eps_high=4e-4,
+                          loss_agg="seq-mean-token-mean"),
+    "cispo-sum-norm": dict(advantage="rloo", policy_loss="cispo", loss_agg="seq-mean-token-sum-norm", tis="on"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_update_does_not_depend_on_the_packing(pool1, case):
+    # The same mini-batch of ragged samples in one micro-batch, in many, and in one a sample: each
+    # micro-batch's loss is its share of the mini-batch's (token weights are the mini-batch's), so
+    # the gradient, the step and the metrics agree to fp32 rounding.
+    lengths = [5, 17, 9, 30, 12, 7, 22, 14]
+    cfg = dict(rollout="r", scores="s", actor="a", out="o", mini_batch_size=8, actor_lr=1e-3, kl_coef=0.1,
+               grad_clip=None, dtype="fp32", **CASES[case])
+    runs = [pool1.run(_one_step, cfg, lengths, budget)[0] for budget in (10_000, 40, 1)]
+    assert [r["micro_batches"] for r in runs] == [1, 3, 8]
+    one = runs[0]
+    assert one["grad"].abs().max() > 0
+    for other in runs[1:]:
+        err = ((other["grad"] - one["grad"]).norm() / one["grad"].norm()).item()
+        print(f"{case}, {other['micro_batches']} micro-batches against 1: gradient {err:.1e} apart, weights "
+              f"{(other['weights'] - one['weights']).abs().max().item():.1e}")
+        assert err < 1e-6, err
+        # Adam's first step is lr·g/(|g| + eps): where |g| is near eps, rounding shows; elsewhere none.
+        assert (other["weights"] - one["weights"]).abs().max() < 1e-3 * 1e-2
+        for k in ("policy_loss", "entropy", "approx_kl", "clip_fraction", "actor_grad_norm"):
+            assert other["metrics"][k] == pytest.approx(one["metrics"][k], rel=1e-6, abs=1e-9), k
