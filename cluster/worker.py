@@ -80,6 +80,11 @@ def serve(request: dict) -> int:
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon and thread.is_alive():
             thread.join()
+    # What a stage process's exit gives back, the worker gives back too: the GPU memory its caching
+    # allocator holds, which another stage's process on the same GPU may need. The context stays.
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     return code
 
 
