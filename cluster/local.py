@@ -12,6 +12,9 @@ terminal, SIGHUP from a closed ssh session) reaches the driver alone, which stop
 order. Each dies with the driver (``PARENT_ENV``, lib/runtime/job.py). While they run, their process ids
 and start times are in the executor's ``registry`` (the run lock), so that a later ``llamarl run``
 taking over from a driver that died finds what they left.
+
+With ``resident: true`` the stages run instead as calls in workers that live for the whole run
+(cluster/resident.py), with everything above kept.
 """
 
 from __future__ import annotations

@@ -215,10 +215,11 @@ def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -
 
 
 def die_with_parent() -> None:
-    """A stage process (or a resident worker) the local executor started dies with the driver that started it (Linux's
-    parent-death signal): a driver killed outright — SIGKILL, its process group killed — leaves no
-    rank writing on. What the process itself started (a rollout's tokenizer process) stays in its
-    process group, which the next ``llamarl run`` stops when it takes the run's lock over."""
+    """A stage process (or a resident worker) the local executor started dies with the driver that
+    started it (Linux's parent-death signal, which follows the driver's thread that started it): a
+    driver killed outright — SIGKILL, its process group killed — leaves no rank writing on. What
+    the process itself started (a rollout's tokenizer process) stays in its process group, which
+    the next ``llamarl run`` stops when it takes the run's lock over."""
     parent = os.environ.get(PARENT_ENV)
     if not parent or not sys.platform.startswith("linux"):
         return
