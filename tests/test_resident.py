@@ -181,12 +181,12 @@ def test_a_worker_killed_mid_stage_fails_it_and_the_next_run_ends_with_the_same_
 @pytest.mark.slow
 def test_sigterm_stops_the_run_and_every_worker(toy_run):
     spec, run = toy_run(resident=True)
-    driver = _start(spec)
-    procs = _registered(run, "iter-001/rollout", driver)
+    driver = _start(spec, env={**ENV, "LLAMARL_TEST_PPO_AT": "step 1:sleep=60"})  # a stage that is still running
+    procs = _registered(run, "iter-001/ppo", driver)
     driver.send_signal(signal.SIGTERM)
     out, _ = driver.communicate(timeout=120)
     assert driver.returncode == 128 + signal.SIGTERM, out
-    assert out.strip().splitlines()[-1] == (f"error: llamarl run got SIGTERM: stopped iter-001/rollout, every "
+    assert out.strip().splitlines()[-1] == (f"error: llamarl run got SIGTERM: stopped iter-001/ppo, every "
                                             f"process of each; rerun `llamarl run {spec}` to resume")
     assert "Traceback" not in out
     assert len(procs[POOL]) == 2 and not [pid for pids in procs.values() for pid in pids if _alive(pid)]
