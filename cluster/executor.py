@@ -88,6 +88,11 @@ class Executor(Protocol):
         run`` follows or resumes them. The names of the stages it stopped."""
         ...
 
+    def close(self) -> None:
+        """The run is over (done or failed; after ``stop_all`` too): let go of what the executor
+        keeps between stages — the local executor's resident workers. Nothing of a stage runs."""
+        ...
+
     def job_state(self, job_id: str) -> str | None:
         """What the cluster's queue says of a detached stage's job, e.g. ``PENDING (Dependency)``;
         None once it has left the queue, or where there is no queue."""
@@ -119,6 +124,9 @@ class ExecutorBase:
 
     def stop_all(self) -> list[str]:
         return []
+
+    def close(self) -> None:
+        pass
 
     def job_state(self, job_id: str) -> str | None:
         return None

@@ -3,6 +3,8 @@ on demand, so that a spec naming one executor loads neither of the others."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from pydantic import BaseModel
 
 from llamarl.lib.errors import UserError
@@ -13,12 +15,12 @@ from .executor import Executor
 KINDS = ("local", "slurm", "kubernetes")
 
 
-def _classes(kind: str, source: str) -> tuple[type[BaseModel], type]:
+def _classes(kind: str, source: str) -> tuple[type[BaseModel], Callable[..., Executor]]:
     # Imported on demand: a spec naming one executor loads neither of the others.
     if kind == "local":
-        from .local import LocalExecutor, LocalOptions
+        from .local import LocalOptions
 
-        return LocalOptions, LocalExecutor
+        return LocalOptions, _local
     if kind == "slurm":
         from .slurm import SlurmExecutor, SlurmOptions
 
@@ -28,6 +30,17 @@ def _classes(kind: str, source: str) -> tuple[type[BaseModel], type]:
 
         return KubernetesOptions, KubernetesExecutor
     raise UserError(f"{source}: {kind!r} is no executor kind; use one of {', '.join(KINDS)}")
+
+
+def _local(options, *, run_dir: str) -> Executor:
+    """The local executor: with ``resident``, its stages run in resident workers (cluster/resident.py)."""
+    if options.resident:
+        from .resident import ResidentExecutor
+
+        return ResidentExecutor(options, run_dir=run_dir)
+    from .local import LocalExecutor
+
+    return LocalExecutor(options, run_dir=run_dir)
 
 
 def validate_options(kind: str, options: dict, source: str) -> BaseModel:
@@ -42,5 +55,5 @@ def validate_options(kind: str, options: dict, source: str) -> BaseModel:
 def make_executor(kind: str, options: dict, run_dir: str, source: str) -> Executor:
     """The executor of ``kind`` with ``options`` for the run in ``run_dir`` (whose folders hold
     what the cluster executors write: ``pipeline/slurm``, ``pipeline/k8s``)."""
-    _, executor_class = _classes(kind, source)
-    return executor_class(validate_options(kind, options, source), run_dir=run_dir)
+    _, make = _classes(kind, source)
+    return make(validate_options(kind, options, source), run_dir=run_dir)

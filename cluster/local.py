@@ -12,6 +12,9 @@ terminal, SIGHUP from a closed ssh session) reaches the driver alone, which stop
 order. Each dies with the driver (``PARENT_ENV``, lib/runtime/job.py). While they run, their process ids
 and start times are in the executor's ``registry`` (the run lock), so that a later ``llamarl run``
 taking over from a driver that died finds what they left.
+
+With ``resident: true`` the stages run instead as calls in workers that live for the whole run
+(cluster/resident.py), with everything above kept.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ class LocalOptions(Strict):
                                            "every stage takes GPUs 0..n-1). With gpus, a stage gets GPUs no "
                                            "running stage holds (CUDA_VISIBLE_DEVICES) and waits until enough "
                                            "are free.")
+    resident: bool = Field(False, description="Run the stages in resident workers: one process per rank, started "
+                                              "once per `llamarl run`, running stage after stage as calls (imports, "
+                                              "the CUDA context and compiled kernels stay; only files pass between "
+                                              "stages). false: a new process per rank for every stage.")
 
 
 @dataclass
@@ -68,10 +75,14 @@ class LocalRun:
         """(pid, start) of each process: the process group it leads."""
         return list(zip((p.pid for p in self.procs), self.starts))
 
+    def status(self, rank: int) -> int | None:
+        """Rank ``rank``'s exit status; None while it runs."""
+        return self.procs[rank].poll()
+
     def error(self) -> str | None:
         """The stage's one-line error: of the first process (by rank) that exited with a user
         error, whose failure the others' (a lost peer) follow from; else of the first that printed one."""
-        user = [i for i, p in enumerate(self.procs) if p.poll() == EXIT_USER_ERROR and i in self.errors]
+        user = [i for i in range(len(self.procs)) if self.status(i) == EXIT_USER_ERROR and i in self.errors]
         first = user or sorted(self.errors)
         return self.errors[first[0]] if first else None
 
@@ -212,7 +223,7 @@ class LocalExecutor(ExecutorBase):
         reported one (the others' failures, a lost peer, follow from it), else the first failure."""
         failed_at = None
         while True:
-            codes = [p.poll() for p in run.procs]
+            codes = [run.status(i) for i in range(len(run.procs))]
             if all(c is not None for c in codes):
                 bad = [c for c in codes if c != 0]
                 if not bad:
@@ -226,19 +237,24 @@ class LocalExecutor(ExecutorBase):
 
 
 def _forward(stream, run: LocalRun, index: int) -> None:
-    """Pass process ``index``'s stderr through, remembering its one-line error; an error line
-    another process of the stage printed already is not shown again."""
+    """Pass process ``index``'s stderr through (``pass_on``)."""
     for line in stream:
-        if line.startswith("error: "):
-            run.errors[index] = line[len("error: "):].strip()
-            with run.shown_lock:
-                if line in run.shown:
-                    continue
-                run.shown.add(line)
-        try:
-            sys.stderr.write(line)
-        except OSError:  # the driver's terminal is gone (SIGHUP): keep draining, so the stage never blocks
-            pass
+        pass_on(line, run, index)
+
+
+def pass_on(line: str, run: LocalRun | None, index: int) -> None:
+    """Pass a line of rank ``index``'s stderr through, remembering its one-line error; an error line
+    another process of the stage printed already is not shown again."""
+    if run is not None and line.startswith("error: "):
+        run.errors[index] = line[len("error: "):].strip()
+        with run.shown_lock:
+            if line in run.shown:
+                return
+            run.shown.add(line)
+    try:
+        sys.stderr.write(line)
+    except OSError:  # the driver's terminal is gone (SIGHUP): keep draining, so the stage never blocks
+        pass
 
 
 # ---- process groups ------------------------------------------------------------------------------

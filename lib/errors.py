@@ -22,7 +22,7 @@ must fail the stage at once, not be retried)."""
 
 PARENT_ENV = "LLAMARL_PARENT_PID"
 """Set by the local executor to its own pid for the stage processes it starts: each dies with it
-(``job._die_with_parent``)."""
+(``job.die_with_parent``)."""
 
 
 class Stopped(KeyboardInterrupt):

@@ -120,16 +120,19 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
     with RunLock(run, echo=echo) as lock:  # one `llamarl run` at a time per run directory
         executor = executor or executor_for(spec)
         executor.registry = lock  # the stages' processes on this host, for a takeover after a crash
-        in_flight = _jobs_in_flight(run, nodes, executor)
-        if in_flight:
-            listed = ", ".join(f"{n} (job {j}: {state})" for n, j, state in in_flight[:3])
-            raise PipelineError(f"{run}: stages of a detached run are still queued or running: {listed}"
-                                f"{' …' if len(in_flight) > 3 else ''}; follow them with `llamarl status {run}`, "
-                                f"or cancel them (scancel) before running it again")
-        check_prompts(spec, record=True)
-        if detach:
-            return _submit_nodes(spec, nodes, by_name, executor, echo)
-        return _run_nodes(spec, nodes, by_name, executor, echo)
+        try:
+            in_flight = _jobs_in_flight(run, nodes, executor)
+            if in_flight:
+                listed = ", ".join(f"{n} (job {j}: {state})" for n, j, state in in_flight[:3])
+                raise PipelineError(f"{run}: stages of a detached run are still queued or running: {listed}"
+                                    f"{' …' if len(in_flight) > 3 else ''}; follow them with `llamarl status {run}`, "
+                                    f"or cancel them (scancel) before running it again")
+            check_prompts(spec, record=True)
+            if detach:
+                return _submit_nodes(spec, nodes, by_name, executor, echo)
+            return _run_nodes(spec, nodes, by_name, executor, echo)
+        finally:
+            executor.close()  # what it keeps between stages (resident workers) ends with the run
 
 
 def _jobs_in_flight(run: str, nodes: list[Node], executor) -> list[tuple[str, str, str]]:

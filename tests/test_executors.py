@@ -99,6 +99,7 @@ def _protocol_members() -> set[str]:
 
 @pytest.mark.parametrize("kind,options,detach,queue", [
     ("local", {}, None, False),
+    ("local", {"resident": True}, None, False),
     ("slurm", {}, "jobs", True),
     ("kubernetes", {"image": "i", "pvc": "p"}, "driver", False),
 ])
@@ -107,7 +108,7 @@ def test_every_executor_implements_the_whole_protocol(kind, options, detach, que
     executor's own answer where it has one and the base's refusal where it has not."""
     ex = make_executor(kind, options, "/runs/r", "x")
     members = _protocol_members()
-    assert {"submit", "wait", "run", "render", "stop_all", "job_state", "submit_after", "start_driver",
+    assert {"submit", "wait", "run", "render", "stop_all", "close", "job_state", "submit_after", "start_driver",
             "launches", "concurrency", "detach"} <= members
     assert not [m for m in members if not hasattr(ex, m)]
     assert ex.detach == detach
@@ -120,6 +121,7 @@ def test_every_executor_implements_the_whole_protocol(kind, options, detach, que
         with pytest.raises(UserError, match="has no in-cluster driver"):
             ex.start_driver("/runs/r/pipeline/spec.yaml", "r")
     ex.stop_all()  # nothing started: nothing to stop, no error
+    ex.close()
     assert queue == (type(ex).job_state is not ExecutorBase.job_state)
 
 

@@ -17,10 +17,23 @@ from llamarl.lib.distributed.collectives import (
 from llamarl.lib.errors import UserError
 
 _work_start: float | None = None  # when this process's stage began its work (``prepare_output``)
+_call_start: float | None = None  # when the stage's call began, in a process that runs stages as calls
+
+
+def start_stage(call_start: float | None = None) -> None:
+    """A stage begins in this process: the work start of the one before it is forgotten.
+    ``call_start``: the stage runs as a call in a resident worker (cluster/worker.py), and its
+    start stands for the process's own in ``timing`` — a stage's start-up is measured from where
+    it began, not from when the worker did."""
+    global _work_start, _call_start
+    _work_start, _call_start = None, call_start
 
 
 def process_start_time() -> float | None:
-    """When this process started, in Unix seconds (10 ms resolution), from /proc; None elsewhere."""
+    """When this stage's process started, in Unix seconds (10 ms resolution), from /proc; None
+    elsewhere. In a resident worker: when the stage's call began (``start_stage``)."""
+    if _call_start is not None:
+        return _call_start
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime

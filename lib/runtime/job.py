@@ -67,20 +67,6 @@ def _load(cls, argv):
     parser.error("give --config or --config-json")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 @dataclass(frozen=True)
 class Failure:
     code: int  # EXIT_USER_ERROR or EXIT_PEER_LOST
@@ -94,6 +80,7 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
     when done. Bugs keep their traceback. The process group is gone afterwards, either way. The
     one path into a stage: ``main`` for processes, ``cluster.slurm``'s tasks."""
     global _output
+    _marks.clear()
     mark("imported")
     _output = None
     try:
@@ -123,9 +110,37 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
         mark("end")
         if (liveness := sys.modules.get("llamarl.lib.distributed.liveness")) is not None:  # torch.distributed's stages
             liveness.stop()
+        if (parallel := sys.modules.get("llamarl.lib.distributed.parallel")) is not None:
+            parallel.shutdown()  # its groups and layout too: a resident worker runs another stage next
         collectives.leave()
         _write_profile()
     return None
+
+
+def call(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None, *, started: float | None = None) -> int:
+    """One stage in this process: ``execute``, with the stack sampler where asked for and the
+    failure written to the launcher's exit-status file (``EXIT_STATUS_ENV``); the exit status a
+    stage process would have: 0, ``EXIT_USER_ERROR`` or ``EXIT_PEER_LOST``. Bugs keep their
+    traceback. ``started``: the stage runs as a call in a resident worker (cluster/worker.py),
+    begun then. The one path of both a stage process (``main``) and a resident worker."""
+    from llamarl.lib.runtime.stack_sampler import from_env
+
+    outputs.start_stage(started)
+    sampler = from_env()  # LLAMARL_STACKS_DIR: every thread's stacks, sampled (lib/runtime/stack_sampler.py)
+    try:
+        failure = execute(cls, run, argv)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    if failure is None:
+        return 0
+    if os.environ.get(EXIT_STATUS_ENV):
+        try:
+            with open(os.environ[EXIT_STATUS_ENV], "a") as f:
+                f.write(f"{failure.code} {' '.join(failure.error.split())}\n")
+        except OSError:
+            pass  # the status still reaches the launcher, as 1
+    return failure.code
 
 
 _output: str | None = None
@@ -181,40 +196,30 @@ def _peer_error(e: BaseException) -> str:
 
 
 def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> None:
-    """A stage process's ``__main__``: ``execute``, then the failure's exit status
-    (``EXIT_USER_ERROR``, ``EXIT_PEER_LOST``), or 0."""
+    """A stage process's ``__main__``: ``call``, then its exit status (``EXIT_USER_ERROR``,
+    ``EXIT_PEER_LOST``, or 0)."""
     import threading
 
-    from llamarl.lib.runtime.stack_sampler import from_env
-
-    _die_with_parent()
-    sampler = from_env()  # LLAMARL_STACKS_DIR: every thread's stacks, sampled (lib/runtime/stack_sampler.py)
-    failure = execute(cls, run, argv)
-    if sampler is not None:
-        sampler.stop()
-    if failure is not None and os.environ.get(EXIT_STATUS_ENV):
-        try:
-            with open(os.environ[EXIT_STATUS_ENV], "a") as f:
-                f.write(f"{failure.code} {' '.join(failure.error.split())}\n")
-        except OSError:
-            pass  # the status still reaches the launcher, as 1
+    die_with_parent()
+    code = call(cls, run, argv)
     # Leave without the interpreter's teardown: native threads (pyarrow's, torch's, gloo's) still
     # winding down have aborted it now and then ("terminate called…", status -6), which would turn
     # a reported failure into a crash; and after a success it only costs time (0.3-0.8 s a process
     # with torch loaded). Everything the stage writes is closed by now — unless a thread of its own
     # still runs (a background writer): then the interpreter waits for it, as usual.
-    if failure is not None or not any(t.is_alive() and not t.daemon for t in threading.enumerate()
-                                      if t is not threading.main_thread()):
+    if code != 0 or not any(t.is_alive() and not t.daemon for t in threading.enumerate()
+                            if t is not threading.main_thread()):
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(failure.code if failure is not None else 0)
+        os._exit(code)
 
 
-def _die_with_parent() -> None:
-    """A stage process the local executor started dies with the driver that started it (Linux's
-    parent-death signal): a driver killed outright — SIGKILL, its process group killed — leaves no
-    rank writing on. What the process itself started (a rollout's tokenizer process) stays in its
-    process group, which the next ``llamarl run`` stops when it takes the run's lock over."""
+def die_with_parent() -> None:
+    """A stage process (or a resident worker) the local executor started dies with the driver that
+    started it (Linux's parent-death signal, which follows the driver's thread that started it): a
+    driver killed outright — SIGKILL, its process group killed — leaves no rank writing on. What
+    the process itself started (a rollout's tokenizer process) stays in its process group, which
+    the next ``llamarl run`` stops when it takes the run's lock over."""
     parent = os.environ.get(PARENT_ENV)
     if not parent or not sys.platform.startswith("linux"):
         return
@@ -227,9 +232,6 @@ def _die_with_parent() -> None:
         return
     if os.getppid() != int(parent):  # the driver died before the signal was asked for
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-
 
 
 # Start-up profile: when this process reached each step, in Unix seconds. ``LLAMARL_PROFILE_DIR``
@@ -255,15 +257,3 @@ def _write_profile() -> None:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}.json"), "w") as f:
         json.dump(steps, f)
-
-
-
-
-
-
-
-
-
-
-
-

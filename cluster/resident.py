@@ -1,0 +1,279 @@
+"""The local executor with resident workers (``executor: {kind: local, options: {resident: true}}``):
+one worker process per rank, started once per ``llamarl run``, runs stage after stage as calls
+(cluster/worker.py), so that a stage's start costs no process start, no imports, no CUDA context.
+
+Everything else is the local executor's (cluster/local.py): torchrun's environment for each rank,
+a stage's one-line error and exit status, its stdout and stderr where the driver's go, the other
+ranks stopped ``grace_s`` after one failed, the run's registry of processes, ``stop_all``. A
+stage of N ranks runs on N idle workers, lowest slot first (with ``gpus``: the workers of the
+GPUs it takes, each worker bound to its GPU for life), so export on one process runs on the
+worker that rank 0 of ppo ran on. Each stage joins a process group of its own, on a fresh port,
+and leaves it at its end, as a stage process does: a layout of any size runs on any workers.
+
+A worker that dies (killed, or after a failure that leaves its state in doubt) is replaced when a
+stage next needs its slot; the stage it ran failed, and ``llamarl run`` again resumes it from
+files. Workers lead process groups of their own, die with the driver (``PARENT_ENV``), and are
+in the registry while they live (as ``POOL``, and the ones of a running stage under its name),
+so that a ``llamarl run`` taking over from a driver that died stops what they left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from llamarl.lib.errors import PARENT_ENV, UserError
+
+from .executor import StageResult, free_port, stage_args
+from .local import STOP_WAIT_S, LocalExecutor, LocalOptions, LocalRun, kill_groups, pass_on, process_start, wait_gone
+from .worker import END
+
+POOL = "resident workers"
+"""The registry's name for the workers' processes (beside each running stage's own name)."""
+
+SETTLE_S = 1.0  # how long a dead worker's last lines (its error, its END) may take to come through
+QUIT_WAIT_S = 10.0  # how long a worker told to leave (its stdin closed) may take
+
+
+@dataclass(eq=False)
+class Worker:
+    """A worker process and the stage it serves now (``run``, as rank ``rank``)."""
+
+    slot: int
+    proc: subprocess.Popen
+    start: int | None
+    run: ResidentRun | None = None
+    rank: int = 0
+    reader: threading.Thread | None = None
+
+    @property
+    def group(self) -> tuple[int, int | None]:
+        return self.proc.pid, self.start
+
+    def send(self, request: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # it died: its exit status is the rank's
+            pass
+
+    def read(self) -> None:
+        """Pass the worker's stderr through to the stage it serves; ``END`` lines are its results."""
+        for line in self.proc.stderr:
+            run, rank = self.run, self.rank
+            if line.startswith(END):
+                if run is not None:
+                    run.codes[rank] = int(line.split()[1])
+                continue
+            pass_on(line, run, rank)
+
+
+@dataclass(eq=False)
+class ResidentRun(LocalRun):
+    """A stage running on workers: ``procs`` are theirs; a rank's status is what its worker
+    reported, or the worker's own exit status where it died first."""
+
+    workers: list[Worker] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    codes: dict[int, int] = field(default_factory=dict)  # each rank's status, as its worker reported it
+    dead_since: dict[int, float] = field(default_factory=dict)
+
+    def status(self, rank: int) -> int | None:
+        if rank in self.codes:
+            return self.codes[rank]
+        worker = self.workers[rank]
+        code = worker.proc.poll()
+        if code is None:
+            return None
+        since = self.dead_since.setdefault(rank, time.monotonic())
+        if worker.reader.is_alive() and time.monotonic() - since < SETTLE_S:
+            return None  # what it wrote last may still be in the pipe
+        return self.codes.get(rank, code)
+
+
+class ResidentExecutor(LocalExecutor):
+    def __init__(self, options: LocalOptions | None = None, *, run_dir: str | None = None):
+        super().__init__(options, run_dir=run_dir)
+        self._workers: dict[int, Worker] = {}  # by slot: the GPU it is bound to, or an index
+        self._busy: set[int] = set()  # slots of running stages (without ``gpus``)
+        # Linux's parent-death signal (``PARENT_ENV``) fires when the *thread* that started a
+        # process ends: workers are started by this one thread, which lives until ``close``, never
+        # by the pipeline's stage threads, which may end while the workers serve on.
+        self._spawner: ThreadPoolExecutor | None = None
+
+    def render(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
+        return (f"# {name or stage}: run as a call in {nprocs} resident worker(s) (python -m llamarl.cluster.worker), "
+                f"as these processes would run it\n" + super().render(stage, config, nprocs, nodes, name=name))
+
+    # ---- slots and workers ---------------------------------------------------------------------------
+
+    def _take_slots(self, n: int, name: str) -> list[int]:
+        if self.options.gpus:
+            return self._take_gpus(n, name)
+        with self._starting:
+            slots = list(itertools.islice((s for s in itertools.count() if s not in self._busy), n))
+            self._busy.update(slots)
+        return slots
+
+    def _give_slots(self, slots: list[int]) -> None:
+        if self.options.gpus:
+            self._give_back(slots)
+            return
+        with self._starting:
+            self._busy.difference_update(slots)
+
+    def _worker(self, slot: int) -> Worker:
+        """The live worker of ``slot``, started if there is none (under ``_starting``)."""
+        worker = self._workers.get(slot)
+        if worker is not None and worker.proc.poll() is None:
+            return worker
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.options.threads_per_process), "PYTHONUNBUFFERED": "1",
+               PARENT_ENV: str(os.getpid()), **self._device(slot)}
+        if self._spawner is None:
+            self._spawner = ThreadPoolExecutor(1, thread_name_prefix="worker-spawner")
+        proc = self._spawner.submit(subprocess.Popen, [sys.executable, "-m", "llamarl.cluster.worker"], env=env,
+                                    stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                                    start_new_session=True).result()
+        worker = Worker(slot, proc, process_start(proc.pid))
+        worker.reader = threading.Thread(target=worker.read, name=f"worker-{slot}", daemon=True)
+        worker.reader.start()
+        self._workers[slot] = worker
+        self._register_pool()
+        return worker
+
+    def _device(self, slot: int) -> dict[str, str]:
+        """With ``gpus``, a worker sees its own GPU alone, for life."""
+        return {"CUDA_VISIBLE_DEVICES": str(slot)} if self.options.gpus else {}
+
+    def _register_pool(self) -> None:
+        if self.registry is not None:
+            live = [w.group for w in self._workers.values() if w.proc.poll() is None]
+            if live:
+                self.registry.started(POOL, live)
+            else:
+                self.registry.ended(POOL)
+
+    # ---- stages --------------------------------------------------------------------------------------
+
+    def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> ResidentRun:
+        """Run ``llamarl.stages.<stage>`` as a call in ``nprocs`` workers."""
+        self._check(nprocs, nodes)
+        run = ResidentRun(name or stage)
+        run.slots = self._take_slots(nprocs, run.name)
+        argv = stage_args(stage, config)[2:]  # what follows `-m llamarl.stages.STAGE`
+        port = free_port()
+        with self._starting:
+            stopping = self._stopping
+            if not stopping:
+                self._start(run, stage, argv, port)
+        if stopping:
+            self._give_slots(run.slots)
+            raise UserError(f"{run.name}: not started: the run is stopping")
+        return run
+
+    def _start(self, run: ResidentRun, stage: str, argv: list[str], port: int) -> None:
+        """Hand the stage to its workers (under ``_starting``)."""
+        nprocs = len(run.slots)
+        self._runs.append(run)
+        run.workers = [self._worker(slot) for slot in run.slots]
+        run.procs, run.starts = [w.proc for w in run.workers], [w.start for w in run.workers]
+        for rank, worker in enumerate(run.workers):
+            worker.rank, worker.run = rank, run
+        if self.registry is not None:
+            self.registry.started(run.name, run.groups)
+        for rank, worker in enumerate(run.workers):
+            env = {**os.environ, **self._env(rank, nprocs, port), PARENT_ENV: str(os.getpid()),
+                   **self._device(run.slots[rank])}
+            if self.options.gpus:
+                env["LOCAL_RANK"] = "0"  # its one visible GPU
+            worker.send({"stage": stage, "argv": argv, "env": env})
+
+    def wait(self, handle: ResidentRun) -> StageResult:
+        try:
+            code = self._wait(handle)
+        except KeyboardInterrupt:  # Ctrl-C or a signal (errors.Stopped) where this waits in the main thread
+            kill_groups(handle.groups)
+            self._end(handle)
+            raise
+        self._end(handle)
+        if code == 0:
+            return StageResult(0)
+        return StageResult(code, handle.error() or f"exit status {code}")
+
+    def _end(self, run: ResidentRun) -> None:
+        """The stage has ended: its workers are free, the dead ones gone (and replaced when their
+        slot is next needed), its slots given back."""
+        with self._starting:
+            for worker in run.workers:
+                worker.run = None
+            dead = [w for w in run.workers if w.proc.poll() is not None]
+            for worker in dead:
+                if self._workers.get(worker.slot) is worker:
+                    del self._workers[worker.slot]
+            if run in self._runs:
+                self._runs.remove(run)
+        left = []
+        if dead:  # what a dead worker started goes with it
+            kill_groups([w.group for w in dead])
+            left = wait_gone([w.group for w in dead], STOP_WAIT_S, reap=[w.proc for w in dead])
+        with self._starting:
+            if not run.gone and not left:
+                run.gone = True
+                if self.registry is not None:
+                    self.registry.ended(run.name)
+            self._register_pool()
+        self._give_slots(run.slots)
+
+    # ---- the end of the run ----------------------------------------------------------------------------
+
+    def stop_all(self) -> list[str]:
+        """The pipeline is stopping: start nothing more, kill every worker (busy or idle) with what
+        it started, and wait until none of their processes lives. The names of the stages stopped."""
+        with self._starting:
+            self._stopping = True
+            runs, workers = list(self._runs), list(self._workers.values())
+        with self._gpus_changed:
+            self._gpus_changed.notify_all()  # a stage waiting for GPUs gives up
+        self._leave(workers, at_once=True)
+        return [run.name for run in runs]
+
+    def close(self) -> None:
+        """The run is over: every worker leaves (its stdin closed), what it started with it."""
+        with self._starting:
+            workers = list(self._workers.values())
+        self._leave(workers, at_once=False)
+        with self._starting:
+            spawner, self._spawner = self._spawner, None
+        if spawner is not None:
+            spawner.shutdown()
+
+    def _leave(self, workers: list[Worker], at_once: bool) -> None:
+        if not at_once:
+            for worker in workers:
+                try:
+                    worker.proc.stdin.close()
+                except OSError:
+                    pass
+            deadline = time.monotonic() + QUIT_WAIT_S
+            for worker in workers:
+                try:
+                    worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        groups = [w.group for w in workers]
+        kill_groups(groups)
+        left = wait_gone(groups, STOP_WAIT_S, reap=[w.proc for w in workers])
+        with self._starting:
+            for worker in workers:
+                if self._workers.get(worker.slot) is worker:
+                    del self._workers[worker.slot]
+            if not left:
+                self._register_pool()

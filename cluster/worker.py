@@ -1,0 +1,92 @@
+"""A resident stage worker: one process per rank that runs stage after stage as calls
+(``python -m llamarl.cluster.worker``, started by the local executor with ``resident: true``,
+cluster/resident.py).
+
+Each request is one JSON line on the worker's stdin: the stage, its arguments (those of ``python
+-m llamarl.stages.STAGE``) and the environment its process would get (torchrun's variables, a
+fresh rendezvous port). The worker runs it the way a stage process does (``job.call``: the same
+config parsing, process group, one-line errors and exit statuses) and then writes ``END STATUS``
+as a line of its own on stderr, after everything the stage printed there: the executor reads the
+stage's result from the same stream as its errors, so it never has the status without the error
+line. Imports, the CUDA context and compiled kernels stay for the next stage; the process group
+does not (each stage joins its own, as its process would). Only files pass between stages.
+
+A worker leaves after a stage that ended in anything but success or a user error (a lost peer, a
+bug): its state is not to be trusted, and the executor starts another. It leaves too when its
+stdin closes (the run is over) and, like a stage process, when the driver dies (``PARENT_ENV``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+END = "\x1fllamarl-worker-end"
+"""Starts the line a worker writes on stderr when a stage's call has ended: ``END STATUS``."""
+
+
+def main() -> None:
+    from llamarl.lib.errors import EXIT_USER_ERROR
+    from llamarl.lib.runtime import job
+
+    job.die_with_parent()
+    # The requests come on a descriptor of its own: what a stage starts (a tokenizer process, a
+    # reward rule's sandbox) inherits fd 0 as /dev/null and can never read a request.
+    requests = os.fdopen(os.dup(0), "r")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    code = 0
+    for line in requests:
+        code = serve(json.loads(line))
+        sys.stdout.flush()
+        sys.stderr.write(f"{END} {code}\n")
+        sys.stderr.flush()
+        if code not in (0, EXIT_USER_ERROR):
+            break
+    # As a stage process leaves (lib/runtime/job.py ``main``): without the interpreter's teardown.
+    os._exit(code if code not in (0, EXIT_USER_ERROR) else 0)
+
+
+def serve(request: dict) -> int:
+    """Run the stage of ``request`` in this process; its exit status (1 for a bug, whose
+    traceback goes to stderr, as a stage process's does)."""
+    import importlib
+
+    from llamarl.lib.runtime import job
+    from llamarl.stages.config import STAGES
+
+    started = time.time()
+    os.environ.clear()
+    os.environ.update(request["env"])
+    stage = request["stage"]
+    try:
+        module = importlib.import_module(f"llamarl.stages.{stage}")
+        code = job.call(STAGES[stage], module.run, request["argv"], started=started)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - a bug: its traceback, as the interpreter would print it
+        traceback.print_exc()
+        code = 1
+    # A stage process ends after the threads of its own that still write (a background writer):
+    # so does the call. Thread pools nobody holds any more are collected first: their idle threads
+    # then leave (a process's exit wakes them the same way).
+    gc.collect()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon and thread.is_alive():
+            thread.join()
+    # What a stage process's exit gives back, the worker gives back too: the GPU memory its caching
+    # allocator holds, which another stage's process on the same GPU may need. The context stays.
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return code
+
+
+if __name__ == "__main__":
+    main()

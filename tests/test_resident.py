@@ -1,0 +1,231 @@
+"""Resident stage workers (cluster/resident.py, cluster/worker.py): a run whose stages are calls in
+long-lived workers publishes what a run of a process per stage publishes; a worker killed
+mid-stage fails its stage, and `llamarl run` again finishes with the same bytes; a user error is
+the stage's one line and status 2; a stopped run leaves no worker behind.
+
+Every run here is the same 2-iteration spec on a tiny toy model, at the same path (a rollout's
+parts name the actor they sampled from), with shard, rollout and ppo on 2 ranks, score on 2 and
+export on 1: a stage on fewer ranks than there are workers runs on the first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from llamarl.cluster.executor import StageResult
+from llamarl.cluster.kinds import make_executor
+from llamarl.cluster.local import LocalExecutor, LocalOptions, survivors
+from llamarl.cluster.resident import POOL, ResidentExecutor
+from llamarl.lib.errors import EXIT_USER_ERROR
+from llamarl.lib.files import publish
+from llamarl.pipeline import toy
+from llamarl.pipeline.dag import load_spec
+from llamarl.pipeline.run import run_spec
+from llamarl.stages.config import ShardConfig
+
+ENV = {**os.environ, "COLUMNS": "400"}  # no wrapped lines
+LAYOUT = {"shard": {"tp": 2}, "rollout": {"tp": 2}, "score": {"dp": 2}, "ppo": {"tp": 2}, "export": {"procs": 1}}
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    """``make(resident, **options)``: the spec of the module's run, its run directory emptied (every
+    run is at the same path); (spec path, run directory)."""
+    root = tmp_path_factory.mktemp("resident")
+    toy.make_llama(str(root / "actor"), hidden_size=32)
+    toy.make_prompts(str(root / "train.jsonl"), n=16)
+
+    def make(resident: bool, **options) -> tuple[str, str]:
+        data = {"name": "toy", "storage": str(root / "runs"), "actor": str(root / "actor"),
+                "prompts": str(root / "train.jsonl"), "prompts_per_iteration": 8, "seed": 7, "iterations": 2,
+                "rollout": {"id_column": "id", "chunk_size": 4,
+                            "sampling": {"samples_per_prompt": 2, "max_new_tokens": 4}},
+                "score": {"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio"}]},
+                "ppo": {"advantage": "grpo", "mini_batch_size": 16, "actor_lr": 0.01},
+                "layout": LAYOUT, "executor": {"kind": "local", "options": {"resident": resident, **options}}}
+        shutil.rmtree(root / "runs", ignore_errors=True)
+        path = root / "spec.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return str(path), str(root / "runs" / "toy")
+
+    return make
+
+
+def published(run: str) -> dict:
+    """Every file each manifest of ``run`` publishes, by path: its size and checksum — except two
+    kinds that hold what differs between any two runs: a rollout part names the actor's output id
+    (its manifest's, made afresh by each run), compared row by row with its other metadata; ppo's
+    metrics say how many seconds each step took, compared without them."""
+    import pyarrow.parquet as pq
+
+    found = {}
+    for folder, _, names in os.walk(run):
+        if publish.MANIFEST not in names:
+            continue
+        manifest = json.load(open(os.path.join(folder, publish.MANIFEST)))
+        for name, entry in manifest.get("files", {}).items():
+            path = os.path.join(folder, name)
+            if name.endswith(".parquet"):
+                table = pq.read_table(path)
+                meta = {k: v for k, v in (table.schema.metadata or {}).items() if not k.endswith(b"_id")}
+                entry = (table.to_pylist(), meta)
+            elif name == "metrics.jsonl":
+                entry = [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in open(path)]
+            found[os.path.relpath(path, run)] = entry
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(toy_run):
+    """What the run publishes with a process per stage, and how long it took."""
+    spec, run = toy_run(resident=False)
+    start = time.monotonic()
+    run_spec(load_spec(spec), echo=lambda m: None)
+    return published(run), time.monotonic() - start
+
+
+class _Watched(ResidentExecutor):
+    """Records the workers' pids of each stage it runs, by rank."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pids: dict[str, list[int]] = {}
+
+    def submit(self, stage, config, nprocs, nodes=1, *, name=None):
+        run = super().submit(stage, config, nprocs, nodes, name=name)
+        self.pids[run.name] = [p.pid for p in run.procs]
+        return run
+
+
+@pytest.mark.slow
+def test_a_resident_run_publishes_the_bytes_of_a_process_per_stage(toy_run, reference):
+    expected, process_wall = reference
+    spec, run = toy_run(resident=True)
+    loaded = load_spec(spec)
+    executor = _Watched(make_executor("local", loaded.executor.options, run, "x").options)
+    start = time.monotonic()
+    run_spec(loaded, echo=lambda m: None, executor=executor)
+    wall = time.monotonic() - start
+    assert published(run) == expected
+    # One worker per rank for the whole run: every stage's rank r ran in the same process, export's
+    # one rank in rank 0's; and once the run is over no worker lives.
+    ranks = {tuple(pids) for name, pids in executor.pids.items() if name != "export"}
+    assert len(ranks) == 1 and len(next(iter(ranks))) == 2, executor.pids
+    assert executor.pids["export"] == [next(iter(ranks))[0]]
+    assert survivors([(pid, None) for pid in next(iter(ranks))]) == {}
+    print(f"2-iteration toy run: resident {wall:.1f}s, a process per stage {process_wall:.1f}s")
+
+
+def _cli(*args, env=ENV, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _start(spec: str, env=ENV) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+
+
+def _registered(run: str, name: str, driver: subprocess.Popen) -> dict[str, list[int]]:
+    """Once the run's lock lists ``name`` among its processes: every registered name's pids."""
+    lock = os.path.join(run, "pipeline", "lock.json")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert driver.poll() is None, driver.communicate()[0]
+        try:
+            stages = json.load(open(lock))["stages"]
+        except (OSError, ValueError, KeyError):
+            stages = {}
+        if name in stages:
+            return {n: [pid for pid, _ in s["procs"]] for n, s in stages.items()}
+        time.sleep(0.02)
+    raise AssertionError(f"{name} never ran")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_stage_fails_it_and_the_next_run_ends_with_the_same_bytes(toy_run, reference):
+    spec, run = toy_run(resident=True, grace_s=1)
+    # ppo's ranks wait at their first step, so that the kill lands inside the stage.
+    driver = _start(spec, env={**ENV, "LLAMARL_TEST_PPO_AT": "step 1:sleep=60"})
+    procs = _registered(run, "iter-001/ppo", driver)
+    time.sleep(2)
+    os.kill(procs["iter-001/ppo"][1], signal.SIGKILL)
+    out, _ = driver.communicate(timeout=120)
+    assert driver.returncode == EXIT_USER_ERROR, out
+    assert out.strip().splitlines()[-1].startswith("error: stage iter-001/ppo failed ("), out
+    assert not [pid for pids in procs.values() for pid in pids if _alive(pid)], "no worker outlives its run"
+    assert not os.path.exists(os.path.join(run, "pipeline", "lock.json"))
+    rerun = _cli("run", spec)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "[iter-001/ppo] running ppo" in rerun.stdout and "[iter-001/rollout] done, skipped" in rerun.stdout
+    assert published(run) == reference[0]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_and_every_worker(toy_run):
+    spec, run = toy_run(resident=True)
+    driver = _start(spec, env={**ENV, "LLAMARL_TEST_PPO_AT": "step 1:sleep=60"})  # a stage that is still running
+    procs = _registered(run, "iter-001/ppo", driver)
+    driver.send_signal(signal.SIGTERM)
+    out, _ = driver.communicate(timeout=120)
+    assert driver.returncode == 128 + signal.SIGTERM, out
+    assert out.strip().splitlines()[-1] == (f"error: llamarl run got SIGTERM: stopped iter-001/ppo, every "
+                                            f"process of each; rerun `llamarl run {spec}` to resume")
+    assert "Traceback" not in out
+    assert len(procs[POOL]) == 2 and not [pid for pids in procs.values() for pid in pids if _alive(pid)]
+    assert not os.path.exists(os.path.join(run, "pipeline", "lock.json"))
+
+
+def _shard(tmp_path) -> ShardConfig:
+    return ShardConfig(src=str(tmp_path / "no-such-model"), dst=str(tmp_path / "out"), tp=2)
+
+
+def test_a_user_error_in_a_worker_is_the_stages_one_line_and_status_2(tmp_path, capfd):
+    expected = LocalExecutor().run("shard", _shard(tmp_path), nprocs=2)
+    assert expected == StageResult(EXIT_USER_ERROR, f"{tmp_path}/no-such-model/config.json not found; point SRC at "
+                                                    f"an HF checkpoint directory")
+    executor = _Watched(LocalOptions(resident=True))
+    try:
+        assert executor.run("shard", _shard(tmp_path), nprocs=2, name="first") == expected
+        # The workers stay after a user error, and serve the next stage; a stage of one runs on the first.
+        assert executor.run("shard", _shard(tmp_path), nprocs=1, name="second") == expected
+    finally:
+        executor.close()
+    assert executor.pids["second"] == executor.pids["first"][:1]
+    assert survivors([(pid, None) for pid in executor.pids["first"]]) == {}
+    err = capfd.readouterr().err
+    assert err.count(f"error: {expected.error}\n") == 3 and "Traceback" not in err  # once a stage, as before
+    assert "\x1f" not in err  # the workers' own lines stay between them and the executor
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(v.decode().split("=", 1) for v in f.read().split(b"\0") if b"=" in v)
+
+
+def test_with_gpus_each_worker_sees_its_own_gpu_for_life(tmp_path):
+    executor = _Watched(LocalOptions(resident=True, gpus=3))
+    try:
+        assert executor.run("shard", _shard(tmp_path), nprocs=2, name="two").code == EXIT_USER_ERROR
+        assert executor.run("shard", _shard(tmp_path), nprocs=1, name="one").code == EXIT_USER_ERROR
+        workers = {pid: _environ(pid)["CUDA_VISIBLE_DEVICES"] for pid in executor.pids["two"]}
+    finally:
+        executor.close()
+    assert list(workers.values()) == ["0", "1"] and executor.pids["one"] == executor.pids["two"][:1]
