@@ -208,35 +208,42 @@ def run_devices(layout_name: str) -> int:
     return 2 if layout_name == SPLIT else 1 if layout_name == SHARED else lay["tp"] * lay["dp"]
 
 
-def run_name(workload: str, layout_name: str, staleness: int | None) -> str:
+def run_name(workload: str, layout_name: str, staleness: int | None, resident: bool = False) -> str:
     """``grpo-tp1`` as before; ``grpo-split-s1`` when the invocation compares staleness values or
-    runs several iterations (``staleness`` not None)."""
-    return f"{workload}-{layout_name}" + ("" if staleness is None else f"-s{staleness}")
+    runs several iterations (``staleness`` not None); ``-resident`` with resident workers."""
+    return (f"{workload}-{layout_name}" + ("" if staleness is None else f"-s{staleness}")
+            + ("-resident" if resident else ""))
 
 
-def executor_spec(layout_name: str, gpus: int) -> dict:
+def executor_spec(layout_name: str, gpus: int, resident: bool = False) -> dict:
     """The local executor; for the split placement with two stages at once, each on its own GPU
-    (``gpus``: 0 on CPU, where each stage's one process takes one core)."""
+    (``gpus``: 0 on CPU, where each stage's one process takes one core). ``resident``: one worker
+    process per rank for the whole run (cluster/resident.py)."""
+    options = {"resident": True} if resident else {}
     if layout_name == SHARED:  # gpus unset: every stage sees the one GPU
-        return {"kind": "local", "options": {"max_concurrent_stages": 2}}
+        return {"kind": "local", "options": {"max_concurrent_stages": 2} | options}
     if layout_name != SPLIT:
-        return {"kind": "local"}
-    return {"kind": "local", "options": {"max_concurrent_stages": 2} | ({"gpus": gpus} if gpus else {})}
+        return {"kind": "local", "options": options}
+    return {"kind": "local", "options": {"max_concurrent_stages": 2} | ({"gpus": gpus} if gpus else {}) | options}
 
 
 def write_spec(work: str, paths: dict, workload: str, layout_name: str, p: dict, export_procs: int, *,
-               iterations: int = 1, staleness: int | None = None, gpus: int = 0) -> tuple[str, str]:
+               iterations: int = 1, staleness: int | None = None, gpus: int = 0,
+               resident: bool = False) -> tuple[str, str]:
     """The run spec of one run; ``staleness`` None is today's single sequential run (no
     ``max_staleness`` in the spec); ``gpus``: what the split placement shares out."""
     lay = parse_layout(layout_name)
     stage = {"tp": lay["tp"], "dp": lay["dp"]}
     spec = {
-        "name": run_name(workload, layout_name, staleness),
+        "name": run_name(workload, layout_name, staleness, resident),
         "storage": f"{work}/runs",
         "actor": paths["actor"],
         "prompts": paths["prompts"],
         "iterations": iterations,
         "seed": 0,
+        # A 1B ppo output is ~20 GB (weights + training state): the GPU machine's 64 GB disk holds the
+        # last one whole and the actors of the others.
+        "retention": {"keep_last": 1},
         **({} if staleness is None else {"max_staleness": staleness}),
         "layout": {"shard": {"tp": lay["tp"]}, "rollout": stage, "score": stage, "ppo": stage,
                    # split: each stage's processes get GPUs of their own, export's too (2 at most)
@@ -247,7 +254,7 @@ def write_spec(work: str, paths: dict, workload: str, layout_name: str, p: dict,
         "ppo": {"mini_batch_size": p["mini_batch"], "ppo_epochs": 1, "kl_coef": 0.05,
                 "micro_batch_tokens": p["micro_batch_tokens"], "seed": 0},
         "export": {},
-        "executor": executor_spec(layout_name, gpus),
+        "executor": executor_spec(layout_name, gpus, resident),
     }
     if workload == "grpo":
         spec["score"] = {"rewards": [{"name": p["reward"]["name"], "weight": 1.0, "args": p["reward"]["args"]}]}
@@ -897,6 +904,8 @@ def main():
     ap.add_argument("--shape", choices=("1b", "135m"), default="1b",
                     help="the actor and its workload: 1b (Llama-3.2-1B, 256 prompts × 4 × 256 tokens) or 135m "
                          "(SmolLM2-135M, 128 prompts × 8 × 48 tokens); --tiny overrides it")
+    ap.add_argument("--resident", default="off", choices=("off", "on", "both"),
+                    help="the local executor's resident workers: off, on, or both (each a fresh run, same invocation)")
     ap.add_argument("--iterations", type=int, default=1, help="PPO iterations per run (default 1)")
     ap.add_argument("--max-staleness", default="0", help="comma-separated max_staleness values, each a fresh run of "
                                                          "every workload and layout (default 0: sequential), e.g. 0,1")
@@ -1015,14 +1024,17 @@ def main():
 
     # TRL first: it is short and predictable, and whatever it leaves goes to the llamarl runs.
     jobs = [("trl", "grpo", None)] if "grpo" in workloads and not args.skip_trl else []
-    jobs += [("llamarl", w, lay, s) for w in ("grpo", "ppo") if w in workloads for lay in layouts for s in stalenesses]
+    residents = {"off": [False], "on": [True], "both": [False, True]}[args.resident]
+    jobs += [("llamarl", w, lay, s, r) for w in ("grpo", "ppo") if w in workloads for lay in layouts
+             for s in stalenesses for r in residents]
     reserve = {"llamarl": (60 if args.tiny else 150) + (args.iterations - 1) * (30 if args.tiny else 90),
                "trl": 60 if args.tiny else 90}
     gpus = GpuMemory()
     try:
-        for j, (kind, workload, lay, *staleness) in enumerate(jobs):
-            staleness = staleness[0] if several and staleness else None  # None: one iteration, no staleness in the name
-            name = run_name(workload, lay or "", staleness)
+        for j, (kind, workload, lay, *rest) in enumerate(jobs):
+            staleness = rest[0] if several and rest else None  # None: one iteration, no staleness in the name
+            resident = bool(rest and rest[1])
+            name = run_name(workload, lay or "", staleness, resident)
             label = name if several else f"{workload} {lay}"
             now = time.time()
             later = sum(reserve[job[0]] for job in jobs[j + 1:])
@@ -1045,7 +1057,7 @@ def main():
             world = parse_layout(lay)["tp"] * parse_layout(lay)["dp"]  # each stage's processes
             devices = run_devices(lay)  # the run's
             spec, run_dir = write_spec(work, paths, workload, lay, p, export_procs, iterations=args.iterations,
-                                       staleness=staleness, gpus=split_gpus)
+                                       staleness=staleness, gpus=split_gpus, resident=resident)
             echo(f"[llamarl {label}] {spec}, deadline in {job_deadline - now:.0f} s")
             log = f"{work}/logs/{name}.log"
             cache = f"{work}/compile-cache/{name}" if args.compile_cache == "fresh" else None
@@ -1053,12 +1065,13 @@ def main():
             stages = measure_run(run_dir, res, world, gpus, workload, args.iterations)
             ok = res["rc"] == 0 and not res["killed"]
             run = {"workload": workload, "layout": lay, "layout_detail": parse_layout(lay), "processes": world,
+                   "resident": resident,
                    "spec": spec, "log": log, "status": "ok" if ok else ("timeout" if res["killed"] else "failed"),
                    "error": None if ok else (res["killed"] or res["error"] or res["exception"] or f"exit status {res['rc']}"),
                    "stages": stages,
                    "iteration": iteration_numbers(stages, res, devices) if args.iterations == 1 else {}}
             if several:
-                run.update(name=name, max_staleness=staleness, gpus=devices, executor=executor_spec(lay, split_gpus),
+                run.update(name=name, max_staleness=staleness, gpus=devices, executor=executor_spec(lay, split_gpus, resident),
                            iterations=iterations_numbers(stages, res, run_dir, args.iterations, staleness, devices))
             inv["runs"].append(run)
             if not args.keep_runs:
