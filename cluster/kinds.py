@@ -33,7 +33,7 @@ def _classes(kind: str, source: str) -> tuple[type[BaseModel], type]:
 def validate_options(kind: str, options: dict, source: str) -> BaseModel:
     """The options of a ``kind`` executor, checked; otherwise a one-line UserError naming
     ``source`` (where the options are, e.g. ``spec.yaml: executor.options``) and the field."""
-    from llamarl.stages.config import validate
+    from llamarl.lib.options import validate
 
     options_class, _ = _classes(kind, source)
     return validate(options_class, options, source)

@@ -267,7 +267,8 @@ def _config(cls: type[StageConfig], config: str | None, given: dict, arguments: 
     arguments and flags set); a bad value is one line naming the file's field, the flag (``--tp``;
     ``flags`` where it is not the field's name) or the argument (``SRC``)."""
     from llamarl.lib.errors import UserError
-    from llamarl.stages.config import Source, options_model, validate
+    from llamarl.lib.options import Source, validate
+    from llamarl.stages.config import options_model
 
     names = {k: k.upper() if k in arguments else flags.get(k, "--" + k.replace("_", "-")) for k in given}
     try:

@@ -27,8 +27,8 @@ import fsspec
 from llamarl.cluster.kinds import validate_options
 from llamarl.lib.files import yamlfile
 from llamarl.lib.errors import UserError, unreadable
-from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, Source, StageConfig,
-                                   validate)
+from llamarl.lib.options import Source, validate
+from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
 
 from . import data
 from .monitor import check_installed

@@ -36,9 +36,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
 
-from llamarl.stages.config import (GROUP_ADVANTAGES, Strict, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RewardTerm,
-                                   RolloutConfig, Sampling, ScoreConfig, ShardConfig, Source, StageConfig, Url, kind_of,
-                                   options_model, validate)
+from llamarl.lib.options import Source, Strict, validate
+from llamarl.stages.config import (GROUP_ADVANTAGES, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RewardTerm,
+                                   RolloutConfig, Sampling, ScoreConfig, ShardConfig, StageConfig, Url, kind_of,
+                                   options_model, processes)
 
 def _run_sampling() -> type[BaseModel]:
     """``rollout.sampling`` as a run spec sets it: without the seed, which the run derives."""
