@@ -28,7 +28,8 @@ from llamarl.cluster.kinds import validate_options
 from llamarl.lib.files import yamlfile
 from llamarl.lib.errors import UserError, unreadable
 from llamarl.lib.options import Source, validate
-from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
+from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
+                                   processes)
 
 from . import data
 from .monitor import check_installed
@@ -55,7 +56,7 @@ class Node:
 
     @property
     def nprocs(self) -> int:
-        return self.layout.procs if self.stage == "export" else self.layout.world
+        return processes(self.layout)
 
 
 def actor_dir(run: str, node: str) -> str:
@@ -120,7 +121,7 @@ def build_dag(spec: RunSpec) -> list[Node]:
         trained.append(po)
     nodes.append(Node("export", "export", f"{run}/export", [actor], L.export,
                       lambda: spec.stage_config(ExportConfig, spec.export, "export", src=actor_dir(run, actor),
-                                                dst=f"{run}/export"),
+                                                dst=f"{run}/export", procs=L.export.procs),
                       reads=_actor_only(actor)))
     return nodes
 

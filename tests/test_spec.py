@@ -15,7 +15,7 @@ from llamarl.pipeline.dag import Node, build_dag, check_spec, load_spec, parse_s
 from llamarl.pipeline.records import node_key
 from llamarl.pipeline.spec import Layouts
 from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
-                                   options_model)
+                                   options_model, processes)
 
 
 def _spec(tmp_path, **changes) -> dict:
@@ -118,7 +118,7 @@ def test_what_the_checks_allow_still_loads(tmp_path):
                             ppo={"advantage": "grpo", "lr_decay": "cosine", "warmup_steps": 2, "total_steps": 3},
                             score={"rewards": [{"name": "regex", "args": {"pattern": "^yes", "full": True}},
                                                {"name": "length", "args": {"scale": 8}}]}), "spec.yaml")
-    assert spec.layout.ppo.world == 4 and spec.layout.export.world == 4
+    assert processes(spec.layout.ppo) == 4 and processes(spec.layout.export) == 4
 
 
 def test_cross_field_checks_live_in_the_stage_config_alone():
@@ -320,3 +320,11 @@ def test_dry_run_shows_what_each_stage_would_launch(tmp_path):
     kinds = [doc["kind"] for doc in rollout if doc]
     assert "Job" in kinds and "llamarl.stages.rollout" in shown[2]
     assert not (tmp_path / "t").exists()  # a dry run writes nothing
+
+
+def test_a_stage_runs_on_the_processes_its_config_and_its_layout_both_say(tmp_path):
+    spec = parse_spec(_spec(tmp_path, layout={"shard": {"tp": 2, "pp": 2}, "rollout": {"tp": 2, "dp": 3},
+                                              "ppo": {"tp": 2, "pp": 2, "dp": 2}, "export": {"procs": 3}}), "spec.yaml")
+    counts = {n.name: (n.nprocs, processes(n.make_config())) for n in check_spec(spec)}
+    assert counts["shard/actor"] == (4, 4) and counts["iter-001/rollout"] == (6, 6)
+    assert counts["iter-001/ppo"] == (8, 8) and counts["export"] == (3, 3) and counts["iter-001/scores"] == (1, 1)

@@ -26,4 +26,5 @@ class ExportConfig(StageConfig):
                                                        "writes (and a loader reads) at once: more files, more "
                                                        "of them in parallel.")
     verify: bool = placement(True, "Check the checkpoint's files against their checksums before reading.")
+    procs: int = layout("Processes writing files in parallel (each writes whole files).")
 
