@@ -19,6 +19,7 @@ importing torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,6 +29,7 @@ from llamarl.cluster.kinds import validate_options
 from llamarl.lib.files import yamlfile
 from llamarl.lib.errors import UserError, unreadable
 from llamarl.lib.options import Source, validate
+from llamarl.stages.identity import Declared, declare
 from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
                                    processes)
 
@@ -46,7 +48,6 @@ class Node:
     inputs: list[str]  # upstream node names
     layout: StageLayout
     make_config: Callable[[], StageConfig]
-    external: list[str] = dataclasses.field(default_factory=list)  # inputs from outside the run (HF dirs, prompts)
     # The part of an input's output that this stage reads, when only a part: {input node: sub-path},
     # e.g. {"iter-001/ppo": "actor"}. It is what the key names, and the stage may start once it is
     # published, before the input's stage ends.
@@ -57,6 +58,16 @@ class Node:
     @property
     def nprocs(self) -> int:
         return processes(self.layout)
+
+    @functools.cached_property
+    def declared(self) -> Declared:
+        """What the stage reads and what names its output, as the stage itself declares it."""
+        return declare(self.make_config())
+
+    @property
+    def external(self) -> tuple[str, ...]:
+        """What it reads from outside the run (an HF folder, the prompts)."""
+        return self.declared.external
 
 
 def actor_dir(run: str, node: str) -> str:
@@ -87,12 +98,11 @@ def build_dag(spec: RunSpec) -> list[Node]:
         return lambda: spec.stage_config(cls, options, where, **wired)
 
     nodes = [Node("shard/actor", "shard", f"{run}/shard/actor", [], L.shard,
-                  cfg(ShardConfig, {}, "shard", src=spec.actor, dst=f"{run}/shard/actor", tp=L.shard.tp, pp=L.shard.pp),
-                  external=[spec.actor])]
+                  cfg(ShardConfig, {}, "shard", src=spec.actor, dst=f"{run}/shard/actor", tp=L.shard.tp, pp=L.shard.pp))]
     if spec.reward_model:
         nodes.append(Node("shard/rm", "shard", f"{run}/shard/rm", [], L.shard,
                           cfg(ShardConfig, {}, "shard", src=spec.reward_model, dst=f"{run}/shard/rm", tp=L.shard.tp,
-                              pp=L.shard.pp), external=[spec.reward_model]))
+                              pp=L.shard.pp)))
     validated = set(validated_iterations(spec))
     actor, critic = "shard/actor", None
     trained = ["shard/actor"]  # trained[k]: the actor after k ppo updates
@@ -106,7 +116,7 @@ def build_dag(spec: RunSpec) -> list[Node]:
                           cfg(RolloutConfig, _rollout_options(spec, i), "rollout", actor=actor_dir(run, sampler),
                               prompts=spec.prompts, out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp,
                               **_selection(spec, i)),
-                          external=[spec.prompts], reads=_actor_only(sampler), iteration=i))
+                          reads=_actor_only(sampler), iteration=i))
         nodes.append(_score_node(spec, sc, ro, spec.score.model_dump(), "score", i))
         critic_dir = f"{run}/{critic}/critic" if critic else None
         stale = {"off_policy": True} if sampler != actor else {}  # its samples are an older actor's
@@ -161,7 +171,7 @@ def _validation_nodes(spec: RunSpec, i: int, ppo: str) -> list[Node]:
     rollout = Node(ro, "rollout", f"{run}/{ro}", [ppo], L.rollout,
                    lambda: spec.stage_config(RolloutConfig, options, "validation", actor=actor_dir(run, ppo),
                                              prompts=v.prompts, out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp),
-                   external=[v.prompts], reads=_actor_only(ppo), role=VALIDATE, iteration=i)
+                   reads=_actor_only(ppo), role=VALIDATE, iteration=i)
     score = spec.score.model_dump()
     score["rewards"] = [t.model_dump() for t in v.rewards] if v.rewards else score["rewards"]
     score["references"] = v.references

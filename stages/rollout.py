@@ -68,7 +68,7 @@ from llamarl.lib.engine import tokenizer as toklib
 from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype, pad_vocab
 from llamarl.lib.errors import UserError
 from llamarl.lib.engine.generate import Batch, Engine, SamplingParams
-from llamarl.stages import contract, prompts, space
+from llamarl.stages import contract, identity, prompts, space
 from llamarl.stages.config import RolloutConfig
 
 _IMPORTED = time.time()
@@ -123,12 +123,10 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     topo = parallel.init(cfg.tp, 1, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="rollout")
     rank = dist.get_rank()
     spans.mark("process_group")
-    actor_id = publish.output_id(actor)
     # The sampler's version is part of what the rows are: a new draw algorithm redoes old rollouts.
-    request = {"kind": contract.ROLLOUT, "actor": actor, "actor_id": actor_id, "prompts": cfg.prompts,
-               "sampler": sampling.SAMPLER, "config": cfg.identity()}
-
-    if contract.skip_if_current(out, {"request": request}, "already rolled out with this actor and config", request):
+    # The actor's location is for the stages after (score's tokenizer: contract.RolloutFacts).
+    request = identity.declare(cfg).request(actor=actor, prompts=cfg.prompts, sampler=sampling.SAMPLER)
+    if identity.skip_if_current(out, request, "already rolled out with this actor and config"):
         return
     # The weights are verified while they load: nothing is made from them before every rank's
     # share of the files checked out.
@@ -160,7 +158,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     # a chunk's rows are the same bits whatever chunks ran beside it, so a rerun that skips the
     # published ones writes what an uninterrupted run would have.
     engine = Engine(model, params, max_batch=cfg.max_batch, batch_invariant=True)
-    meta = {"actor": actor, "actor_id": actor_id, "sampling": json.dumps(s.model_dump()), "seed": str(s.seed),
+    meta = {"actor": actor, "actor_id": request["actor_id"], "sampling": json.dumps(s.model_dump()), "seed": str(s.seed),
             "sampler": sampling.SAMPLER, "tp": str(cfg.tp), "dtype": dtypes.name(dtype)}
     progress = _Progress(enabled=rank == 0, first=spans.mark_once)
     stats = {"chunks": 0, "rows": 0, "truncated_prompts": 0, "new_tokens": 0, "skipped_chunks": 0, "engine_s": 0.0}

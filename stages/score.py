@@ -35,7 +35,7 @@ from llamarl.lib.engine import tokenizer as toklib
 from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.lib.model.offload import ParamOffload
-from llamarl.stages import contract, space
+from llamarl.stages import contract, identity, space
 from llamarl.stages.config import RewardTerm, ScoreConfig
 
 # The rollout columns score reads (rules may read more: the response, kept columns).
@@ -211,11 +211,9 @@ def run(cfg: ScoreConfig) -> None:
 
     topo = parallel.init(cfg.tp, cfg.pp, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="score")
     rank = dist.get_rank()
-    rm_id = publish.output_id(cfg.reward_model) if use_rm else None
-    request = {"kind": contract.SCORES, "rollout_id": publish.output_id(rollout), "rm_id": rm_id,
-               "config": cfg.identity()}
-    if contract.skip_if_current(out, {"request": request}, "already scored with this rollout, reward model and config",
-                                request):
+    request = identity.declare(cfg).request()
+    rm_id = request["rm_id"]
+    if identity.skip_if_current(out, request, "already scored with this rollout, reward model and config"):
         return
     if use_rm:
         outputs.verify_input(cfg.reward_model, rm_manifest, f"{contract.MODEL}/")
@@ -231,7 +229,7 @@ def run(cfg: ScoreConfig) -> None:
         checkpoint.load_model(model, f"{cfg.reward_model}/{contract.MODEL}")
         model.eval()
         offload = ParamOffload(model, parallel.device())
-        actor_tok = toklib.load(manifest["request"]["actor"])
+        actor_tok = toklib.load(contract.RolloutFacts.read(rollout, manifest).actor)
         rm_tok = toklib.load(cfg.reward_model)
         max_length = cfg.max_length or rm_cfg.max_position_embeddings
 

@@ -205,13 +205,13 @@ def test_how_ppo_and_rollout_run_is_no_part_of_their_identity_but_rollout_chunks
     assert RolloutConfig.parse(rollout | {"chunk_size": 32}, "x").identity() != default
 
 
-# The pipeline's key of each stage's default config (fixed paths, no inputs published, nothing
-# outside the run): a change to any stage's identity — a new option, a new default, an option
-# changing kind — changes these. Make it on purpose: update the constant, and say under
+# The pipeline's key of each stage's default config (fixed paths, no inputs published, and what
+# it reads from outside the run — shard's SRC, rollout's PROMPTS — absent): a change to any
+# stage's identity — a new option, a new default, an option changing kind — changes these. Make it on purpose: update the constant, and say under
 # "Upgrading" in docs/pipeline.md which stages an older run reruns.
 GOLDEN_KEYS = {
-    "shard": "e297a2b650ef9ef1",
-    "rollout": "b8b5198cbf14d0b6",
+    "shard": "042976217f886a48",
+    "rollout": "83862710ca6cd59b",
     "score": "c61100ef0a15e5cb",
     "ppo": "4c1ff0bc48bea11f",
     "export": "70aba1e5750d6545",
@@ -328,3 +328,20 @@ def test_a_stage_runs_on_the_processes_its_config_and_its_layout_both_say(tmp_pa
     counts = {n.name: (n.nprocs, processes(n.make_config())) for n in check_spec(spec)}
     assert counts["shard/actor"] == (4, 4) and counts["iter-001/rollout"] == (6, 6)
     assert counts["iter-001/ppo"] == (8, 8) and counts["export"] == (3, 3) and counts["iter-001/scores"] == (1, 1)
+
+
+def test_the_pipeline_and_the_stage_read_one_declaration(tmp_path):
+    # The node's key and the stage's own request both take the identity from stages/identity.py,
+    # and what the pipeline fingerprints outside the run is what the stage's config reads.
+    from llamarl.stages.identity import declare
+
+    spec = parse_spec(_spec(tmp_path, validation={"prompts": str(tmp_path / "val.jsonl")}), "spec.yaml")
+    nodes = {n.name: n for n in check_spec(spec)}
+    assert nodes["shard/actor"].external == (spec.actor,) and nodes["shard/rm"].external == (spec.reward_model,)
+    assert nodes["iter-001/rollout"].external == (spec.prompts,)
+    assert nodes["iter-002/val-rollout"].external == (str(tmp_path / "val.jsonl"),)
+    assert all(not nodes[n].external for n in ("iter-001/scores", "iter-001/ppo", "export"))
+    ppo = nodes["iter-002/ppo"]
+    declared = declare(ppo.make_config())
+    assert declared.identity == ppo.make_config().identity() == ppo.declared.identity
+    assert declared.inputs["actor"].endswith("iter-001/ppo/actor") and declared.inputs["reference"].endswith("shard/actor")
