@@ -178,6 +178,35 @@ def _validation_nodes(spec: RunSpec, i: int, ppo: str) -> list[Node]:
     return [rollout, _score_node(spec, sc, ro, score, "validation", i, role=VALIDATE)]
 
 
+def may_run_beside(nodes: list[Node], shown: int = 4) -> dict[str, str]:
+    """For each stage, the stages it may run at the same time with, in words: neither needs the
+    other's output, directly or not (with max_staleness > 0: a rollout and the ppo before it; a
+    validation and every stage after it). The shards, which everything needs, are left out. At
+    most ``shown`` are named, then how many more: a validation of a long run may run beside
+    thousands. Sets of stages are bits of one integer, so a run of n stages costs n²/64 word
+    operations, not n² set lookups."""
+    bit = {n.name: 1 << i for i, n in enumerate(nodes)}
+    up, down = {}, dict.fromkeys(bit, 0)
+    for n in nodes:  # in DAG order: a node's inputs come first
+        up[n.name] = 0
+        for i in n.inputs:
+            up[n.name] |= bit[i] | up[i]
+    for n in reversed(nodes):
+        for i in n.inputs:
+            down[i] |= bit[n.name] | down[n.name]
+    others = ((1 << len(nodes)) - 1) & ~sum(bit[n.name] for n in nodes if n.stage == "shard")
+    words = {}
+    for n in nodes:
+        mask = 0 if n.stage == "shard" else others & ~(bit[n.name] | up[n.name] | down[n.name])
+        count, names = mask.bit_count(), []
+        while mask and len(names) < (shown if count <= shown else shown - 1):
+            low = mask & -mask
+            names.append(nodes[low.bit_length() - 1].name)
+            mask ^= low
+        words[n.name] = ", ".join(names) + (f" and {count - len(names)} more" if count > len(names) else "")
+    return words
+
+
 def check_spec(spec: RunSpec) -> list[Node]:
     """The DAG, with every stage's config of every iteration built (validated) — before anything runs."""
     nodes = build_dag(spec)

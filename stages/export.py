@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from llamarl.lib.files import checkpoint, dcp_format, outputs, publish
+from llamarl.lib.files import checkpoint, outputs, publish
 from llamarl.lib import dtypes
 from llamarl.lib.model import hf_mapping
 from llamarl.lib.runtime import job
@@ -108,7 +108,7 @@ def _write(url: str, model_url: str, md, names: list[str], shapes: dict, dtype: 
 def _failure(e: Exception, rank: int, src: str) -> tuple:
     if isinstance(e, _Unreadable):
         return "user", None, f"rank {rank}: {src}: {e}; the checkpoint is damaged: reshard it"
-    return dcp_format.describe(e, rank)
+    return collectives.describe(e, rank)
 
 
 def run(cfg: ExportConfig) -> None:
@@ -131,7 +131,9 @@ def run(cfg: ExportConfig) -> None:
     verifying = outputs.start_verify(src, manifest) if cfg.verify else None
 
     request = identity.declare(cfg).request()
-    if identity.skip_if_current(dst, request, "already exported from this checkpoint"):
+    source = {"url": src, "created": manifest["created"], "files": manifest["files"]}
+    recorded = {"kind": contract.HF_EXPORT, "head": head, "dtype": out_dtype, "source": source}
+    if identity.skip_if_current(dst, request, "already exported from this checkpoint", recorded):
         return  # (the input's verification, a daemon thread, goes with the process)
 
     groups = plan_files(shapes, dtypes.itemsize(out_dtype), int(cfg.max_shard_gb * 2**30))
@@ -150,7 +152,7 @@ def run(cfg: ExportConfig) -> None:
     failures = [("user", None, v) for v, _, _ in results if v] + [f for _, f, _ in results if f]
     if failures and rank == 0:  # what was written from bad input, or cut short, goes (it was only ever ours)
         publish.discard(dst)
-    dcp_format.raise_first(f"exporting {src} to {dst}", failures)
+    collectives.raise_first(f"exporting {src} to {dst}", failures)
     files = {k: v for _, _, part in results for k, v in part.items()}
 
     failure = None
@@ -158,12 +160,10 @@ def run(cfg: ExportConfig) -> None:
         try:
             _write_side_files(src, dst, manifest, head, out_dtype, groups, names, files)
             _check_written(dst, shapes, out_dtype, groups, names)
-            publish.publish(dst, {"kind": contract.HF_EXPORT, "head": head, "dtype": out_dtype, "request": request,
-                                  "source": {"url": src, "created": manifest["created"], "files": manifest["files"]},
-                                  "files": files, "timing": outputs.timing()})
+            publish.publish(dst, {**recorded, "request": request, "files": files, "timing": outputs.timing()})
         except (UserError, OSError) as e:
-            failure = dcp_format.describe(e, rank)
-    dcp_format.raise_first(f"exporting {src} to {dst}", [collectives.broadcast_object(failure)])
+            failure = collectives.describe(e, rank)
+    collectives.raise_first(f"exporting {src} to {dst}", [collectives.broadcast_object(failure)])
     if rank == 0:
         dt = time.perf_counter() - t0
         total = sum(v["bytes"] for k, v in files.items() if k.endswith(".safetensors"))

@@ -57,12 +57,20 @@ def declare(cfg: StageConfig) -> Declared:
     raise TypeError(f"no declaration for {type(cfg).__name__}")
 
 
-def skip_if_current(out: str, request: dict | None, done: str) -> bool:
+def skip_if_current(out: str, request: dict | None, done: str, recorded: dict | None = None) -> bool:
     """Collective: True when ``out`` already holds a published output of this ``request`` (rank 0
     says so: ``done``, "nothing to do"). Otherwise ``out`` is made ready for this run: resumed when
     it holds our unfinished output of the same ``request``, else emptied. A published output of
-    another request is refused, never overwritten."""
-    if outputs.prepare_output(out, lambda m: request is not None and m.get("request") == request, request) != "skip":
+    another request is refused, never overwritten. ``recorded``: for a checkpoint or an export
+    whose manifest holds no request (published before they recorded one), the manifest's own
+    fields that must match instead."""
+
+    def current(m: dict) -> bool:
+        if "request" in m:
+            return request is not None and m["request"] == request
+        return recorded is not None and all(m.get(k) == v for k, v in recorded.items())
+
+    if outputs.prepare_output(out, current, request) != "skip":
         return False
     if collectives.rank_world()[0] == 0:
         print(f"{out}: {done}, nothing to do", flush=True)

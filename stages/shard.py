@@ -146,8 +146,10 @@ def run(cfg: ShardConfig) -> None:
     # What the stage alone knows of its identity: the source's checksums (an unpublished output is
     # never current, so they are only awaited to compare with a published one).
     declared = identity.declare(cfg)
-    if identity.skip_if_current(dst, declared.request(source=source()) if published else None,
-                                "already sharded from this source"):
+    sources = source() if published else None
+    recorded = {"kind": contract.CHECKPOINT, "head": head, "dtype": out_dtype, "source": sources}
+    if identity.skip_if_current(dst, declared.request(source=sources) if published else None,
+                                "already sharded from this source", recorded):
         return
 
     rss_before = _rss_bytes()
@@ -157,7 +159,7 @@ def run(cfg: ShardConfig) -> None:
     ranks = collectives.all_gather_object({"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,
                                    "peak_rss_bytes": _peak_rss_bytes()})
 
-    sources = source()
+    sources = sources or source()
     fs_dst, dst_path = fsspec.core.url_to_fs(dst)
     written = sorted(p.rsplit("/", 1)[-1] for p in fs_dst.ls(f"{dst_path}/{contract.MODEL}", detail=False))
     files = {f"{contract.MODEL}/{k}": v for k, v in outputs.file_entries(f"{dst}/{contract.MODEL}", written).items()}

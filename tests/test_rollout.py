@@ -367,7 +367,7 @@ def test_tokenizer_loads_as_autotokenizer_would_without_its_imports(tmp_path):
     # A generic fast tokenizer (Llama 3's class, and what save_pretrained of one writes) is loaded
     # as that class: the same tokenizer AutoTokenizer gives, without importing every model's config.
     toy.make_tokenizer(str(tmp_path / "hf"))
-    code = ("import json, sys; from llamarl.lib import tokenizer as T; tok = T.load(sys.argv[1]); "
+    code = ("import json, sys; from llamarl.lib.engine import tokenizer as T; tok = T.load(sys.argv[1]); "
             "print(json.dumps([type(tok).__name__, T.fingerprint(tok), T.encode_prompt(tok, 'the cat sat'), "
             "'transformers.models.auto.tokenization_auto' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)

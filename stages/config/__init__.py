@@ -1,15 +1,18 @@
 """The stages' configs: one typed, validated model per stage (pydantic), importable without torch.
 
-Every field is one of four kinds, marked once here and read everywhere else:
+One module per concept: ``base`` (the kinds of field, ``Url``, ``StageConfig``), ``checkpoint``
+(shard, export), ``rollout``, ``score``, ``ppo``; here, what reads all of them. Every field is one
+of four kinds, marked once (``base``) and read everywhere else:
 
 - an **input** or **output** path: the pipeline fills it in (a run spec may not set it);
-- a **layout** count (tp, pp, dp): the pipeline fills it in from the spec's ``layout``;
+- a **layout** count (tp, pp, dp; export's procs): the pipeline fills it in from the spec's
+  ``layout``, and a stage runs on their product (``processes``);
 - a **placement** option: how a stage runs, not what it computes (``score.offload``,
   ``ppo.save_every``, ``ppo.sequence_parallel``);
 - an ordinary **option**: what the stage computes.
 
-A stage's *identity* (what names its output: the pipeline's keys, the outputs' ``request``) is its
-config without outputs, layout and placement, so moving a stage to another layout or flipping an
+A stage's *identity* (what names its output: the pipeline's keys, the outputs' ``request``, both
+through stages/identity.py) is its config without outputs, layout and placement, so moving a stage to another layout or flipping an
 offload never makes a finished output stale, and adding a placement option changes no key.
 
 Values are checked when a config is built, each error one line naming the field and the fix; so
@@ -32,6 +35,12 @@ from .checkpoint import ExportConfig, ShardConfig
 from .ppo import GROUP_ADVANTAGES, PPOConfig
 from .rollout import MIN_TEMPERATURE, PromptSelection, RolloutConfig, Sampling
 from .score import RewardTerm, ScoreConfig, describe_rules
+
+__all__ = ["INPUT", "INT32_MAX", "LAYOUT", "MAX_TIMEOUT_S", "NOT_IDENTITY", "OUTPUT", "PLACEMENT", "WIRED", "Column",
+           "ComputeDtype", "Count", "StageConfig", "StoredDtype", "TrainDtype", "Url", "kind_of", "processes",
+           "ExportConfig", "ShardConfig", "GROUP_ADVANTAGES", "PPOConfig", "MIN_TEMPERATURE", "PromptSelection",
+           "RolloutConfig", "Sampling", "RewardTerm", "ScoreConfig", "describe_rules", "STAGES", "options_model",
+           "describe"]
 
 STAGES: dict[str, type[StageConfig]] = {"shard": ShardConfig, "rollout": RolloutConfig, "score": ScoreConfig,
                                          "ppo": PPOConfig, "export": ExportConfig}
