@@ -46,7 +46,7 @@ def _local(options, *, run_dir: str) -> Executor:
 def validate_options(kind: str, options: dict, source: str) -> BaseModel:
     """The options of a ``kind`` executor, checked; otherwise a one-line UserError naming
     ``source`` (where the options are, e.g. ``spec.yaml: executor.options``) and the field."""
-    from llamarl.stages.config import validate
+    from llamarl.lib.options import validate
 
     options_class, _ = _classes(kind, source)
     return validate(options_class, options, source)

@@ -32,7 +32,7 @@ import yaml
 from pydantic import ConfigDict, Field
 
 from llamarl.lib.errors import EXIT_STATUS_ENV, EXIT_USER_ERROR, UserError
-from llamarl.stages.config import Strict
+from llamarl.lib.options import Strict
 
 from .executor import ExecutorBase, StageResult, per_node, stage_args
 

@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import Field
 
 from llamarl.lib.errors import EXIT_USER_ERROR, PARENT_ENV, UserError
-from llamarl.stages.config import Strict
+from llamarl.lib.options import Strict
 
 from .executor import ExecutorBase, StageResult, free_port, per_node, stage_command
 

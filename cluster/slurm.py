@@ -26,7 +26,7 @@ import yaml
 from pydantic import Field
 
 from llamarl.lib.errors import UserError
-from llamarl.stages.config import Strict
+from llamarl.lib.options import Strict
 
 from .executor import ExecutorBase, StageResult, free_port, per_node, stage_args
 

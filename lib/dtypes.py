@@ -24,7 +24,7 @@ TABLE: dict[str, tuple[str | None, str]] = {
 }
 
 CONFIG_NAMES: tuple[str, ...] = tuple(short for short, _ in TABLE.values() if short)
-"""The dtypes a config may name (``bf16``, ``fp16``, ``fp32``): the choices of stages/config.py's dtype fields."""
+"""The dtypes a config may name (``bf16``, ``fp16``, ``fp32``): the choices of stages/config's dtype fields."""
 
 # What ``torch_name`` reads: a config's name or a manifest's name of a floating dtype.
 _FLOATS = {**{short: name for name, (short, _) in TABLE.items() if short},

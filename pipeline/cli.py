@@ -10,8 +10,8 @@ from contextlib import contextmanager
 import typer
 
 from llamarl.lib.errors import EXIT_USER_ERROR, Stopped, disk_full, disk_full_error, one_line
-from llamarl.pipeline.spec import ExportLayout
-from llamarl.stages.config import ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig
+from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
+                                   processes)
 
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -195,12 +195,12 @@ def _field(model, name: str, *decls: str, **kw):
     return typer.Option(None if field.is_required() else field.default, *decls, help=field.description, **kw)
 
 
-def _run_local(stage: str, config, nprocs: int) -> None:
+def _run_local(stage: str, config: StageConfig) -> None:
     from llamarl.cluster.local import LocalExecutor
 
     try:
         with stopped_by_signals():
-            result = LocalExecutor().run(stage, config, nprocs)
+            result = LocalExecutor().run(stage, config, processes(config))
     except Stopped as e:  # the stage's processes are gone
         typer.echo(f"error: llamarl stage {stage} got {e.name}: its processes are stopped; rerun it to resume",
                    err=True)
@@ -220,7 +220,7 @@ def shard(
     """HF checkpoint → sharded checkpoint (loadable at any TP×PP)."""
 
     _run_local("shard", _config(ShardConfig, None, {"src": src, "dst": dst, "tp": tp, "pp": pp, "dtype": dtype},
-                                ("src", "dst")), tp * pp)
+                                ("src", "dst")))
     typer.echo(dst)
 
 
@@ -230,13 +230,13 @@ def export(
     dst: str = typer.Argument(..., help="Output HF directory."),
     dtype: str = _field(ExportConfig, "dtype"),
     max_shard_gb: float = _field(ExportConfig, "max_shard_gb"),
-    procs: int = _field(ExportLayout, "procs", min=1),
+    procs: int = _field(ExportConfig, "procs", min=1),
     verify: bool = _field(ExportConfig, "verify", "--verify/--no-verify"),
 ):
     """Sharded checkpoint → HF safetensors directory (transformers loads it)."""
 
-    given = {"src": src, "dst": dst, "dtype": dtype, "max_shard_gb": max_shard_gb, "verify": verify}
-    _run_local("export", _config(ExportConfig, None, given, ("src", "dst")), procs)
+    given = {"src": src, "dst": dst, "dtype": dtype, "max_shard_gb": max_shard_gb, "verify": verify, "procs": procs}
+    _run_local("export", _config(ExportConfig, None, given, ("src", "dst")))
     typer.echo(dst)
 
 
@@ -267,7 +267,8 @@ def _config(cls: type[StageConfig], config: str | None, given: dict, arguments: 
     arguments and flags set); a bad value is one line naming the file's field, the flag (``--tp``;
     ``flags`` where it is not the field's name) or the argument (``SRC``)."""
     from llamarl.lib.errors import UserError
-    from llamarl.stages.config import Source, options_model, validate
+    from llamarl.lib.options import Source, validate
+    from llamarl.stages.config import options_model
 
     names = {k: k.upper() if k in arguments else flags.get(k, "--" + k.replace("_", "-")) for k in given}
     try:
@@ -325,7 +326,7 @@ def rollout(
     cfg = _config(RolloutConfig, config, {"actor": actor, "prompts": prompts, "out": out, "tp": tp, "dp": dp},
                   ("actor", "prompts", "out"))
     _check_rollout_inputs(cfg)
-    _run_local("rollout", cfg, tp * dp)
+    _run_local("rollout", cfg)
     typer.echo(out)
 
 
@@ -342,7 +343,7 @@ def score(
     """Rollout → scores from a reward model and/or rule-based rewards (Parquet, resumable)."""
 
     given = {"rollout": rollout, "out": out, "reward_model": rm, "tp": tp, "pp": pp, "dp": dp}
-    _run_local("score", _config(ScoreConfig, config, given, ("rollout", "out"), reward_model="--rm"), tp * pp * dp)
+    _run_local("score", _config(ScoreConfig, config, given, ("rollout", "out"), reward_model="--rm"))
     typer.echo(out)
 
 
@@ -363,7 +364,7 @@ def ppo(
 
     given = {"rollout": rollout, "scores": scores, "actor": actor, "out": out, "critic": critic, "reference": reference,
              "tp": tp, "pp": pp, "dp": dp}
-    _run_local("ppo", _config(PPOConfig, config, given, ("rollout", "scores", "actor", "out")), tp * pp * dp)
+    _run_local("ppo", _config(PPOConfig, config, given, ("rollout", "scores", "actor", "out")))
     typer.echo(out)
 
 

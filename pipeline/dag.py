@@ -19,6 +19,7 @@ importing torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,8 +28,10 @@ import fsspec
 from llamarl.cluster.kinds import validate_options
 from llamarl.lib.files import yamlfile
 from llamarl.lib.errors import UserError, unreadable
-from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, Source, StageConfig,
-                                   validate)
+from llamarl.lib.options import Source, validate
+from llamarl.stages.identity import Declared, declare
+from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
+                                   processes)
 
 from . import data
 from .monitor import check_installed
@@ -45,7 +48,6 @@ class Node:
     inputs: list[str]  # upstream node names
     layout: StageLayout
     make_config: Callable[[], StageConfig]
-    external: list[str] = dataclasses.field(default_factory=list)  # inputs from outside the run (HF dirs, prompts)
     # The part of an input's output that this stage reads, when only a part: {input node: sub-path},
     # e.g. {"iter-001/ppo": "actor"}. It is what the key names, and the stage may start once it is
     # published, before the input's stage ends.
@@ -55,7 +57,17 @@ class Node:
 
     @property
     def nprocs(self) -> int:
-        return self.layout.procs if self.stage == "export" else self.layout.world
+        return processes(self.layout)
+
+    @functools.cached_property
+    def declared(self) -> Declared:
+        """What the stage reads and what names its output, as the stage itself declares it."""
+        return declare(self.make_config())
+
+    @property
+    def external(self) -> tuple[str, ...]:
+        """What it reads from outside the run (an HF folder, the prompts)."""
+        return self.declared.external
 
 
 def actor_dir(run: str, node: str) -> str:
@@ -86,12 +98,11 @@ def build_dag(spec: RunSpec) -> list[Node]:
         return lambda: spec.stage_config(cls, options, where, **wired)
 
     nodes = [Node("shard/actor", "shard", f"{run}/shard/actor", [], L.shard,
-                  cfg(ShardConfig, {}, "shard", src=spec.actor, dst=f"{run}/shard/actor", tp=L.shard.tp, pp=L.shard.pp),
-                  external=[spec.actor])]
+                  cfg(ShardConfig, {}, "shard", src=spec.actor, dst=f"{run}/shard/actor", tp=L.shard.tp, pp=L.shard.pp))]
     if spec.reward_model:
         nodes.append(Node("shard/rm", "shard", f"{run}/shard/rm", [], L.shard,
                           cfg(ShardConfig, {}, "shard", src=spec.reward_model, dst=f"{run}/shard/rm", tp=L.shard.tp,
-                              pp=L.shard.pp), external=[spec.reward_model]))
+                              pp=L.shard.pp)))
     validated = set(validated_iterations(spec))
     actor, critic = "shard/actor", None
     trained = ["shard/actor"]  # trained[k]: the actor after k ppo updates
@@ -105,7 +116,7 @@ def build_dag(spec: RunSpec) -> list[Node]:
                           cfg(RolloutConfig, _rollout_options(spec, i), "rollout", actor=actor_dir(run, sampler),
                               prompts=spec.prompts, out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp,
                               **_selection(spec, i)),
-                          external=[spec.prompts], reads=_actor_only(sampler), iteration=i))
+                          reads=_actor_only(sampler), iteration=i))
         nodes.append(_score_node(spec, sc, ro, spec.score.model_dump(), "score", i))
         critic_dir = f"{run}/{critic}/critic" if critic else None
         stale = {"off_policy": True} if sampler != actor else {}  # its samples are an older actor's
@@ -120,7 +131,7 @@ def build_dag(spec: RunSpec) -> list[Node]:
         trained.append(po)
     nodes.append(Node("export", "export", f"{run}/export", [actor], L.export,
                       lambda: spec.stage_config(ExportConfig, spec.export, "export", src=actor_dir(run, actor),
-                                                dst=f"{run}/export"),
+                                                dst=f"{run}/export", procs=L.export.procs),
                       reads=_actor_only(actor)))
     return nodes
 
@@ -160,11 +171,40 @@ def _validation_nodes(spec: RunSpec, i: int, ppo: str) -> list[Node]:
     rollout = Node(ro, "rollout", f"{run}/{ro}", [ppo], L.rollout,
                    lambda: spec.stage_config(RolloutConfig, options, "validation", actor=actor_dir(run, ppo),
                                              prompts=v.prompts, out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp),
-                   external=[v.prompts], reads=_actor_only(ppo), role=VALIDATE, iteration=i)
+                   reads=_actor_only(ppo), role=VALIDATE, iteration=i)
     score = spec.score.model_dump()
     score["rewards"] = [t.model_dump() for t in v.rewards] if v.rewards else score["rewards"]
     score["references"] = v.references
     return [rollout, _score_node(spec, sc, ro, score, "validation", i, role=VALIDATE)]
+
+
+def may_run_beside(nodes: list[Node], shown: int = 4) -> dict[str, str]:
+    """For each stage, the stages it may run at the same time with, in words: neither needs the
+    other's output, directly or not (with max_staleness > 0: a rollout and the ppo before it; a
+    validation and every stage after it). The shards, which everything needs, are left out. At
+    most ``shown`` are named, then how many more: a validation of a long run may run beside
+    thousands. Sets of stages are bits of one integer, so a run of n stages costs n²/64 word
+    operations, not n² set lookups."""
+    bit = {n.name: 1 << i for i, n in enumerate(nodes)}
+    up, down = {}, dict.fromkeys(bit, 0)
+    for n in nodes:  # in DAG order: a node's inputs come first
+        up[n.name] = 0
+        for i in n.inputs:
+            up[n.name] |= bit[i] | up[i]
+    for n in reversed(nodes):
+        for i in n.inputs:
+            down[i] |= bit[n.name] | down[n.name]
+    others = ((1 << len(nodes)) - 1) & ~sum(bit[n.name] for n in nodes if n.stage == "shard")
+    words = {}
+    for n in nodes:
+        mask = 0 if n.stage == "shard" else others & ~(bit[n.name] | up[n.name] | down[n.name])
+        count, names = mask.bit_count(), []
+        while mask and len(names) < (shown if count <= shown else shown - 1):
+            low = mask & -mask
+            names.append(nodes[low.bit_length() - 1].name)
+            mask ^= low
+        words[n.name] = ", ".join(names) + (f" and {count - len(names)} more" if count > len(names) else "")
+    return words
 
 
 def check_spec(spec: RunSpec) -> list[Node]:

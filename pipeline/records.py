@@ -1,7 +1,8 @@
 """What the run directory says of each stage: its record, its key, and whether it is done.
 
-A stage's *key* hashes its stage config (minus where it runs), the ids of what it reads of its
-inputs' published outputs, and the fingerprints of what it reads from outside the run. A stage is
+A stage's *key* hashes its identity (its config minus where it runs: ``stages/identity.py``, the
+declaration the stage's own skip reads too), the ids of what it reads of its inputs' published
+outputs, and the fingerprints of what it declares it reads from outside the run. A stage is
 done when its output is published and its record holds the same key and output id. ``plan`` says,
 for every stage of a DAG, whether it is done or will run and why — including the stages whose
 output retention deleted (``publish.retire``) and that a stage about to run needs again.
@@ -94,7 +95,7 @@ def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
     """The node's key, or None while an input is not published yet: its config (where it runs
     aside), the output ids of what it reads of its inputs (a part's own id where it reads a part),
     and the fingerprints of its inputs from outside the run."""
-    config = node.make_config().identity()
+    config = node.declared.identity
     inputs = {}
     for name in node.inputs:
         part = f"{name}/{node.reads[name]}" if name in node.reads else name

@@ -41,7 +41,7 @@ from llamarl.lib.files import publish
 from llamarl.lib.errors import Stopped, UserError
 
 from .checks import check_prompts, check_storage
-from .dag import VALIDATE, Node, build_dag, check_spec
+from .dag import VALIDATE, Node, build_dag, check_spec, may_run_beside
 from .metrics import update_metrics, validation_metrics
 from .monitor import Monitor
 from .records import (assess, fingerprints, input_url, must_redo, node_key, plan, published_id,
@@ -55,35 +55,6 @@ class PipelineError(UserError):
 
 
 # ---- running ---------------------------------------------------------------------------------------------
-
-
-def _beside(nodes: list[Node], shown: int = 4) -> dict[str, str]:
-    """For each stage, the stages it may run at the same time with, in words: neither needs the
-    other's output, directly or not (with max_staleness > 0: a rollout and the ppo before it; a
-    validation and every stage after it). The shards, which everything needs, are left out. At
-    most ``shown`` are named, then how many more: a validation of a long run may run beside
-    thousands. Sets of stages are bits of one integer, so a run of n stages costs n²/64 word
-    operations, not n² set lookups."""
-    bit = {n.name: 1 << i for i, n in enumerate(nodes)}
-    up, down = {}, dict.fromkeys(bit, 0)
-    for n in nodes:  # in DAG order: a node's inputs come first
-        up[n.name] = 0
-        for i in n.inputs:
-            up[n.name] |= bit[i] | up[i]
-    for n in reversed(nodes):
-        for i in n.inputs:
-            down[i] |= bit[n.name] | down[n.name]
-    others = ((1 << len(nodes)) - 1) & ~sum(bit[n.name] for n in nodes if n.stage == "shard")
-    words = {}
-    for n in nodes:
-        mask = 0 if n.stage == "shard" else others & ~(bit[n.name] | up[n.name] | down[n.name])
-        count, names = mask.bit_count(), []
-        while mask and len(names) < (shown if count <= shown else shown - 1):
-            low = mask & -mask
-            names.append(nodes[low.bit_length() - 1].name)
-            mask ^= low
-        words[n.name] = ", ".join(names) + (f" and {count - len(names)} more" if count > len(names) else "")
-    return words
 
 
 def executor_for(spec: RunSpec) -> Executor:
@@ -103,7 +74,7 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
         check_prompts(spec, record=False)
         report = []
         executor = (executor or executor_for(spec)) if show_launch else None
-        beside = _beside(nodes)
+        beside = may_run_beside(nodes)
         states = plan(run, nodes, by_name)
         for n in nodes:
             done, why = states[n.name]
@@ -278,101 +249,127 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
 
 def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor: Executor,
                echo) -> list[tuple[str, str]]:
-    run, report = spec.run_dir, []
-    publish.write_bytes(f"{run}/pipeline/spec.yaml", spec.to_yaml().encode())
+    publish.write_bytes(f"{spec.run_dir}/pipeline/spec.yaml", spec.to_yaml().encode())
     if not executor.launches:
         # Nothing runs here: every stage is written, and applying them in order runs the pipeline.
+        report = []
         for n in nodes:
             where = executor.submit(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name)
             report.append((n.name, f"written {where}"))
             echo(f"[{n.name}] written: {where}")
         return report
-    # Every stage whose inputs are done starts, up to the executor's concurrency (the local
-    # executor's max_concurrent_stages; a cluster queues what it cannot run yet): with
-    # max_staleness > 0 a rollout runs beside the ppo before it. A stage that reads only a part
-    # of a running input (Node.reads) starts once that part is published: polled, while there is
-    # room for it.
-    limit = executor.concurrency or len(nodes)
-    early, redo = _early_parts(nodes), must_redo(run, nodes, by_name)
-    waiting, finished, running, failure = list(nodes), set(), {}, None
-    keys: dict[str, str | None] = {}  # each started node's key when it started
-    # A failed validation stops only what reads it: training goes on, and the run reports it at the end.
-    given_up: dict[str, str] = {}
-    monitor = Monitor(spec)
-
-    def ready(n: Node) -> bool:
-        # A part of a running input is this run's: the input's stale parts were removed when it started.
-        started = {m.name for m in running.values()}
-        return all(i in finished or (i in n.reads and i in started and published_id(input_url(n, i, by_name)))
-                   for i in n.inputs)
-
-    def may_start_early() -> bool:
-        started = {m.name for m in running.values()}
-        return failure is None and len(running) < limit and any(i in started for n in waiting for i in n.reads)
-
-    with _StageThreads(max_workers=min(limit, len(nodes)), thread_name_prefix="stage") as pool:
+    schedule = _Schedule(spec, nodes, by_name, executor, echo)
+    with _StageThreads(max_workers=min(schedule.limit, len(nodes)), thread_name_prefix="stage") as pool:
         try:
-            if monitor.active:  # a resumed run: what the sinks missed while no `llamarl run` ran
-                monitor.update(update_metrics(run, spec.iterations))
-            while waiting or running:
-                for n in list(waiting) if failure is None else []:
-                    if len(running) >= limit:
-                        break
-                    lost = next((i for i in n.inputs if i in given_up), None)
-                    if lost is not None:
-                        waiting.remove(n)
-                        given_up[n.name] = f"{lost} failed"
-                        report.append((n.name, f"not run: {lost} failed"))
-                        continue
-                    if not ready(n):
-                        continue
-                    waiting.remove(n)
-                    done, why = _skipped(run, n, by_name, set(), report, echo, early.get(n.name, set()), redo)
-                    if done:
-                        finished.add(n.name)
-                        continue
-                    early_from = [input_url(n, i, by_name)[len(run) + 1 :] for i in n.inputs if i not in finished]
-                    if early_from:
-                        why += f"; {', '.join(early_from)} published"
-                    beside = f" (beside {', '.join(m.name for m in running.values())})" if running else ""
-                    echo(f"[{n.name}] running {n.stage} on {n.nprocs} process(es): {why}{beside}")
-                    write_record(run, n, status="running", started=_now(), error=None, key=None, job=None)
-                    keys[n.name] = node_key(n, by_name)
-                    running[pool.submit(executor.run, n.stage, n.make_config(), n.nprocs, n.layout.nodes,
-                                        name=n.name)] = n
-                if not running:
-                    if failure is not None or not waiting:
+            if schedule.monitor.active:  # a resumed run: what the sinks missed while no `llamarl run` ran
+                schedule.monitor.update(update_metrics(spec.run_dir, spec.iterations))
+            while schedule.waiting or schedule.running:
+                schedule.start_ready(pool)
+                if not schedule.running:
+                    if schedule.failure is not None or not schedule.waiting:
                         break
                     continue  # skipped stages made others ready
                 # About once a second while a waiting stage may start from a part of a running one.
-                ended, _ = wait(running, timeout=1.0 if may_start_early() else None, return_when=FIRST_COMPLETED)
-                for future in ended:
-                    n, result = running.pop(future), future.result()
-                    if not result.ok:
-                        write_record(run, n, status="failed", error=result.error, finished=None)
-                        if n.role == VALIDATE:
-                            given_up[n.name] = result.error
-                            echo(f"[{n.name}] failed ({result.error}); training goes on")
-                        else:
-                            failure = failure or (n, result)
-                        continue
-                    _record_done(spec, n, by_name, keys.get(n.name))
-                    finished.add(n.name)
-                    report.append((n.name, "ran"))
-                    _after_done(spec, n, nodes, by_name, monitor, echo)
+                ended, _ = wait(schedule.running, timeout=1.0 if schedule.may_start_early() else None,
+                                return_when=FIRST_COMPLETED)
+                schedule.collect(ended)
         except BaseException as e:  # stopped (a signal, Ctrl-C) or failed: no stage process may outlive us
-            _stop_stages(spec, executor, running, by_name, keys, e)
+            _stop_stages(spec, executor, schedule.running, by_name, schedule.keys, e)
             raise
         finally:
-            monitor.close()
-    if failure is not None:
-        n, result = failure
-        raise PipelineError(f"stage {n.name} failed ({result.error}); fix it and rerun `llamarl run` — finished stages are kept")
-    failed = [name for name, why in given_up.items() if by_name[name].role == VALIDATE and "failed" not in why]
-    if failed:
-        raise PipelineError(f"validation {', '.join(failed)} failed ({given_up[failed[0]]}); every training stage "
-                            f"ran — fix it and rerun `llamarl run`, which runs only what is not done")
-    return report
+            schedule.monitor.close()
+    return schedule.outcome()
+
+
+class _Schedule:
+    """The stages of one ``llamarl run`` as they wait, run and end. Every stage whose inputs are
+    done starts, up to the executor's concurrency (the local executor's max_concurrent_stages; a
+    cluster queues what it cannot run yet): with max_staleness > 0 a rollout runs beside the ppo
+    before it. A stage that reads only a part of a running input (Node.reads) starts once that
+    part is published: polled, while there is room for it. A failed validation stops only what
+    reads it: training goes on, and the run reports it at the end."""
+
+    def __init__(self, spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor: Executor, echo):
+        self.spec, self.nodes, self.by_name, self.executor, self.echo = spec, nodes, by_name, executor, echo
+        self.limit = executor.concurrency or len(nodes)
+        self.early, self.redo = _early_parts(nodes), must_redo(spec.run_dir, nodes, by_name)
+        self.waiting, self.finished, self.running = list(nodes), set(), {}
+        self.failure = None
+        self.keys: dict[str, str | None] = {}  # each started node's key when it started
+        self.given_up: dict[str, str] = {}
+        self.report: list[tuple[str, str]] = []
+        self.monitor = Monitor(spec)
+
+    def ready(self, n: Node) -> bool:
+        # A part of a running input is this run's: the input's stale parts were removed when it started.
+        started = {m.name for m in self.running.values()}
+        return all(i in self.finished or (i in n.reads and i in started and published_id(input_url(n, i, self.by_name)))
+                   for i in n.inputs)
+
+    def may_start_early(self) -> bool:
+        started = {m.name for m in self.running.values()}
+        return (self.failure is None and len(self.running) < self.limit
+                and any(i in started for n in self.waiting for i in n.reads))
+
+    def start_ready(self, pool: ThreadPoolExecutor) -> None:
+        """Start (or skip, when done) every waiting stage that is ready, while there is room."""
+        for n in list(self.waiting) if self.failure is None else []:
+            if len(self.running) >= self.limit:
+                break
+            lost = next((i for i in n.inputs if i in self.given_up), None)
+            if lost is not None:
+                self.waiting.remove(n)
+                self.given_up[n.name] = f"{lost} failed"
+                self.report.append((n.name, f"not run: {lost} failed"))
+                continue
+            if not self.ready(n):
+                continue
+            self.waiting.remove(n)
+            run = self.spec.run_dir
+            done, why = _skipped(run, n, self.by_name, set(), self.report, self.echo, self.early.get(n.name, set()),
+                                 self.redo)
+            if done:
+                self.finished.add(n.name)
+                continue
+            early_from = [input_url(n, i, self.by_name)[len(run) + 1 :] for i in n.inputs if i not in self.finished]
+            if early_from:
+                why += f"; {', '.join(early_from)} published"
+            beside = f" (beside {', '.join(m.name for m in self.running.values())})" if self.running else ""
+            self.echo(f"[{n.name}] running {n.stage} on {n.nprocs} process(es): {why}{beside}")
+            write_record(run, n, status="running", started=_now(), error=None, key=None, job=None)
+            self.keys[n.name] = node_key(n, self.by_name)
+            self.running[pool.submit(self.executor.run, n.stage, n.make_config(), n.nprocs, n.layout.nodes,
+                                     name=n.name)] = n
+
+    def collect(self, ended) -> None:
+        """Record the stages that ended: done (then the run's metrics and retention), or failed."""
+        for future in ended:
+            n, result = self.running.pop(future), future.result()
+            if not result.ok:
+                write_record(self.spec.run_dir, n, status="failed", error=result.error, finished=None)
+                if n.role == VALIDATE:
+                    self.given_up[n.name] = result.error
+                    self.echo(f"[{n.name}] failed ({result.error}); training goes on")
+                else:
+                    self.failure = self.failure or (n, result)
+                continue
+            _record_done(self.spec, n, self.by_name, self.keys.get(n.name))
+            self.finished.add(n.name)
+            self.report.append((n.name, "ran"))
+            _after_done(self.spec, n, self.nodes, self.by_name, self.monitor, self.echo)
+
+    def outcome(self) -> list[tuple[str, str]]:
+        """The report, or the run's one-line error: a failed training stage, else a failed validation."""
+        if self.failure is not None:
+            n, result = self.failure
+            raise PipelineError(f"stage {n.name} failed ({result.error}); fix it and rerun `llamarl run` — finished "
+                                "stages are kept")
+        failed = [name for name, why in self.given_up.items()
+                  if self.by_name[name].role == VALIDATE and "failed" not in why]
+        if failed:
+            raise PipelineError(f"validation {', '.join(failed)} failed ({self.given_up[failed[0]]}); every training "
+                                f"stage ran — fix it and rerun `llamarl run`, which runs only what is not done")
+        return self.report
 
 
 class _StageThreads(ThreadPoolExecutor):

@@ -20,7 +20,8 @@
 
 Stage options are those of each stage's config (``llamarl.stages.config``) except inputs, outputs
 and layout, which the pipeline fills in. Each stage's ``layout`` takes only the counts that stage
-uses (shard: tp, pp; rollout: tp, dp; score and ppo: tp, pp, dp; export: procs; all: nodes).
+uses (shard: tp, pp; rollout: tp, dp; score and ppo: tp, pp, dp; export: procs; all: nodes); its processes
+are their product (``stages.config.processes``), the same function a stage's config answers with.
 This module holds what a spec may say; ``pipeline/dag.py``'s ``load_spec`` checks a spec whole —
 every stage of every iteration built, the executor's options, and each stage's layout against the
 actor's and reward model's ``config.json`` where they exist — so a wrong value fails ``llamarl run``
@@ -29,16 +30,16 @@ actor's and reward model's ``config.json`` where they exist — so a wrong value
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
 
-from llamarl.stages.config import (GROUP_ADVANTAGES, Strict, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RewardTerm,
-                                   RolloutConfig, Sampling, ScoreConfig, ShardConfig, Source, StageConfig, Url, kind_of,
-                                   options_model, validate)
+from llamarl.lib.options import Source, Strict, validate
+from llamarl.stages.config import (GROUP_ADVANTAGES, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RewardTerm,
+                                   RolloutConfig, Sampling, ScoreConfig, ShardConfig, StageConfig, Url, kind_of,
+                                   options_model, processes)
 
 def _run_sampling() -> type[BaseModel]:
     """``rollout.sampling`` as a run spec sets it: without the seed, which the run derives."""
@@ -80,21 +81,17 @@ class StageLayout(Strict):
     entry of the spec's ``layout:``. Each stage's own model (``layout_model``) has the counts it
     takes, then ``nodes``."""
 
-    @property
-    def world(self) -> int:
-        """The stage's processes: the product of its counts."""
-        return math.prod(value for name, value in self if name != "nodes")
-
     @model_validator(mode="after")
     def _spread_evenly(self):
-        if self.world > MAX_PROCESSES:
+        world = processes(self)
+        if world > MAX_PROCESSES:
             counts = " × ".join(f"{name}={value}" for name, value in self if name != "nodes")
-            raise ValueError(f"{counts} is {self.world} processes, more than any job runs (at most {MAX_PROCESSES}); "
+            raise ValueError(f"{counts} is {world} processes, more than any job runs (at most {MAX_PROCESSES}); "
                              "lower them")
-        if self.world % self.nodes:
+        if world % self.nodes:
             counts = " × ".join(name for name in type(self).model_fields if name != "nodes")
-            raise ValueError(f"{self.world} processes ({counts}) do not spread evenly over nodes={self.nodes}; use "
-                             f"nodes that divide {self.world}")
+            raise ValueError(f"{world} processes ({counts}) do not spread evenly over nodes={self.nodes}; use "
+                             f"nodes that divide {world}")
         return self
 
 
@@ -111,13 +108,7 @@ ShardLayout = layout_model(ShardConfig)
 RolloutLayout = layout_model(RolloutConfig)
 ScoreLayout = layout_model(ScoreConfig)
 PPOLayout = layout_model(PPOConfig)
-
-
-class ExportLayout(StageLayout):
-    """The layout of the export stage: parallel file writers, no model parallelism."""
-
-    procs: Count = Field(1, description="Processes writing files in parallel.")
-    nodes: Count = _nodes()
+ExportLayout = layout_model(ExportConfig)
 
 
 class Layouts(Strict):

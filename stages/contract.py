@@ -3,7 +3,8 @@
 - the rollout and scores Parquet columns, each name defined once, and their schemas;
 - Parquet parts: ``parts/part-NNNNNN.parquet``, each published whole by a rename, so a rerun keeps
   the parts already there and a reader never sees half a part;
-- what each stage publishes (its manifest's ``kind``), and when a published output is current;
+- what each stage publishes (its manifest's ``kind``), and the facts a rollout's manifest gives
+  the stages after it (``RolloutFacts``); when an output is current is stages/identity.py's;
 - the checkpoint manifest (shard and ppo write the same kind), its folders and the HF side files
   next to it, and the outputs of ppo: each role's weights, and apart from them its training state.
 
@@ -16,10 +17,10 @@ from __future__ import annotations
 import io
 import posixpath
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import fsspec
-from llamarl.lib.distributed import collectives
 
 from llamarl.lib import dtypes
 from llamarl.lib.model import hf_mapping
@@ -30,9 +31,8 @@ from llamarl.lib.errors import UserError
 if TYPE_CHECKING:
     import pyarrow as pa
 
-# No torch and no pyarrow at import: shard and export, which only move bytes, run without either
-# (torch is 4.5 s of a process's start on the GPU machines, pyarrow 1.3 s); pyarrow is imported
-# where a part is built, read or written.
+# No pyarrow at import: the pipeline reads this module's names to check a spec, and pyarrow is
+# imported where a part is built, read or written.
 
 # ---- what each stage publishes: the manifest's kind ------------------------------------------------------
 
@@ -44,15 +44,32 @@ HF_EXPORT = "hf_export"
 TRAIN_STATE = "train_state"  # ppo: a role's optimizer state, published apart from (and after) its weights
 
 
-def skip_if_current(out: str, expect: dict, done: str, request: dict | None = None) -> bool:
-    """Collective: True when ``out`` already holds a published output whose manifest has every
-    field of ``expect`` (rank 0 says so: ``done``, "nothing to do"). Otherwise ``out`` is made ready
-    for this run: resumed when it holds our unfinished output of the same ``request``, else emptied."""
-    if outputs.prepare_output(out, lambda m: all(m.get(k) == v for k, v in expect.items()), request) != "skip":
-        return False
-    if collectives.rank_world()[0] == 0:
-        print(f"{out}: {done}, nothing to do", flush=True)
-    return True
+@dataclass(frozen=True)
+class RolloutFacts:
+    """What a rollout's manifest tells the stages after it: the actor it sampled from (its location
+    and output id) and how (``temperature``, ``max_new_tokens``; None where an older manifest does
+    not say)."""
+
+    url: str
+    actor: str
+    actor_id: str
+    temperature: float | None
+    max_new_tokens: int | None
+
+    @classmethod
+    def read(cls, url: str, manifest: dict) -> RolloutFacts:
+        request = manifest["request"]
+        sampling = request.get("config", {}).get("sampling", {})
+        return cls(url, request["actor"], request["actor_id"], sampling.get("temperature"),
+                   sampling.get("max_new_tokens"))
+
+    def check_temperature(self, temperature: float, reader: str) -> None:
+        """Refuse, in one line, a reader (``reader``: its output) that takes the rollout's log-probs
+        at another temperature than they were sampled at; greedy samples (0) have no temperature."""
+        if self.temperature and self.temperature != temperature:
+            raise UserError(f"{reader}: temperature={temperature} differs from {self.url}/{publish.MANIFEST}, "
+                            f"sampled at temperature={self.temperature}: the log-probs ppo trains on are of the "
+                            f"rollout's temperature; set ppo's temperature to {self.temperature}")
 
 
 # ---- rollout columns: one row per (prompt, sample) ----------------------------------------------------

@@ -25,7 +25,7 @@ from llamarl.lib.distributed import collectives, parallel
 from llamarl.lib.model.config import LlamaConfig
 from llamarl.lib.errors import UserError
 from llamarl.lib.files.safetensors_io import Deferred, SafetensorsFile, write_file
-from llamarl.stages import contract, space
+from llamarl.stages import contract, identity, space
 from llamarl.stages.config import ExportConfig
 
 THREADS = 4  # tensors read, converted and written at once by each rank (safetensors_io.write_file)
@@ -130,9 +130,10 @@ def run(cfg: ExportConfig) -> None:
     # before every rank's share checked out (a damaged file's error wins over what reading it did).
     verifying = outputs.start_verify(src, manifest) if cfg.verify else None
 
-    expect = {"kind": contract.HF_EXPORT, "head": head, "dtype": out_dtype,
-              "source": {"url": src, "created": manifest["created"], "files": manifest["files"]}}
-    if contract.skip_if_current(dst, expect, "already exported from this checkpoint"):
+    request = identity.declare(cfg).request()
+    source = {"url": src, "created": manifest["created"], "files": manifest["files"]}
+    recorded = {"kind": contract.HF_EXPORT, "head": head, "dtype": out_dtype, "source": source}
+    if identity.skip_if_current(dst, request, "already exported from this checkpoint", recorded):
         return  # (the input's verification, a daemon thread, goes with the process)
 
     groups = plan_files(shapes, dtypes.itemsize(out_dtype), int(cfg.max_shard_gb * 2**30))
@@ -159,7 +160,7 @@ def run(cfg: ExportConfig) -> None:
         try:
             _write_side_files(src, dst, manifest, head, out_dtype, groups, names, files)
             _check_written(dst, shapes, out_dtype, groups, names)
-            publish.publish(dst, {**expect, "files": files, "timing": outputs.timing()})
+            publish.publish(dst, {**recorded, "request": request, "files": files, "timing": outputs.timing()})
         except (UserError, OSError) as e:
             failure = collectives.describe(e, rank)
     collectives.raise_first(f"exporting {src} to {dst}", [collectives.broadcast_object(failure)])

@@ -131,9 +131,11 @@ def token_outputs(model, samples: list[Sample], groups: list[list[int]], tempera
     return [v for g, out in zip(groups, outs) for v in response_values([samples[i] for i in g], out.cpu())]
 
 
-def reference_source(cfg: PPOConfig, reference_id: str, actor_id: str, rollout_request: dict) -> str:
+def reference_source(cfg: PPOConfig, reference_id: str, actor_id: str, sampled_by: str,
+                     sampled_at: float | None) -> str:
     """Where π_ref's log-probs come from, so that no forward pass runs whose result is at hand (ids
-    are the published outputs' ids, which hash every file):
+    are the published outputs' ids, which hash every file; ``sampled_by``, ``sampled_at``: the id of
+    the actor the rollout sampled from and its temperature, from the rollout's manifest):
 
     - ``none``: ``kl_coef`` is 0, so no KL enters the rewards or the loss; none is computed (the
       ``kl`` metric is null) and the reference is not read;
@@ -152,9 +154,8 @@ def reference_source(cfg: PPOConfig, reference_id: str, actor_id: str, rollout_r
         return "none"
     if recompute and reference_id == actor_id:
         return "actor"
-    temperature = rollout_request.get("config", {}).get("sampling", {}).get("temperature")
-    recorded_at = 1.0 if temperature == 0 else temperature  # a greedy rollout records log-probs at 1
-    if not recompute and reference_id == rollout_request.get("actor_id") and recorded_at == cfg.temperature:
+    recorded_at = 1.0 if sampled_at == 0 else sampled_at  # a greedy rollout records log-probs at 1
+    if not recompute and reference_id == sampled_by and recorded_at == cfg.temperature:
         return "rollout"
     return "forward"
 

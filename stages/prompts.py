@@ -5,15 +5,12 @@ Torch-free (fsspec, numpy, pyarrow): the pipeline asks it how many rows a datase
 ones an iteration takes (``dataset_rows``, ``selected_rows``), and a dataset can be checked
 (``check_dataset``) without starting a stage. Formats and rules: docs/formats.md, "Prompts".
 
-- **Rows.** A dataset is Parquet or JSON lines (``.jsonl``/``.json``), one file or a folder of
-  them in path order, at any fsspec URL. Its rows are numbered from 0 across its files; a blank
-  line is no row. A row's number is its key: its prompt id without ``id_column``, and what its
-  random streams are keyed by (lib/engine/sampling.py). A JSON line is parsed alone, by Python's json, so
-  its values are what it says whatever the lines around it say, and a line may be of any length.
-- **The index** (``row_index``): where each row lies — the byte offset of each JSON line, the row
-  count of each Parquet row group (from the footers) — built once per dataset version and kept in
-  an index cache folder (prompt_index.py; reading the files: prompt_files.py). With it a rollout
-  reads only the rows it takes.
+- **Rows.** Parquet or JSON lines (``.jsonl``/``.json``), one file or a folder of them in path
+  order, at any fsspec URL, numbered from 0 across its files (a blank line is no row). A row's
+  number is its key: its prompt id without ``id_column``, and what its random streams are keyed
+  by. A JSON line is parsed alone, by Python's json: its values are what it says.
+- **The index** (``row_index``, prompt_index.py): where each row lies, built once per dataset
+  version and kept in an index cache folder; with it a rollout reads only the rows it takes.
 - **The selection** (``selected_rows``): the rows form an endless stream of epochs, each a
   permutation of every row drawn from (seed, epoch); a rollout takes a range of its positions.
 - **The rules** (``check_rows``): a prompt is non-blank text or chat messages; an id is text or an

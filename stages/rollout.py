@@ -68,7 +68,7 @@ from llamarl.lib.engine import tokenizer as toklib
 from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype, pad_vocab
 from llamarl.lib.errors import UserError
 from llamarl.lib.engine.generate import Batch, Engine, SamplingParams
-from llamarl.stages import contract, prompts, space
+from llamarl.stages import contract, identity, prompts, space
 from llamarl.stages.config import RolloutConfig
 
 _IMPORTED = time.time()
@@ -93,17 +93,8 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     tokenizing and writing in between — the same parts, byte for byte."""
     space.check(cfg)
     spans = _Spans()
-    actor = cfg.actor.rstrip("/")
-    out = cfg.out.rstrip("/")
-    manifest = contract.require_checkpoint(actor, "lm", "rollout's actor")
-    model_cfg = LlamaConfig.from_dict(manifest["model_config"])
-    layout = ParallelLayout(tp=cfg.tp, pp=1, remove_padding=True)
-    layout.check(model_cfg)
-    s = cfg.sampling
-    room = model_cfg.max_position_embeddings - s.max_new_tokens
-    if room < 1:
-        raise UserError(f"sampling.max_new_tokens={s.max_new_tokens} leaves no room for a prompt within {actor}'s "
-                        f"max_position_embeddings={model_cfg.max_position_embeddings}; lower max_new_tokens")
+    actor, out = cfg.actor.rstrip("/"), cfg.out.rstrip("/")
+    manifest, model_cfg, layout, room = _check_actor(cfg, actor)
     # What does not wait for the process group starts now, in threads: the tokenizer and, on a GPU,
     # the kernels' first calls (the sampler's Triton kernel: a load from Triton's cache after the
     # first run on a machine; the prefill's attention), while the prompts are opened, the process
@@ -121,33 +112,20 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     spans.mark("prompts")
 
     topo = parallel.init(cfg.tp, 1, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="rollout")
-    rank = dist.get_rank()
     spans.mark("process_group")
-    actor_id = publish.output_id(actor)
     # The sampler's version is part of what the rows are: a new draw algorithm redoes old rollouts.
-    request = {"kind": contract.ROLLOUT, "actor": actor, "actor_id": actor_id, "prompts": cfg.prompts,
-               "sampler": sampling.SAMPLER, "config": cfg.identity()}
-
-    if contract.skip_if_current(out, {"request": request}, "already rolled out with this actor and config", request):
+    # The actor's location is for the stages after (score's tokenizer: contract.RolloutFacts).
+    request = identity.declare(cfg).request(actor=actor, prompts=cfg.prompts, sampler=sampling.SAMPLER)
+    if identity.skip_if_current(out, request, "already rolled out with this actor and config"):
         return
     # The weights are verified while they load: nothing is made from them before every rank's
     # share of the files checked out.
     verifying = outputs.start_verify(actor, manifest, f"{contract.MODEL}/")
     done = set(contract.published_parts(out))
     spans.mark("prepare_and_verify")
-
-    model = _build_actor(model_cfg, layout, dtype, parallel.device())
-    spans.mark("build")
-    try:
-        checkpoint.load_model(model, f"{actor}/{contract.MODEL}")
-    except RuntimeError:
-        collectives.check(verifying.result())  # a damaged file: its one line, on every rank (a collective)
-        raise
-    model.eval()
-    spans.mark("load")
-    collectives.check(verifying.result())
-    spans.mark("verify_wait")
+    model = _load_actor(actor, model_cfg, layout, dtype, verifying, spans)
     tok = tokenizer.result()
+    s = cfg.sampling
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
                             stop_token_ids=tuple(sorted(set(toklib.stop_token_ids(actor, tok)) | set(s.stop_token_ids))))
     params.check()
@@ -155,27 +133,71 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     if compiling is not None:
         compiling.result()
     spans.mark("compile_wait")
-
-    # One engine for all chunks: its KV cache and captured decode steps are reused. Batch-invariant:
-    # a chunk's rows are the same bits whatever chunks ran beside it, so a rerun that skips the
-    # published ones writes what an uninterrupted run would have.
-    engine = Engine(model, params, max_batch=cfg.max_batch, batch_invariant=True)
-    meta = {"actor": actor, "actor_id": actor_id, "sampling": json.dumps(s.model_dump()), "seed": str(s.seed),
+    meta = {"actor": actor, "actor_id": request["actor_id"], "sampling": json.dumps(s.model_dump()), "seed": str(s.seed),
             "sampler": sampling.SAMPLER, "tp": str(cfg.tp), "dtype": dtypes.name(dtype)}
-    progress = _Progress(enabled=rank == 0, first=spans.mark_once)
     stats = {"chunks": 0, "rows": 0, "truncated_prompts": 0, "new_tokens": 0, "skipped_chunks": 0, "engine_s": 0.0}
-    writer = topo.tp_rank == 0
-    t0 = time.perf_counter()
     chunks = _chunks(reading, cfg, lambda i: i % topo.dp == topo.dp_rank, done, tok, room, stats)
-    # With overlap the chunks are read and tokenized ahead in a thread, go through one stream of
-    # the engine (the next chunk's sequences take slots as the last ones free them) and are
-    # decoded and written behind it in another thread (its own tokenizer: a tokenizer object is
-    # not to be shared across threads). Without, chunk after chunk, each drained.
+    engine = Engine(model, params, max_batch=cfg.max_batch, batch_invariant=True)
+    elapsed = _generate(cfg, out, engine, chunks, tok, reading.checked.kept, meta, topo.tp_rank == 0, overlap, spans,
+                        stats)
+    # job's collectives: none in a world of one (on NCCL the first would build a communicator).
+    all_stats = collectives.all_gather_object(stats if topo.tp_rank == 0 else None)
+    collectives.barrier()
+    spans.mark("gathered")
+    if dist.get_rank() == 0:
+        background_s = {"tokenizer": tokenizer.seconds, "kernel_warm_up": compiling.seconds if compiling else None,
+                        "tokenizer_process": {k: round(v - spans.t0, 3) for k, v in getattr(tok, "times", {}).items()}}
+        _publish(cfg, out, reading, request, [s_ for s_ in all_stats if s_], stats["new_tokens"] / elapsed
+                 if elapsed else None, spans, background_s)
+    collectives.barrier()
+
+
+def _check_actor(cfg: RolloutConfig, actor: str):
+    """The actor's manifest, model config and layout, checked, and the most prompt tokens that
+    leave ``max_new_tokens`` within its positions."""
+    manifest = contract.require_checkpoint(actor, "lm", "rollout's actor")
+    model_cfg = LlamaConfig.from_dict(manifest["model_config"])
+    layout = ParallelLayout(tp=cfg.tp, pp=1, remove_padding=True)
+    layout.check(model_cfg)
+    new = cfg.sampling.max_new_tokens
+    room = model_cfg.max_position_embeddings - new
+    if room < 1:
+        raise UserError(f"sampling.max_new_tokens={new} leaves no room for a prompt within {actor}'s "
+                        f"max_position_embeddings={model_cfg.max_position_embeddings}; lower max_new_tokens")
+    return manifest, model_cfg, layout, room
+
+
+def _load_actor(actor: str, model_cfg, layout, dtype, verifying, spans: _Spans):
+    """Collective: the weights loaded while their files are verified; a damaged file is its one
+    line on every rank, never what loading it raised."""
+    model = _build_actor(model_cfg, layout, dtype, parallel.device())
+    spans.mark("build")
+    try:
+        checkpoint.load_model(model, f"{actor}/{contract.MODEL}")
+    except RuntimeError:
+        collectives.check(verifying.result())
+        raise
+    model.eval()
+    spans.mark("load")
+    collectives.check(verifying.result())
+    spans.mark("verify_wait")
+    return model
+
+
+def _generate(cfg: RolloutConfig, out: str, engine: Engine, chunks, tok, kept, meta: dict, writer: bool,
+              overlap: bool, spans: _Spans, stats: dict) -> float:
+    """This rank's chunks through one engine (batch invariant: a chunk's rows are the same bits
+    whatever ran beside it, so a rerun that skips the published ones writes what an uninterrupted
+    run would have), read ahead and written behind (module docstring) or, without ``overlap``, one
+    after another; the ``writer`` publishes the parts (the decoder is its own: a tokenizer object
+    is not shared across threads). Counts into ``stats``; returns the seconds it took."""
+    s = cfg.sampling
+    progress = _Progress(enabled=dist.get_rank() == 0, first=spans.mark_once)
+    t0 = time.perf_counter()
     source = background.Ahead(chunks, depth=2, name="rollout-ahead") if overlap else chunks
     decoder = tok.for_thread() if overlap else tok
-    kept = reading.checked.kept
-    publisher = background.Behind(lambda item: _write_part(out, decoder, cfg, kept, meta, *item), depth=2, background=overlap,
-                                  name="rollout-behind")
+    publisher = background.Behind(lambda item: _write_part(out, decoder, cfg, kept, meta, *item), depth=2,
+                                  background=overlap, name="rollout-behind")
     try:
         streams = [source] if overlap else ([batch] for batch in source)
         for batches in streams:
@@ -197,33 +219,30 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
             source.stop()
     elapsed = time.perf_counter() - t0
     progress.close()
+    return elapsed
 
-    # job's collectives: none in a world of one (on NCCL the first would build a communicator).
-    all_stats = collectives.all_gather_object(stats if writer else None)
-    collectives.barrier()
-    spans.mark("gathered")
-    if rank == 0:
-        parts = contract.published_parts(out)
-        totals = {k: sum(s_[k] for s_ in all_stats if s_) for k in stats if k != "engine_s"}
-        # The engine's own time (the slowest writer's): the rest of the stage's work is loading,
-        # tokenizing and writing, which the manifest's timing shows against it.
-        totals["engine_s"] = round(max(s_["engine_s"] for s_ in all_stats if s_), 3)
-        expected = -(-reading.count // cfg.chunk_size)
-        if len(parts) != expected:
-            raise RuntimeError(f"{out}: {len(parts)} parts published, {expected} expected")
-        files = contract.part_entries(out, parts)
-        rows = sum(contract.part_rows(out, p) for p in parts)
-        spans.mark("manifest_entries")
-        background_s = {"tokenizer": tokenizer.seconds, "kernel_warm_up": compiling.seconds if compiling else None,
-                        "tokenizer_process": {k: round(v - spans.t0, 3) for k, v in getattr(tok, "times", {}).items()}}
-        selection = {"selection": reading.selection} if reading.selection else {}
-        publish.publish(out, {"kind": contract.ROLLOUT, "timing": outputs.timing(), "request": request, "files": files, "rows": rows,
-                              "schema": list(contract.ROLLOUT_COLUMNS) + list(cfg.keep_columns), "stats": totals,
-                              **selection, "new_tokens_per_s_rank0": stats["new_tokens"] / elapsed if elapsed else None,
-                              "spans_s": spans.seconds(), "background_s": background_s})
-        print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "
-              f"{totals['truncated_prompts']} prompts truncated)", flush=True)
-    collectives.barrier()
+
+def _publish(cfg: RolloutConfig, out: str, reading, request: dict, all_stats: list[dict], rate: float | None,
+             spans: _Spans, background_s: dict) -> None:
+    """Rank 0: the manifest, once every part is published."""
+    parts = contract.published_parts(out)
+    totals = {k: sum(s_[k] for s_ in all_stats) for k in all_stats[0] if k != "engine_s"}
+    # The engine's own time (the slowest writer's): the rest of the stage's work is loading,
+    # tokenizing and writing, which the manifest's timing shows against it.
+    totals["engine_s"] = round(max(s_["engine_s"] for s_ in all_stats), 3)
+    expected = -(-reading.count // cfg.chunk_size)
+    if len(parts) != expected:
+        raise RuntimeError(f"{out}: {len(parts)} parts published, {expected} expected")
+    files = contract.part_entries(out, parts)
+    rows = sum(contract.part_rows(out, p) for p in parts)
+    spans.mark("manifest_entries")
+    selection = {"selection": reading.selection} if reading.selection else {}
+    publish.publish(out, {"kind": contract.ROLLOUT, "timing": outputs.timing(), "request": request, "files": files,
+                          "rows": rows, "schema": list(contract.ROLLOUT_COLUMNS) + list(cfg.keep_columns),
+                          "stats": totals, **selection, "new_tokens_per_s_rank0": rate, "spans_s": spans.seconds(),
+                          "background_s": background_s})
+    print(f"{out}: {rows} responses in {len(parts)} parts ({totals['skipped_chunks']} chunks were already done, "
+          f"{totals['truncated_prompts']} prompts truncated)", flush=True)
 
 
 def _load_tokenizer(actor: str):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+from dataclasses import dataclass
 
 import fsspec
 import torch
@@ -35,7 +36,7 @@ from llamarl.lib.engine import tokenizer as toklib
 from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
 from llamarl.lib.model.offload import ParamOffload
-from llamarl.stages import contract, space
+from llamarl.stages import contract, identity, space
 from llamarl.stages.config import RewardTerm, ScoreConfig
 
 # The rollout columns score reads (rules may read more: the response, kept columns).
@@ -191,50 +192,65 @@ def _unfit(rows: list[dict], columns: dict[str, list[float]], terms: list[Reward
     return None
 
 
+@dataclass
+class _RewardModel:
+    """The reward model, loaded, with the tokenizers its inputs are made with."""
+
+    cfg: ScoreConfig
+    model: object
+    offload: ParamOffload
+    actor_tok: object
+    rm_tok: object
+    max_length: int
+
+    @classmethod
+    def load(cls, cfg: ScoreConfig, manifest: dict, actor: str, dtype) -> _RewardModel:
+        """Collective: its files verified, its weights loaded; ``actor``: the rollout's actor, whose
+        tokenizer made the responses."""
+        from llamarl.lib.model.llama import ParallelLlamaForScore
+
+        outputs.verify_input(cfg.reward_model, manifest, f"{contract.MODEL}/")
+        rm_cfg = LlamaConfig.from_dict(manifest["model_config"])
+        with torch.device(parallel.device()):
+            model = ParallelLlamaForScore(rm_cfg, ParallelLayout(tp=cfg.tp, pp=cfg.pp, remove_padding=True), dtype=dtype)
+        checkpoint.load_model(model, f"{cfg.reward_model}/{contract.MODEL}")
+        model.eval()
+        return cls(cfg, model, ParamOffload(model, parallel.device()), toklib.load(actor), toklib.load(cfg.reward_model),
+                   cfg.max_length or rm_cfg.max_position_embeddings)
+
+    def score(self, rows: list[dict]) -> tuple[list[float] | None, int]:
+        """Collective over the model's ranks: each row's score (None off the last pipeline stage),
+        and how many rows had their prompt cut."""
+        seqs, truncated = rm_inputs(rows, self.actor_tok, self.rm_tok, self.max_length, self.cfg.chat_template)
+        self.offload.to_device()
+        scores = score_sequences(self.model, seqs, self.cfg.micro_batch)
+        if self.cfg.offload:
+            self.offload.to_host()
+        return scores, truncated
+
+
 def run(cfg: ScoreConfig) -> None:
     space.check(cfg)
     rollout, out = cfg.rollout.rstrip("/"), cfg.out.rstrip("/")
     manifest = publish.require_verified(rollout, contract.ROLLOUT, f"{contract.PARTS}/")
     parts = contract.manifest_parts(manifest)
-    terms = cfg.rewards
-    rules = {t.name: rewards.resolve(t.name) for t in terms if t.name != "rm"}
-    use_rm = any(t.name == "rm" for t in terms)
+    rules = {t.name: rewards.resolve(t.name) for t in cfg.rewards if t.name != "rm"}
     refs = _load_references(cfg.references) if cfg.references else None
     _check_inputs(cfg, rollout, parts, refs)
-
-    rm_cfg = rm_manifest = None
-    dtype = compute_dtype(cfg.dtype, parallel.device())
-    if use_rm:
+    rm_manifest = None
+    if any(t.name == "rm" for t in cfg.rewards):
         rm_manifest = contract.require_checkpoint(cfg.reward_model, "score", "a reward model")
-        rm_cfg = LlamaConfig.from_dict(rm_manifest["model_config"])
-        ParallelLayout(tp=cfg.tp, pp=cfg.pp).check(rm_cfg)
+        ParallelLayout(tp=cfg.tp, pp=cfg.pp).check(LlamaConfig.from_dict(rm_manifest["model_config"]))
 
     topo = parallel.init(cfg.tp, cfg.pp, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="score")
-    rank = dist.get_rank()
-    rm_id = publish.output_id(cfg.reward_model) if use_rm else None
-    request = {"kind": contract.SCORES, "rollout_id": publish.output_id(rollout), "rm_id": rm_id,
-               "config": cfg.identity()}
-    if contract.skip_if_current(out, {"request": request}, "already scored with this rollout, reward model and config",
-                                request):
+    request = identity.declare(cfg).request()
+    if identity.skip_if_current(out, request, "already scored with this rollout, reward model and config"):
         return
-    if use_rm:
-        outputs.verify_input(cfg.reward_model, rm_manifest, f"{contract.MODEL}/")
+    rm = None
+    if rm_manifest is not None:
+        actor = contract.RolloutFacts.read(rollout, manifest).actor
+        rm = _RewardModel.load(cfg, rm_manifest, actor, compute_dtype(cfg.dtype, parallel.device()))
     done = set(contract.published_parts(out))
-
-    model = offload = actor_tok = rm_tok = None
-    max_length = None
-    if use_rm:
-        from llamarl.lib.model.llama import ParallelLlamaForScore
-
-        with torch.device(parallel.device()):
-            model = ParallelLlamaForScore(rm_cfg, ParallelLayout(tp=cfg.tp, pp=cfg.pp, remove_padding=True), dtype=dtype)
-        checkpoint.load_model(model, f"{cfg.reward_model}/{contract.MODEL}")
-        model.eval()
-        offload = ParamOffload(model, parallel.device())
-        actor_tok = toklib.load(manifest["request"]["actor"])
-        rm_tok = toklib.load(cfg.reward_model)
-        max_length = cfg.max_length or rm_cfg.max_position_embeddings
-
     writer = topo.tp_rank == 0 and topo.is_last_stage
     stats = {"parts": 0, "rows": 0, "truncated": 0, "skipped_parts": 0}
     # Rounds in lockstep: in round r, DP group g scores part r*dp + g. Every rank runs every round
@@ -245,42 +261,48 @@ def run(cfg: ScoreConfig) -> None:
         if i < len(parts) and parts[i] in done:
             stats["skipped_parts"] += 1
         elif i < len(parts):
-            name = parts[i]
-            rows = contract.read_part(rollout, name).to_pylist()
-            columns: dict[str, list[float]] = {}  # by term name
-            if use_rm:
-                seqs, truncated = rm_inputs(rows, actor_tok, rm_tok, max_length, cfg.chat_template)
-                offload.to_device()
-                columns["rm"] = score_sequences(model, seqs, cfg.micro_batch)
-                if cfg.offload:
-                    offload.to_host()
-                stats["truncated"] += truncated
-            for t in terms:
-                if t.name != "rm" and error is None:
-                    columns[t.name], error = _rule_scores(t, rules[t.name], rows, refs, f"{rollout}/{contract.PARTS}/{name}")
-            if writer and error is None:
-                total = [sum(t.weight * columns[t.name][j] for t in terms) for j in range(len(rows))]
-                unfit = _unfit(rows, columns, terms, total)
-                if unfit is not None:
-                    error = f"{rollout}/{contract.PARTS}/{name}: {unfit}; nothing was written for this part"
-                else:
-                    contract.write_part(out, name, contract.scores_table(rows, total, columns, rm_id))
-                    stats["parts"] += 1
-                    stats["rows"] += len(rows)
+            error = _score_part(cfg, rollout, out, parts[i], rules, refs, rm, request["rm_id"], writer, stats)
         collectives.check(error)
 
     all_stats: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_stats, stats if writer else None)
-    if rank == 0:
+    if dist.get_rank() == 0:
         names = contract.published_parts(out)
         if len(names) != len(parts):
             raise RuntimeError(f"{out}: {len(names)} parts written, {len(parts)} expected")
-        files = contract.part_entries(out, names)
         totals = {k: sum(s[k] for s in all_stats if s) for k in stats}
-        publish.publish(out, {"kind": contract.SCORES, "timing": outputs.timing(), "request": request, "files": files, "rows": manifest["rows"],
-                              "terms": [t.model_dump() for t in terms], "rm_id": rm_id, "stats": totals})
+        publish.publish(out, {"kind": contract.SCORES, "timing": outputs.timing(), "request": request,
+                              "files": contract.part_entries(out, names), "rows": manifest["rows"],
+                              "terms": [t.model_dump() for t in cfg.rewards], "rm_id": request["rm_id"], "stats": totals})
         print(f"{out}: scored {manifest['rows']} rows ({totals['truncated']} truncated for the RM)", flush=True)
     dist.barrier()
+
+
+def _score_part(cfg: ScoreConfig, rollout: str, out: str, name: str, rules: dict, refs, rm: _RewardModel | None,
+                rm_id: str | None, writer: bool, stats: dict) -> str | None:
+    """Score the rollout part ``name`` and (the ``writer``) publish its scores part; the one-line
+    error of a rule or a score that cannot be written, or None."""
+    rows = contract.read_part(rollout, name).to_pylist()
+    where = f"{rollout}/{contract.PARTS}/{name}"
+    columns: dict[str, list[float]] = {}  # by term name
+    if rm is not None:
+        columns["rm"], truncated = rm.score(rows)
+        stats["truncated"] += truncated
+    for t in cfg.rewards:
+        if t.name != "rm":
+            columns[t.name], error = _rule_scores(t, rules[t.name], rows, refs, where)
+            if error is not None:
+                return error
+    if not writer:
+        return None
+    total = [sum(t.weight * columns[t.name][j] for t in cfg.rewards) for j in range(len(rows))]
+    unfit = _unfit(rows, columns, cfg.rewards, total)
+    if unfit is not None:
+        return f"{where}: {unfit}; nothing was written for this part"
+    contract.write_part(out, name, contract.scores_table(rows, total, columns, rm_id))
+    stats["parts"] += 1
+    stats["rows"] += len(rows)
+    return None
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from llamarl.lib.model.config import LlamaConfig, ParallelLayout
 from llamarl.lib.errors import UserError
 from llamarl.lib.distributed.parallel import Topology
 from llamarl.lib.files.safetensors_io import SafetensorsCheckpoint
-from llamarl.stages import contract, space
+from llamarl.stages import contract, identity, space
 from llamarl.stages.config import ShardConfig
 
 
@@ -143,10 +143,13 @@ def run(cfg: ShardConfig) -> None:
     def source() -> dict:
         return {"url": src, "files": {k: v for part in collectives.all_gather_object(hashing.result()) for k, v in part.items()}}
 
-    expect = {"kind": contract.CHECKPOINT, "head": head, "dtype": out_dtype}
-    if published:
-        expect["source"] = source()
-    if contract.skip_if_current(dst, expect, "already sharded from this source"):
+    # What the stage alone knows of its identity: the source's checksums (an unpublished output is
+    # never current, so they are only awaited to compare with a published one).
+    declared = identity.declare(cfg)
+    sources = source() if published else None
+    recorded = {"kind": contract.CHECKPOINT, "head": head, "dtype": out_dtype, "source": sources}
+    if identity.skip_if_current(dst, declared.request(source=sources) if published else None,
+                                "already sharded from this source", recorded):
         return
 
     rss_before = _rss_bytes()
@@ -156,16 +159,15 @@ def run(cfg: ShardConfig) -> None:
     ranks = collectives.all_gather_object({"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,
                                    "peak_rss_bytes": _peak_rss_bytes()})
 
-    if not published:
-        expect["source"] = source()
+    sources = sources or source()
     fs_dst, dst_path = fsspec.core.url_to_fs(dst)
     written = sorted(p.rsplit("/", 1)[-1] for p in fs_dst.ls(f"{dst_path}/{contract.MODEL}", detail=False))
     files = {f"{contract.MODEL}/{k}": v for k, v in outputs.file_entries(f"{dst}/{contract.MODEL}", written).items()}
     if rank == 0:
         side = contract.copy_side_files(src, contract.SIDE_FILES, f"{dst}/{contract.HF}")
         files.update({f"{contract.HF}/{name}": entry for name, entry in side.items()})
-        publish.publish(dst, contract.checkpoint_manifest(model_cfg, head, out_dtype, hf_config, expect["source"], files,
-                                                          layout, ranks=ranks))
+        publish.publish(dst, contract.checkpoint_manifest(model_cfg, head, out_dtype, hf_config, sources, files,
+                                                          layout, ranks=ranks, request=declared.request(source=sources)))
     collectives.barrier()
     if rank == 0:
         dt = time.perf_counter() - t0

@@ -43,7 +43,7 @@ from llamarl.lib.files import publish
 from llamarl.lib.errors import UserError
 from llamarl.stages import contract
 from llamarl.stages.config import (STAGES, ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig,
-                                   StageConfig)
+                                   StageConfig, processes)
 
 CHUNK_BYTES = 2 << 10  # a checkpoint chunk's own bytes: its torch.save records (~1 KiB), its .metadata entry (~0.3)
 FOLDER_BYTES = 1 << 20  # a published folder's manifest and marker, its files' last partial blocks
@@ -127,7 +127,7 @@ def _ppo(cfg: PPOConfig, path: str) -> Need:
     stored = dtypes.itemsize(actor["dtype"])
     trained = dtypes.name(compute_dtype(cfg.dtype, parallel.device()))
     state_per_param = 8 + (4 if trained != "float32" else 0)  # Adam's two moments, and fp32 masters of lower precision
-    world = cfg.tp * cfg.pp * cfg.dp
+    world = processes(cfg)
     params = sum(math.prod(s) for t in roles.values() for s in t.values())
     chunks = sum(len(t) for t in roles.values()) * world
     weights = params * stored + chunks * CHUNK_BYTES

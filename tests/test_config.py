@@ -94,7 +94,8 @@ def test_zero_processes_is_refused_everywhere(tmp_path):
 
     from llamarl.lib.errors import UserError
     from llamarl.pipeline.spec import Layouts
-    from llamarl.stages.config import PPOConfig, ShardConfig, Source, validate
+    from llamarl.lib.options import Source, validate
+    from llamarl.stages.config import PPOConfig, ShardConfig
 
     with pytest.raises(UserError, match=r"^spec: layout.rollout.tp=0: Input should be greater than or equal to 1$"):
         validate(Layouts, {"rollout": {"tp": 0}}, Source("spec", at="layout"))
@@ -205,7 +206,7 @@ def test_export_verify_has_a_flag(monkeypatch):
     from llamarl.pipeline import cli
 
     ran = []
-    monkeypatch.setattr(cli, "_run_local", lambda stage, config, nprocs: ran.append(config))
+    monkeypatch.setattr(cli, "_run_local", lambda stage, config: ran.append(config))
     for flags, verify in (([], True), (["--no-verify"], False)):
         result = CliRunner().invoke(cli.app, ["stage", "export", "CK", "OUT", *flags])
         assert result.exit_code == 0, result.output

@@ -903,6 +903,18 @@ def test_ppo_refuses_a_rollout_of_another_actor_unless_off_policy(iteration, ref
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "ppo").exists()
 
 
+def test_ppo_refuses_a_temperature_other_than_the_rollouts_naming_both(iteration, tmp_path):
+    # The rollout's manifest says it sampled at temperature 1.0 (the default): log-probs at 0.7
+    # would be of another policy. The stage checks it, not only a run spec.
+    out = tmp_path / "ppo"
+    r = _stage("ppo", {"rollout": str(iteration / "rollout"), "scores": str(iteration / "scores"),
+                       "actor": str(iteration / "actor"), "out": str(out), "temperature": 0.7})
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert (f"{out}: temperature=0.7 differs from {iteration / 'rollout'}/llamarl.json, sampled at temperature=1.0"
+            in r.stderr), r.stderr
+    assert not out.exists()
+
+
 # ---- estimators, importance weights and dynamic sampling as ppo composes them ---------------------------
 # ppo_data.advantages on hand-made samples (no model): prompt of 1 token, so a response's tokens sit
 # at label positions 0 … len − 1. Reference log-probs 0, so the KL (estimator kl) of a token is its

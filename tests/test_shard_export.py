@@ -161,8 +161,8 @@ def test_rerun_of_published_output_is_skipped(pool2, tmp_path):
     before = {p: os.stat(p).st_mtime_ns for p in map(str, (tmp_path / "ckpt").rglob("*"))}
     pool2.run(shard.run, ShardConfig(src=src, dst=ckpt, tp=2, pp=1))
     assert {p: os.stat(p).st_mtime_ns for p in map(str, (tmp_path / "ckpt").rglob("*"))} == before
-    # The source's entries are block-tree XXH3 (hashed by several threads); a checkpoint whose
-    # manifest has the streamed ones of older versions is still found current.
+    # The source's entries are block-tree XXH3 (hashed by several threads); a checkpoint of an
+    # older version — the streamed ones, and no request recorded — is still found current.
     import xxhash
 
     manifest = json.loads((tmp_path / "ckpt" / publish.MANIFEST).read_text())
@@ -170,6 +170,7 @@ def test_rerun_of_published_output_is_skipped(pool2, tmp_path):
     assert all(set(e) == {"bytes", publish.TREE} for e in files.values()), files
     manifest["source"]["files"] = {n: {"bytes": e["bytes"], "xxh3_128": xxhash.xxh3_128(
         (tmp_path / "hf" / n).read_bytes()).hexdigest()} for n, e in files.items()}
+    del manifest["request"]
     (tmp_path / "ckpt" / publish.MANIFEST).write_text(json.dumps(manifest))
     before = {p: os.stat(p).st_mtime_ns for p in map(str, (tmp_path / "ckpt").rglob("*"))}
     pool2.run(shard.run, ShardConfig(src=src, dst=ckpt, tp=2, pp=1))

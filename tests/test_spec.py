@@ -15,7 +15,7 @@ from llamarl.pipeline.dag import Node, build_dag, check_spec, load_spec, parse_s
 from llamarl.pipeline.records import node_key
 from llamarl.pipeline.spec import Layouts
 from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
-                                   options_model)
+                                   options_model, processes)
 
 
 def _spec(tmp_path, **changes) -> dict:
@@ -118,7 +118,7 @@ def test_what_the_checks_allow_still_loads(tmp_path):
                             ppo={"advantage": "grpo", "lr_decay": "cosine", "warmup_steps": 2, "total_steps": 3},
                             score={"rewards": [{"name": "regex", "args": {"pattern": "^yes", "full": True}},
                                                {"name": "length", "args": {"scale": 8}}]}), "spec.yaml")
-    assert spec.layout.ppo.world == 4 and spec.layout.export.world == 4
+    assert processes(spec.layout.ppo) == 4 and processes(spec.layout.export) == 4
 
 
 def test_cross_field_checks_live_in_the_stage_config_alone():
@@ -205,13 +205,13 @@ def test_how_ppo_and_rollout_run_is_no_part_of_their_identity_but_rollout_chunks
     assert RolloutConfig.parse(rollout | {"chunk_size": 32}, "x").identity() != default
 
 
-# The pipeline's key of each stage's default config (fixed paths, no inputs published, nothing
-# outside the run): a change to any stage's identity — a new option, a new default, an option
-# changing kind — changes these. Make it on purpose: update the constant, and say under
+# The pipeline's key of each stage's default config (fixed paths, no inputs published, and what
+# it reads from outside the run — shard's SRC, rollout's PROMPTS — absent): a change to any
+# stage's identity — a new option, a new default, an option changing kind — changes these. Make it on purpose: update the constant, and say under
 # "Upgrading" in docs/pipeline.md which stages an older run reruns.
 GOLDEN_KEYS = {
-    "shard": "e297a2b650ef9ef1",
-    "rollout": "b8b5198cbf14d0b6",
+    "shard": "042976217f886a48",
+    "rollout": "83862710ca6cd59b",
     "score": "c61100ef0a15e5cb",
     "ppo": "4c1ff0bc48bea11f",
     "export": "70aba1e5750d6545",
@@ -320,3 +320,28 @@ def test_dry_run_shows_what_each_stage_would_launch(tmp_path):
     kinds = [doc["kind"] for doc in rollout if doc]
     assert "Job" in kinds and "llamarl.stages.rollout" in shown[2]
     assert not (tmp_path / "t").exists()  # a dry run writes nothing
+
+
+def test_a_stage_runs_on_the_processes_its_config_and_its_layout_both_say(tmp_path):
+    spec = parse_spec(_spec(tmp_path, layout={"shard": {"tp": 2, "pp": 2}, "rollout": {"tp": 2, "dp": 3},
+                                              "ppo": {"tp": 2, "pp": 2, "dp": 2}, "export": {"procs": 3}}), "spec.yaml")
+    counts = {n.name: (n.nprocs, processes(n.make_config())) for n in check_spec(spec)}
+    assert counts["shard/actor"] == (4, 4) and counts["iter-001/rollout"] == (6, 6)
+    assert counts["iter-001/ppo"] == (8, 8) and counts["export"] == (3, 3) and counts["iter-001/scores"] == (1, 1)
+
+
+def test_the_pipeline_and_the_stage_read_one_declaration(tmp_path):
+    # The node's key and the stage's own request both take the identity from stages/identity.py,
+    # and what the pipeline fingerprints outside the run is what the stage's config reads.
+    from llamarl.stages.identity import declare
+
+    spec = parse_spec(_spec(tmp_path, validation={"prompts": str(tmp_path / "val.jsonl")}), "spec.yaml")
+    nodes = {n.name: n for n in check_spec(spec)}
+    assert nodes["shard/actor"].external == (spec.actor,) and nodes["shard/rm"].external == (spec.reward_model,)
+    assert nodes["iter-001/rollout"].external == (spec.prompts,)
+    assert nodes["iter-002/val-rollout"].external == (str(tmp_path / "val.jsonl"),)
+    assert all(not nodes[n].external for n in ("iter-001/scores", "iter-001/ppo", "export"))
+    ppo = nodes["iter-002/ppo"]
+    declared = declare(ppo.make_config())
+    assert declared.identity == ppo.make_config().identity() == ppo.declared.identity
+    assert declared.inputs["actor"].endswith("iter-001/ppo/actor") and declared.inputs["reference"].endswith("shard/actor")

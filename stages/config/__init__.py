@@ -1,0 +1,96 @@
+"""The stages' configs: one typed, validated model per stage (pydantic), importable without torch.
+
+One module per concept: ``base`` (the kinds of field, ``Url``, ``StageConfig``), ``checkpoint``
+(shard, export), ``rollout``, ``score``, ``ppo``; here, what reads all of them. Every field is one
+of four kinds, marked once (``base``) and read everywhere else:
+
+- an **input** or **output** path: the pipeline fills it in (a run spec may not set it);
+- a **layout** count (tp, pp, dp; export's procs): the pipeline fills it in from the spec's
+  ``layout``, and a stage runs on their product (``processes``);
+- a **placement** option: how a stage runs, not what it computes (``score.offload``,
+  ``ppo.save_every``, ``ppo.sequence_parallel``);
+- an ordinary **option**: what the stage computes.
+
+A stage's *identity* (what names its output: the pipeline's keys, the outputs' ``request``, both
+through stages/identity.py) is its config without outputs, layout and placement, so moving a stage to another layout or flipping an
+offload never makes a finished output stale, and adding a placement option changes no key.
+
+Values are checked when a config is built, each error one line naming the field and the fix; so
+``llamarl run`` refuses a bad value in any iteration's stage before the first stage starts. A check
+across fields lives once, in the stage's model (a ``FieldsError`` naming its fields as ``{field}``),
+and reads in the caller's words: ``layout.ppo.tp`` in a run spec, ``--tp`` on a stage's command line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ValidationInfo, create_model, model_validator
+
+from llamarl.lib.options import Strict
+
+from .base import (INPUT, INT32_MAX, LAYOUT, MAX_TIMEOUT_S, NOT_IDENTITY, OUTPUT, PLACEMENT, WIRED, Column,
+                   ComputeDtype, Count, StageConfig, StoredDtype, TrainDtype, Url, kind_of, processes)
+from .checkpoint import ExportConfig, ShardConfig
+from .ppo import GROUP_ADVANTAGES, PPOConfig
+from .rollout import MIN_TEMPERATURE, PromptSelection, RolloutConfig, Sampling
+from .score import RewardTerm, ScoreConfig, describe_rules
+
+__all__ = ["INPUT", "INT32_MAX", "LAYOUT", "MAX_TIMEOUT_S", "NOT_IDENTITY", "OUTPUT", "PLACEMENT", "WIRED", "Column",
+           "ComputeDtype", "Count", "StageConfig", "StoredDtype", "TrainDtype", "Url", "kind_of", "processes",
+           "ExportConfig", "ShardConfig", "GROUP_ADVANTAGES", "PPOConfig", "MIN_TEMPERATURE", "PromptSelection",
+           "RolloutConfig", "Sampling", "RewardTerm", "ScoreConfig", "describe_rules", "STAGES", "options_model",
+           "describe"]
+
+STAGES: dict[str, type[StageConfig]] = {"shard": ShardConfig, "rollout": RolloutConfig, "score": ScoreConfig,
+                                         "ppo": PPOConfig, "export": ExportConfig}
+
+
+def options_model(cls: type[StageConfig]) -> type[BaseModel]:
+    """The part of a stage's config a run spec (or a stage command's ``--config``) sets: everything
+    but inputs, outputs and layout, which the pipeline (or the command's arguments) fill in.
+
+    It checks each value; the checks across fields stay in ``cls`` alone, since they may involve
+    the wired fields: a spec is checked by building every stage's whole config when it is loaded."""
+    stage = next(name for name, c in STAGES.items() if c is cls)
+    fields = {name: (f.annotation, f) for name, f in cls.model_fields.items() if kind_of(f) not in WIRED}
+    wired = [name for name, f in cls.model_fields.items() if kind_of(f) in WIRED]
+
+    def not_wired(data: Any, info: ValidationInfo) -> Any:
+        given = [k for k in wired if isinstance(data, dict) and k in data]
+        if not given:
+            return data
+        key = given[0]
+        flag = ((info.context or {}).get("names") or {}).get(key)
+        if flag:
+            raise ValueError(f"{key} is given by {flag} on the command line; remove it from this file")
+        if kind_of(cls.model_fields[key]) == LAYOUT:
+            raise ValueError(f"{key} is set in layout.{stage}.{key}, not here; move it there")
+        raise ValueError(f"{key} is filled in by the pipeline (from the spec's actor, prompts, reward_model and the "
+                         "stages before); remove it here")
+
+    return create_model(f"{cls.__name__.removesuffix('Config')}Options", __base__=Strict,
+                        __doc__=f"Options of the {stage} stage that a run spec sets.",
+                        __validators__={"_not_wired": model_validator(mode="before")(not_wired)}, **fields)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list) and value and isinstance(value[0], BaseModel):
+        return repr([v.model_dump(exclude_defaults=True) for v in value])
+    return repr(value)
+
+
+def describe(cls: type[BaseModel], skip: tuple[str, ...] = (), prefix: str = "") -> list[str]:
+    """One line per option: ``name = default: doc``; nested models as ``outer.inner``."""
+    lines = []
+    for name, f in cls.model_fields.items():
+        if name in skip:
+            continue
+        nested = f.annotation if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) else None
+        if nested is not None:
+            lines += describe(nested, prefix=f"{prefix}{name}.")
+            continue
+        default = "(required)" if f.is_required() else _shown(f.get_default(call_default_factory=True))
+        lines.append(f"{prefix}{name} = {default}" + (f": {f.description}" if f.description else ""))
+    return lines
+
