@@ -306,11 +306,11 @@ def test_the_multi_gpu_rollout_bench_runs_small_on_cpu(tmp_path, layout):
     # the same tokens as one GPU: at DP to the bit (batch-invariant engines); at TP the same draws
     assert res[key]["same_tokens_as_one_gpu"] == 1.0
     assert ("dp_speedup" in res) == (layout[0] == "--dp")
-    # bench/report.py renders the layout's row next to one GPU's
+    # bench/tables.py (docs/benchmarks.md) renders the layout's row next to one GPU's
     sys.path.insert(0, os.path.join(root, "bench"))
-    import report
+    import tables
 
-    text = "\n".join(report.rollout(str(out)))
+    text = "\n".join(tables.rollout(str(out)))
     name = "TP1 × DP2" if layout[0] == "--dp" else "TP2 × DP1"
     row = next(line for line in text.splitlines() if line.startswith(f"| {name} |"))
     assert f"**{res[key]['speedup_over_one_gpu']:.2f}×**" in row and row.endswith("| 1.00 |")
