@@ -171,7 +171,7 @@ def _score(cfg: RolloutConfig, topo) -> None:
     except UserError as e:
         error = str(e)
     collectives.check(error)
-    scoring.run(topo.dp, topo.dp_rank, writer=topo.tp_rank == 0)
+    scoring.run(topo.dp, topo.dp_rank, writer=topo.tp_rank == 0, guest=True)
 
 
 def _check_actor(cfg: RolloutConfig, actor: str):

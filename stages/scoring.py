@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -72,11 +73,14 @@ class Scoring:
     def request(self) -> dict:
         return identity.declare(self.cfg).request()
 
-    def run(self, dp: int, dp_rank: int, writer: bool, load_rm: Callable[[], RewardModel] | None = None) -> None:
+    def run(self, dp: int, dp_rank: int, writer: bool, load_rm: Callable[[], RewardModel] | None = None,
+            guest: bool = False) -> None:
         """Collective: score every part not yet published, data-parallel group ``dp_rank`` of ``dp``
         taking every dp-th, the ``writer`` of each group writing; then rank 0 publishes. Skipped when
         the output is already published with this request. ``load_rm``: the reward model, loaded
-        only when there is work for it."""
+        only when there is work for it. ``guest``: run in another stage's process (the rollout's),
+        whose start is none of the scores' time: their manifest's timing is the scoring's own."""
+        started = time.time()
         request = self.request()
         if identity.skip_if_current(self.out, request, DONE):
             return
@@ -95,16 +99,17 @@ class Scoring:
             collectives.check(error)
         all_stats = collectives.all_gather_object(stats if writer else None)
         if collectives.rank_world()[0] == 0:
-            self._publish(request, [s for s in all_stats if s])
+            timing = {"process_start": started, "work_start": started, "work_end": time.time()} if guest else None
+            self._publish(request, [s for s in all_stats if s], timing or outputs.timing())
         collectives.barrier()
 
-    def _publish(self, request: dict, all_stats: list[dict]) -> None:
+    def _publish(self, request: dict, all_stats: list[dict], timing: dict) -> None:
         names = contract.published_parts(self.out)
         if len(names) != len(self.parts):
             raise RuntimeError(f"{self.out}: {len(names)} parts written, {len(self.parts)} expected")
         totals = {k: sum(s[k] for s in all_stats) for k in all_stats[0]}
         rows = self.manifest["rows"]
-        publish.publish(self.out, {"kind": contract.SCORES, "timing": outputs.timing(), "request": request,
+        publish.publish(self.out, {"kind": contract.SCORES, "timing": timing, "request": request,
                                    "files": contract.part_entries(self.out, names), "rows": rows,
                                    "terms": [t.model_dump() for t in self.cfg.rewards], "rm_id": request["rm_id"],
                                    "stats": totals})

@@ -77,6 +77,8 @@ def test_the_rollouts_scores_are_the_score_stages_bytes(rules_run, pool1, tmp_pa
         assert ours["files"] == theirs["files"] and ours["terms"] == theirs["terms"] and ours["rows"] == theirs["rows"]
         assert _files(cfg.out) == _files(other) and _files(other), name
         assert ours["stats"] | {"skipped_parts": 0} == theirs["stats"]
+        # Their timing is the scoring's own, after the rollout's work: not the rollout process's start.
+        assert ours["timing"]["process_start"] >= publish.read_manifest(cfg.rollout)["timing"]["work_end"]
 
 
 def test_a_rerun_records_nothing_new(rules_run, pool1):
