@@ -57,18 +57,19 @@ class Scoring:
     parts: list[str]
     rules: dict
     refs: dict | None
+    opened: float  # when its inputs began to be checked: a guest's timing starts here
 
     @classmethod
     def open(cls, cfg: ScoreConfig) -> Scoring:
         """Every input checked before anything is written (the rollout's files verified; columns,
         keys and references of every part): a ``UserError`` otherwise."""
-        rollout = cfg.rollout.rstrip("/")
+        opened, rollout = time.time(), cfg.rollout.rstrip("/")
         manifest = publish.require_verified(rollout, contract.ROLLOUT, f"{contract.PARTS}/")
         parts = contract.manifest_parts(manifest)
         rules = {t.name: rewards.resolve(t.name) for t in cfg.rewards if t.name != "rm"}
         refs = _load_references(cfg.references) if cfg.references else None
         _check_inputs(cfg, rollout, parts, refs)
-        return cls(cfg, rollout, cfg.out.rstrip("/"), manifest, parts, rules, refs)
+        return cls(cfg, rollout, cfg.out.rstrip("/"), manifest, parts, rules, refs, opened)
 
     def request(self) -> dict:
         return identity.declare(self.cfg).request()
@@ -79,8 +80,8 @@ class Scoring:
         taking every dp-th, the ``writer`` of each group writing; then rank 0 publishes. Skipped when
         the output is already published with this request. ``load_rm``: the reward model, loaded
         only when there is work for it. ``guest``: run in another stage's process (the rollout's),
-        whose start is none of the scores' time: their manifest's timing is the scoring's own."""
-        started = time.time()
+        whose start is none of the scores' time: their manifest's timing is the scoring's own, from
+        ``open``."""
         request = self.request()
         if identity.skip_if_current(self.out, request, DONE):
             return
@@ -99,7 +100,7 @@ class Scoring:
             collectives.check(error)
         all_stats = collectives.all_gather_object(stats if writer else None)
         if collectives.rank_world()[0] == 0:
-            timing = {"process_start": started, "work_start": started, "work_end": time.time()} if guest else None
+            timing = {"process_start": self.opened, "work_start": self.opened, "work_end": time.time()} if guest else None
             self._publish(request, [s for s in all_stats if s], timing or outputs.timing())
         collectives.barrier()
 
