@@ -181,6 +181,12 @@ def _remove_stale(n: Node, parts: set[str] = frozenset()) -> None:
     it is unfinished, the ``parts`` of it that other stages read early (a killed run of ``n``
     published them): the stage writes them again, and nothing may start from the old ones."""
     fs, path = fsspec.core.url_to_fs(n.out)
+    scores = _scores_of(n)
+    if scores is not None and published_id(scores) is not None:
+        # Made from the rollout that runs again (its published output removed below, or none):
+        # stale, and the rollout that publishes the new ones would refuse to overwrite them.
+        scores_fs, scores_path = fsspec.core.url_to_fs(scores)
+        scores_fs.rm(scores_path, recursive=True)
     if published_id(n.out) is not None:
         fs.rm(path, recursive=True)
         return
@@ -198,18 +204,57 @@ def _early_parts(nodes: list[Node]) -> dict[str, set[str]]:
     return parts
 
 
-def _skipped(run: str, n: Node, by_name: dict[str, Node], will_run: set[str], report: list, echo,
+def _skipped(spec: RunSpec, n: Node, by_name: dict[str, Node], will_run: set[str], report: list, echo,
              parts: set[str] = frozenset(), redo: dict[str, str] | None = None) -> tuple[bool, str]:
     """(is ``n`` done, why); a done stage is reported skipped, a stale output (or its ``parts``
     read early) removed before it runs. ``redo``: stages to run again whatever their records say
-    (``records.plan``: retention deleted their output and a stage that runs needs it)."""
+    (``records.plan``: retention deleted their output and a stage that runs needs it). A stage whose
+    output another stage published for it (a rollout its rules' scores) is recorded done here, no
+    process started: then ``why`` is ``MADE_ELSEWHERE``."""
+    run = spec.run_dir
     done, why = (False, redo[n.name]) if n.name in (redo or {}) else assess(run, n, by_name, will_run)
+    fresh = not any(i in will_run for i in n.inputs)  # else what it was made from is about to change
+    if not done and fresh and n.name not in (redo or {}) and _published_current(n):
+        _record_done(spec, n, by_name)
+        report.append((n.name, "done: " + _made_by(n, by_name)))
+        echo(f"[{n.name}] done: {_made_by(n, by_name)}")
+        return True, MADE_ELSEWHERE
     if done:
         report.append((n.name, "skipped (done)"))
         echo(f"[{n.name}] done, skipped")
     else:
         _remove_stale(n, parts)
     return done, why
+
+
+MADE_ELSEWHERE = "its output was published with this config and inputs"
+
+
+def _published_current(n: Node) -> bool:
+    """Whether ``n``'s output is published whole with the request the driver computes for it: the
+    stage would find it current and do nothing (``identity.skip_if_current``), so no process need
+    start. Only a stage whose request holds no facts that only it knows (score, ppo, export) can
+    match; a rollout's or a shard's never does."""
+    manifest = publish.read_manifest(n.out)
+    if manifest is None or "request" not in manifest or publish.retired(n.out) is not None:
+        return False
+    try:
+        return manifest["request"] == n.declared.request()
+    except FileNotFoundError:  # an input is not published (yet): nothing can be current
+        return False
+
+
+def _made_by(n: Node, by_name: dict[str, Node]) -> str:
+    scorer = by_name.get(n.inputs[0]) if n.stage == "score" and n.inputs else None
+    if scorer is not None and scorer.stage == "rollout" and scorer.make_config().scores is not None:
+        return "scored in the rollout"
+    return MADE_ELSEWHERE
+
+
+def _scores_of(n: Node) -> str | None:
+    """Where a rollout node publishes its rules' scores too (``RolloutConfig.scores``), or None."""
+    scores = n.make_config().scores if n.stage == "rollout" else None
+    return scores.out if scores is not None else None
 
 
 def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor: Executor,
@@ -230,7 +275,7 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
     jobs: dict[str, str] = {}
     early, redo = _early_parts(nodes), must_redo(run, nodes, by_name)
     for n in nodes:
-        done, why = _skipped(run, n, by_name, set(jobs), report, echo, early.get(n.name, set()), redo)
+        done, why = _skipped(spec, n, by_name, set(jobs), report, echo, early.get(n.name, set()), redo)
         if done:
             continue
         after = [jobs[i] for i in n.inputs if i in jobs]
@@ -326,10 +371,12 @@ class _Schedule:
                 continue
             self.waiting.remove(n)
             run = self.spec.run_dir
-            done, why = _skipped(run, n, self.by_name, set(), self.report, self.echo, self.early.get(n.name, set()),
-                                 self.redo)
+            done, why = _skipped(self.spec, n, self.by_name, set(), self.report, self.echo,
+                                 self.early.get(n.name, set()), self.redo)
             if done:
                 self.finished.add(n.name)
+                if why == MADE_ELSEWHERE:
+                    _after_done(self.spec, n, self.nodes, self.by_name, self.monitor, self.echo)
                 continue
             early_from = [input_url(n, i, self.by_name)[len(run) + 1 :] for i in n.inputs if i not in self.finished]
             if early_from:

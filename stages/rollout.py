@@ -19,7 +19,9 @@ boundary. The prompts are read and tokenized ahead in one thread, the responses 
 parts written behind in another, while the engine runs; parts are still published one at a time,
 each whole. Before that, the tokenizer loads and (on a GPU) the sampler's Triton kernel compiles
 beside the process group, the checks and the weights; the manifest's ``spans_s`` say
-where the stage's time went (docs/generation.md). Formats: docs/formats.md.
+where the stage's time went (docs/generation.md). With ``scores`` (the pipeline sets it when every
+reward term is a rule), the rollout then publishes the score stage's output too (stages/scoring.py),
+so no score process starts. Formats: docs/formats.md.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from llamarl.lib.errors import UserError
 from llamarl.lib.engine.generate import Batch, Engine, SamplingParams
 from llamarl.stages import contract, identity, prompts, space
 from llamarl.stages.config import RolloutConfig
+from llamarl.stages.scoring import Scoring
 
 _IMPORTED = time.time()
 
@@ -117,6 +120,7 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     # The actor's location is for the stages after (score's tokenizer: contract.RolloutFacts).
     request = identity.declare(cfg).request(actor=actor, prompts=cfg.prompts, sampler=sampling.SAMPLER)
     if identity.skip_if_current(out, request, "already rolled out with this actor and config"):
+        _score(cfg, topo)  # a run stopped between the two publishes: the scores are still to do
         return
     # The weights are verified while they load: nothing is made from them before every rank's
     # share of the files checked out.
@@ -150,6 +154,24 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
         _publish(cfg, out, reading, request, [s_ for s_ in all_stats if s_], stats["new_tokens"] / elapsed
                  if elapsed else None, spans, background_s)
     collectives.barrier()
+    _score(cfg, topo)
+
+
+def _score(cfg: RolloutConfig, topo) -> None:
+    """Collective: with ``cfg.scores`` (the pipeline's, when every reward term is a rule), the
+    published rollout scored into the score stage's output, as that stage would (stages/scoring.py),
+    without a score process; a rule that fails stops the stage in the score stage's words, the
+    rollout published and the scores not."""
+    if cfg.scores is None:
+        return
+    scoring, error = None, None
+    try:
+        space.check(cfg.scores)
+        scoring = Scoring.open(cfg.scores)
+    except UserError as e:
+        error = str(e)
+    collectives.check(error)
+    scoring.run(topo.dp, topo.dp_rank, writer=topo.tp_rank == 0, guest=True)
 
 
 def _check_actor(cfg: RolloutConfig, actor: str):

@@ -48,3 +48,16 @@ def sandboxed(response: str, row: dict) -> float:
             _SANDBOX = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         time.sleep(0.2)
     return float(len(response) % 2)
+
+
+def killed_once(response: str, row: dict) -> float:
+    """The response's length; but the first time it runs (the file $LLAMARL_TEST_KILL_ONCE not there
+    yet) its process is killed outright: SIGKILL, as a host's OOM killer or a lost node would."""
+    import os
+    import signal
+
+    marker = os.environ.get("LLAMARL_TEST_KILL_ONCE")
+    if marker and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return float(len(response))

@@ -140,13 +140,14 @@ def test_bad_option_files_and_rules_are_one_line_errors(tmp_path):
     ("rules_for_tests:reads_absent_column", "reads column 'nope' that row ('p0000', 0) does not have"),
 ])
 def test_a_failing_rule_is_one_line_naming_the_part_and_row(rule, needle):
-    from llamarl.stages.score import RewardTerm, _rule_scores
+    from llamarl.stages.config import RewardTerm
+    from llamarl.stages.scoring import rule_scores
 
     import rules_for_tests  # noqa: F401  (importable by name from tests/)
     from llamarl.lib.rl import rewards
 
     rows = [{"prompt_id": "p0000", "sample_index": 0, "response": "hi"}]
-    values, error = _rule_scores(RewardTerm(name=rule), rewards.resolve(rule), rows, None, "R/parts/part-000000.parquet")
+    values, error = rule_scores(RewardTerm(name=rule), rewards.resolve(rule), rows, None, "R/parts/part-000000.parquet")
     assert values is None and error.startswith("R/parts/part-000000.parquet: ") and needle in error, error
 
 

@@ -26,12 +26,15 @@ ENV = {**os.environ, "COLUMNS": "400"}  # no wrapped lines
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     """``small(name, rewards)``: a spec of one iteration on the demo's models, every stage on one
-    process and rules as the only rewards, in a run directory of its own; (spec, run dir)."""
+    process and rules as the only rewards (the reward model too where a term is 'rm'), in a run
+    directory of its own; (spec, run dir)."""
     root = tmp_path_factory.mktemp("stop")
     base = yaml.safe_load(open(demo.make_inputs(str(root))))
 
     def make(name: str, rewards=({"name": "llamarl.pipeline.demo:vowel_ratio", "weight": 1.0},)) -> tuple[str, str]:
-        data = {**base, "name": name, "iterations": 1, "reward_model": None, "layout": demo.OVERLAP_LAYOUT,
+        uses_rm = any(r["name"] == "rm" for r in rewards)
+        data = {**base, "name": name, "iterations": 1, "reward_model": base["reward_model"] if uses_rm else None,
+                "layout": demo.OVERLAP_LAYOUT,
                 "executor": {"kind": "local", "options": {"threads_per_process": 1}},
                 "score": {"rewards": list(rewards)}}
         path = root / f"{name}.yaml"
@@ -104,8 +107,9 @@ def test_a_killed_drivers_stage_dies_with_it_and_the_next_run_stops_what_it_left
     """SIGKILL leaves no driver to stop anything. Its stage's process dies with it (the parent-death
     signal), but what that process started lives on, reparented to init: here a reward rule's
     sandbox process. The next `llamarl run` takes the lock over ("its process is gone") and stops
-    it before it starts its own score."""
-    spec, run = small("killed", rewards=[{"name": "rules_for_tests:sandboxed"}])
+    it before it starts its own score (a reward model beside the rule: rules alone are scored in the
+    rollout's process, and this is about a score process)."""
+    spec, run = small("killed", rewards=[{"name": "rules_for_tests:sandboxed"}, {"name": "rm", "weight": 0.1}])
     tests = os.path.dirname(__file__)
     env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     driver = _start(spec, env={**env, "LLAMARL_TEST_SANDBOX": "1"})

@@ -15,6 +15,7 @@ from llamarl.lib.files import publish
 from llamarl.lib.engine import tokenizer as toklib
 from llamarl.lib.model.config import ParallelLayout
 from llamarl.lib.errors import UserError
+from llamarl.lib.rl import rewards
 from llamarl.lib.model.llama import ParallelLlamaForScore
 from llamarl.pipeline import toy
 from llamarl.stages import rollout, score, shard
@@ -183,9 +184,9 @@ def test_unmatched_reference_keys_and_missing_columns_are_errors(pipeline_inputs
 
 def test_reward_term_errors():
     with pytest.raises(UserError, match="unknown reward rule 'bogus'"):
-        score.rewards.resolve("bogus")
+        rewards.resolve("bogus")
     with pytest.raises(UserError, match="cannot be imported"):
-        score.rewards.resolve("no_such_module:f")
+        rewards.resolve("no_such_module:f")
 
 
 def test_offload_moves_parameters_and_back():

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from llamarl.lib.options import Strict
 
 from .base import (INPUT, INT32_MAX, OUTPUT, Column, ComputeDtype, Count, StageConfig, Url, marked, layout, path,
                    placement)
+from .score import ScoreConfig
 
 
 
@@ -97,6 +98,23 @@ class RolloutConfig(StageConfig):
                                      "do not depend on it.")
     dtype: ComputeDtype = Field("auto", description="Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | "
                                                     "fp16 (GPU only) | fp32.")
+    # A second output, not an option: the rollout is the same with or without it (so it is no part
+    # of the rollout's identity), and the scores are the score stage's (stages/scoring.py).
+    scores: ScoreConfig | None = Field(None, description="The score stage's config of this rollout when every term "
+                                                         "is a rule: the rollout then publishes those scores itself, "
+                                                         "right after its own output (the pipeline sets it).",
+                                       **marked(OUTPUT))
+
+    @model_validator(mode="after")
+    def _scores_of_this_rollout(self):
+        s = self.scores
+        if s is not None and s.rollout.rstrip("/") != self.out.rstrip("/"):
+            raise ValueError(f"scores.rollout={s.rollout!r} is not this rollout's out={self.out!r}; score this rollout")
+        if s is not None and any(t.name == "rm" for t in s.rewards):
+            raise ValueError("scores has an 'rm' term: the reward model runs in the score stage; score rules only here")
+        if s is not None and s.out.rstrip("/") == self.out.rstrip("/"):
+            raise ValueError("scores.out is the rollout's out; give the scores their own folder")
+        return self
 
     @field_validator("keep_columns")
     @classmethod
