@@ -329,7 +329,9 @@ def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float 
                 now = time.time()
                 log.write(f"{now - t0:9.2f} {line}")
                 log.flush()
-                m = re.match(r"^\[([^\]]+)\] running ", line)
+                # "done: scored in the rollout": a node the driver recorded done without a process
+                # (its work is in the stage that made its output), a stage of no time of its own.
+                m = re.match(r"^\[([^\]]+)\] (?:running |done: )", line)
                 if m:
                     starts[m.group(1)] = now
                     order.append(m.group(1))
