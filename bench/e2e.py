@@ -219,7 +219,7 @@ def executor_spec(layout_name: str, gpus: int, resident: bool = False) -> dict:
     """The local executor; for the split placement with two stages at once, each on its own GPU
     (``gpus``: 0 on CPU, where each stage's one process takes one core). ``resident``: one worker
     process per rank for the whole run (cluster/resident.py)."""
-    options = {"resident": True} if resident else {}
+    options = {"resident": resident}
     if layout_name == SHARED:  # gpus unset: every stage sees the one GPU
         return {"kind": "local", "options": {"max_concurrent_stages": 2} | options}
     if layout_name != SPLIT:

@@ -13,8 +13,9 @@ order. Each dies with the driver (``PARENT_ENV``, lib/runtime/job.py). While the
 and start times are in the executor's ``registry`` (the run lock), so that a later ``llamarl run``
 taking over from a driver that died finds what they left.
 
-With ``resident: true`` the stages run instead as calls in workers that live for the whole run
-(cluster/resident.py), with everything above kept.
+In a ``llamarl run`` the stages run by default as calls in workers that live for the whole run
+(``resident: true``, cluster/resident.py), with everything above kept; ``resident: false`` and
+``llamarl stage`` start the processes described here for every stage.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ class LocalOptions(Strict):
                                            "every stage takes GPUs 0..n-1). With gpus, a stage gets GPUs no "
                                            "running stage holds (CUDA_VISIBLE_DEVICES) and waits until enough "
                                            "are free.")
-    resident: bool = Field(False, description="Run the stages in resident workers: one process per rank, started "
-                                              "once per `llamarl run`, running stage after stage as calls (imports, "
-                                              "the CUDA context and compiled kernels stay; only files pass between "
-                                              "stages). false: a new process per rank for every stage.")
+    resident: bool = Field(True, description="Run the stages in resident workers: one process per rank, started "
+                                             "once per `llamarl run`, running stage after stage as calls (imports, "
+                                             "the CUDA context and compiled kernels stay; only files pass between "
+                                             "stages). false: a new process per rank for every stage.")
 
 
 @dataclass

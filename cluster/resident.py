@@ -41,6 +41,10 @@ POOL = "resident workers"
 
 SETTLE_S = 1.0  # how long a dead worker's last lines (its error, its END) may take to come through
 QUIT_WAIT_S = 10.0  # how long a worker told to leave (its stdin closed) may take
+WARM = ("llamarl.stages.rollout", "llamarl.stages.score", "llamarl.stages.ppo",
+        "transformers.models.auto.tokenization_auto")
+"""What a spare worker imports (``_start_spares``): the stages of an iteration, and what they
+import on their first call (the tokenizer's transformers: seconds)."""
 
 
 @dataclass(eq=False)
@@ -108,6 +112,7 @@ class ResidentExecutor(LocalExecutor):
         # process ends: workers are started by this one thread, which lives until ``close``, never
         # by the pipeline's stage threads, which may end while the workers serve on.
         self._spawner: ThreadPoolExecutor | None = None
+        self._spares = 0  # workers kept started (``_start_spares``)
 
     def render(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
         return (f"# {name or stage}: run as a call in {nprocs} resident worker(s) (python -m llamarl.cluster.worker), "
@@ -195,6 +200,20 @@ class ResidentExecutor(LocalExecutor):
             if self.options.gpus:
                 env["LOCAL_RANK"] = "0"  # its one visible GPU
             worker.send({"stage": stage, "argv": argv, "env": env})
+        self._start_spares(nprocs)
+
+    def _start_spares(self, nprocs: int) -> None:
+        """With stages beside each other, the workers a second stage takes are started, warm, while
+        the first runs (under ``_starting``): a rollout that starts beside a ppo as soon as the
+        ppo's weights are published would otherwise begin with a worker's imports (seconds: on a
+        CPU, more than the training-state write it overlaps). Imports only: a spare takes no GPU
+        memory until a stage runs in it."""
+        self._spares = max(self._spares, nprocs * self.concurrency)
+        if self.concurrency < 2:
+            return
+        for slot in range(min(self._spares, self.options.gpus or self._spares)):
+            if slot not in self._workers or self._workers[slot].proc.poll() is not None:
+                self._worker(slot).send({"warm": list(WARM)})
 
     def wait(self, handle: ResidentRun) -> StageResult:
         try:

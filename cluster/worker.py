@@ -2,7 +2,8 @@
 (``python -m llamarl.cluster.worker``, started by the local executor with ``resident: true``,
 cluster/resident.py).
 
-Each request is one JSON line on the worker's stdin: the stage, its arguments (those of ``python
+A request ``{"warm": [MODULE, …]}`` imports those modules and answers nothing (``warm``). Each
+other request is one JSON line on the worker's stdin: the stage, its arguments (those of ``python
 -m llamarl.stages.STAGE``) and the environment its process would get (torchrun's variables, a
 fresh rendezvous port). The worker runs it the way a stage process does (``job.call``: the same
 config parsing, process group, one-line errors and exit statuses) and then writes ``END STATUS``
@@ -43,7 +44,11 @@ def main() -> None:
     os.close(null)
     code = 0
     for line in requests:
-        code = serve(json.loads(line))
+        request = json.loads(line)
+        if "warm" in request:
+            warm(request["warm"])
+            continue
+        code = serve(request)
         sys.stdout.flush()
         sys.stderr.write(f"{END} {code}\n")
         sys.stderr.flush()
@@ -51,6 +56,19 @@ def main() -> None:
             break
     # As a stage process leaves (lib/runtime/job.py ``main``): without the interpreter's teardown.
     os._exit(code if code not in (0, EXIT_USER_ERROR) else 0)
+
+
+def warm(modules: list[str]) -> None:
+    """Import the stages' modules ahead of their first call (a spare worker, started while another
+    stage runs, that a stage beside it takes next). Nothing is reported: a module that fails to
+    import fails its stage's call, in one line or with its traceback, as it would there."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the call reports it
+            pass
 
 
 def serve(request: dict) -> int:

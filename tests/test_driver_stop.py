@@ -31,11 +31,12 @@ def small(tmp_path_factory):
     root = tmp_path_factory.mktemp("stop")
     base = yaml.safe_load(open(demo.make_inputs(str(root))))
 
-    def make(name: str, rewards=({"name": "llamarl.pipeline.demo:vowel_ratio", "weight": 1.0},)) -> tuple[str, str]:
+    def make(name: str, rewards=({"name": "llamarl.pipeline.demo:vowel_ratio", "weight": 1.0},),
+             resident: bool = True) -> tuple[str, str]:
         uses_rm = any(r["name"] == "rm" for r in rewards)
         data = {**base, "name": name, "iterations": 1, "reward_model": base["reward_model"] if uses_rm else None,
                 "layout": demo.OVERLAP_LAYOUT,
-                "executor": {"kind": "local", "options": {"threads_per_process": 1}},
+                "executor": {"kind": "local", "options": {"threads_per_process": 1, "resident": resident}},
                 "score": {"rewards": list(rewards)}}
         path = root / f"{name}.yaml"
         path.write_text(yaml.safe_dump(data))
@@ -80,36 +81,43 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_a_signal_stops_the_run_and_every_process_of_its_stage(small, sig):
-    spec, run = small(f"stopped-by-{sig.name.lower()}")
-    driver = _start(spec)
-    # The rollout's rank and the tokenizer process it starts before its imports.
-    groups, pids = _running(run, "iter-001/rollout", 2, driver)
+@pytest.mark.parametrize("sig,resident", [(signal.SIGTERM, False), (signal.SIGHUP, True)],
+                         ids=["SIGTERM-process-per-stage", "SIGHUP-resident"])
+def test_a_signal_stops_the_run_and_every_process_of_its_stage(small, sig, resident):
+    """A process per stage: stopped in the rollout, whose rank starts a tokenizer process before its
+    imports. Resident workers: stopped in the ppo (held once its weights are published, so that it
+    still runs), its worker with it."""
+    spec, run = small(f"stopped-by-{sig.name.lower()}", resident=resident)
+    node = "iter-001/ppo" if resident else "iter-001/rollout"
+    driver = _start(spec, env={**ENV, "LLAMARL_TEST_PPO_AT": "published actor:sleep=600"})
+    groups, pids = _running(run, node, 1 if resident else 2, driver)
     driver.send_signal(sig)
     out, _ = driver.communicate(timeout=120)
     assert driver.returncode == 128 + sig, out
-    assert out.strip().splitlines()[-1] == (f"error: llamarl run got {sig.name}: stopped iter-001/rollout, every "
+    assert out.strip().splitlines()[-1] == (f"error: llamarl run got {sig.name}: stopped {node}, every "
                                             f"process of each; rerun `llamarl run {spec}` to resume")
     assert "Traceback" not in out
     assert not [p for p in pids if _alive(p)] and survivors(groups) == {}
     assert not os.path.exists(os.path.join(run, "pipeline", "lock.json"))
-    record = json.load(open(os.path.join(run, "pipeline", "iter-001.rollout.json")))
+    record = json.load(open(os.path.join(run, "pipeline", f"{node.replace('/', '.')}.json")))
     assert record["status"] == "stopped" and f"({sig.name}); rerun to resume" in record["error"]
     status = _cli("status", run)
-    assert re.search(r"│ iter-001/rollout +│ stopped +│ stopped: llamarl run stopped it at ", status.stdout), status.stdout
+    assert re.search(rf"│ {node} +│ stopped +│ stopped: llamarl run stopped it at ", status.stdout), status.stdout
     rerun = _cli("run", spec)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert "[iter-001/rollout] running rollout" in rerun.stdout and os.path.exists(os.path.join(run, "export"))
+    assert f"[{node}] running {node.split('/')[1]}" in rerun.stdout
+    assert os.path.exists(os.path.join(run, "export"))
 
 
-def test_a_killed_drivers_stage_dies_with_it_and_the_next_run_stops_what_it_left(small):
+@pytest.mark.parametrize("resident", [False, True], ids=["process-per-stage", "resident"])
+def test_a_killed_drivers_stage_dies_with_it_and_the_next_run_stops_what_it_left(small, resident):
     """SIGKILL leaves no driver to stop anything. Its stage's process dies with it (the parent-death
     signal), but what that process started lives on, reparented to init: here a reward rule's
     sandbox process. The next `llamarl run` takes the lock over ("its process is gone") and stops
     it before it starts its own score (a reward model beside the rule: rules alone are scored in the
     rollout's process, and this is about a score process)."""
-    spec, run = small("killed", rewards=[{"name": "rules_for_tests:sandboxed"}, {"name": "rm", "weight": 0.1}])
+    rewards = [{"name": "rules_for_tests:sandboxed"}, {"name": "rm", "weight": 0.1}]
+    spec, run = small(f"killed-{resident}", rewards=rewards, resident=resident)
     tests = os.path.dirname(__file__)
     env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     driver = _start(spec, env={**env, "LLAMARL_TEST_SANDBOX": "1"})
@@ -127,7 +135,10 @@ def test_a_killed_drivers_stage_dies_with_it_and_the_next_run_stops_what_it_left
                            timeout=900, env=env)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     lines = rerun.stdout.splitlines()
-    stopped = next(i for i, line in enumerate(lines) if line.startswith("stopped iter-001/scores of the previous run by "))
+    # With resident workers the score's rank is a worker, in the lock both as the stage's and as one
+    # of the run's workers: the first of the two names what it stops.
+    stopped = next(i for i, line in enumerate(lines)
+                   if re.match(r"stopped (iter-001/scores|resident workers) of the previous run by ", line))
     taken = next(i for i, line in enumerate(lines) if line.startswith("taking over the run lock of "))
     started = next(i for i, line in enumerate(lines) if line.startswith("[iter-001/scores] running score"))
     assert stopped < taken < started, rerun.stdout

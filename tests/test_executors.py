@@ -99,7 +99,7 @@ def _protocol_members() -> set[str]:
 
 @pytest.mark.parametrize("kind,options,detach,queue", [
     ("local", {}, None, False),
-    ("local", {"resident": True}, None, False),
+    ("local", {"resident": False}, None, False),
     ("slurm", {}, "jobs", True),
     ("kubernetes", {"image": "i", "pvc": "p"}, "driver", False),
 ])
@@ -249,3 +249,10 @@ def test_the_user_error_of_one_rank_is_the_stages_and_shown_once(tmp_path, capfd
     result = _Scripted(script).run("shard", _shard(tmp_path), 2)
     assert result == StageResult(EXIT_USER_ERROR, "/out: no space left on device")
     assert capfd.readouterr().err.count("error: same on every rank") == 1
+
+
+def test_the_local_executor_runs_resident_workers_unless_told_not_to():
+    from llamarl.cluster.resident import ResidentExecutor
+
+    assert type(make_executor("local", {}, "/runs/r", "x")) is ResidentExecutor
+    assert type(make_executor("local", {"resident": False}, "/runs/r", "x")) is LocalExecutor

@@ -229,3 +229,19 @@ def test_with_gpus_each_worker_sees_its_own_gpu_for_life(tmp_path):
     finally:
         executor.close()
     assert list(workers.values()) == ["0", "1"] and executor.pids["one"] == executor.pids["two"][:1]
+
+
+def test_beside_a_running_stage_the_next_takes_spare_workers_started_with_the_first(tmp_path):
+    """With stages beside each other, the workers of a second stage are started (and import the
+    iteration's stages) while the first runs: a rollout that starts beside a ppo does not begin
+    with a worker's imports."""
+    executor = _Watched(LocalOptions(max_concurrent_stages=2))
+    try:
+        first = executor.submit("shard", _shard(tmp_path), 2, name="first")
+        started = {w.proc.pid for w in executor._workers.values()}
+        second = executor.submit("shard", _shard(tmp_path), 2, name="second")  # ``first`` holds its workers
+        assert executor.wait(second).code == executor.wait(first).code == EXIT_USER_ERROR
+    finally:
+        executor.close()
+    assert len(started) == 4 and set(executor.pids["second"]) == started - set(executor.pids["first"])
+    assert survivors([(pid, None) for pid in started]) == {}
