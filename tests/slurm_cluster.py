@@ -133,6 +133,17 @@ SchedulerType=sched/backfill
             time.sleep(0.2)
         self.run(["scontrol", "release", job_id])
         self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+        # Its relaunch may fail while slurmd still tears the suspended tasks down (the spool's job
+        # script already gone): Slurm then holds it again ("launch failed requeued held"); release it.
+        until = time.monotonic() + 60
+        while time.monotonic() < until:
+            row = self.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], check=False).stdout.strip()
+            if not row.startswith("PENDING"):
+                break
+            if "held" in row.lower():
+                self.run(["scontrol", "release", job_id], check=False)
+                self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+            time.sleep(0.5)
 
     def stop(self) -> None:
         # Cancel what still runs, and give its step daemons a moment to go, before the daemons.
