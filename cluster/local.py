@@ -45,8 +45,12 @@ class LocalOptions(Strict):
     threads_per_process: int = Field(1, ge=1, le=MACHINE_MAX, description="OMP/intra-op threads each process may use "
                                                                           "(CPU runs).")
     grace_s: float = Field(30.0, ge=0, description="Seconds the other processes get to exit after one has failed.")
-    max_concurrent_stages: int = Field(1, ge=1, description="Stages that may run at once when the DAG allows it "
-                                                            "(max_staleness > 0: a rollout beside a ppo).")
+    max_concurrent_stages: int | None = Field(None, ge=1, description="Stages that may run at once when the DAG "
+                                              "allows it: a rollout beside the training-state write of the ppo "
+                                              "before it (its weights published), with max_staleness > 0 beside a "
+                                              "whole ppo. Default: 2 on a machine with GPUs (the write is host "
+                                              "work), 1 without (each stage's processes take the cores); 1 where "
+                                              "a GPU has no room for a rollout beside a ppo's model and state.")
     gpus: int = Field(0, ge=0, le=MACHINE_MAX, description="GPUs of this machine the stages share, one per process (0: none, or "
                                            "every stage takes GPUs 0..n-1). With gpus, a stage gets GPUs no "
                                            "running stage holds (CUDA_VISIBLE_DEVICES) and waits until enough "
@@ -88,11 +92,19 @@ class LocalRun:
         return self.errors[first[0]] if first else None
 
 
+def has_gpus() -> bool:
+    """Does this machine show its stages a GPU? Without importing torch: a device node of
+    NVIDIA's or AMD's driver, and CUDA_VISIBLE_DEVICES not hiding them all."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
+
+
 class LocalExecutor(ExecutorBase):
     def __init__(self, options: LocalOptions | None = None, *, run_dir: str | None = None):
         """``run_dir`` is unused: the local executor writes nothing of its own."""
         self.options = options or LocalOptions()
-        self.concurrency = self.options.max_concurrent_stages
+        self.concurrency = self.options.max_concurrent_stages or (2 if has_gpus() else 1)
         self._free_gpus = list(range(self.options.gpus))
         self._gpus_changed = threading.Condition()
         self._runs: list[LocalRun] = []  # started and not yet waited for

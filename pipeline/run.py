@@ -317,7 +317,13 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
                 # About once a second while a waiting stage may start from a part of a running one.
                 ended, _ = wait(schedule.running, timeout=1.0 if schedule.may_start_early() else None,
                                 return_when=FIRST_COMPLETED)
-                schedule.collect(ended)
+                # What the ended stages made ready starts before their bookkeeping (the run's metrics,
+                # its plot, retention's deletions: seconds for GB of training state), which then
+                # overlaps the next stage instead of delaying it.
+                done = schedule.collect(ended)
+                schedule.start_ready(pool)
+                for n in done:
+                    _after_done(spec, n, nodes, by_name, schedule.monitor, echo)
         except BaseException as e:  # stopped (a signal, Ctrl-C) or failed: no stage process may outlive us
             _stop_stages(spec, executor, schedule.running, by_name, schedule.keys, e)
             raise
@@ -388,8 +394,10 @@ class _Schedule:
             self.running[pool.submit(self.executor.run, n.stage, n.make_config(), n.nprocs, n.layout.nodes,
                                      name=n.name)] = n
 
-    def collect(self, ended) -> None:
-        """Record the stages that ended: done (then the run's metrics and retention), or failed."""
+    def collect(self, ended) -> list[Node]:
+        """Record the stages that ended, done or failed; the done ones, whose bookkeeping
+        (``_after_done``) is the caller's."""
+        done = []
         for future in ended:
             n, result = self.running.pop(future), future.result()
             if not result.ok:
@@ -403,7 +411,8 @@ class _Schedule:
             _record_done(self.spec, n, self.by_name, self.keys.get(n.name))
             self.finished.add(n.name)
             self.report.append((n.name, "ran"))
-            _after_done(self.spec, n, self.nodes, self.by_name, self.monitor, self.echo)
+            done.append(n)
+        return done
 
     def outcome(self) -> list[tuple[str, str]]:
         """The report, or the run's one-line error: a failed training stage, else a failed validation."""

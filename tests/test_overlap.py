@@ -176,6 +176,42 @@ def test_one_stage_at_a_time_keeps_the_order(tmp_path):
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # one at a time: rollout 2 after ppo 1 ends
 
 
+def test_a_stage_starts_before_the_bookkeeping_of_the_one_that_made_it_ready(tmp_path, monkeypatch):
+    # What follows a ppo's end (the metrics, their plot, retention's deletions of GBs) takes
+    # seconds; the next rollout runs meanwhile, and the bookkeeping is still done, in order.
+    from llamarl.pipeline import run as run_module
+
+    real, kept = run_module._after_done, {}
+
+    def slow(spec, n, *args):
+        start = time.monotonic()
+        if n.stage == "ppo":
+            time.sleep(1.0)
+        real(spec, n, *args)
+        kept[n.name] = (start, time.monotonic())
+
+    monkeypatch.setattr(run_module, "_after_done", slow)
+    ex, by = _schedule(_spec(tmp_path, 0, iterations=2), 1)
+    ev = ex.events
+    assert kept["iter-001/ppo"][0] < ev["iter-002/rollout"][1] and ev["iter-002/rollout"][0] < kept["iter-001/ppo"][1]
+    assert set(kept) == set(by)
+    assert kept["iter-001/ppo"][1] <= kept["iter-002/ppo"][0]  # one after another, in the order the stages ended
+
+
+def test_two_stages_at_once_by_default_where_there_are_gpus(monkeypatch):
+    from llamarl.cluster import local
+
+    monkeypatch.setattr(local.os.path, "exists", lambda p: p == "/dev/nvidiactl")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert local.LocalExecutor().concurrency == 2
+    assert local.LocalExecutor(local.LocalOptions(max_concurrent_stages=1)).concurrency == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert local.LocalExecutor().concurrency == 1
+    monkeypatch.setattr(local.os.path, "exists", lambda p: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert local.LocalExecutor().concurrency == 1  # CPU only: each stage's processes take the cores
+
+
 @pytest.mark.slow
 def test_the_demo_with_two_stages_at_once_starts_rollout_k_plus_1_before_ppo_k_ends(tmp_path):
     # Sequential iterations (max_staleness 0); each ppo held 3 s while it writes its training state
