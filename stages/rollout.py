@@ -50,10 +50,10 @@ if __name__ == "__main__":
     if os.environ.get("CUDA_VISIBLE_DEVICES") != "" and any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/nvidia0")):
         threading.Thread(target=_triton_key, name="rollout-triton-key", daemon=True).start()
 
-import json  # noqa: E402 - after the tokenizer process has started
+import itertools  # noqa: E402 - after the tokenizer process has started
+import json  # noqa: E402
 import os  # noqa: E402, F811
 import time  # noqa: E402
-from collections.abc import Iterable, Iterator  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pyarrow as pa
@@ -75,20 +75,6 @@ from llamarl.stages.config import RolloutConfig
 from llamarl.stages.scoring import Scoring
 
 _IMPORTED = time.time()
-
-
-def iter_chunks(rows: Iterable[prompts.Row], chunk_size: int, mine) -> Iterator[tuple[int, list[prompts.Row]]]:
-    """(chunk index, its rows) for the chunks ``mine(c)`` accepts: ``rows`` cut into chunks of
-    ``chunk_size``, read once in order with bounded memory."""
-    pending, c = [], 0
-    for row in rows:
-        pending.append(row)
-        if len(pending) == chunk_size:
-            if mine(c):
-                yield c, pending
-            c, pending = c + 1, []
-    if pending and mine(c):
-        yield c, pending
 
 
 def run(cfg: RolloutConfig, overlap: bool = True) -> None:
@@ -192,7 +178,10 @@ def _check_actor(cfg: RolloutConfig, actor: str):
 def _load_actor(actor: str, model_cfg, layout, dtype, verifying, spans: _Spans):
     """Collective: the weights loaded while their files are verified; a damaged file is its one
     line on every rank, never what loading it raised."""
-    model = _build_actor(model_cfg, layout, dtype, parallel.device())
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
+
+    with torch.device(parallel.device()):
+        model = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
     spans.mark("build")
     try:
         checkpoint.load_model(model, f"{actor}/{contract.MODEL}")
@@ -276,16 +265,12 @@ def _load_tokenizer(actor: str):
     return toklib.Local(toklib.load(actor))
 
 
-def _sampler_slice(cfg: RolloutConfig, model_cfg: LlamaConfig) -> tuple[int, int]:
-    """(entries, first global id) of this rank's vocabulary slice, as the model will have it."""
-    shard = pad_vocab(model_cfg.vocab_size, cfg.tp) // cfg.tp
-    return shard, int(os.environ.get("RANK", "0")) % cfg.tp * shard
-
-
 def _warm_up_kernels(cfg: RolloutConfig, model_cfg: LlamaConfig, dtype, device) -> None:
     """The sampler's kernel compiled (or loaded from Triton's cache) for this rank's slice, and the
     prefill's attention run once (its kernel's first launch), off the path to the first token."""
-    sampling.warm_up(SamplingParams(temperature=cfg.sampling.temperature), *_sampler_slice(cfg, model_cfg), dtype, device)
+    shard = pad_vocab(model_cfg.vocab_size, cfg.tp) // cfg.tp  # this rank's vocabulary slice, as the model has it
+    sampling.warm_up(SamplingParams(temperature=cfg.sampling.temperature), shard,
+                     int(os.environ.get("RANK", "0")) % cfg.tp * shard, dtype, device)
     attention.warm_up(device, dtype, max(model_cfg.num_heads // cfg.tp, 1), max(model_cfg.num_kv_heads // cfg.tp, 1),
                       model_cfg.head_dim)
 
@@ -322,13 +307,6 @@ class _Spans:
         return out
 
 
-def _build_actor(model_cfg, layout, dtype, device):
-    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
-
-    with torch.device(device):
-        return ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
-
-
 @dataclass(frozen=True)
 class _Chunk:
     index: int
@@ -342,7 +320,13 @@ def _chunks(reading: prompts.RolloutRows, cfg: RolloutConfig, mine, done: set[st
     the most prompt tokens that leave max_new_tokens within the actor's positions."""
     s = cfg.sampling
     keep = min(cfg.max_prompt_tokens or room, room)
-    for chunk, rows in iter_chunks(reading, cfg.chunk_size, mine):
+    rows_left = iter(reading)  # read once, in order, with bounded memory
+    for chunk in itertools.count():
+        rows = list(itertools.islice(rows_left, cfg.chunk_size))
+        if not rows:
+            return
+        if not mine(chunk):
+            continue
         if contract.part_name(chunk) in done:
             stats["skipped_chunks"] += 1
             continue
