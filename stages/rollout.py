@@ -203,7 +203,7 @@ def _generate(cfg: RolloutConfig, out: str, engine: Engine, chunks, tok, kept, m
     after another; the ``writer`` publishes the parts (the decoder is its own: a tokenizer object
     is not shared across threads). Counts into ``stats``; returns the seconds it took."""
     s = cfg.sampling
-    progress = _Progress(enabled=dist.get_rank() == 0, first=spans.mark_once)
+    progress = _Progress(dist.get_rank() == 0, spans)
     t0 = time.perf_counter()
     source = background.Ahead(chunks, depth=2, name="rollout-ahead") if overlap else chunks
     decoder = tok.for_thread() if overlap else tok
@@ -214,8 +214,8 @@ def _generate(cfg: RolloutConfig, out: str, engine: Engine, chunks, tok, kept, m
         for batches in streams:
             for batch, completions in engine.stream(batches, seed=s.seed, samples_per_prompt=s.samples_per_prompt,
                                                     on_tokens=progress.tokens):
-                progress.chunk_done()
                 stats["chunks"] += 1
+                progress.chunks(stats["chunks"])
                 stats["rows"] += len(completions)
                 stats["new_tokens"] += sum(len(c.tokens) for c in completions)
                 if writer:
@@ -229,7 +229,7 @@ def _generate(cfg: RolloutConfig, out: str, engine: Engine, chunks, tok, kept, m
         if overlap:
             source.stop()
     elapsed = time.perf_counter() - t0
-    progress.close()
+    progress.bar.stop()
     return elapsed
 
 
@@ -293,10 +293,6 @@ class _Spans:
 
     def mark(self, step: str) -> None:
         self.steps.append((step, time.time()))
-
-    def mark_once(self, step: str) -> None:
-        if all(name != step for name, _ in self.steps):
-            self.mark(step)
 
     def seconds(self) -> dict[str, float]:
         out, last = {}, self.t0
@@ -386,38 +382,28 @@ def _write_part(out: str, tok, cfg: RolloutConfig, kept, meta: dict, chunk: _Chu
 
 
 class _Progress:
-    """A progress line on rank 0: chunks done and new tokens per second."""
+    """A progress line on rank 0 (``enabled``): chunks done and new tokens per second; the first
+    tokens marked in ``spans``."""
 
-    def __init__(self, enabled: bool, first=None):
-        self.enabled, self._first = enabled, first
-        self.count, self.chunks, self.t0 = 0, 0, time.perf_counter()
-        self._bar = None
-        if enabled:
-            from rich.progress import Progress, TextColumn, TimeElapsedColumn
+    def __init__(self, enabled: bool, spans: _Spans):
+        from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress(TextColumn("rollout"), TextColumn("{task.fields[chunks]} chunks"),
-                                 TextColumn("{task.completed} new tokens"), TextColumn("{task.fields[rate]} tok/s"),
-                                 TimeElapsedColumn(), transient=False)
-            self._task = self._bar.add_task("rollout", total=None, chunks=0, rate="-")
-            self._bar.start()
+        self.spans, self.count, self.t0 = spans, 0, time.perf_counter()
+        self.bar = Progress(TextColumn("rollout"), TextColumn("{task.fields[chunks]} chunks"),
+                            TextColumn("{task.completed} new tokens"), TextColumn("{task.fields[rate]} tok/s"),
+                            TimeElapsedColumn(), transient=False, disable=not enabled)
+        self.task = self.bar.add_task("rollout", total=None, chunks=0, rate="-")
+        self.bar.start()
 
     def tokens(self, n: int) -> None:
-        if self._first is not None and n:
-            self._first("first_tokens")
-            self._first = None
+        if n and not self.count:
+            self.spans.mark("first_tokens")
         self.count += n
-        if self._bar:
-            rate = self.count / max(time.perf_counter() - self.t0, 1e-9)
-            self._bar.update(self._task, completed=self.count, rate=f"{rate:,.0f}")
+        rate = self.count / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.update(self.task, completed=self.count, rate=f"{rate:,.0f}")
 
-    def chunk_done(self) -> None:
-        self.chunks += 1
-        if self._bar:
-            self._bar.update(self._task, chunks=self.chunks)
-
-    def close(self) -> None:
-        if self._bar:
-            self._bar.stop()
+    def chunks(self, done: int) -> None:
+        self.bar.update(self.task, chunks=done)
 
 
 if __name__ == "__main__":
