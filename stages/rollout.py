@@ -362,22 +362,16 @@ def _write_part(out: str, tok, cfg: RolloutConfig, kept, meta: dict, chunk: _Chu
     """Publish the part of ``chunk``: its rows' responses, decoded, as a Parquet file. ``kept``:
     the kept columns' schema (each column's one type over the prompts, so every part agrees)."""
     n = cfg.sampling.samples_per_prompt
-    texts = tok.decode([comp.tokens for comp in completions])
-    cols: dict[str, list] = {name: [] for name in contract.ROLLOUT_COLUMNS}
-    extra: dict[str, list] = {k: [] for k in cfg.keep_columns}
-    for i, comp in enumerate(completions):
-        row, k = chunk.rows[i // n], i % n
-        cols[contract.PROMPT_ID].append(str(row[cfg.id_column]) if cfg.id_column else str(chunk.numbers[i // n]))
-        cols[contract.SAMPLE_INDEX].append(k)
-        cols[contract.PROMPT].append(toklib.render_prompt(row[cfg.prompt_column]))
-        cols[contract.PROMPT_TOKEN_IDS].append(chunk.prompts[i // n])
-        cols[contract.RESPONSE].append(texts[i])
-        cols[contract.RESPONSE_TOKEN_IDS].append(comp.tokens)
-        cols[contract.RESPONSE_LOGPROBS].append(comp.logprobs)
-        cols[contract.FINISH_REASON].append(comp.finish_reason)
-        for key in cfg.keep_columns:
-            extra[key].append(row[key])
-    typed = {k: pa.array(v, type=kept.field(k).type) for k, v in extra.items()}
+    of = [i // n for i in range(len(completions))]  # each response's row in the chunk
+    ids = [str(row[cfg.id_column]) for row in chunk.rows] if cfg.id_column else list(map(str, chunk.numbers))
+    stored = [toklib.render_prompt(row[cfg.prompt_column]) for row in chunk.rows]
+    cols = {contract.PROMPT_ID: [ids[r] for r in of], contract.SAMPLE_INDEX: [i % n for i in range(len(of))],
+            contract.PROMPT: [stored[r] for r in of], contract.PROMPT_TOKEN_IDS: [chunk.prompts[r] for r in of],
+            contract.RESPONSE: tok.decode([c.tokens for c in completions]),
+            contract.RESPONSE_TOKEN_IDS: [c.tokens for c in completions],
+            contract.RESPONSE_LOGPROBS: [c.logprobs for c in completions],
+            contract.FINISH_REASON: [c.finish_reason for c in completions]}
+    typed = {k: pa.array([chunk.rows[r][k] for r in of], type=kept.field(k).type) for k in cfg.keep_columns}
     contract.write_part(out, contract.part_name(chunk.index), contract.rollout_table(cols, typed, meta))
 
 
