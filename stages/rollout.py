@@ -17,11 +17,9 @@ A rank's chunks go through one stream of the engine (lib/engine/generate.py ``En
 chunk's sequences take the slots as the last ones free them, so the batch never drains at a chunk
 boundary. The prompts are read and tokenized ahead in one thread, the responses decoded and the
 parts written behind in another, while the engine runs; parts are still published one at a time,
-each whole. Before that, the tokenizer loads and (on a GPU) the sampler's Triton kernel compiles
-beside the process group, the checks and the weights; the manifest's ``spans_s`` say
-where the stage's time went (docs/generation.md). With ``scores`` (the pipeline sets it when every
-reward term is a rule), the rollout then publishes the score stage's output too (stages/scoring.py),
-so no score process starts. Formats: docs/formats.md.
+each whole. The manifest's ``spans_s`` say where the stage's time went (docs/generation.md). With
+``scores`` (the pipeline sets it when every reward term is a rule), the rollout then publishes the
+score stage's output too (stages/scoring.py), so no score process starts. Formats: docs/formats.md.
 """
 
 from __future__ import annotations
@@ -54,7 +52,6 @@ import itertools  # noqa: E402 - after the tokenizer process has started
 import json  # noqa: E402
 import os  # noqa: E402, F811
 import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
 import pyarrow as pa
 import torch
@@ -219,7 +216,7 @@ def _generate(cfg: RolloutConfig, out: str, engine: Engine, chunks, tok, kept, m
                 stats["rows"] += len(completions)
                 stats["new_tokens"] += sum(len(c.tokens) for c in completions)
                 if writer:
-                    publisher.put((batch.tag, completions))
+                    publisher.put((batch, completions))
             stats["engine_s"] += engine.stats["busy_s"]
         spans.mark("engine")
         publisher.close()
@@ -303,14 +300,6 @@ class _Spans:
         return out
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    index: int
-    rows: list[dict]  # each row's values
-    numbers: list[int]  # each row's number in the prompts: its key
-    prompts: list[list[int]]  # token ids, one per row
-
-
 def _chunks(reading: prompts.RolloutRows, cfg: RolloutConfig, mine, done: set[str], tok, room: int, stats: dict):
     """The engine's batches: each chunk ``mine`` accepts and ``done`` lacks, tokenized; ``room``:
     the most prompt tokens that leave max_new_tokens within the actor's positions."""
@@ -339,9 +328,8 @@ def _chunks(reading: prompts.RolloutRows, cfg: RolloutConfig, mine, done: set[st
                 raise UserError(f"{reading.ds.where(number, place)}: the prompt has no tokens; remove it")
             ids_of.append(ids)
         # Row numbers key the random streams: the same prompt row draws the same responses wherever
-        # and with whatever it runs.
-        numbers = [number for number, _, _ in rows]
-        yield Batch(ids_of, numbers, _Chunk(chunk, [values for _, _, values in rows], numbers, ids_of))
+        # and with whatever it runs. The tag: the chunk's index and its rows' values, for its part.
+        yield Batch(ids_of, [number for number, _, _ in rows], (chunk, [values for _, _, values in rows]))
 
 
 def _encode(tok, reading: prompts.RolloutRows, rows: list, cfg: RolloutConfig) -> list[list[int]]:
@@ -358,21 +346,22 @@ def _encode(tok, reading: prompts.RolloutRows, rows: list, cfg: RolloutConfig) -
         raise
 
 
-def _write_part(out: str, tok, cfg: RolloutConfig, kept, meta: dict, chunk: _Chunk, completions) -> None:
-    """Publish the part of ``chunk``: its rows' responses, decoded, as a Parquet file. ``kept``:
-    the kept columns' schema (each column's one type over the prompts, so every part agrees)."""
+def _write_part(out: str, tok, cfg: RolloutConfig, kept, meta: dict, batch: Batch, completions) -> None:
+    """Publish the part of a chunk (``batch``): its rows' responses, decoded, as a Parquet file.
+    ``kept``: the kept columns' schema (each column's one type over the prompts, so every part agrees)."""
+    index, rows = batch.tag
     n = cfg.sampling.samples_per_prompt
     of = [i // n for i in range(len(completions))]  # each response's row in the chunk
-    ids = [str(row[cfg.id_column]) for row in chunk.rows] if cfg.id_column else list(map(str, chunk.numbers))
-    stored = [toklib.render_prompt(row[cfg.prompt_column]) for row in chunk.rows]
+    ids = [str(row[cfg.id_column]) for row in rows] if cfg.id_column else list(map(str, batch.keys))
+    stored = [toklib.render_prompt(row[cfg.prompt_column]) for row in rows]
     cols = {contract.PROMPT_ID: [ids[r] for r in of], contract.SAMPLE_INDEX: [i % n for i in range(len(of))],
-            contract.PROMPT: [stored[r] for r in of], contract.PROMPT_TOKEN_IDS: [chunk.prompts[r] for r in of],
+            contract.PROMPT: [stored[r] for r in of], contract.PROMPT_TOKEN_IDS: [batch.prompts[r] for r in of],
             contract.RESPONSE: tok.decode([c.tokens for c in completions]),
             contract.RESPONSE_TOKEN_IDS: [c.tokens for c in completions],
             contract.RESPONSE_LOGPROBS: [c.logprobs for c in completions],
             contract.FINISH_REASON: [c.finish_reason for c in completions]}
-    typed = {k: pa.array([chunk.rows[r][k] for r in of], type=kept.field(k).type) for k in cfg.keep_columns}
-    contract.write_part(out, contract.part_name(chunk.index), contract.rollout_table(cols, typed, meta))
+    typed = {k: pa.array([rows[r][k] for r in of], type=kept.field(k).type) for k in cfg.keep_columns}
+    contract.write_part(out, contract.part_name(index), contract.rollout_table(cols, typed, meta))
 
 
 class _Progress:
