@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import fsspec
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from llamarl.lib.errors import UserError
 
@@ -177,10 +179,7 @@ def _decode(text: bytes, names: list[str]) -> dict:
     return {n: obj[n] for n in names if n in obj}
 
 
-def open_parquet(ds: Dataset, f: int, fh):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def open_parquet(ds: Dataset, f: int, fh) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(fh)
     except (pa.ArrowException, OSError) as e:
@@ -212,8 +211,6 @@ def parquet_pylist(ds: Dataset, f: int, first: int, table, first_number: int) ->
 
 def _parquet_rows(ds: Dataset, f: int, names: list[str], first_number: int) -> Iterator[tuple[int, dict]]:
     """(row in the file, values) of every row of Parquet file ``f``, a batch at a time."""
-    import pyarrow as pa
-
     at = 0
     with ds.fs.open(ds.files[f], "rb") as fh:
         batches = open_parquet(ds, f, fh).iter_batches(batch_size=4096, columns=names)

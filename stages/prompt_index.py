@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import fsspec
 import numpy as np
+import pyarrow as pa
 import xxhash
 
 from llamarl.lib.errors import UserError
@@ -217,8 +218,6 @@ def _jsonl_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local: n
 def _parquet_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local: np.ndarray, names) -> list[Row]:
     """Rows ``numbers`` (``local`` in file ``f``) of a Parquet dataset: each row group holding some
     read once, its ``names`` columns only."""
-    import pyarrow as pa
-
     first_group = int(index.file_groups[:f].sum())
     group_starts = np.concatenate(([0], np.cumsum(index.group_rows[first_group:first_group + index.file_groups[f]])))
     group_of = np.searchsorted(group_starts, local, side="right") - 1

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from llamarl.lib.errors import UserError
 from llamarl.stages import prompt_files, prompt_index
@@ -185,15 +187,13 @@ class Checked:
     (the one type all its values have; pa.null() when every value is null)."""
 
     rows: int
-    kept: object  # pa.Schema
+    kept: pa.Schema
 
     def to_json(self) -> dict:
         return {"rows": self.rows, "kept": base64.b64encode(self.kept.serialize().to_pybytes()).decode()}
 
     @classmethod
     def from_json(cls, data: dict) -> Checked:
-        import pyarrow as pa
-
         kept = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(data["kept"])))
         return cls(int(data["rows"]), kept)
 
@@ -254,21 +254,18 @@ class _KeptTypes:
     unified as pa.array unifies values (an integer column with a float in it is float64)."""
 
     def __init__(self, ds: Dataset, keep: tuple[str, ...]):
-        import pyarrow as pa
-
-        self.pa, self.ds, self.keep = pa, ds, keep
+        self.ds, self.keep = ds, keep
         self.types = {k: pa.null() for k in keep}
 
     def add(self, rows: list[Row]) -> None:
         for k in self.keep:
             try:
-                self.types[k] = self._unify(self.types[k], self.pa.array([v.get(k) for _, _, v in rows]).type)
-            except (self.pa.ArrowException, OverflowError, TypeError, ValueError):
+                self.types[k] = self._unify(self.types[k], pa.array([v.get(k) for _, _, v in rows]).type)
+            except (pa.ArrowException, OverflowError, TypeError, ValueError):
                 for row in rows:  # the first row that does not fit, to name it
                     self._add_one(k, row)
 
     def _unify(self, a, b):
-        pa = self.pa
         both = [pa.schema([("c", a)]), pa.schema([("c", b)])]
         return pa.unify_schemas(both, promote_options="permissive").field("c").type
 
@@ -276,18 +273,18 @@ class _KeptTypes:
         number, place, values = row
         value = values.get(key)
         try:
-            mine = self.pa.array([value]).type
-        except (self.pa.ArrowException, OverflowError, TypeError, ValueError) as e:
+            mine = pa.array([value]).type
+        except (pa.ArrowException, OverflowError, TypeError, ValueError) as e:
             raise UserError(f"{self.ds.where(number, place)}: kept column {key!r} cannot be written to Parquet "
                             f"({str(e).splitlines()[0]}); fix the value or do not keep the column") from None
         try:
             self.types[key] = self._unify(self.types[key], mine)
-        except self.pa.ArrowException:
+        except pa.ArrowException:
             raise UserError(f"{self.ds.where(number, place)}: kept column {key!r} is {mine} here and "
                             f"{self.types[key]} in the rows before; give the column one type in every row") from None
 
-    def schema(self):
-        return self.pa.schema([(k, t) for k, t in self.types.items()])
+    def schema(self) -> pa.Schema:
+        return pa.schema([(k, t) for k, t in self.types.items()])
 
 
 class _Ids:
@@ -300,17 +297,12 @@ class _Ids:
 
     def add(self, rows: list[Row]) -> None:
         if self.column and rows:
-            import pyarrow as pa
-
             self.chunks.append(pa.array([str(v[self.column]) for _, _, v in rows], pa.string()))
             self.numbers.append(np.fromiter((n for n, _, _ in rows), np.int64, len(rows)))
 
     def check_unique(self) -> None:
         if not self.chunks:
             return
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
         ids = pa.chunked_array(self.chunks)
         if len(pc.unique(ids)) == len(ids):
             return
