@@ -33,6 +33,24 @@ Row = tuple  # (row number, place, {column: value}); place: (file index, byte of
 
 
 @dataclass(frozen=True)
+class Columns:
+    """The columns a rollout reads: the prompt, the id (None: the row number) and those it keeps."""
+
+    prompt: str = "prompt"
+    id: str | None = None
+    keep: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, cfg) -> Columns:
+        """A rollout config's (anything with prompt_column, id_column and keep_columns)."""
+        return cls(cfg.prompt_column, cfg.id_column, tuple(cfg.keep_columns))
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([self.prompt] + ([self.id] if self.id else []) + list(self.keep)))
+
+
+@dataclass(frozen=True)
 class Dataset:
     """A prompts dataset's files, in the order their rows are numbered."""
 
@@ -253,8 +271,9 @@ def require_columns(ds: Dataset, names: list[str]) -> None:
             return
 
 
-def iter_rows(ds: Dataset, names: list[str]) -> Iterator[Row]:
-    """Every row of ``ds`` in order, with bounded memory: ``(number, place, {name: value})``."""
+def iter_rows(ds: Dataset, columns: Columns) -> Iterator[Row]:
+    """Every row of ``ds`` in order, streamed, with bounded memory: ``(number, place, {column: value})``."""
+    names = columns.names
     require_columns(ds, names)
     number = 0
     for f in range(len(ds.files)):

@@ -30,31 +30,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from llamarl.lib.errors import UserError
-from llamarl.stages import prompt_files, prompt_index
-from llamarl.stages.prompt_files import ABSENT, Dataset, Row, open_dataset
-from llamarl.stages.prompt_index import Index, row_index
+from llamarl.stages import prompt_index
+from llamarl.stages.prompt_files import ABSENT, Columns, Dataset, Row, iter_rows, open_dataset
+from llamarl.stages.prompt_index import Index, read_rows, row_index
 
 __all__ = ["Columns", "Checked", "Dataset", "Index", "Row", "RolloutRows", "open_dataset", "row_index", "dataset_rows",
            "epoch_order", "selected_rows", "selection_record", "iter_rows", "read_rows", "check_rows", "check_dataset",
            "for_rollout"]
-
-
-@dataclass(frozen=True)
-class Columns:
-    """The columns a rollout reads: the prompt, the id (None: the row number) and those it keeps."""
-
-    prompt: str = "prompt"
-    id: str | None = None
-    keep: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, cfg) -> Columns:
-        """A rollout config's (anything with prompt_column, id_column and keep_columns)."""
-        return cls(cfg.prompt_column, cfg.id_column, tuple(cfg.keep_columns))
-
-    @property
-    def names(self) -> list[str]:
-        return list(dict.fromkeys([self.prompt] + ([self.id] if self.id else []) + list(self.keep)))
 
 
 def dataset_rows(url: str, index_cache: str | None = None) -> int:
@@ -316,16 +298,6 @@ class _Ids:
 
 
 # ---- a whole dataset ---------------------------------------------------------------------------------------
-
-
-def iter_rows(ds: Dataset, columns: Columns) -> Iterator[Row]:
-    """Every row of ``ds`` in order, streamed: ``(row number, place, {column: value})``."""
-    return prompt_files.iter_rows(ds, columns.names)
-
-
-def read_rows(ds: Dataset, index: Index, rows: np.ndarray, columns: Columns) -> list[Row]:
-    """Rows ``rows`` of ``ds`` in that order, reading only them (through ``index``)."""
-    return prompt_index.read_rows(ds, index, rows, columns.names)
 
 
 def check_dataset(url: str | Dataset, columns: Columns = Columns(), index_cache: str | None = None) -> Checked:
