@@ -1,8 +1,7 @@
 """The prompts a rollout reads: the dataset's files, a row index kept between rollouts, the rows
 one rollout selects, and the rules every row meets before anything is made from it.
 
-Torch-free (fsspec, numpy, pyarrow): the pipeline asks it how many rows a dataset has and which
-ones an iteration takes (``dataset_rows``, ``selected_rows``), and a dataset can be checked
+Torch-free (fsspec, numpy, pyarrow): the pipeline checks a dataset and counts its rows
 (``check_dataset``) without starting a stage. Formats and rules: docs/formats.md, "Prompts".
 
 - **Rows.** Parquet or JSON lines (``.jsonl``/``.json``), one file or a folder of them in path
@@ -34,15 +33,9 @@ from llamarl.stages import prompt_index
 from llamarl.stages.prompt_files import ABSENT, Columns, Dataset, Row, iter_rows, open_dataset
 from llamarl.stages.prompt_index import Index, read_rows, row_index
 
-__all__ = ["Columns", "Checked", "Dataset", "Index", "Row", "RolloutRows", "open_dataset", "row_index", "dataset_rows",
+__all__ = ["Columns", "Checked", "Dataset", "Index", "Row", "RolloutRows", "open_dataset", "row_index",
            "epoch_order", "selected_rows", "selection_record", "iter_rows", "read_rows", "check_rows", "check_dataset",
            "for_rollout"]
-
-
-def dataset_rows(url: str, index_cache: str | None = None) -> int:
-    """How many rows the prompts at ``url`` have (from the index: cached in ``index_cache``, or
-    built and cached there)."""
-    return row_index(open_dataset(url), index_cache).n_rows
 
 
 # ---- the selection ----------------------------------------------------------------------------------
