@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import fsspec
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -90,20 +89,6 @@ class Dataset:
                 count += block.count(b"\n")
                 offset -= len(block)
         return count + 1
-
-    def locate(self, number: int) -> tuple[int, int]:
-        """The place of row ``number`` (for messages: reads the files up to it)."""
-        if self.kind == PARQUET:
-            starts = np.cumsum([0] + [sum(parquet_groups(self, f)) for f in range(len(self.files))])
-            f = int(np.searchsorted(starts, number, side="right") - 1)
-            return f, number - int(starts[f])
-        seen = 0
-        for f in range(len(self.files)):
-            for offset, _ in jsonl_lines(self, f):
-                if seen == number:
-                    return f, offset
-                seen += 1
-        raise IndexError(number)
 
 
 def _is_local(fs) -> bool:

@@ -264,16 +264,17 @@ class _KeptTypes:
 
 class _Ids:
     """The rows' prompt ids as the rollout writes them (text), held as Arrow strings to find
-    repeats among millions without a Python object each."""
+    repeats among millions without a Python object each; beside them each row's number and place
+    (file, position), to name a repeat's rows."""
 
     def __init__(self, ds: Dataset, column: str | None):
         self.ds, self.column = ds, column
-        self.chunks, self.numbers = [], []
+        self.chunks, self.rows = [], []
 
     def add(self, rows: list[Row]) -> None:
         if self.column and rows:
             self.chunks.append(pa.array([str(v[self.column]) for _, _, v in rows], pa.string()))
-            self.numbers.append(np.fromiter((n for n, _, _ in rows), np.int64, len(rows)))
+            self.rows.append(np.fromiter((x for n, (f, at), _ in rows for x in (n, f, at)), np.int64, 3 * len(rows)))
 
     def check_unique(self) -> None:
         if not self.chunks:
@@ -284,10 +285,10 @@ class _Ids:
         counts = pc.value_counts(ids)
         twice = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
         at = np.flatnonzero(pc.equal(ids, twice).to_numpy(zero_copy_only=False))[:2]
-        first, again = (int(np.concatenate(self.numbers)[i]) for i in at)
-        raise UserError(f"{self.ds.where(again, self.ds.locate(again))}: {self.column!r} {twice!r} is also the id of "
-                        f"row {first} ({self.ds.where(first, self.ds.locate(first))}); prompt ids must be unique: "
-                        "change or remove one")
+        rows = np.concatenate(self.rows).reshape(-1, 3)
+        (first, f1, at1), (again, f2, at2) = (rows[i].tolist() for i in at)
+        raise UserError(f"{self.ds.where(again, (f2, at2))}: {self.column!r} {twice!r} is also the id of row {first} "
+                        f"({self.ds.where(first, (f1, at1))}); prompt ids must be unique: change or remove one")
 
 
 # ---- a whole dataset ---------------------------------------------------------------------------------------
