@@ -232,24 +232,18 @@ def _last_save(path: str) -> int:
 
 
 def _prompts(url: str) -> tuple[int, int]:
-    """(rows, bytes) of the prompts: a Parquet file's rows and uncompressed bytes from its footer,
-    a JSONL file's lines and size."""
-    fs, path = fsspec.core.url_to_fs(url)
-    files = [path] if fs.isfile(path) else sorted(fs.find(path))
-    rows = nbytes = 0
-    for f in files:
-        if f.endswith(".parquet"):
-            import pyarrow.parquet as pq
+    """(rows, bytes) of the prompts: the rows their row index counts (built here, not kept: the
+    rollout's manifest says whether it built the index), a JSON lines file's size, a Parquet file's
+    uncompressed bytes (its footer)."""
+    from llamarl.stages import prompt_files, prompt_index
 
-            with fs.open(f, "rb") as stream:
-                meta = pq.ParquetFile(stream).metadata
-            rows += meta.num_rows
-            nbytes += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-        elif f.endswith((".jsonl", ".json")):
-            with fs.open(f, "rb") as stream:
-                size_, lines, last = 0, 0, b"\n"
-                while block := stream.read(16 << 20):
-                    size_, lines, last = size_ + len(block), lines + block.count(b"\n"), block[-1:]
-            rows += lines + (last != b"\n")
-            nbytes += size_
+    ds = prompt_files.open_dataset(url)
+    rows = prompt_index.row_index(ds).n_rows
+    if ds.kind == prompt_files.JSONL:
+        return rows, sum(ds.sizes)
+    nbytes = 0
+    for f, path in enumerate(ds.files):
+        with ds.fs.open(path, "rb") as fh:
+            meta = prompt_files.open_parquet(ds, f, fh).metadata
+        nbytes += sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
     return rows, nbytes
