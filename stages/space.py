@@ -41,7 +41,7 @@ from llamarl.lib import dtypes
 from llamarl.lib.runtime import job
 from llamarl.lib.files import publish
 from llamarl.lib.errors import UserError
-from llamarl.stages import contract
+from llamarl.stages import contract, identity
 from llamarl.stages.config import (STAGES, ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig,
                                    StageConfig, processes)
 
@@ -64,7 +64,7 @@ class Need:
 
 def check(cfg: StageConfig) -> None:
     """Refuse, in one line, a stage whose output does not fit on its local file system."""
-    out = _output(cfg)
+    out = identity.declare(cfg).out.rstrip("/")
     job.writes_to(out)
     fs, path = fsspec.core.url_to_fs(out)
     if "file" not in fs.protocol or publish.read_manifest(out) is not None:
@@ -172,10 +172,6 @@ _ESTIMATES = {ShardConfig: _shard, ExportConfig: _export, PPOConfig: _ppo, Rollo
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-
-
-def _output(cfg: StageConfig) -> str:
-    return (cfg.dst if isinstance(cfg, (ShardConfig, ExportConfig)) else cfg.out).rstrip("/")
 
 
 def _stage(cfg: StageConfig) -> str:
