@@ -46,8 +46,8 @@ def declare(cfg: StageConfig) -> Declared:
     if isinstance(c, RolloutConfig):
         return Declared(contract.ROLLOUT, c.out, identity, {"actor": c.actor}, external=(c.prompts,))
     if isinstance(c, ScoreConfig):
-        uses_rm = any(t.name == "rm" for t in c.rewards)
-        return Declared(contract.SCORES, c.out, identity, {"rollout": c.rollout, "rm": c.reward_model if uses_rm else None})
+        return Declared(contract.SCORES, c.out, identity, {"rollout": c.rollout,
+                                                           "rm": c.reward_model if c.uses_rm() else None})
     if isinstance(c, PPOConfig):
         critic = c.critic if c.advantage == "gae" else None  # only gae trains (and reads) a critic
         return Declared(contract.PPO, c.out, identity, {"actor": c.actor, "rollout": c.rollout, "scores": c.scores,

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import fsspec
-import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from llamarl.lib.errors import UserError
 
@@ -28,6 +29,24 @@ _BOM = b"\xef\xbb\xbf"
 ABSENT = object()  # a JSON line without the column (a Parquet row always has every column of its file)
 
 Row = tuple  # (row number, place, {column: value}); place: (file index, byte offset | row in the file)
+
+
+@dataclass(frozen=True)
+class Columns:
+    """The columns a rollout reads: the prompt, the id (None: the row number) and those it keeps."""
+
+    prompt: str = "prompt"
+    id: str | None = None
+    keep: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, cfg) -> Columns:
+        """A rollout config's (anything with prompt_column, id_column and keep_columns)."""
+        return cls(cfg.prompt_column, cfg.id_column, tuple(cfg.keep_columns))
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([self.prompt] + ([self.id] if self.id else []) + list(self.keep)))
 
 
 @dataclass(frozen=True)
@@ -70,20 +89,6 @@ class Dataset:
                 count += block.count(b"\n")
                 offset -= len(block)
         return count + 1
-
-    def locate(self, number: int) -> tuple[int, int]:
-        """The place of row ``number`` (for messages: reads the files up to it)."""
-        if self.kind == PARQUET:
-            starts = np.cumsum([0] + [sum(parquet_groups(self, f)) for f in range(len(self.files))])
-            f = int(np.searchsorted(starts, number, side="right") - 1)
-            return f, number - int(starts[f])
-        seen = 0
-        for f in range(len(self.files)):
-            for offset, _ in jsonl_lines(self, f):
-                if seen == number:
-                    return f, offset
-                seen += 1
-        raise IndexError(number)
 
 
 def _is_local(fs) -> bool:
@@ -177,10 +182,7 @@ def _decode(text: bytes, names: list[str]) -> dict:
     return {n: obj[n] for n in names if n in obj}
 
 
-def open_parquet(ds: Dataset, f: int, fh):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def open_parquet(ds: Dataset, f: int, fh) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(fh)
     except (pa.ArrowException, OSError) as e:
@@ -212,8 +214,6 @@ def parquet_pylist(ds: Dataset, f: int, first: int, table, first_number: int) ->
 
 def _parquet_rows(ds: Dataset, f: int, names: list[str], first_number: int) -> Iterator[tuple[int, dict]]:
     """(row in the file, values) of every row of Parquet file ``f``, a batch at a time."""
-    import pyarrow as pa
-
     at = 0
     with ds.fs.open(ds.files[f], "rb") as fh:
         batches = open_parquet(ds, f, fh).iter_batches(batch_size=4096, columns=names)
@@ -256,8 +256,9 @@ def require_columns(ds: Dataset, names: list[str]) -> None:
             return
 
 
-def iter_rows(ds: Dataset, names: list[str]) -> Iterator[Row]:
-    """Every row of ``ds`` in order, with bounded memory: ``(number, place, {name: value})``."""
+def iter_rows(ds: Dataset, columns: Columns) -> Iterator[Row]:
+    """Every row of ``ds`` in order, streamed, with bounded memory: ``(number, place, {column: value})``."""
+    names = columns.names
     require_columns(ds, names)
     number = 0
     for f in range(len(ds.files)):

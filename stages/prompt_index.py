@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import fsspec
 import numpy as np
+import pyarrow as pa
 import xxhash
 
 from llamarl.lib.errors import UserError
-from llamarl.stages.prompt_files import (BLOCK, JSONL, Dataset, Row, line_text, open_parquet, parquet_groups,
+from llamarl.stages.prompt_files import (BLOCK, JSONL, Columns, Dataset, Row, line_text, open_parquet, parquet_groups,
                                          parquet_pylist, require_columns, row_values)
 
 INDEX_FORMAT = 1  # of the cache files: a new one builds every index again
@@ -182,9 +183,10 @@ def _write(folder: str, name: str, data: bytes) -> None:
 # ---- a few rows, through the index -------------------------------------------------------------------------
 
 
-def read_rows(ds: Dataset, index: Index, rows: np.ndarray, names: list[str]) -> list[Row]:
+def read_rows(ds: Dataset, index: Index, rows: np.ndarray, columns: Columns) -> list[Row]:
     """Rows ``rows`` (numbers) of ``ds``, in that order, reading only them: JSON lines by their
-    byte ranges, Parquet by the row groups holding them (only ``names``' columns)."""
+    byte ranges, Parquet by the row groups holding them (only the ``columns``)."""
+    names = columns.names
     require_columns(ds, names)
     rows = np.asarray(rows, np.int64)
     starts = index.file_starts
@@ -217,8 +219,6 @@ def _jsonl_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local: n
 def _parquet_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local: np.ndarray, names) -> list[Row]:
     """Rows ``numbers`` (``local`` in file ``f``) of a Parquet dataset: each row group holding some
     read once, its ``names`` columns only."""
-    import pyarrow as pa
-
     first_group = int(index.file_groups[:f].sum())
     group_starts = np.concatenate(([0], np.cumsum(index.group_rows[first_group:first_group + index.file_groups[f]])))
     group_of = np.searchsorted(group_starts, local, side="right") - 1

@@ -1,8 +1,7 @@
 """The prompts a rollout reads: the dataset's files, a row index kept between rollouts, the rows
 one rollout selects, and the rules every row meets before anything is made from it.
 
-Torch-free (fsspec, numpy, pyarrow): the pipeline asks it how many rows a dataset has and which
-ones an iteration takes (``dataset_rows``, ``selected_rows``), and a dataset can be checked
+Torch-free (fsspec, numpy, pyarrow): the pipeline checks a dataset and counts its rows
 (``check_dataset``) without starting a stage. Formats and rules: docs/formats.md, "Prompts".
 
 - **Rows.** Parquet or JSON lines (``.jsonl``/``.json``), one file or a folder of them in path
@@ -26,39 +25,17 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from llamarl.lib.errors import UserError
-from llamarl.stages import prompt_files, prompt_index
-from llamarl.stages.prompt_files import ABSENT, Dataset, Row, open_dataset
-from llamarl.stages.prompt_index import Index, row_index
+from llamarl.stages import prompt_index
+from llamarl.stages.prompt_files import ABSENT, Columns, Dataset, Row, iter_rows, open_dataset
+from llamarl.stages.prompt_index import Index, read_rows, row_index
 
-__all__ = ["Columns", "Checked", "Dataset", "Index", "Row", "RolloutRows", "open_dataset", "row_index", "dataset_rows",
+__all__ = ["Columns", "Checked", "Dataset", "Index", "Row", "RolloutRows", "open_dataset", "row_index",
            "epoch_order", "selected_rows", "selection_record", "iter_rows", "read_rows", "check_rows", "check_dataset",
            "for_rollout"]
-
-
-@dataclass(frozen=True)
-class Columns:
-    """The columns a rollout reads: the prompt, the id (None: the row number) and those it keeps."""
-
-    prompt: str = "prompt"
-    id: str | None = None
-    keep: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, cfg) -> Columns:
-        """A rollout config's (anything with prompt_column, id_column and keep_columns)."""
-        return cls(cfg.prompt_column, cfg.id_column, tuple(cfg.keep_columns))
-
-    @property
-    def names(self) -> list[str]:
-        return list(dict.fromkeys([self.prompt] + ([self.id] if self.id else []) + list(self.keep)))
-
-
-def dataset_rows(url: str, index_cache: str | None = None) -> int:
-    """How many rows the prompts at ``url`` have (from the index: cached in ``index_cache``, or
-    built and cached there)."""
-    return row_index(open_dataset(url), index_cache).n_rows
 
 
 # ---- the selection ----------------------------------------------------------------------------------
@@ -185,15 +162,13 @@ class Checked:
     (the one type all its values have; pa.null() when every value is null)."""
 
     rows: int
-    kept: object  # pa.Schema
+    kept: pa.Schema
 
     def to_json(self) -> dict:
         return {"rows": self.rows, "kept": base64.b64encode(self.kept.serialize().to_pybytes()).decode()}
 
     @classmethod
     def from_json(cls, data: dict) -> Checked:
-        import pyarrow as pa
-
         kept = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(data["kept"])))
         return cls(int(data["rows"]), kept)
 
@@ -254,21 +229,18 @@ class _KeptTypes:
     unified as pa.array unifies values (an integer column with a float in it is float64)."""
 
     def __init__(self, ds: Dataset, keep: tuple[str, ...]):
-        import pyarrow as pa
-
-        self.pa, self.ds, self.keep = pa, ds, keep
+        self.ds, self.keep = ds, keep
         self.types = {k: pa.null() for k in keep}
 
     def add(self, rows: list[Row]) -> None:
         for k in self.keep:
             try:
-                self.types[k] = self._unify(self.types[k], self.pa.array([v.get(k) for _, _, v in rows]).type)
-            except (self.pa.ArrowException, OverflowError, TypeError, ValueError):
+                self.types[k] = self._unify(self.types[k], pa.array([v.get(k) for _, _, v in rows]).type)
+            except (pa.ArrowException, OverflowError, TypeError, ValueError):
                 for row in rows:  # the first row that does not fit, to name it
                     self._add_one(k, row)
 
     def _unify(self, a, b):
-        pa = self.pa
         both = [pa.schema([("c", a)]), pa.schema([("c", b)])]
         return pa.unify_schemas(both, promote_options="permissive").field("c").type
 
@@ -276,64 +248,50 @@ class _KeptTypes:
         number, place, values = row
         value = values.get(key)
         try:
-            mine = self.pa.array([value]).type
-        except (self.pa.ArrowException, OverflowError, TypeError, ValueError) as e:
+            mine = pa.array([value]).type
+        except (pa.ArrowException, OverflowError, TypeError, ValueError) as e:
             raise UserError(f"{self.ds.where(number, place)}: kept column {key!r} cannot be written to Parquet "
                             f"({str(e).splitlines()[0]}); fix the value or do not keep the column") from None
         try:
             self.types[key] = self._unify(self.types[key], mine)
-        except self.pa.ArrowException:
+        except pa.ArrowException:
             raise UserError(f"{self.ds.where(number, place)}: kept column {key!r} is {mine} here and "
                             f"{self.types[key]} in the rows before; give the column one type in every row") from None
 
-    def schema(self):
-        return self.pa.schema([(k, t) for k, t in self.types.items()])
+    def schema(self) -> pa.Schema:
+        return pa.schema([(k, t) for k, t in self.types.items()])
 
 
 class _Ids:
     """The rows' prompt ids as the rollout writes them (text), held as Arrow strings to find
-    repeats among millions without a Python object each."""
+    repeats among millions without a Python object each; beside them each row's number and place
+    (file, position), to name a repeat's rows."""
 
     def __init__(self, ds: Dataset, column: str | None):
         self.ds, self.column = ds, column
-        self.chunks, self.numbers = [], []
+        self.chunks, self.rows = [], []
 
     def add(self, rows: list[Row]) -> None:
         if self.column and rows:
-            import pyarrow as pa
-
             self.chunks.append(pa.array([str(v[self.column]) for _, _, v in rows], pa.string()))
-            self.numbers.append(np.fromiter((n for n, _, _ in rows), np.int64, len(rows)))
+            self.rows.append(np.fromiter((x for n, (f, at), _ in rows for x in (n, f, at)), np.int64, 3 * len(rows)))
 
     def check_unique(self) -> None:
         if not self.chunks:
             return
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
         ids = pa.chunked_array(self.chunks)
         if len(pc.unique(ids)) == len(ids):
             return
         counts = pc.value_counts(ids)
         twice = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
         at = np.flatnonzero(pc.equal(ids, twice).to_numpy(zero_copy_only=False))[:2]
-        first, again = (int(np.concatenate(self.numbers)[i]) for i in at)
-        raise UserError(f"{self.ds.where(again, self.ds.locate(again))}: {self.column!r} {twice!r} is also the id of "
-                        f"row {first} ({self.ds.where(first, self.ds.locate(first))}); prompt ids must be unique: "
-                        "change or remove one")
+        rows = np.concatenate(self.rows).reshape(-1, 3)
+        (first, f1, at1), (again, f2, at2) = (rows[i].tolist() for i in at)
+        raise UserError(f"{self.ds.where(again, (f2, at2))}: {self.column!r} {twice!r} is also the id of row {first} "
+                        f"({self.ds.where(first, (f1, at1))}); prompt ids must be unique: change or remove one")
 
 
 # ---- a whole dataset ---------------------------------------------------------------------------------------
-
-
-def iter_rows(ds: Dataset, columns: Columns) -> Iterator[Row]:
-    """Every row of ``ds`` in order, streamed: ``(row number, place, {column: value})``."""
-    return prompt_files.iter_rows(ds, columns.names)
-
-
-def read_rows(ds: Dataset, index: Index, rows: np.ndarray, columns: Columns) -> list[Row]:
-    """Rows ``rows`` of ``ds`` in that order, reading only them (through ``index``)."""
-    return prompt_index.read_rows(ds, index, rows, columns.names)
 
 
 def check_dataset(url: str | Dataset, columns: Columns = Columns(), index_cache: str | None = None) -> Checked:

@@ -17,11 +17,9 @@ A rank's chunks go through one stream of the engine (lib/engine/generate.py ``En
 chunk's sequences take the slots as the last ones free them, so the batch never drains at a chunk
 boundary. The prompts are read and tokenized ahead in one thread, the responses decoded and the
 parts written behind in another, while the engine runs; parts are still published one at a time,
-each whole. Before that, the tokenizer loads and (on a GPU) the sampler's Triton kernel compiles
-beside the process group, the checks and the weights; the manifest's ``spans_s`` say
-where the stage's time went (docs/generation.md). With ``scores`` (the pipeline sets it when every
-reward term is a rule), the rollout then publishes the score stage's output too (stages/scoring.py),
-so no score process starts. Formats: docs/formats.md.
+each whole. The manifest's ``spans_s`` say where the stage's time went (docs/generation.md). With
+``scores`` (the pipeline sets it when every reward term is a rule), the rollout then publishes the
+score stage's output too (stages/scoring.py), so no score process starts. Formats: docs/formats.md.
 """
 
 from __future__ import annotations
@@ -50,11 +48,10 @@ if __name__ == "__main__":
     if os.environ.get("CUDA_VISIBLE_DEVICES") != "" and any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/nvidia0")):
         threading.Thread(target=_triton_key, name="rollout-triton-key", daemon=True).start()
 
-import json  # noqa: E402 - after the tokenizer process has started
+import itertools  # noqa: E402 - after the tokenizer process has started
+import json  # noqa: E402
 import os  # noqa: E402, F811
 import time  # noqa: E402
-from collections.abc import Iterable, Iterator  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
 import pyarrow as pa
 import torch
@@ -75,20 +72,6 @@ from llamarl.stages.config import RolloutConfig
 from llamarl.stages.scoring import Scoring
 
 _IMPORTED = time.time()
-
-
-def iter_chunks(rows: Iterable[prompts.Row], chunk_size: int, mine) -> Iterator[tuple[int, list[prompts.Row]]]:
-    """(chunk index, its rows) for the chunks ``mine(c)`` accepts: ``rows`` cut into chunks of
-    ``chunk_size``, read once in order with bounded memory."""
-    pending, c = [], 0
-    for row in rows:
-        pending.append(row)
-        if len(pending) == chunk_size:
-            if mine(c):
-                yield c, pending
-            c, pending = c + 1, []
-    if pending and mine(c):
-        yield c, pending
 
 
 def run(cfg: RolloutConfig, overlap: bool = True) -> None:
@@ -192,7 +175,10 @@ def _check_actor(cfg: RolloutConfig, actor: str):
 def _load_actor(actor: str, model_cfg, layout, dtype, verifying, spans: _Spans):
     """Collective: the weights loaded while their files are verified; a damaged file is its one
     line on every rank, never what loading it raised."""
-    model = _build_actor(model_cfg, layout, dtype, parallel.device())
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
+
+    with torch.device(parallel.device()):
+        model = ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
     spans.mark("build")
     try:
         checkpoint.load_model(model, f"{actor}/{contract.MODEL}")
@@ -214,7 +200,7 @@ def _generate(cfg: RolloutConfig, out: str, engine: Engine, chunks, tok, kept, m
     after another; the ``writer`` publishes the parts (the decoder is its own: a tokenizer object
     is not shared across threads). Counts into ``stats``; returns the seconds it took."""
     s = cfg.sampling
-    progress = _Progress(enabled=dist.get_rank() == 0, first=spans.mark_once)
+    progress = _Progress(dist.get_rank() == 0, spans)
     t0 = time.perf_counter()
     source = background.Ahead(chunks, depth=2, name="rollout-ahead") if overlap else chunks
     decoder = tok.for_thread() if overlap else tok
@@ -225,12 +211,12 @@ def _generate(cfg: RolloutConfig, out: str, engine: Engine, chunks, tok, kept, m
         for batches in streams:
             for batch, completions in engine.stream(batches, seed=s.seed, samples_per_prompt=s.samples_per_prompt,
                                                     on_tokens=progress.tokens):
-                progress.chunk_done()
                 stats["chunks"] += 1
+                progress.chunks(stats["chunks"])
                 stats["rows"] += len(completions)
                 stats["new_tokens"] += sum(len(c.tokens) for c in completions)
                 if writer:
-                    publisher.put((batch.tag, completions))
+                    publisher.put((batch, completions))
             stats["engine_s"] += engine.stats["busy_s"]
         spans.mark("engine")
         publisher.close()
@@ -240,7 +226,7 @@ def _generate(cfg: RolloutConfig, out: str, engine: Engine, chunks, tok, kept, m
         if overlap:
             source.stop()
     elapsed = time.perf_counter() - t0
-    progress.close()
+    progress.bar.stop()
     return elapsed
 
 
@@ -276,16 +262,12 @@ def _load_tokenizer(actor: str):
     return toklib.Local(toklib.load(actor))
 
 
-def _sampler_slice(cfg: RolloutConfig, model_cfg: LlamaConfig) -> tuple[int, int]:
-    """(entries, first global id) of this rank's vocabulary slice, as the model will have it."""
-    shard = pad_vocab(model_cfg.vocab_size, cfg.tp) // cfg.tp
-    return shard, int(os.environ.get("RANK", "0")) % cfg.tp * shard
-
-
 def _warm_up_kernels(cfg: RolloutConfig, model_cfg: LlamaConfig, dtype, device) -> None:
     """The sampler's kernel compiled (or loaded from Triton's cache) for this rank's slice, and the
     prefill's attention run once (its kernel's first launch), off the path to the first token."""
-    sampling.warm_up(SamplingParams(temperature=cfg.sampling.temperature), *_sampler_slice(cfg, model_cfg), dtype, device)
+    shard = pad_vocab(model_cfg.vocab_size, cfg.tp) // cfg.tp  # this rank's vocabulary slice, as the model has it
+    sampling.warm_up(SamplingParams(temperature=cfg.sampling.temperature), shard,
+                     int(os.environ.get("RANK", "0")) % cfg.tp * shard, dtype, device)
     attention.warm_up(device, dtype, max(model_cfg.num_heads // cfg.tp, 1), max(model_cfg.num_kv_heads // cfg.tp, 1),
                       model_cfg.head_dim)
 
@@ -309,10 +291,6 @@ class _Spans:
     def mark(self, step: str) -> None:
         self.steps.append((step, time.time()))
 
-    def mark_once(self, step: str) -> None:
-        if all(name != step for name, _ in self.steps):
-            self.mark(step)
-
     def seconds(self) -> dict[str, float]:
         out, last = {}, self.t0
         for name, t in self.steps:
@@ -322,27 +300,18 @@ class _Spans:
         return out
 
 
-def _build_actor(model_cfg, layout, dtype, device):
-    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
-
-    with torch.device(device):
-        return ParallelLlamaForCausalLM(model_cfg, layout, dtype=dtype)
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    index: int
-    rows: list[dict]  # each row's values
-    numbers: list[int]  # each row's number in the prompts: its key
-    prompts: list[list[int]]  # token ids, one per row
-
-
 def _chunks(reading: prompts.RolloutRows, cfg: RolloutConfig, mine, done: set[str], tok, room: int, stats: dict):
     """The engine's batches: each chunk ``mine`` accepts and ``done`` lacks, tokenized; ``room``:
     the most prompt tokens that leave max_new_tokens within the actor's positions."""
     s = cfg.sampling
     keep = min(cfg.max_prompt_tokens or room, room)
-    for chunk, rows in iter_chunks(reading, cfg.chunk_size, mine):
+    rows_left = iter(reading)  # read once, in order, with bounded memory
+    for chunk in itertools.count():
+        rows = list(itertools.islice(rows_left, cfg.chunk_size))
+        if not rows:
+            return
+        if not mine(chunk):
+            continue
         if contract.part_name(chunk) in done:
             stats["skipped_chunks"] += 1
             continue
@@ -359,9 +328,8 @@ def _chunks(reading: prompts.RolloutRows, cfg: RolloutConfig, mine, done: set[st
                 raise UserError(f"{reading.ds.where(number, place)}: the prompt has no tokens; remove it")
             ids_of.append(ids)
         # Row numbers key the random streams: the same prompt row draws the same responses wherever
-        # and with whatever it runs.
-        numbers = [number for number, _, _ in rows]
-        yield Batch(ids_of, numbers, _Chunk(chunk, [values for _, _, values in rows], numbers, ids_of))
+        # and with whatever it runs. The tag: the chunk's index and its rows' values, for its part.
+        yield Batch(ids_of, [number for number, _, _ in rows], (chunk, [values for _, _, values in rows]))
 
 
 def _encode(tok, reading: prompts.RolloutRows, rows: list, cfg: RolloutConfig) -> list[list[int]]:
@@ -378,62 +346,47 @@ def _encode(tok, reading: prompts.RolloutRows, rows: list, cfg: RolloutConfig) -
         raise
 
 
-def _write_part(out: str, tok, cfg: RolloutConfig, kept, meta: dict, chunk: _Chunk, completions) -> None:
-    """Publish the part of ``chunk``: its rows' responses, decoded, as a Parquet file. ``kept``:
-    the kept columns' schema (each column's one type over the prompts, so every part agrees)."""
+def _write_part(out: str, tok, cfg: RolloutConfig, kept, meta: dict, batch: Batch, completions) -> None:
+    """Publish the part of a chunk (``batch``): its rows' responses, decoded, as a Parquet file.
+    ``kept``: the kept columns' schema (each column's one type over the prompts, so every part agrees)."""
+    index, rows = batch.tag
     n = cfg.sampling.samples_per_prompt
-    texts = tok.decode([comp.tokens for comp in completions])
-    cols: dict[str, list] = {name: [] for name in contract.ROLLOUT_COLUMNS}
-    extra: dict[str, list] = {k: [] for k in cfg.keep_columns}
-    for i, comp in enumerate(completions):
-        row, k = chunk.rows[i // n], i % n
-        cols[contract.PROMPT_ID].append(str(row[cfg.id_column]) if cfg.id_column else str(chunk.numbers[i // n]))
-        cols[contract.SAMPLE_INDEX].append(k)
-        cols[contract.PROMPT].append(toklib.render_prompt(row[cfg.prompt_column]))
-        cols[contract.PROMPT_TOKEN_IDS].append(chunk.prompts[i // n])
-        cols[contract.RESPONSE].append(texts[i])
-        cols[contract.RESPONSE_TOKEN_IDS].append(comp.tokens)
-        cols[contract.RESPONSE_LOGPROBS].append(comp.logprobs)
-        cols[contract.FINISH_REASON].append(comp.finish_reason)
-        for key in cfg.keep_columns:
-            extra[key].append(row[key])
-    typed = {k: pa.array(v, type=kept.field(k).type) for k, v in extra.items()}
-    contract.write_part(out, contract.part_name(chunk.index), contract.rollout_table(cols, typed, meta))
+    of = [i // n for i in range(len(completions))]  # each response's row in the chunk
+    ids = [str(row[cfg.id_column]) for row in rows] if cfg.id_column else list(map(str, batch.keys))
+    stored = [toklib.render_prompt(row[cfg.prompt_column]) for row in rows]
+    cols = {contract.PROMPT_ID: [ids[r] for r in of], contract.SAMPLE_INDEX: [i % n for i in range(len(of))],
+            contract.PROMPT: [stored[r] for r in of], contract.PROMPT_TOKEN_IDS: [batch.prompts[r] for r in of],
+            contract.RESPONSE: tok.decode([c.tokens for c in completions]),
+            contract.RESPONSE_TOKEN_IDS: [c.tokens for c in completions],
+            contract.RESPONSE_LOGPROBS: [c.logprobs for c in completions],
+            contract.FINISH_REASON: [c.finish_reason for c in completions]}
+    typed = {k: pa.array([rows[r][k] for r in of], type=kept.field(k).type) for k in cfg.keep_columns}
+    contract.write_part(out, contract.part_name(index), contract.rollout_table(cols, typed, meta))
 
 
 class _Progress:
-    """A progress line on rank 0: chunks done and new tokens per second."""
+    """A progress line on rank 0 (``enabled``): chunks done and new tokens per second; the first
+    tokens marked in ``spans``."""
 
-    def __init__(self, enabled: bool, first=None):
-        self.enabled, self._first = enabled, first
-        self.count, self.chunks, self.t0 = 0, 0, time.perf_counter()
-        self._bar = None
-        if enabled:
-            from rich.progress import Progress, TextColumn, TimeElapsedColumn
+    def __init__(self, enabled: bool, spans: _Spans):
+        from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress(TextColumn("rollout"), TextColumn("{task.fields[chunks]} chunks"),
-                                 TextColumn("{task.completed} new tokens"), TextColumn("{task.fields[rate]} tok/s"),
-                                 TimeElapsedColumn(), transient=False)
-            self._task = self._bar.add_task("rollout", total=None, chunks=0, rate="-")
-            self._bar.start()
+        self.spans, self.count, self.t0 = spans, 0, time.perf_counter()
+        self.bar = Progress(TextColumn("rollout"), TextColumn("{task.fields[chunks]} chunks"),
+                            TextColumn("{task.completed} new tokens"), TextColumn("{task.fields[rate]} tok/s"),
+                            TimeElapsedColumn(), transient=False, disable=not enabled)
+        self.task = self.bar.add_task("rollout", total=None, chunks=0, rate="-")
+        self.bar.start()
 
     def tokens(self, n: int) -> None:
-        if self._first is not None and n:
-            self._first("first_tokens")
-            self._first = None
+        if n and not self.count:
+            self.spans.mark("first_tokens")
         self.count += n
-        if self._bar:
-            rate = self.count / max(time.perf_counter() - self.t0, 1e-9)
-            self._bar.update(self._task, completed=self.count, rate=f"{rate:,.0f}")
+        rate = self.count / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.update(self.task, completed=self.count, rate=f"{rate:,.0f}")
 
-    def chunk_done(self) -> None:
-        self.chunks += 1
-        if self._bar:
-            self._bar.update(self._task, chunks=self.chunks)
-
-    def close(self) -> None:
-        if self._bar:
-            self._bar.stop()
+    def chunks(self, done: int) -> None:
+        self.bar.update(self.task, chunks=done)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.model.offload import ParamOffload
 from llamarl.stages import contract, space
 from llamarl.stages.config import ScoreConfig
-from llamarl.stages.scoring import Scoring, uses_rm
+from llamarl.stages.scoring import Scoring
 
 
 # ---- re-tokenization ---------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def run(cfg: ScoreConfig) -> None:
     space.check(cfg)
     scoring = Scoring.open(cfg)
     rm_manifest = None
-    if uses_rm(cfg):
+    if cfg.uses_rm():
         rm_manifest = contract.require_checkpoint(cfg.reward_model, "score", "a reward model")
         ParallelLayout(tp=cfg.tp, pp=cfg.pp).check(LlamaConfig.from_dict(rm_manifest["model_config"]))
 

@@ -41,10 +41,6 @@ class RewardModel(Protocol):
         and how many rows had their prompt cut."""
 
 
-def uses_rm(cfg: ScoreConfig) -> bool:
-    return any(t.name == "rm" for t in cfg.rewards)
-
-
 @dataclass
 class Scoring:
     """A scores output of ``cfg`` in the making: its rollout's manifest and parts, checked, its rules

@@ -41,7 +41,7 @@ from llamarl.lib import dtypes
 from llamarl.lib.runtime import job
 from llamarl.lib.files import publish
 from llamarl.lib.errors import UserError
-from llamarl.stages import contract
+from llamarl.stages import contract, identity
 from llamarl.stages.config import (STAGES, ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig,
                                    StageConfig, processes)
 
@@ -64,7 +64,7 @@ class Need:
 
 def check(cfg: StageConfig) -> None:
     """Refuse, in one line, a stage whose output does not fit on its local file system."""
-    out = _output(cfg)
+    out = identity.declare(cfg).out.rstrip("/")
     job.writes_to(out)
     fs, path = fsspec.core.url_to_fs(out)
     if "file" not in fs.protocol or publish.read_manifest(out) is not None:
@@ -174,10 +174,6 @@ _ESTIMATES = {ShardConfig: _shard, ExportConfig: _export, PPOConfig: _ppo, Rollo
 # ---- helpers ----------------------------------------------------------------------------------
 
 
-def _output(cfg: StageConfig) -> str:
-    return (cfg.dst if isinstance(cfg, (ShardConfig, ExportConfig)) else cfg.out).rstrip("/")
-
-
 def _stage(cfg: StageConfig) -> str:
     return next(name for name, cls in STAGES.items() if cls is type(cfg))
 
@@ -232,24 +228,18 @@ def _last_save(path: str) -> int:
 
 
 def _prompts(url: str) -> tuple[int, int]:
-    """(rows, bytes) of the prompts: a Parquet file's rows and uncompressed bytes from its footer,
-    a JSONL file's lines and size."""
-    fs, path = fsspec.core.url_to_fs(url)
-    files = [path] if fs.isfile(path) else sorted(fs.find(path))
-    rows = nbytes = 0
-    for f in files:
-        if f.endswith(".parquet"):
-            import pyarrow.parquet as pq
+    """(rows, bytes) of the prompts: the rows their row index counts (built here, not kept: the
+    rollout's manifest says whether it built the index), a JSON lines file's size, a Parquet file's
+    uncompressed bytes (its footer)."""
+    from llamarl.stages import prompt_files, prompt_index
 
-            with fs.open(f, "rb") as stream:
-                meta = pq.ParquetFile(stream).metadata
-            rows += meta.num_rows
-            nbytes += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-        elif f.endswith((".jsonl", ".json")):
-            with fs.open(f, "rb") as stream:
-                size_, lines, last = 0, 0, b"\n"
-                while block := stream.read(16 << 20):
-                    size_, lines, last = size_ + len(block), lines + block.count(b"\n"), block[-1:]
-            rows += lines + (last != b"\n")
-            nbytes += size_
+    ds = prompt_files.open_dataset(url)
+    rows = prompt_index.row_index(ds).n_rows
+    if ds.kind == prompt_files.JSONL:
+        return rows, sum(ds.sizes)
+    nbytes = 0
+    for f, path in enumerate(ds.files):
+        with ds.fs.open(path, "rb") as fh:
+            meta = prompt_files.open_parquet(ds, f, fh).metadata
+        nbytes += sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
     return rows, nbytes

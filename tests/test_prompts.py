@@ -120,7 +120,7 @@ def test_the_index_reads_the_rows_the_stream_reads(tmp_path, name):
     ds = prompts.open_dataset(url)
     every = list(prompts.iter_rows(ds, cols))
     index = prompts.row_index(ds)
-    assert index.n_rows == len(every) == prompts.dataset_rows(url)
+    assert index.n_rows == len(every) == prompts.row_index(prompts.open_dataset(url)).n_rows
     for seed in range(3):
         rows = prompts.selected_rows(index.n_rows, PromptSelection(seed=seed, start=2, count=index.n_rows - 1))
         assert prompts.read_rows(ds, index, rows, cols) == [every[r] for r in rows]
@@ -239,7 +239,7 @@ def test_an_iteration_of_512_rows_out_of_a_million_reads_in_well_under_a_second(
         pq.write_table(pa.table({"id": ids, "prompt": text, "answer": [a[::-1] for a in ids]}), url, row_group_size=64 * 1024)
     cache, cols = str(tmp_path / "cache"), Columns("prompt", "id", ("answer",))
     t0 = time.perf_counter()
-    assert prompts.dataset_rows(url, cache) == n
+    assert prompts.row_index(prompts.open_dataset(url), cache).n_rows == n
     t1 = time.perf_counter()
     prompts.check_dataset(url, cols, cache)
     t2 = time.perf_counter()
@@ -396,7 +396,7 @@ def test_what_is_no_dataset_is_refused_in_one_line(tmp_path):
 def test_validation_imports_neither_torch_nor_transformers(tmp_path):
     url = _jsonl(tmp_path / "p.jsonl", [GOOD])
     code = ("import sys; from llamarl.stages import prompts; prompts.check_dataset(sys.argv[1], prompts.Columns('prompt', "
-            "'id', ('answer',))); print(prompts.dataset_rows(sys.argv[1]), 'torch' in sys.modules, 'transformers' in sys.modules)")
+            "'id', ('answer',))); print(prompts.row_index(prompts.open_dataset(sys.argv[1])).n_rows, 'torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "False", "False"]
 

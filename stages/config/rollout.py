@@ -110,7 +110,7 @@ class RolloutConfig(StageConfig):
         s = self.scores
         if s is not None and s.rollout.rstrip("/") != self.out.rstrip("/"):
             raise ValueError(f"scores.rollout={s.rollout!r} is not this rollout's out={self.out!r}; score this rollout")
-        if s is not None and any(t.name == "rm" for t in s.rewards):
+        if s is not None and s.uses_rm():
             raise ValueError("scores has an 'rm' term: the reward model runs in the score stage; score rules only here")
         if s is not None and s.out.rstrip("/") == self.out.rstrip("/"):
             raise ValueError("scores.out is the rollout's out; give the scores their own folder")

@@ -135,7 +135,7 @@ class ScoreConfig(StageConfig):
 
     @model_validator(mode="after")
     def _rm_given(self):
-        if any(t.name == "rm" for t in self.rewards) and not self.reward_model:
+        if self.uses_rm() and not self.reward_model:
             raise FieldsError("{rewards} has an 'rm' term but no {reward_model} is given; set {reward_model} or drop "
                               "the 'rm' term")
         return self
@@ -147,4 +147,8 @@ class ScoreConfig(StageConfig):
             raise FieldsError("every term of {rewards} has weight 0, so every score would be 0 and no sample better "
                               "than another; give a term a non-zero weight")
         return self
+
+    def uses_rm(self) -> bool:
+        """Whether a term is the reward model's (else every term is a rule)."""
+        return any(t.name == "rm" for t in self.rewards)
 
