@@ -169,11 +169,15 @@ def _record_done(spec: RunSpec, n: Node, by_name: dict[str, Node], key: str | No
 
 def _after_done(spec: RunSpec, n: Node, nodes: list[Node], by_name: dict[str, Node], monitor: Monitor,
                 echo) -> None:
-    """What follows a stage's end: the run's metrics when they changed (to its sinks too), and
-    whatever retention now lets go of."""
+    """What follows a stage's end: whatever retention now lets go of, and the run's metrics."""
+    retire_done(spec, nodes, by_name, echo)
+    _update_metrics(spec, n, monitor)
+
+
+def _update_metrics(spec: RunSpec, n: Node, monitor: Monitor) -> None:
+    """The run's metrics, to its sinks and its plot, when ``n``'s end changed them."""
     if n.stage == "ppo" or (n.role == VALIDATE and n.stage == "score"):
         monitor.update(update_metrics(spec.run_dir, spec.iterations))
-    retire_done(spec, nodes, by_name, echo)
 
 
 def _remove_stale(n: Node, parts: set[str] = frozenset()) -> None:
@@ -317,13 +321,14 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
                 # About once a second while a waiting stage may start from a part of a running one.
                 ended, _ = wait(schedule.running, timeout=1.0 if schedule.may_start_early() else None,
                                 return_when=FIRST_COMPLETED)
-                # What the ended stages made ready starts before their bookkeeping (the run's metrics,
-                # its plot, retention's deletions: seconds for GB of training state), which then
-                # overlaps the next stage instead of delaying it.
+                # Retention's deletions before what the ended stages made ready starts (its free-space
+                # check counts on them); the run's metrics and their plot (a second or so) after.
                 done = schedule.collect(ended)
+                if done:
+                    retire_done(spec, nodes, by_name, echo)
                 schedule.start_ready(pool)
                 for n in done:
-                    _after_done(spec, n, nodes, by_name, schedule.monitor, echo)
+                    _update_metrics(spec, n, schedule.monitor)
         except BaseException as e:  # stopped (a signal, Ctrl-C) or failed: no stage process may outlive us
             _stop_stages(spec, executor, schedule.running, by_name, schedule.keys, e)
             raise
@@ -396,7 +401,7 @@ class _Schedule:
 
     def collect(self, ended) -> list[Node]:
         """Record the stages that ended, done or failed; the done ones, whose bookkeeping
-        (``_after_done``) is the caller's."""
+        (retention, metrics) is the caller's."""
         done = []
         for future in ended:
             n, result = self.running.pop(future), future.result()
