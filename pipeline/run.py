@@ -46,7 +46,7 @@ from .metrics import update_metrics, validation_metrics
 from .monitor import Monitor
 from .records import (assess, fingerprints, input_url, must_redo, node_key, plan, published_id,
                       read_record, write_record)
-from .retention import retire_done
+from .retention import Trash, retire_done
 from .spec import RunSpec
 
 
@@ -168,9 +168,9 @@ def _record_done(spec: RunSpec, n: Node, by_name: dict[str, Node], key: str | No
 
 
 def _after_done(spec: RunSpec, n: Node, nodes: list[Node], by_name: dict[str, Node], monitor: Monitor,
-                echo) -> None:
+                echo, trash: Trash | None = None) -> None:
     """What follows a stage's end: whatever retention now lets go of, and the run's metrics."""
-    retire_done(spec, nodes, by_name, echo)
+    retire_done(spec, nodes, by_name, echo, trash)
     _update_metrics(spec, n, monitor)
 
 
@@ -321,11 +321,11 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
                 # About once a second while a waiting stage may start from a part of a running one.
                 ended, _ = wait(schedule.running, timeout=1.0 if schedule.may_start_early() else None,
                                 return_when=FIRST_COMPLETED)
-                # Retention's deletions before what the ended stages made ready starts (its free-space
-                # check counts on them); the run's metrics and their plot (a second or so) after.
+                # Retention's deletions (moved to the trash, emptied beside) before what the ended
+                # stages made ready starts; the run's metrics and their plot (a second or so) after.
                 done = schedule.collect(ended)
                 if done:
-                    retire_done(spec, nodes, by_name, echo)
+                    retire_done(spec, nodes, by_name, echo, schedule.trash)
                 schedule.start_ready(pool)
                 for n in done:
                     _update_metrics(spec, n, schedule.monitor)
@@ -334,6 +334,8 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
             raise
         finally:
             schedule.monitor.close()
+            if schedule.trash is not None:
+                schedule.trash.close()
     return schedule.outcome()
 
 
@@ -355,6 +357,7 @@ class _Schedule:
         self.given_up: dict[str, str] = {}
         self.report: list[tuple[str, str]] = []
         self.monitor = Monitor(spec)
+        self.trash = Trash.open(spec.run_dir)
 
     def ready(self, n: Node) -> bool:
         # A part of a running input is this run's: the input's stale parts were removed when it started.
@@ -387,7 +390,7 @@ class _Schedule:
             if done:
                 self.finished.add(n.name)
                 if why == MADE_ELSEWHERE:
-                    _after_done(self.spec, n, self.nodes, self.by_name, self.monitor, self.echo)
+                    _after_done(self.spec, n, self.nodes, self.by_name, self.monitor, self.echo, self.trash)
                 continue
             early_from = [input_url(n, i, self.by_name)[len(run) + 1 :] for i in n.inputs if i not in self.finished]
             if early_from:
