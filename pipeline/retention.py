@@ -11,6 +11,12 @@ records (a rerun does not redo it) and what was made from it keeps its key.
 
 from __future__ import annotations
 
+import os
+import shutil
+import threading
+
+import fsspec
+
 from llamarl.lib.files import publish
 
 from .dag import VALIDATE, Node
@@ -40,15 +46,65 @@ def ppo_parts(ppo_out: str) -> list[str]:
     return sorted(manifest.get("outputs", {}))
 
 
-def retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo=print) -> list[str]:
-    """Delete what retention lets go of now; returns the outputs (or parts) deleted."""
+class Trash:
+    """Where retention moves what it deletes while ``llamarl run`` runs (local storage only), emptied
+    by a thread of its own: deleting a training state's GBs takes seconds that the next stage need
+    not wait for — its free-space check counts the trash as free (``publish.TRASH_ENV``, set for
+    the stages while the trash is open). ``close`` empties it; a killed run's is emptied by the next."""
+
+    def __init__(self, run_dir: str):
+        self.path = f"{run_dir}/pipeline/trash"
+        self._wake, self._closing = threading.Event(), False
+        self._thread = threading.Thread(target=self._empty, name="trash", daemon=True)
+        self._thread.start()
+        self._env = os.environ.get(publish.TRASH_ENV)
+        os.environ[publish.TRASH_ENV] = self.path
+
+    @staticmethod
+    def open(run_dir: str) -> Trash | None:
+        fs, path = fsspec.core.url_to_fs(run_dir)
+        return Trash(path) if "file" in fs.protocol else None
+
+    def empty_soon(self) -> None:
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        self._thread.join()
+        if self._env is None:
+            os.environ.pop(publish.TRASH_ENV, None)
+        else:
+            os.environ[publish.TRASH_ENV] = self._env
+
+    def _empty(self) -> None:
+        while True:
+            closing = self._closing
+            for entry in os.scandir(self.path) if os.path.isdir(self.path) else []:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.remove(entry.path)
+            if closing:
+                return
+            self._wake.wait()
+            self._wake.clear()
+
+
+def retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo=print,
+                trash: Trash | None = None) -> list[str]:
+    """Delete what retention lets go of now (into ``trash`` when given); returns the outputs (or
+    parts) deleted."""
     if spec.retention.keep_last is None and spec.retention.keep_samples:
         return []
     with one_look():
-        return _retire_done(spec, nodes, by_name, echo)
+        deleted = _retire_done(spec, nodes, by_name, echo, trash.path if trash else None)
+    if trash is not None and deleted:
+        trash.empty_soon()
+    return deleted
 
 
-def _retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo) -> list[str]:
+def _retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo, trash: str | None) -> list[str]:
     r, run = spec.retention, spec.run_dir
     consumers = _consumers(nodes)
     done_memo: dict[str, bool] = {}
@@ -78,7 +134,7 @@ def _retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ech
             if n.role == VALIDATE and n.stage == "score" and "metrics" not in (read_record(run, n) or {}):
                 continue  # its metrics are read from it first
             goes.append(n.out)
-    deleted = [url for url in goes if publish.retire(url, _why(spec), keep=())]
+    deleted = [url for url in goes if publish.retire(url, _why(spec), keep=(), trash=trash)]
     for url in deleted:
         echo(f"[retention] deleted {url[len(run) + 1:]} ({_why(spec)})")
     return deleted

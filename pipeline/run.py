@@ -46,7 +46,7 @@ from .metrics import update_metrics, validation_metrics
 from .monitor import Monitor
 from .records import (assess, fingerprints, input_url, must_redo, node_key, plan, published_id,
                       read_record, write_record)
-from .retention import retire_done
+from .retention import Trash, retire_done
 from .spec import RunSpec
 
 
@@ -168,12 +168,16 @@ def _record_done(spec: RunSpec, n: Node, by_name: dict[str, Node], key: str | No
 
 
 def _after_done(spec: RunSpec, n: Node, nodes: list[Node], by_name: dict[str, Node], monitor: Monitor,
-                echo) -> None:
-    """What follows a stage's end: the run's metrics when they changed (to its sinks too), and
-    whatever retention now lets go of."""
+                echo, trash: Trash | None = None) -> None:
+    """What follows a stage's end: whatever retention now lets go of, and the run's metrics."""
+    retire_done(spec, nodes, by_name, echo, trash)
+    _update_metrics(spec, n, monitor)
+
+
+def _update_metrics(spec: RunSpec, n: Node, monitor: Monitor) -> None:
+    """The run's metrics, to its sinks and its plot, when ``n``'s end changed them."""
     if n.stage == "ppo" or (n.role == VALIDATE and n.stage == "score"):
         monitor.update(update_metrics(spec.run_dir, spec.iterations))
-    retire_done(spec, nodes, by_name, echo)
 
 
 def _remove_stale(n: Node, parts: set[str] = frozenset()) -> None:
@@ -317,18 +321,21 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
                 # About once a second while a waiting stage may start from a part of a running one.
                 ended, _ = wait(schedule.running, timeout=1.0 if schedule.may_start_early() else None,
                                 return_when=FIRST_COMPLETED)
-                # What the ended stages made ready starts before their bookkeeping (the run's metrics,
-                # its plot, retention's deletions: seconds for GB of training state), which then
-                # overlaps the next stage instead of delaying it.
+                # Retention's deletions (moved to the trash, emptied beside) before what the ended
+                # stages made ready starts; the run's metrics and their plot (a second or so) after.
                 done = schedule.collect(ended)
+                if done:
+                    retire_done(spec, nodes, by_name, echo, schedule.trash)
                 schedule.start_ready(pool)
                 for n in done:
-                    _after_done(spec, n, nodes, by_name, schedule.monitor, echo)
+                    _update_metrics(spec, n, schedule.monitor)
         except BaseException as e:  # stopped (a signal, Ctrl-C) or failed: no stage process may outlive us
             _stop_stages(spec, executor, schedule.running, by_name, schedule.keys, e)
             raise
         finally:
             schedule.monitor.close()
+            if schedule.trash is not None:
+                schedule.trash.close()
     return schedule.outcome()
 
 
@@ -350,6 +357,7 @@ class _Schedule:
         self.given_up: dict[str, str] = {}
         self.report: list[tuple[str, str]] = []
         self.monitor = Monitor(spec)
+        self.trash = Trash.open(spec.run_dir)
 
     def ready(self, n: Node) -> bool:
         # A part of a running input is this run's: the input's stale parts were removed when it started.
@@ -382,7 +390,7 @@ class _Schedule:
             if done:
                 self.finished.add(n.name)
                 if why == MADE_ELSEWHERE:
-                    _after_done(self.spec, n, self.nodes, self.by_name, self.monitor, self.echo)
+                    _after_done(self.spec, n, self.nodes, self.by_name, self.monitor, self.echo, self.trash)
                 continue
             early_from = [input_url(n, i, self.by_name)[len(run) + 1 :] for i in n.inputs if i not in self.finished]
             if early_from:
@@ -396,7 +404,7 @@ class _Schedule:
 
     def collect(self, ended) -> list[Node]:
         """Record the stages that ended, done or failed; the done ones, whose bookkeeping
-        (``_after_done``) is the caller's."""
+        (retention, metrics) is the caller's."""
         done = []
         for future in ended:
             n, result = self.running.pop(future), future.result()

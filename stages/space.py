@@ -73,7 +73,8 @@ def check(cfg: StageConfig) -> None:
         need = _ESTIMATES[type(cfg)](cfg, path)
     except (UserError, OSError, KeyError, ValueError):
         return  # an input it cannot read: the stage's own checks say so, in their words
-    free = shutil.disk_usage(_existing(path)).free
+    where = _existing(path)
+    free = shutil.disk_usage(where).free + _being_deleted(where)
     if need.bytes > free + need.cleared:
         cleared = f" (and {size(need.cleared)} it clears first)" if need.cleared else ""
         raise UserError(f"{out}: {_stage(cfg)} needs {size(need.bytes)} there ({need.what}), but its file system "
@@ -176,6 +177,16 @@ _ESTIMATES = {ShardConfig: _shard, ExportConfig: _export, PPOConfig: _ppo, Rollo
 
 def _stage(cfg: StageConfig) -> str:
     return next(name for name, cls in STAGES.items() if cls is type(cfg))
+
+
+def _being_deleted(where: str) -> int:
+    """Bytes that ``llamarl run`` deletes as this stage starts (retention's trash, ``TRASH_ENV``),
+    on the file system of ``where``: free by the time the stage writes its outputs."""
+    trash = os.environ.get(publish.TRASH_ENV)
+    try:
+        return _du(trash) if trash and os.stat(trash).st_dev == os.stat(where).st_dev else 0
+    except OSError:  # emptied meanwhile
+        return 0
 
 
 def _existing(path: str) -> str:

@@ -206,6 +206,38 @@ def test_a_stage_that_cannot_fit_is_refused_before_it_writes(finished, tmpfs, ca
     assert not os.path.exists(out)  # nothing written
 
 
+def test_what_the_run_is_deleting_counts_as_free(finished, tmpfs, monkeypatch):
+    # `llamarl run` moves what retention deletes into its trash and empties it beside the next
+    # stage (pipeline/retention.py Trash): that stage's check counts the trash as free.
+    from llamarl.lib.files import publish
+    from llamarl.lib.errors import UserError
+
+    _, run, nodes = finished
+    disk = tmpfs("deleting", size="64m")
+    cfg = nodes["iter-001/ppo"].make_config().model_copy(update={"out": str(disk / "ppo")})
+    need = float(re.search(r"needs ([\d.]+) MB", _refusal(space.check, cfg, tmpfs)).group(1)) * 1e6
+    trash = disk / "trash"
+    trash.mkdir()
+    (trash / "training-state").write_bytes(b"\0" * int(shutil.disk_usage(disk).free - need / 2))
+    monkeypatch.delenv(publish.TRASH_ENV, raising=False)
+    with pytest.raises(UserError, match="ppo needs"):
+        space.check(cfg)
+    monkeypatch.setenv(publish.TRASH_ENV, str(trash))
+    space.check(cfg)  # free + the trash: room
+    monkeypatch.setenv(publish.TRASH_ENV, str(run))  # a trash on another file system frees nothing here
+    with pytest.raises(UserError, match="ppo needs"):
+        space.check(cfg)
+
+
+def _refusal(check, cfg, tmpfs) -> str:
+    """The refusal of ``cfg`` with its output moved to a 1 MB disk: it says what the stage needs."""
+    from llamarl.lib.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        check(cfg.model_copy(update={"out": str(tmpfs("tiny", size="1m") / "ppo")}))
+    return str(e.value)
+
+
 def test_a_run_whose_storage_cannot_hold_a_stage_says_so_in_one_line_and_in_status(tmp_path, tmpfs):
     storage = tmpfs("cramped", size="1m")
     spec = _spec(tmp_path, "cramped", storage)

@@ -176,26 +176,32 @@ def test_one_stage_at_a_time_keeps_the_order(tmp_path):
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # one at a time: rollout 2 after ppo 1 ends
 
 
-def test_a_stage_starts_before_the_bookkeeping_of_the_one_that_made_it_ready(tmp_path, monkeypatch):
-    # What follows a ppo's end (the metrics, their plot, retention's deletions of GBs) takes
-    # seconds; the next rollout runs meanwhile, and the bookkeeping is still done, in order.
+def test_a_stage_starts_after_retention_and_before_the_metrics_of_the_one_that_made_it_ready(tmp_path, monkeypatch):
+    # Retention's deletions come first (the next stage's free-space check counts on them); the
+    # metrics and their plot (a second or so) run beside the next stage, in the order stages end.
     from llamarl.pipeline import run as run_module
 
-    real, kept = run_module._after_done, {}
+    real_metrics, real_retire, metrics, retired = run_module._update_metrics, run_module.retire_done, {}, []
 
-    def slow(spec, n, *args):
+    def slow_metrics(spec, n, monitor):
         start = time.monotonic()
         if n.stage == "ppo":
             time.sleep(1.0)
-        real(spec, n, *args)
-        kept[n.name] = (start, time.monotonic())
+        real_metrics(spec, n, monitor)
+        metrics[n.name] = (start, time.monotonic())
 
-    monkeypatch.setattr(run_module, "_after_done", slow)
+    def retire(*args):
+        retired.append(time.monotonic())
+        return real_retire(*args)
+
+    monkeypatch.setattr(run_module, "_update_metrics", slow_metrics)
+    monkeypatch.setattr(run_module, "retire_done", retire)
     ex, by = _schedule(_spec(tmp_path, 0, iterations=2), 1)
     ev = ex.events
-    assert kept["iter-001/ppo"][0] < ev["iter-002/rollout"][1] and ev["iter-002/rollout"][0] < kept["iter-001/ppo"][1]
-    assert set(kept) == set(by)
-    assert kept["iter-001/ppo"][1] <= kept["iter-002/ppo"][0]  # one after another, in the order the stages ended
+    ppo1 = metrics["iter-001/ppo"]
+    assert ppo1[0] < ev["iter-002/rollout"][1] and ev["iter-002/rollout"][0] < ppo1[1]
+    assert any(ev["iter-001/ppo"][1] < t < ev["iter-002/rollout"][0] for t in retired)
+    assert set(metrics) == set(by) and ppo1[1] <= metrics["iter-002/ppo"][0]
 
 
 def test_two_stages_at_once_by_default_where_there_are_gpus(monkeypatch):

@@ -13,6 +13,7 @@ import hashlib
 import json
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -25,6 +26,9 @@ from llamarl.lib.files.checksums import ALGORITHMS, CHECKSUM, TREE, checksum, ha
 MANIFEST = "llamarl.json"
 INCOMPLETE = ".llamarl-incomplete"
 RETIRED = ".llamarl-retired"
+TRASH_ENV = "LLAMARL_TRASH"
+"""A folder whose files are being deleted (``retire``'s ``trash``): a stage's free-space check
+counts their bytes as free."""
 FORMAT_VERSION = 1
 
 
@@ -249,10 +253,12 @@ def discard(root: str) -> None:
         fs.rm(path, recursive=True)
 
 
-def retire(root: str, why: str, keep: tuple[str, ...] = ()) -> bool:
+def retire(root: str, why: str, keep: tuple[str, ...] = (), trash: str | None = None) -> bool:
     """Delete the files of the published output ``root`` but its manifest (and ``keep``), marked
     first: its id stays (what was made from it keeps its key), and no reader takes it for whole.
-    True when it was whole before (False: not published, or retired already)."""
+    ``trash``: a folder on the same file system to move them into instead, at once (deleting GBs
+    takes seconds), for the caller to empty. True when it was whole before (False: not published,
+    or retired already)."""
     fs, path = _fs(root)
     if read_manifest(root) is None:
         return False
@@ -262,7 +268,11 @@ def retire(root: str, why: str, keep: tuple[str, ...] = ()) -> bool:
                                                                                        time.gmtime())}).encode())
     for entry in fs.ls(path, detail=False):  # also what a retire cut short left
         if entry.rstrip("/").rsplit("/", 1)[-1] not in (MANIFEST, RETIRED, *keep):
-            fs.rm(entry, recursive=True)
+            if trash is None:
+                fs.rm(entry, recursive=True)
+            else:
+                fs.makedirs(trash, exist_ok=True)
+                fs.mv(entry, f"{trash.rstrip('/')}/{uuid.uuid4().hex}", recursive=True)
     return fresh
 
 
