@@ -39,8 +39,9 @@ def _fs(url: str):
 
 # ---- hashing while writing -----------------------------------------------------------------------
 # Every file a writer of this process writes through ``open_write`` (the DCP and safetensors
-# writers among them) is hashed as its bytes go out, and its entry is kept here; ``file_entry`` returns it for as long as the file still has the size and modification time
-# it had when closed, instead of reading the file a second time.
+# writers among them) is hashed as its bytes go out, and its entry is kept here; ``file_entry``
+# returns it for as long as the file still has the size and modification time it had when closed,
+# instead of reading the file a second time.
 
 first_write_time: float | None = None  # when this process first wrote data through a HashingWriter
 _written: dict[str, tuple[dict[str, Any], Any]] = {}  # file key → (entry, mtime at close)
