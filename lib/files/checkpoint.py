@@ -246,11 +246,7 @@ def _copy_range(buf: torch.Tensor, begin: int, rs: list[_Read], pin: bool) -> No
         r.target.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths))])
 
 
-GPU_STAGING = "pinned"
-"""How blocks bound for a GPU travel: ``pinned`` — through a few pinned buffers pinned once per
-load (``STAGING_BYTES`` each, ``threads + 2`` of them) and non-blocking copies; ``pageable`` —
-each reading thread copies its own buffer, synchronously (the driver stages it)."""
-STAGING_BYTES = 16 << 20
+STAGING_BYTES = 16 << 20  # the size of each pinned buffer that blocks bound for a GPU pass through
 
 
 def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
@@ -258,11 +254,11 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
 
     Small items are read in coalesced ranges and copied out of them. A large item that maps 1:1
     onto its target (``_flat_span``) has its first and last bytes read, then its data in blocks:
-    straight into a CPU target; for a GPU target, as ``GPU_STAGING`` says."""
+    straight into a CPU target; for a GPU target, through ``threads + 2`` pinned buffers pinned
+    once per load, and non-blocking copies (``ranges.read_staged``)."""
     fs, root = fsspec.core.url_to_fs(url)
     gpu = any(r.target.is_cuda for r in reads) and torch.cuda.is_available()
-    pinned = gpu and GPU_STAGING == "pinned"
-    if pinned:
+    if gpu:
         block_bytes = min(block_bytes, STAGING_BYTES)
     small = [r for r in reads if r.end - r.begin < _DIRECT_BYTES]
     large = [r for r in reads if r.end - r.begin >= _DIRECT_BYTES]
@@ -282,13 +278,13 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
                 n = min(block_bytes, nbytes - k)
                 if target.is_cuda:
                     jobs.append((path, begin + k, n, None,
-                                 lambda buf, dst=target[k : k + n]: dst.copy_(buf, non_blocking=pinned)))
+                                 lambda buf, dst=target[k : k + n]: dst.copy_(buf, non_blocking=True)))
                 else:
                     jobs.append((path, begin + k, n, target[k : k + n], None))
         for name, begin, end, rs in _ranges(small, block_bytes) if small else []:
             jobs.append((f"{root}/{name}", begin, end - begin, None,
-                         lambda buf, begin=begin, rs=rs: _copy_range(buf, begin, rs, pinned)))
-        if pinned:
+                         lambda buf, begin=begin, rs=rs: _copy_range(buf, begin, rs, gpu)))
+        if gpu:
             ranges.read_staged(fs, pool, jobs, threads)
         else:
             mine = threading.local()  # each thread's buffer, grown as needed and reused
