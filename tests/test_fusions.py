@@ -341,15 +341,13 @@ def vocab_kernel_errors(tp, dtype=torch.float32, device="cpu", n=24, vocab=251, 
     labels = labels.to(device)
     w_lp, w_ent = (torch.randn(n, generator=g).to(device) * 3 for _ in range(2))
     errs = {}
-    pairs = {"log_probs": (vocab_parallel._LogProb, vocab_parallel._KLogProb, True, False),
-             "entropy": (vocab_parallel._Entropy, vocab_parallel._KEntropy, False, True),
-             "both": (vocab_parallel._LogProbEntropy, vocab_parallel._KLogProbEntropy, True, True)}
+    wanted = {"log_probs": (True, False), "entropy": (False, True), "both": (True, True)}
     group = parallel.tp_group()
-    for name, (ref_fn, k_fn, has_lp, has_ent) in pairs.items():
+    for name, (has_lp, has_ent) in wanted.items():
         outs, grads = [], []
-        for fn in (ref_fn, k_fn):
+        for fn in (vocab_parallel._Eager, vocab_parallel._Kernel):
             x = local.clone().requires_grad_()
-            y = fn.apply(x, labels, group) if has_lp else fn.apply(x, group)
+            y = fn.apply(x, labels if has_lp else None, group, has_ent)
             y = y if isinstance(y, tuple) else (y,)
             loss = sum((t * w).sum() for t, w in zip(y, [w_lp] * has_lp + [w_ent] * has_ent))
             loss.backward()

@@ -71,8 +71,8 @@ def test_a_job_launched_with_another_number_of_processes_is_one_line_naming_the_
 
 
 def group_timeouts(seconds: int) -> list[float]:
-    parallel.init(2, 1, dp=1, timeout_s=seconds)
-    groups = (parallel.tp_group(), parallel.dp_group(), parallel.pp_group(), parallel.model_parallel_group())
+    g = parallel.init(2, 1, dp=1, timeout_s=seconds).groups
+    groups = (g.tp, g.dp, g.pp, g.model_parallel)
     out = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
     parallel.destroy_model_parallel()
     return out
@@ -107,10 +107,10 @@ def _groups_ours_and_megatrons(tp, pp):
         return dist.get_process_group_ranks(g)
 
     topo = parallel.init(tp, pp)
-    ours = {"tp": ranks(parallel.tp_group()), "dp": ranks(parallel.dp_group()), "pp": ranks(parallel.pp_group()),
-            "mp": sorted(ranks(parallel.model_parallel_group())), "next": topo.next_stage_rank,
-            "prev": topo.prev_stage_rank, "coords": (topo.tp_rank, topo.dp_rank, topo.pp_rank),
-            "emb": ranks(parallel.embedding_group()) if pp > 1 else None}
+    g = topo.groups
+    ours = {"tp": ranks(g.tp), "dp": ranks(g.dp), "pp": ranks(g.pp), "mp": sorted(ranks(g.model_parallel)),
+            "next": topo.next_stage_rank, "prev": topo.prev_stage_rank,
+            "coords": (topo.tp_rank, topo.dp_rank, topo.pp_rank), "emb": ranks(g.embedding) if pp > 1 else None}
     parallel.destroy_model_parallel()
     from megatron.core import parallel_state as ps
 

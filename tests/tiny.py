@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from llamarl.lib.files import checkpoint
 from llamarl.lib.model import hf_mapping
 from llamarl.lib.distributed import parallel
 from llamarl.lib.model.config import LlamaConfig
@@ -80,6 +81,7 @@ def gather_tp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def gather_hf_grads(model) -> dict[str, torch.Tensor]:
     """This stage's parameter gradients as full HF tensors (gathered over TP)."""
     topo = parallel.topology()
+    shapes = hf_mapping.hf_shapes(model.cfg, model.hf_head)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         grads = [torch.empty_like(p) for _ in range(topo.tp)]
@@ -88,5 +90,8 @@ def gather_hf_grads(model) -> dict[str, torch.Tensor]:
         else:
             grads = [p.grad]
         for r, g in enumerate(grads):
-            hf_mapping.scatter_local(model.cfg, topo.tp, r, name, g, out, model.hf_head)
+            for hf_name, off, piece in checkpoint.chunks_of(model.cfg, topo.tp, r, name, g, model.hf_head, shapes):
+                if hf_name not in out:
+                    out[hf_name] = g.new_empty(shapes[hf_name])
+                out[hf_name][tuple(slice(o, o + n) for o, n in zip(off, piece.shape))] = piece
     return out

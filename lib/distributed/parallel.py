@@ -77,7 +77,6 @@ class Topology:
 
 
 _TOPOLOGY: Topology | None = None
-_GROUPS: Groups | None = None
 joined_at: float | None = None  # when this process joined the job's process group (the start-up profile)
 
 
@@ -96,7 +95,7 @@ def init(tp: int = 1, pp: int = 1, *, dp: int | None = None, backend: str | None
     bounds every collective, over the job's process group and over each group built here.
     May be called again with another layout after ``destroy_model_parallel()``; the global
     process group is kept."""
-    global _TOPOLOGY, _GROUPS
+    global _TOPOLOGY
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if dp is not None and world != tp * pp * dp:
         raise UserError(f"{stage or 'this job'} runs with tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} processes, not "
@@ -143,15 +142,15 @@ def init(tp: int = 1, pp: int = 1, *, dp: int | None = None, backend: str | None
         for t in range(tp):
             for d in range(dp):
                 build("embedding", [grid.rank_of(t, d, 0), grid.rank_of(t, d, pp - 1)])
-    _GROUPS = Groups(mine["tp"], mine["dp"], mine["pp"], mine["model_parallel"], mine.get("embedding"))
-    _TOPOLOGY = dataclasses.replace(grid, groups=_GROUPS)
+    groups = Groups(mine["tp"], mine["dp"], mine["pp"], mine["model_parallel"], mine.get("embedding"))
+    _TOPOLOGY = dataclasses.replace(grid, groups=groups)
     return _TOPOLOGY
 
 
 def destroy_model_parallel() -> None:
     """Drop the TP/PP/DP groups — every group but the world's, whoever made it — with their
     communicators and gloo threads, keeping the global process group."""
-    global _TOPOLOGY, _GROUPS
+    global _TOPOLOGY
     if not dist.is_initialized():
         return
     from torch.distributed import distributed_c10d as c10d
@@ -159,7 +158,7 @@ def destroy_model_parallel() -> None:
     for group in list(c10d._world.pg_map):
         if group is not c10d.GroupMember.WORLD:
             dist.destroy_process_group(group)
-    _TOPOLOGY = _GROUPS = None
+    _TOPOLOGY = None
 
 
 def shutdown() -> None:
@@ -175,25 +174,7 @@ def topology() -> Topology:
 
 
 def tp_group() -> ProcessGroup | None:
-    return _GROUPS.tp if _GROUPS else None
-
-
-def dp_group():
-    return _GROUPS.dp if _GROUPS else None
-
-
-def pp_group():
-    return _GROUPS.pp if _GROUPS else None
-
-
-def embedding_group():
-    """First and last pipeline stage of this TP/DP position: they share tied embeddings."""
-    return _GROUPS.embedding if _GROUPS else None
-
-
-def model_parallel_group():
-    """TP × PP ranks holding one copy of the model (the group for gradient-norm reductions)."""
-    return _GROUPS.model_parallel if _GROUPS else None
+    return topology().groups.tp
 
 
 def group_size(group: ProcessGroup | None) -> int:

@@ -6,17 +6,12 @@ unpadded vocabulary), each rank writing the pieces it owns as chunks with their 
 own pieces, read from the overlapping chunks. No conversion step, and the fused QKV / gate_up and
 vocabulary padding of a layout never reach the files.
 
-The files are DCP's (``FsspecWriter``'s layout: a ``.metadata`` pickle and ``__<rank>_<i>.distcp``
-files of ``torch.save`` items; DCP's reader loads them, and this module loads what DCP wrote). They
-are written by lib/files/dcp_format.py (each file hashed as it is written, a chunk held by several ranks
-written once). Reading is this module's own: a rank's items are read in coalesced ranges of up to
-``BLOCK_BYTES`` by ``READ_THREADS`` threads and each tensor is copied out of that buffer into its
-target (no ``torch.load`` copy); a large item that maps 1:1 onto its target is read straight into
-it; for a CUDA target the bytes pass through a few pinned staging buffers and non-blocking copies.
-
-DCP knows DTensor and ShardedTensor, neither of which can say "rows 128:192 of k_proj, also held
-by another rank" (kv heads replicated over TP); ``Chunks`` does, and ``save`` writes each chunk
-once, from the rank holding the fewest bytes.
+The files are DCP's, written by lib/files/dcp_format.py (which says why not by DCP: ``Chunks``
+can say "rows 128:192 of k_proj, also held by another rank", which no DTensor can). Reading is
+this module's own: a rank's items are read in coalesced ranges of up to ``BLOCK_BYTES`` by
+``READ_THREADS`` threads and each tensor is copied out of that buffer into its target (no
+``torch.load`` copy); a large item that maps 1:1 onto its target is read straight into it; for a
+CUDA target the bytes pass through a few pinned staging buffers and non-blocking copies.
 """
 
 from __future__ import annotations
@@ -83,46 +78,30 @@ def model_state(model, tensors: dict[str, torch.Tensor] | None = None, suffix: s
     """The DCP state of ``model``'s parameters (or of per-parameter ``tensors`` such as optimizer
     moments, keyed like ``named_parameters``), under HF names plus ``suffix``; split as the model's
     topology splits it."""
-    return _state(model, _param_pieces(model, tensors if tensors is not None else dict(model.named_parameters())),
-                  suffix)
+    shapes = hf_mapping.hf_shapes(model.cfg, model.hf_head)
+    pieces: dict[str, dict] = defaultdict(dict)
+    for chunks in _param_chunks(model, tensors, shapes).values():
+        for hf_name, off, view in chunks:
+            pieces[hf_name][off] = view
+    return {k + suffix: Chunks(shapes[k], v) for k, v in pieces.items()}
 
 
-def _param_pieces(model, source: dict[str, torch.Tensor]) -> dict[str, list[tuple[str, tuple, torch.Tensor]]]:
-    """``chunks_of`` each of ``source``'s tensors, by name."""
-    topo, shapes = model.topology, hf_mapping.hf_shapes(model.cfg, model.hf_head)
+def _param_chunks(model, tensors: dict[str, torch.Tensor] | None, shapes) -> dict[str, list[tuple]]:
+    """``chunks_of`` each of ``tensors`` (None: the parameters), by name."""
+    topo = model.topology
+    source = tensors if tensors is not None else dict(model.named_parameters())
     return {name: chunks_of(model.cfg, topo.tp, topo.tp_rank, name, local, model.hf_head, shapes)
             for name, local in source.items()}
 
 
-def _state(model, by_param: dict[str, list[tuple[str, tuple, torch.Tensor]]], suffix: str = "") -> dict[str, Chunks]:
-    shapes = hf_mapping.hf_shapes(model.cfg, model.hf_head)
-    pieces: dict[str, dict] = defaultdict(dict)
-    for chunks in by_param.values():
-        for hf_name, off, view in chunks:
-            pieces[hf_name + suffix][off] = view
-    return {k: Chunks(shapes[k[: len(k) - len(suffix)] if suffix else k], v) for k, v in pieces.items()}
-
-
 # ---- writing ------------------------------------------------------------------------------------
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the CPU, contiguous (an item stores exactly its tensor); from a GPU through
-    pinned memory."""
-    t = t.detach()
-    if t.device.type == "cpu":
-        return t.contiguous()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-    host.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(t.device).synchronize()
-    return host
 
 
 def save(state: dict, url: str, threads: int = 4) -> None:
     """Collective: every rank of the stage calls it with its own state (tensors or ``Chunks``); a
     chunk held by several ranks is written once (``dcp_format.save``: files hashed as written,
     ``.metadata`` last, a failure on any rank raised on every rank)."""
-    pieces = [dcp_format.Piece(fqn, tuple(size), tuple(off), tuple(t.shape), t.dtype, lambda t=t: _host(t))
+    pieces = [dcp_format.Piece(fqn, tuple(size), tuple(off), tuple(t.shape), t.dtype, lambda t=t: t)
               for fqn, (size, ps) in _pieces(state).items() for off, t in ps.items()]
     dcp_format.save(pieces, url, threads)
 
@@ -267,11 +246,7 @@ def _copy_range(buf: torch.Tensor, begin: int, rs: list[_Read], pin: bool) -> No
         r.target.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths))])
 
 
-GPU_STAGING = "pinned"
-"""How blocks bound for a GPU travel: ``pinned`` — through a few pinned buffers pinned once per
-load (``STAGING_BYTES`` each, ``threads + 2`` of them) and non-blocking copies; ``pageable`` —
-each reading thread copies its own buffer, synchronously (the driver stages it)."""
-STAGING_BYTES = 16 << 20
+STAGING_BYTES = 16 << 20  # the size of each pinned buffer that blocks bound for a GPU pass through
 
 
 def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
@@ -279,11 +254,11 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
 
     Small items are read in coalesced ranges and copied out of them. A large item that maps 1:1
     onto its target (``_flat_span``) has its first and last bytes read, then its data in blocks:
-    straight into a CPU target; for a GPU target, as ``GPU_STAGING`` says."""
+    straight into a CPU target; for a GPU target, through ``threads + 2`` pinned buffers pinned
+    once per load, and non-blocking copies (``ranges.read_staged``)."""
     fs, root = fsspec.core.url_to_fs(url)
     gpu = any(r.target.is_cuda for r in reads) and torch.cuda.is_available()
-    pinned = gpu and GPU_STAGING == "pinned"
-    if pinned:
+    if gpu:
         block_bytes = min(block_bytes, STAGING_BYTES)
     small = [r for r in reads if r.end - r.begin < _DIRECT_BYTES]
     large = [r for r in reads if r.end - r.begin >= _DIRECT_BYTES]
@@ -303,13 +278,13 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
                 n = min(block_bytes, nbytes - k)
                 if target.is_cuda:
                     jobs.append((path, begin + k, n, None,
-                                 lambda buf, dst=target[k : k + n]: dst.copy_(buf, non_blocking=pinned)))
+                                 lambda buf, dst=target[k : k + n]: dst.copy_(buf, non_blocking=True)))
                 else:
                     jobs.append((path, begin + k, n, target[k : k + n], None))
         for name, begin, end, rs in _ranges(small, block_bytes) if small else []:
             jobs.append((f"{root}/{name}", begin, end - begin, None,
-                         lambda buf, begin=begin, rs=rs: _copy_range(buf, begin, rs, pinned)))
-        if pinned:
+                         lambda buf, begin=begin, rs=rs: _copy_range(buf, begin, rs, gpu)))
+        if gpu:
             ranges.read_staged(fs, pool, jobs, threads)
         else:
             mine = threading.local()  # each thread's buffer, grown as needed and reused
@@ -357,10 +332,9 @@ def load(state: dict, url: str, block_bytes: int | None = None, threads: int | N
 def load_model(model, url: str) -> None:
     """Fill ``model``'s parameters (any layout) from a checkpoint's DCP directory."""
     params = dict(model.named_parameters())
-    by_param = _param_pieces(model, params)
     with torch.no_grad():
-        for name, p in params.items():
-            if sum(view.numel() for _, _, view in by_param[name]) < p.numel():
-                p.zero_()  # vocabulary padding rows are not in the checkpoint: they must read as zeros
-        load(_state(model, by_param), url)
+        for name, chunks in _param_chunks(model, params, hf_mapping.hf_shapes(model.cfg, model.hf_head)).items():
+            if sum(view.numel() for _, _, view in chunks) < params[name].numel():
+                params[name].zero_()  # vocabulary padding rows are not in the checkpoint: they must read as zeros
+        load(model_state(model, params), url)
     collectives.barrier()

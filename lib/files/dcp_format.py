@@ -104,8 +104,11 @@ def _write_item(f, t: torch.Tensor) -> None:
     """``t`` as the archive ``torch.save`` writes, its storage exactly its elements (``torch.save``
     writes a view's whole storage)."""
     t = t.detach()
-    if t.device.type != "cpu":
-        raise ValueError(f"a {t.device} tensor reached the writer; Piece.get returns CPU tensors")
+    if t.device.type != "cpu":  # copied out through pinned memory, on this writer thread
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        host.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()
+        t = host
     if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone(memory_format=torch.contiguous_format)
     sink = _Sink(f)

@@ -97,14 +97,11 @@ def file_entries(root: str, names: list[str]) -> dict:
 
     rank, world = rank_world()
     known = {n: e for n in names if (e := publish.written_entry(f"{root}/{n}")) is not None}
-    if world > 1:
-        known = {k: v for p in all_gather_object(known) for k, v in p.items()}
+    known = {k: v for p in all_gather_object(known) for k, v in p.items()}  # alone: no collective
     rest = [n for n in names if n not in known]
     if not rest:
         return {n: known[n] for n in names}
-    mine = publish.file_entries(root, rest[rank::world])
-    if world > 1:
-        mine = {k: v for p in all_gather_object(mine) for k, v in p.items()}
+    mine = {k: v for p in all_gather_object(publish.file_entries(root, rest[rank::world])) for k, v in p.items()}
     return {n: known.get(n) or mine[n] for n in names}
 
 

@@ -42,10 +42,10 @@ def _fs(url: str):
 
 
 # ---- hashing while writing -----------------------------------------------------------------------
-# Every file a writer of this process writes through ``open_write`` (and DCP's writer in
-# lib/files/checkpoint.py, the safetensors writer) is hashed as its bytes go out, and its entry is kept
-# here; ``file_entry`` returns it for as long as the file still has the size and modification time
-# it had when closed, instead of reading the file a second time.
+# Every file a writer of this process writes through ``open_write`` (the DCP and safetensors
+# writers among them) is hashed as its bytes go out, and its entry is kept here; ``file_entry``
+# returns it for as long as the file still has the size and modification time it had when closed,
+# instead of reading the file a second time.
 
 first_write_time: float | None = None  # when this process first wrote data through a HashingWriter
 _written: dict[str, tuple[dict[str, Any], Any]] = {}  # file key → (entry, mtime at close)
@@ -69,7 +69,6 @@ class HashingWriter:
         self.raw, self.algorithm = raw, algorithm
         self.bytes = 0
         self._hash = hasher(algorithm)
-        self.closed = False
 
     def write(self, data) -> int:
         global first_write_time
@@ -85,30 +84,19 @@ class HashingWriter:
     def tell(self) -> int:
         return self.bytes
 
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
     def flush(self) -> None:
         self.raw.flush()
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.raw.close()
 
     def entry(self) -> dict[str, Any]:
         return {"bytes": self.bytes, self.algorithm: self._hash.hexdigest()}
 
 
-def record(fs, path: str, writer: HashingWriter) -> None:
-    """Keep the entry of a file ``writer`` has finished (closed) at ``path``."""
+def _keep(fs, path: str, entry: dict[str, Any]) -> None:
+    """Keep the entry of the finished (closed) file at ``path`` while it has the size it says."""
     mtime, size = _mtime(fs, path)
-    if size == writer.bytes:
+    if size == entry["bytes"]:
         with _written_lock:
-            _written[_key(fs, path)] = (writer.entry(), mtime)
+            _written[_key(fs, path)] = (entry, mtime)
 
 
 def moved(fs, path: str, new_path: str) -> None:
@@ -116,10 +104,7 @@ def moved(fs, path: str, new_path: str) -> None:
     with _written_lock:
         kept = _written.pop(_key(fs, path), None)
     if kept is not None:
-        mtime, size = _mtime(fs, new_path)
-        if size == kept[0]["bytes"]:
-            with _written_lock:
-                _written[_key(fs, new_path)] = (kept[0], mtime)
+        _keep(fs, new_path, kept[0])
 
 
 def written_entry(url: str) -> dict[str, Any] | None:
@@ -149,7 +134,7 @@ def open_write(url: str, algorithm: str = CHECKSUM) -> Iterator[HashingWriter]:
         if fs.exists(path):
             fs.rm(path)
         raise
-    record(fs, path, writer)
+    _keep(fs, path, writer.entry())
 
 
 def file_entry(url: str, algorithm: str = CHECKSUM) -> dict[str, Any]:

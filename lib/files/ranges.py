@@ -29,27 +29,11 @@ class _ReadOnly(io.RawIOBase):
         return self.pos
 
 
-class MemoryFile(_ReadOnly):
-    """A read-only, seekable file over a memoryview (no copy)."""
-
-    def __init__(self, view: memoryview):
-        self.view, self.pos = view, 0
-
-    def __len__(self) -> int:
-        return len(self.view)
-
-    def readinto(self, b):
-        n = max(0, min(len(b), len(self.view) - self.pos))
-        b[:n] = self.view[self.pos : self.pos + n]
-        self.pos += n
-        return n
-
-
 class Sparse(_ReadOnly):
     """An item of which only the first and last bytes were read (enough for its zip directory,
     its pickle and the offset of its data); reading anything else fails."""
 
-    def __init__(self, head: bytes, tail: bytes, length: int):
+    def __init__(self, head, tail, length: int):
         self.head, self.tail, self.length, self.pos = head, tail, length, 0
 
     def __len__(self) -> int:
@@ -66,6 +50,13 @@ class Sparse(_ReadOnly):
             raise OSError("outside the bytes read")
         self.pos += n
         return n
+
+
+class MemoryFile(Sparse):
+    """A read-only, seekable file over a memoryview (no copy): all of it is the head."""
+
+    def __init__(self, view: memoryview):
+        super().__init__(view, b"", len(view))
 
 
 class ShortRead(OSError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,11 +25,8 @@ import torch
 from llamarl.lib import dtypes
 from llamarl.lib.files import publish
 from llamarl.lib.files.ranges import ShortRead, read_into
-from llamarl.lib.dtypes import SAFETENSORS_CODES
+from llamarl.lib.dtypes import SAFETENSORS_CODES as CODES  # a header's "BF16" → torch's "bfloat16"
 from llamarl.lib.errors import UserError
-
-# A header's dtype code ("BF16") → torch's name of the dtype ("bfloat16"), from lib/dtypes.py's table.
-CODES = SAFETENSORS_CODES
 
 # Column slices are read this many source bytes at a time, bounding the extra memory per rank.
 _BLOCK_BYTES = 16 << 20
@@ -144,10 +142,6 @@ class SafetensorsCheckpoint:
         return self.files[self.where[name]].read(name, dim, start, stop)
 
 
-# torch's name of a dtype → a header's dtype code, from the same table.
-_CODE_OF = {name: code for code, name in CODES.items()}
-
-
 @dataclass(frozen=True)
 class Deferred:
     """A tensor to write whose bytes are fetched when its turn comes (``get()``): a file's
@@ -176,7 +170,8 @@ def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None, 
     offset, offsets = 0, {}
     for name in order:
         dtype, shape, nbytes = specs[name]
-        header[name] = {"dtype": _CODE_OF[dtypes.name(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        code = dtypes.TABLE[dtypes.name(dtype)][1]
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offsets[name] = offset
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -208,8 +203,6 @@ def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None, 
 
 def _write_local_parallel(fs, path: str, head: bytes, order: list[str], offsets: dict, size: int, fetch,
                           threads: int) -> dict:
-    import os
-
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -233,8 +226,6 @@ def _write_local_parallel(fs, path: str, head: bytes, order: list[str], offsets:
 
 
 def _pwrite(fd: int, data: memoryview, at: int) -> None:
-    import os
-
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], at + done)

@@ -32,10 +32,6 @@ class Padded:
 
     mask: torch.Tensor
 
-    @property
-    def num_tokens(self) -> int:
-        return self.mask.numel()
-
 
 @dataclass(frozen=True)
 class Packed:
@@ -43,10 +39,6 @@ class Packed:
 
     cu_seqlens: torch.Tensor  # int32 [num_seqs + 1]
     max_seqlen: int
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
 
 
 @dataclass
@@ -80,19 +72,13 @@ class KVCache:
 
 
 @dataclass(frozen=True)
-class Prefill:
-    """Packed prompts (as ``Packed``) whose keys and values are also stored in ``cache`` at
-    ``(slot[t], pos[t])`` for each token t."""
+class Prefill(Packed):
+    """Packed prompts whose keys and values are also stored in ``cache`` at ``(slot[t], pos[t])``
+    for each token t."""
 
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
     cache: KVCache
     slot: torch.Tensor  # [N]
     pos: torch.Tensor  # [N]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
 
 
 @dataclass(frozen=True)
@@ -112,10 +98,6 @@ class Decode:
         allowed = torch.arange(self.span, device=self.lengths.device)[None, :] <= self.lengths[:, None]
         bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
         object.__setattr__(self, "bias", bias[:, None, None, :])
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.lengths)
 
 
 AttentionMetadata = Padded | Packed | Prefill | Decode

@@ -198,19 +198,3 @@ def random_reader(cfg: LlamaConfig, seed: int, std: float = 0.02) -> SliceReader
         return cache[name]
 
     return lambda name, dim, start, stop: full(name).narrow(dim, start, stop - start)
-
-
-def scatter_local(cfg: LlamaConfig, tp: int, tp_rank: int, name: str, local: torch.Tensor,
-                  out: dict[str, torch.Tensor], head: str = "lm") -> None:
-    """Write TP rank ``tp_rank``'s parameter ``local`` into the full HF tensors in ``out``
-    (allocated on first use), dropping vocabulary padding. The inverse of ``build_local``."""
-    shapes = hf_shapes(cfg, head)
-    slices = param_slices(cfg, tp, tp_rank, name)
-    parts = local.split([s.stop - s.start for s in slices], dim=slices[0].dim)
-    for s, part in zip(slices, parts):
-        full = shapes[s.hf_name]
-        if s.hf_name not in out:
-            out[s.hf_name] = local.new_empty(full)
-        stop = min(s.stop, full[s.dim])
-        if stop > s.start:
-            out[s.hf_name].narrow(s.dim, s.start, stop - s.start).copy_(part.narrow(s.dim, 0, stop - s.start))

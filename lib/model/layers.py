@@ -299,10 +299,7 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 def swiglu(gate_up: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` of the gate_up projection ``[tokens, 2 * ffn]``; ``fused``: one compiled
     kernel, keeping only ``gate_up`` for backward (SiLU recomputed there)."""
-    if fused:
-        return compiled_region(region_swiglu, 0)(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return compiled_region(region_swiglu, 0)(gate_up) if fused else region_swiglu(gate_up)
 
 
 # ---- fused elementwise regions ---------------------------------------------------------------

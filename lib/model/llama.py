@@ -305,15 +305,12 @@ class ParallelLlamaForValue(ParallelLlama):
     def _build_head(self):
         self.score = nn.Linear(self.cfg.hidden_size, 1, bias=False, dtype=self.dtype)
 
-    def _values(self, hidden):
+    def _head(self, hidden, batch):
         sp = self.layout.sequence_parallel
         weight = mappings.copy_to_tp(self.score.weight, self.tp_group) if sp else self.score.weight
         values = F.linear(hidden, weight).squeeze(-1)
         # Under SP each rank scored its own tokens; every rank then uses all of them identically.
         return (mappings.gather_from_sp(values, self.tp_group, grad_is_partial=False) if sp else values).float()
-
-    def _head(self, hidden, batch):
-        return self._values(hidden)
 
 
 class ParallelLlamaForScore(ParallelLlamaForValue):
@@ -321,7 +318,7 @@ class ParallelLlamaForScore(ParallelLlamaForValue):
     padding alike) — HF's ``LlamaForSequenceClassification`` with one label."""
 
     def _head(self, hidden, batch):
-        return self._values(hidden)[batch.last_token_index()]
+        return super()._head(hidden, batch)[batch.last_token_index()]
 
     def to_padded(self, out, batch):
         return out

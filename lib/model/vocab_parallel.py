@@ -53,66 +53,48 @@ def _label_logit(logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup
     return mappings.all_reduce(logits.gather(-1, idx[:, None]).squeeze(-1).float() * mine, group), idx, mine
 
 
-class _LogProb(torch.autograd.Function):
+class _Eager(torch.autograd.Function):
+    """The log-probs of ``labels`` (None: not asked for) and, ``with_entropy``, the entropy, from
+    one softmax: one pass over the vocabulary and one fp32 ``[N, vocab / tp]`` tensor kept for
+    backward, whichever of the two are asked for."""
+
     @staticmethod
-    def forward(ctx, logits, labels, group):
+    def forward(ctx, logits, labels, group, with_entropy):
         probs, lse = _softmax_stats(logits, group)
-        label_logit, idx, mine = _label_logit(logits, labels, group)
-        ctx.save_for_backward(probs, idx, mine)
+        outs, idx, mine, mean_logit = [], None, None, None
+        if labels is not None:
+            label_logit, idx, mine = _label_logit(logits, labels, group)
+            outs.append(label_logit - lse)
+        if with_entropy:
+            # Padded entries: p = 0 and x = dtype min, so p * x is 0, never 0 * -inf.
+            mean_logit = mappings.all_reduce((probs * logits.float()).sum(-1), group)
+            outs.append(lse - mean_logit)
+        ctx.save_for_backward(probs, logits if with_entropy else None, mean_logit, idx, mine)
         ctx.dtype = logits.dtype
-        return label_logit - lse
+        return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
-    def backward(ctx, g):
-        probs, idx, mine = ctx.saved_tensors
-        # d logp / d x = onehot(label) - softmax; probs is reused in place (single backward).
-        grad = probs.mul_(-g[:, None])
-        grad.scatter_add_(-1, idx[:, None], (g * mine)[:, None])
-        return grad.to(ctx.dtype), None, None
-
-
-class _Entropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, group):
-        probs, lse = _softmax_stats(logits, group)
-        x = logits.float()
-        # Padded entries: p = 0 and x = dtype min, so p * x is 0, never 0 * -inf.
-        mean_logit = mappings.all_reduce((probs * x).sum(-1), group)
-        ctx.save_for_backward(probs, logits, mean_logit)
-        return lse - mean_logit
-
-    @staticmethod
-    def backward(ctx, g):
-        probs, logits, mean_logit = ctx.saved_tensors
-        # dH/dx_j = p_j (E_p[x] - x_j)
-        grad = probs * (mean_logit[:, None] - logits.float()) * g[:, None]
-        return grad.to(logits.dtype), None
-
-
-class _LogProbEntropy(torch.autograd.Function):
-    """Both from one softmax: one pass over the vocabulary and one fp32 ``[N, vocab / tp]`` tensor
-    kept for backward, where the two separate ops keep two."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, group):
-        probs, lse = _softmax_stats(logits, group)
-        label_logit, idx, mine = _label_logit(logits, labels, group)
-        mean_logit = mappings.all_reduce((probs * logits.float()).sum(-1), group)
-        ctx.save_for_backward(probs, logits, mean_logit, idx, mine)
-        return label_logit - lse, lse - mean_logit
-
-    @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, *grads):
         probs, logits, mean_logit, idx, mine = ctx.saved_tensors
-        g_logp = torch.zeros_like(mean_logit) if g_logp is None else g_logp
-        g_ent = torch.zeros_like(mean_logit) if g_ent is None else g_ent
+        g_logp, g_ent = _split_grads(grads, idx is not None, logits is not None)
         # d logp / dx = onehot(label) - p;  dH/dx_j = p_j (E_p[x] - x_j). p times (E_p[x] - x)
         # first: at padded columns (x = dtype min, p = 0) that is 0, where (E_p[x] - x) * g_ent
         # alone would overflow to inf for |g_ent| > 1 and make 0 * inf = NaN.
-        grad = (mean_logit[:, None] - logits.float()).mul_(probs).mul_(g_ent[:, None])
-        grad.addcmul_(probs, g_logp[:, None], value=-1)
-        grad.scatter_add_(-1, idx[:, None], (g_logp * mine)[:, None])
-        return grad.to(logits.dtype), None, None
+        if g_ent is None:
+            grad = probs.mul_(-g_logp[:, None])  # probs is reused in place (a single backward)
+        else:
+            grad = (mean_logit[:, None] - logits.float()).mul_(probs).mul_(g_ent[:, None])
+            if g_logp is not None:
+                grad.addcmul_(probs, g_logp[:, None], value=-1)
+        if g_logp is not None:
+            grad.scatter_add_(-1, idx[:, None], (g_logp * mine)[:, None])
+        return grad.to(ctx.dtype), None, None, None
+
+
+def _split_grads(grads, with_logp: bool, with_entropy: bool):
+    """(gradient of the log-probs, of the entropy), None where that output was not asked for."""
+    grads = iter(grads)
+    return next(grads) if with_logp else None, next(grads) if with_entropy else None
 
 
 # ---- the Triton kernels (CUDA) ---------------------------------------------------------------
@@ -227,81 +209,57 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(-1) == 1 else logits.contiguous()
 
 
-def _k_label(x, labels, group):
-    """(the label's logit; its local column on the rank that holds it, else -1)."""
-    label_logit, idx, mine = _label_logit(x, labels, group)
-    return label_logit, torch.where(mine, idx, -1).contiguous()
+class _Kernel(torch.autograd.Function):
+    """``_Eager``'s outputs from the Triton kernels: nothing kept for backward but the logits and
+    ``[N]`` vectors."""
 
-
-class _KLogProb(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, group):
+    def forward(ctx, logits, labels, group, with_entropy):
         x = _rows(logits)
-        lse, _ = _k_stats(x, group, False)
-        label_logit, target = _k_label(x, labels, group)
-        ctx.save_for_backward(x, lse, target)
-        return label_logit - lse
-
-    @staticmethod
-    def backward(ctx, g):
-        x, lse, target = ctx.saved_tensors
-        return _k_grad(x, lse, None, target, g.float().contiguous(), None), None, None
-
-
-class _KEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, group):
-        x = _rows(logits)
-        lse, mean = _k_stats(x, group, True)
-        ctx.save_for_backward(x, lse, mean)
-        return lse - mean
-
-    @staticmethod
-    def backward(ctx, g):
-        x, lse, mean = ctx.saved_tensors
-        return _k_grad(x, lse, mean, None, None, g.float().contiguous()), None
-
-
-class _KLogProbEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, labels, group):
-        x = _rows(logits)
-        lse, mean = _k_stats(x, group, True)
-        label_logit, target = _k_label(x, labels, group)
+        lse, mean = _k_stats(x, group, with_entropy)
+        outs, target = [], None
+        if labels is not None:
+            label_logit, idx, mine = _label_logit(x, labels, group)
+            target = torch.where(mine, idx, -1).contiguous()  # -1: the label is on another rank
+            outs.append(label_logit - lse)
+        if with_entropy:
+            outs.append(lse - mean)
         ctx.save_for_backward(x, lse, mean, target)
         ctx.set_materialize_grads(False)
-        return label_logit - lse, lse - mean
+        return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, *grads):
         x, lse, mean, target = ctx.saved_tensors
-        g_logp = None if g_logp is None else g_logp.float().contiguous()
-        g_ent = None if g_ent is None else g_ent.float().contiguous()
+        grads = [None if g is None else g.float().contiguous() for g in grads]
+        g_logp, g_ent = _split_grads(grads, target is not None, mean is not None)
         if g_logp is None and g_ent is None:
-            return None, None, None
-        return _k_grad(x, lse, mean, target, g_logp, g_ent), None, None
+            return None, None, None, None
+        return _k_grad(x, lse, mean, target, g_logp, g_ent), None, None, None
 
 
 # ---- the functions ---------------------------------------------------------------------------
 
 
+def _apply(logits, labels, group, with_entropy: bool):
+    fn = _Kernel if _use_kernels(logits) else _Eager
+    return fn.apply(logits, labels, _or_current(group), with_entropy)
+
+
 def log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor,
                           group: ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``log_probs`` and ``entropy`` together (the PPO actor loss needs both), fp32 ``[N]`` each."""
-    fn = _KLogProbEntropy if _use_kernels(logits) else _LogProbEntropy
-    return fn.apply(logits, labels, _or_current(group))
+    return _apply(logits, labels, group, True)
 
 
 def log_probs(logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """``log softmax(logits)[label]`` per token, fp32 ``[N]``; labels are global vocabulary ids."""
-    fn = _KLogProb if _use_kernels(logits) else _LogProb
-    return fn.apply(logits, labels, _or_current(group))
+    return _apply(logits, labels, group, False)
 
 
 def entropy(logits: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` per token, fp32 ``[N]``."""
-    fn = _KEntropy if _use_kernels(logits) else _Entropy
-    return fn.apply(logits, _or_current(group))
+    return _apply(logits, None, group, True)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:

@@ -190,16 +190,27 @@ class ShardedAdamW:
         for n, m in self.master.items():
             m.grad = self.params[n].main_grad
         self.inner.step()
-        with torch.no_grad():
-            for n, m in self.master.items():
-                if m is not self.params[n]:
-                    self.params[n].copy_(m)
+        self._write_back()
         if self.dp_group is not None:
             ranks = dist.get_process_group_ranks(self.dp_group)
             for n, p in self.params.items():
                 dist.broadcast(p.data, src=ranks[self.owner[n]], group=self.dp_group)
 
+    def _write_back(self) -> None:
+        """The masters into the model's parameters (rounded to their dtype)."""
+        with torch.no_grad():
+            for n, m in self.master.items():
+                if m is not self.params[n]:
+                    self.params[n].copy_(m)
+
     # ---- checkpoint ------------------------------------------------------------------------
+
+    def _state_of(self, tensors: dict[str, dict]) -> dict:
+        """DCP chunks of per-parameter ``{kind: {name: tensor}}`` under ``<hf name>.<kind>``."""
+        out = {}
+        for k, ts in tensors.items():
+            out.update(checkpoint.model_state(self.model, tensors=ts, suffix=f".{k}"))
+        return out
 
     def model_state(self, dtype: torch.dtype) -> dict:
         """The model's DCP state from the masters at full precision, stored as ``dtype``: each DP
@@ -217,10 +228,7 @@ class ShardedAdamW:
                     tensors[k][name] = st[k]
         if self.separate_masters:
             tensors["master"] = self.master
-        out = {}
-        for k, ts in tensors.items():
-            out.update(checkpoint.model_state(self.model, tensors=ts, suffix=f".{k}"))
-        return out
+        return self._state_of(tensors)
 
     def load_state(self, url: str | None, step: int, model_url: str | None = None) -> None:
         """Collective. Fill this rank's optimizer state, for any layout: moments from the
@@ -241,17 +249,11 @@ class ShardedAdamW:
         targets = {k: self.master if k == "master" else {n: torch.zeros_like(m) for n, m in self.master.items()}
                    for k in wanted}
         if url:
-            state = {}
-            for k, ts in targets.items():
-                state.update(checkpoint.model_state(self.model, tensors=ts, suffix=f".{k}"))
-            checkpoint.load(state, url)
+            checkpoint.load(self._state_of(targets), url)
             for n, m in self.master.items():
                 count = torch.tensor(float(step), device=self.device if self.fused else "cpu")
                 self.inner.state[m] = {"step": count, "exp_avg": targets["exp_avg"][n], "exp_avg_sq": targets["exp_avg_sq"][n]}
-        with torch.no_grad():
-            for n, m in self.master.items():
-                if m is not self.params[n]:
-                    self.params[n].copy_(m)
+        self._write_back()
 
 
 def lr_at(step: int, base: float, warmup: int, total: int | None, decay: str = "constant", min_ratio: float = 0.0) -> float:
