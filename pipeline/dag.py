@@ -220,6 +220,15 @@ def may_run_beside(nodes: list[Node], shown: int = 4) -> dict[str, str]:
     return words
 
 
+def early_parts(nodes: list[Node]) -> dict[str, set[str]]:
+    """For each node, the parts of its output that other nodes read before it ends."""
+    parts: dict[str, set[str]] = {}
+    for n in nodes:
+        for name, sub in n.reads.items():
+            parts.setdefault(name, set()).add(sub)
+    return parts
+
+
 def check_spec(spec: RunSpec) -> list[Node]:
     """The DAG, with every stage's config of every iteration built (validated) — before anything runs."""
     nodes = build_dag(spec)

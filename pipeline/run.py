@@ -41,10 +41,10 @@ from llamarl.lib.files import publish
 from llamarl.lib.errors import Stopped, UserError
 
 from .checks import check_prompts, check_storage
-from .dag import VALIDATE, Node, build_dag, check_spec, may_run_beside
+from .dag import VALIDATE, Node, build_dag, check_spec, early_parts, may_run_beside
 from .metrics import update_metrics, validation_metrics
 from .monitor import Monitor
-from .records import (assess, fingerprints, input_url, must_redo, node_key, plan, published_id,
+from .records import (assess, fingerprints, input_url, must_redo, node_key, plan, published_current, published_id,
                       read_record, write_record)
 from .retention import retire_done
 from .spec import RunSpec
@@ -195,15 +195,6 @@ def _remove_stale(n: Node, parts: set[str] = frozenset()) -> None:
             fs.rm(f"{path}/{part}", recursive=True)
 
 
-def _early_parts(nodes: list[Node]) -> dict[str, set[str]]:
-    """For each node, the parts of its output that other nodes read before it ends."""
-    parts: dict[str, set[str]] = {}
-    for n in nodes:
-        for name, sub in n.reads.items():
-            parts.setdefault(name, set()).add(sub)
-    return parts
-
-
 def _skipped(spec: RunSpec, n: Node, by_name: dict[str, Node], will_run: set[str], report: list, echo,
              parts: set[str] = frozenset(), redo: dict[str, str] | None = None) -> tuple[bool, str]:
     """(is ``n`` done, why); a done stage is reported skipped, a stale output (or its ``parts``
@@ -214,7 +205,7 @@ def _skipped(spec: RunSpec, n: Node, by_name: dict[str, Node], will_run: set[str
     run = spec.run_dir
     done, why = (False, redo[n.name]) if n.name in (redo or {}) else assess(run, n, by_name, will_run)
     fresh = not any(i in will_run for i in n.inputs)  # else what it was made from is about to change
-    if not done and fresh and n.name not in (redo or {}) and _published_current(n):
+    if not done and fresh and n.name not in (redo or {}) and published_current(n):
         _record_done(spec, n, by_name)
         report.append((n.name, "done: " + _made_by(n, by_name)))
         echo(f"[{n.name}] done: {_made_by(n, by_name)}")
@@ -228,20 +219,6 @@ def _skipped(spec: RunSpec, n: Node, by_name: dict[str, Node], will_run: set[str
 
 
 MADE_ELSEWHERE = "its output was published with this config and inputs"
-
-
-def _published_current(n: Node) -> bool:
-    """Whether ``n``'s output is published whole with the request the driver computes for it: the
-    stage would find it current and do nothing (``identity.skip_if_current``), so no process need
-    start. Only a stage whose request holds no facts that only it knows (score, ppo, export) can
-    match; a rollout's or a shard's never does."""
-    manifest = publish.read_manifest(n.out)
-    if manifest is None or "request" not in manifest or publish.retired(n.out) is not None:
-        return False
-    try:
-        return manifest["request"] == n.declared.request()
-    except FileNotFoundError:  # an input is not published (yet): nothing can be current
-        return False
 
 
 def _made_by(n: Node, by_name: dict[str, Node]) -> str:
@@ -273,7 +250,7 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
         echo(f"driver: {where}" + ("" if executor.launches else " (apply it: kubectl apply -f)"))
         return [("driver", where)]
     jobs: dict[str, str] = {}
-    early, redo = _early_parts(nodes), must_redo(run, nodes, by_name)
+    early, redo = early_parts(nodes), must_redo(run, nodes, by_name)
     for n in nodes:
         done, why = _skipped(spec, n, by_name, set(jobs), report, echo, early.get(n.name, set()), redo)
         if done:
@@ -337,7 +314,7 @@ class _Schedule:
     def __init__(self, spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor: Executor, echo):
         self.spec, self.nodes, self.by_name, self.executor, self.echo = spec, nodes, by_name, executor, echo
         self.limit = executor.concurrency or len(nodes)
-        self.early, self.redo = _early_parts(nodes), must_redo(spec.run_dir, nodes, by_name)
+        self.early, self.redo = early_parts(nodes), must_redo(spec.run_dir, nodes, by_name)
         self.waiting, self.finished, self.running = list(nodes), set(), {}
         self.failure = None
         self.keys: dict[str, str | None] = {}  # each started node's key when it started
