@@ -34,7 +34,7 @@ from pydantic import ConfigDict, Field
 from llamarl.lib.errors import EXIT_STATUS_ENV, EXIT_USER_ERROR, UserError
 from llamarl.lib.options import Strict
 
-from .executor import ExecutorBase, StageResult, per_node, stage_args
+from .executor import Executor, StageResult, per_node, stage_args
 
 NOT_APPLIED = 4
 """``wait``'s code for a stage whose manifests were written, not applied: nothing ran (not a stage's
@@ -90,7 +90,7 @@ class KubernetesOptions(Strict):
                                                        "failure.")
 
 
-class KubernetesExecutor(ExecutorBase):
+class KubernetesExecutor(Executor):
     detach = "driver"
 
     def __init__(self, options: KubernetesOptions, *, run_dir: str | None = None, batch_api: Any = None,

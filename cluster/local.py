@@ -35,7 +35,7 @@ from pydantic import Field
 from llamarl.lib.errors import EXIT_USER_ERROR, PARENT_ENV, UserError
 from llamarl.lib.options import Strict
 
-from .executor import ExecutorBase, StageResult, free_port, per_node, stage_command
+from .executor import Executor, StageResult, free_port, per_node, stage_command
 
 
 MACHINE_MAX = 1024  # more cores or GPUs than one machine has: a typo (gpus: 1e9 would list a billion GPUs)
@@ -88,7 +88,7 @@ class LocalRun:
         return self.errors[first[0]] if first else None
 
 
-class LocalExecutor(ExecutorBase):
+class LocalExecutor(Executor):
     def __init__(self, options: LocalOptions | None = None, *, run_dir: str | None = None):
         """``run_dir`` is unused: the local executor writes nothing of its own."""
         self.options = options or LocalOptions()
