@@ -126,7 +126,7 @@ class LocalExecutor(Executor):
         with self._gpus_changed:
             self._gpus_changed.notify_all()  # a stage waiting for GPUs gives up
         for run in runs:
-            _kill_groups(run)
+            kill_groups(run.groups)
         for run in runs:
             self._reap(run)
         return [run.name for run in runs]
@@ -201,7 +201,7 @@ class LocalExecutor(Executor):
         try:
             code = self._wait(handle)
         except KeyboardInterrupt:  # Ctrl-C or a signal (errors.Stopped) where this waits in the main thread
-            _kill_groups(handle)
+            kill_groups(handle.groups)
             self._reap(handle)
             raise
         finally:
@@ -210,7 +210,7 @@ class LocalExecutor(Executor):
                 if handle in self._runs:
                     self._runs.remove(handle)
         # What its processes started and left behind (a tokenizer process still closing) goes with them.
-        _kill_groups(handle)
+        kill_groups(handle.groups)
         self._reap(handle)
         # The error line may still sit in a pipe after its process has gone: read them to the end.
         for reader in handle.readers:
@@ -233,7 +233,7 @@ class LocalExecutor(Executor):
             if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > self.options.grace_s:
-                _kill_groups(run)
+                kill_groups(run.groups)
             time.sleep(0.01)
 
 
@@ -325,10 +325,6 @@ def kill_groups(groups: list[tuple[int, int | None]]) -> dict[int, list[int]]:
         except ProcessLookupError:
             pass
     return alive
-
-
-def _kill_groups(run: LocalRun) -> None:
-    kill_groups(run.groups)
 
 
 def wait_gone(groups: list[tuple[int, int | None]], timeout_s: float, reap: list = ()) -> list[int]:
