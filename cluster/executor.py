@@ -47,19 +47,22 @@ class ProcessRegistry(Protocol):
 
 
 class Executor(Protocol):
-    registry: ProcessRegistry | None
+    """Every executor subclasses it, for the defaults of an executor without a queue or a detached
+    mode; an object with these members serves the pipeline too (a test's fake)."""
+
+    registry: ProcessRegistry | None = None
     """Set by the pipeline before the first stage: where the processes started on this host are
     kept. Executors that start none here (slurm, kubernetes) never call it."""
 
-    launches: bool
+    launches: bool = True
     """False for an executor that only writes what it would launch (kubernetes without ``apply``):
     ``submit`` then returns where it wrote it, and the pipeline writes every stage and runs none."""
 
-    concurrency: int | None
+    concurrency: int | None = None
     """Stages the pipeline may run at once when the DAG allows it; None: no limit of the executor's
     own (a cluster queues what it cannot run yet)."""
 
-    detach: Literal["jobs", "driver"] | None
+    detach: Literal["jobs", "driver"] | None = None
     """How ``llamarl run --detach`` works with this executor: ``jobs`` — every stage submitted at
     once, each after its inputs' jobs (``submit_after``); ``driver`` — one job in the cluster runs
     the resumable ``llamarl run`` (``start_driver``); None — it cannot (the local executor)."""
@@ -67,76 +70,46 @@ class Executor(Protocol):
     def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> Any:
         """Start the stage and return a handle for ``wait``. ``name`` (default: the stage) names
         the job where the cluster shows one; the pipeline passes the node, e.g. iter-001/rollout."""
-        ...
+        raise NotImplementedError
 
     def wait(self, handle: Any) -> StageResult:
         """Block until the stage submitted as ``handle`` has ended."""
-        ...
+        raise NotImplementedError
 
     def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
         """``wait(submit(...))``."""
-        ...
+        return self.wait(self.submit(stage, config, nprocs, nodes, name=name))
 
     def render(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
         """What ``submit`` would launch, as text (for dry runs); starts and writes nothing."""
-        ...
+        raise NotImplementedError
 
     def stop_all(self) -> list[str]:
         """The pipeline is stopping (a signal, Ctrl-C): stop what this executor started and still
         runs, where stopping it is this process's to do — local processes, every process of each
         stage, before it returns; a cluster's jobs stay queued or running, and a later ``llamarl
         run`` follows or resumes them. The names of the stages it stopped."""
-        ...
+        return []
 
     def close(self) -> None:
         """The run is over (done or failed; after ``stop_all`` too): let go of what the executor
         keeps between stages — the local executor's resident workers. Nothing of a stage runs."""
-        ...
 
     def job_state(self, job_id: str) -> str | None:
         """What the cluster's queue says of a detached stage's job, e.g. ``PENDING (Dependency)``;
         None once it has left the queue, or where there is no queue."""
-        ...
+        return None
 
     def submit_after(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None,
                      after: list[str] = (), recorder: Any = None) -> str:
         """``detach == "jobs"``: submit the stage to start once the jobs ``after`` have succeeded
         (and never if one fails); ``recorder`` keeps its record from inside the job. The job id."""
-        ...
-
-    def start_driver(self, spec_url: str, run_name: str) -> str:
-        """``detach == "driver"``: start the job that runs ``llamarl run`` on ``spec_url`` in the
-        cluster; where it is (its name, or the file it was written to)."""
-        ...
-
-
-class ExecutorBase:
-    """What every executor does the same way on top of its own ``submit`` and ``wait``, and the
-    defaults of an executor without a queue or a detached mode."""
-
-    launches: bool = True
-    concurrency: int | None = None
-    detach: Literal["jobs", "driver"] | None = None
-    registry: ProcessRegistry | None = None
-
-    def run(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> StageResult:
-        return self.wait(self.submit(stage, config, nprocs, nodes, name=name))
-
-    def stop_all(self) -> list[str]:
-        return []
-
-    def close(self) -> None:
-        pass
-
-    def job_state(self, job_id: str) -> str | None:
-        return None
-
-    def submit_after(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None,
-                     after: list[str] = (), recorder: Any = None) -> str:
         raise UserError(f"the {type(self).__name__} cannot submit a stage to start after others; "
                         f"--detach needs the slurm executor for that")
 
     def start_driver(self, spec_url: str, run_name: str) -> str:
+        """``detach == "driver"``: start the job that runs ``llamarl run`` on ``spec_url`` in the
+        cluster; where it is (its name, or the file it was written to)."""
         raise UserError(f"the {type(self).__name__} has no in-cluster driver; --detach needs the kubernetes executor "
                         f"for that")
 

@@ -34,7 +34,7 @@ from pydantic import ConfigDict, Field
 from llamarl.lib.errors import EXIT_STATUS_ENV, EXIT_USER_ERROR, UserError
 from llamarl.lib.options import Strict
 
-from .executor import ExecutorBase, StageResult, per_node, stage_args
+from .executor import Executor, StageResult, per_node, stage_args
 
 NOT_APPLIED = 4
 """``wait``'s code for a stage whose manifests were written, not applied: nothing ran (not a stage's
@@ -90,7 +90,7 @@ class KubernetesOptions(Strict):
                                                        "failure.")
 
 
-class KubernetesExecutor(ExecutorBase):
+class KubernetesExecutor(Executor):
     detach = "driver"
 
     def __init__(self, options: KubernetesOptions, *, run_dir: str | None = None, batch_api: Any = None,
@@ -137,8 +137,6 @@ class KubernetesExecutor(ExecutorBase):
         requests = {k: v for k, v in (("cpu", o.cpu), ("memory", o.memory)) if v}
         if requests:
             resources["requests"] = requests
-        env = [{"name": "NCCL_NVLS_ENABLE", "value": "0"}, {"name": "PYTHONUNBUFFERED", "value": "1"}]
-        env += [{"name": k, "value": v} for k, v in o.env.items()]
         labels = {"app.kubernetes.io/part-of": "llamarl", "llamarl/stage": stage, "llamarl/node": _dns_name(name or stage)}
         if self.run_label:
             labels["llamarl/run"] = self.run_label
@@ -148,23 +146,8 @@ class KubernetesExecutor(ExecutorBase):
             "spec": {"clusterIP": "None", "selector": {"job-name": job}, "publishNotReadyAddresses": True,
                      "ports": [{"name": "rendezvous", "port": o.master_port}]},
         }
-        shm = {"medium": "Memory", **({"sizeLimit": o.shm_size} if o.shm_size else {})}
-        pod_spec = {
-            "subdomain": svc,
-            "restartPolicy": "Never",
-            "securityContext": {"runAsNonRoot": True, "runAsUser": o.run_as_user, "runAsGroup": o.run_as_user,
-                                "fsGroup": o.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}},
-            "containers": [{
-                "name": "stage", "image": o.image, "command": ["bash", "-c", command], "env": env,
-                "resources": resources,
-                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-                "volumeMounts": [{"name": "storage", "mountPath": o.mount_path}, {"name": "shm", "mountPath": "/dev/shm"}],
-            }],
-            "volumes": [{"name": "storage", "persistentVolumeClaim": {"claimName": o.pvc}},
-                        {"name": "shm", "emptyDir": shm}],
-        }
-        if o.node_selector:
-            pod_spec["nodeSelector"] = dict(o.node_selector)
+        pod_spec = self._pod({"subdomain": svc, "restartPolicy": "Never"}, "stage", ["bash", "-c", command],
+                             [{"name": "NCCL_NVLS_ENABLE", "value": "0"}], resources, shm=True)
         job_obj = {
             "apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": job, "namespace": o.namespace, "labels": labels},
@@ -178,6 +161,30 @@ class KubernetesExecutor(ExecutorBase):
             },
         }
         return [service, job_obj]
+
+    def _pod(self, head: dict, name: str, command: list[str], env: list[dict], resources: dict,
+             shm: bool = False) -> dict:
+        """A pod spec (``head``: its first fields) whose one container ``name`` runs ``command`` with
+        ``env`` and the spec's, as the non-root ``run_as_user`` without privileges, the PVC mounted
+        (and with ``shm``, a memory-backed /dev/shm), on the ``node_selector``'s nodes."""
+        o = self.options
+        mounts = [{"name": "storage", "mountPath": o.mount_path}]
+        volumes = [{"name": "storage", "persistentVolumeClaim": {"claimName": o.pvc}}]
+        if shm:
+            mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+            limit = {"sizeLimit": o.shm_size} if o.shm_size else {}  # default: no limit of its own
+            volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", **limit}})
+        env = [*env, {"name": "PYTHONUNBUFFERED", "value": "1"}, *({"name": k, "value": v} for k, v in o.env.items())]
+        pod = {**head,
+               "securityContext": {"runAsNonRoot": True, "runAsUser": o.run_as_user, "runAsGroup": o.run_as_user,
+                                   "fsGroup": o.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}},
+               "containers": [{"name": name, "image": o.image, "command": command, "env": env, "resources": resources,
+                               "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                               "volumeMounts": mounts}],
+               "volumes": volumes}
+        if o.node_selector:
+            pod["nodeSelector"] = dict(o.node_selector)
+        return pod
 
     def render(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
         """The manifests as one YAML document stream (what ``kubectl apply -f`` takes)."""
@@ -264,22 +271,9 @@ class KubernetesExecutor(ExecutorBase):
         binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
                    "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": o.namespace}]}
-        pod = {
-            "serviceAccountName": name,
-            "restartPolicy": "OnFailure",  # a lost driver pod starts again and resumes the run
-            "securityContext": {"runAsNonRoot": True, "runAsUser": o.run_as_user, "runAsGroup": o.run_as_user,
-                                "fsGroup": o.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}},
-            "containers": [{
-                "name": "driver", "image": o.image, "command": ["llamarl", "run", spec_url, "--apply"],
-                "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}] + [{"name": k, "value": v} for k, v in o.env.items()],
-                "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
-                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-                "volumeMounts": [{"name": "storage", "mountPath": o.mount_path}],
-            }],
-            "volumes": [{"name": "storage", "persistentVolumeClaim": {"claimName": o.pvc}}],
-        }
-        if o.node_selector:
-            pod["nodeSelector"] = dict(o.node_selector)
+        # restartPolicy OnFailure: a lost driver pod starts again and resumes the run.
+        pod = self._pod({"serviceAccountName": name, "restartPolicy": "OnFailure"}, "driver",
+                        ["llamarl", "run", spec_url, "--apply"], [], {"requests": {"cpu": "1", "memory": "2Gi"}})
         job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
                "spec": {"backoffLimit": o.driver_restarts, "template": {"metadata": {"labels": meta["labels"]},
                                                                         "spec": pod}}}
@@ -343,7 +337,6 @@ class KubernetesExecutor(ExecutorBase):
                     break
                 raise
             time.sleep(self.options.poll_s)
-
 
     def _apis(self) -> tuple[Any, Any]:
         if self._batch_api is None or self._core_api is None:

@@ -35,7 +35,7 @@ from pydantic import Field
 from llamarl.lib.errors import EXIT_USER_ERROR, PARENT_ENV, UserError
 from llamarl.lib.options import Strict
 
-from .executor import ExecutorBase, StageResult, free_port, per_node, stage_command
+from .executor import Executor, StageResult, free_port, per_node, stage_command
 
 
 MACHINE_MAX = 1024  # more cores or GPUs than one machine has: a typo (gpus: 1e9 would list a billion GPUs)
@@ -100,7 +100,7 @@ def has_gpus() -> bool:
     return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
 
 
-class LocalExecutor(ExecutorBase):
+class LocalExecutor(Executor):
     def __init__(self, options: LocalOptions | None = None, *, run_dir: str | None = None):
         """``run_dir`` is unused: the local executor writes nothing of its own."""
         self.options = options or LocalOptions()
@@ -138,7 +138,7 @@ class LocalExecutor(ExecutorBase):
         with self._gpus_changed:
             self._gpus_changed.notify_all()  # a stage waiting for GPUs gives up
         for run in runs:
-            _kill_groups(run)
+            kill_groups(run.groups)
         for run in runs:
             self._reap(run)
         return [run.name for run in runs]
@@ -213,7 +213,7 @@ class LocalExecutor(ExecutorBase):
         try:
             code = self._wait(handle)
         except KeyboardInterrupt:  # Ctrl-C or a signal (errors.Stopped) where this waits in the main thread
-            _kill_groups(handle)
+            kill_groups(handle.groups)
             self._reap(handle)
             raise
         finally:
@@ -222,7 +222,7 @@ class LocalExecutor(ExecutorBase):
                 if handle in self._runs:
                     self._runs.remove(handle)
         # What its processes started and left behind (a tokenizer process still closing) goes with them.
-        _kill_groups(handle)
+        kill_groups(handle.groups)
         self._reap(handle)
         # The error line may still sit in a pipe after its process has gone: read them to the end.
         for reader in handle.readers:
@@ -245,7 +245,7 @@ class LocalExecutor(ExecutorBase):
             if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > self.options.grace_s:
-                _kill_groups(run)
+                kill_groups(run.groups)
             time.sleep(0.01)
 
 
@@ -337,10 +337,6 @@ def kill_groups(groups: list[tuple[int, int | None]]) -> dict[int, list[int]]:
         except ProcessLookupError:
             pass
     return alive
-
-
-def _kill_groups(run: LocalRun) -> None:
-    kill_groups(run.groups)
 
 
 def wait_gone(groups: list[tuple[int, int | None]], timeout_s: float, reap: list = ()) -> list[int]:

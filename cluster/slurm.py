@@ -28,7 +28,7 @@ from pydantic import Field
 from llamarl.lib.errors import UserError
 from llamarl.lib.options import Strict
 
-from .executor import ExecutorBase, StageResult, free_port, per_node, stage_args
+from .executor import Executor, StageResult, free_port, per_node, stage_args
 
 PORT_WAIT_S = 300.0
 """How long tasks wait for rank 0's port: Slurm starts a job's tasks together, so only a rank 0
@@ -130,7 +130,7 @@ class SlurmOptions(Strict):
                                                                "environment activation).")
 
 
-class SlurmExecutor(ExecutorBase):
+class SlurmExecutor(Executor):
     detach = "jobs"
 
     def __init__(self, options: SlurmOptions, *, run_dir: str | None = None):

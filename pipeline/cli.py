@@ -9,9 +9,10 @@ from contextlib import contextmanager
 
 import typer
 
-from llamarl.lib.errors import EXIT_USER_ERROR, Stopped, disk_full, disk_full_error, one_line
-from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
-                                   processes)
+from llamarl.lib.errors import EXIT_USER_ERROR, Stopped, UserError, disk_full, disk_full_error, one_line, unreadable
+from llamarl.lib.options import Source, validate
+from llamarl.stages.config import (WIRED, ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
+                                   describe, describe_rules, kind_of, options_model, processes)
 
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -36,7 +37,6 @@ def run(
     from rich.table import Table
     from rich.text import Text
 
-    from llamarl.lib.errors import UserError
     from llamarl.pipeline.run import run_spec
     from llamarl.pipeline.dag import load_spec
 
@@ -165,7 +165,6 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
     from rich.table import Table
     from rich.text import Text
 
-    from llamarl.lib.errors import UserError
     from llamarl.pipeline.status import status
 
     console = Console()
@@ -195,7 +194,8 @@ def _field(model, name: str, *decls: str, **kw):
     return typer.Option(None if field.is_required() else field.default, *decls, help=field.description, **kw)
 
 
-def _run_local(stage: str, config: StageConfig) -> None:
+def _run_local(stage: str, config: StageConfig, made: str) -> None:
+    """Run the stage on this machine; then print ``made``, where its output is."""
     from llamarl.cluster.local import LocalExecutor
 
     try:
@@ -207,6 +207,7 @@ def _run_local(stage: str, config: StageConfig) -> None:
         raise typer.Exit(e.exit_status)
     if not result.ok:  # the stage has printed its error
         raise typer.Exit(result.code)
+    typer.echo(made)
 
 
 @stage_app.command("shard")
@@ -218,10 +219,8 @@ def shard(
     dtype: str = _field(ShardConfig, "dtype"),
 ):
     """HF checkpoint → sharded checkpoint (loadable at any TP×PP)."""
-
-    _run_local("shard", _config(ShardConfig, None, {"src": src, "dst": dst, "tp": tp, "pp": pp, "dtype": dtype},
-                                ("src", "dst")))
-    typer.echo(dst)
+    given = {"src": src, "dst": dst, "tp": tp, "pp": pp, "dtype": dtype}
+    _run_local("shard", _config(ShardConfig, None, given, ("src", "dst")), dst)
 
 
 @stage_app.command("export")
@@ -234,10 +233,8 @@ def export(
     verify: bool = _field(ExportConfig, "verify", "--verify/--no-verify"),
 ):
     """Sharded checkpoint → HF safetensors directory (transformers loads it)."""
-
     given = {"src": src, "dst": dst, "dtype": dtype, "max_shard_gb": max_shard_gb, "verify": verify, "procs": procs}
-    _run_local("export", _config(ExportConfig, None, given, ("src", "dst")))
-    typer.echo(dst)
+    _run_local("export", _config(ExportConfig, None, given, ("src", "dst")), dst)
 
 
 def _fail(message: str):
@@ -248,7 +245,6 @@ def _fail(message: str):
 def _options(config: str) -> dict:
     """The options file of a stage command, or a one-line error."""
     from llamarl.lib.files import yamlfile
-    from llamarl.lib.errors import UserError, unreadable
 
     try:
         with open(config) as f:
@@ -266,10 +262,6 @@ def _config(cls: type[StageConfig], config: str | None, given: dict, arguments: 
     """A stage's config from its ``--config`` file and its command line (``given``: the fields its
     arguments and flags set); a bad value is one line naming the file's field, the flag (``--tp``;
     ``flags`` where it is not the field's name) or the argument (``SRC``)."""
-    from llamarl.lib.errors import UserError
-    from llamarl.lib.options import Source, validate
-    from llamarl.stages.config import options_model
-
     names = {k: k.upper() if k in arguments else flags.get(k, "--" + k.replace("_", "-")) for k in given}
     try:
         # The file first, on its own: it may not set what the command line sets (which would
@@ -284,15 +276,11 @@ def _config(cls: type[StageConfig], config: str | None, given: dict, arguments: 
 
 def epilog(cls: type[StageConfig], *more: str) -> str:
     """The YAML options of a stage command (those the command line does not set), for ``--help``."""
-    from llamarl.stages.config import WIRED, describe, kind_of
-
     wired = tuple(name for name, f in cls.model_fields.items() if kind_of(f) in WIRED)
     return "\n\n".join(["Options for --config (YAML):", *describe(cls, wired), *more])
 
 
 def _rules_epilog() -> str:
-    from llamarl.stages.config import describe_rules
-
     return "\n\n".join(["Built-in rules, as rewards: [{name: NAME, weight: W, args: {ARG: VALUE}}] (the response and "
                          "its row are passed first):", *describe_rules()])
 
@@ -302,7 +290,6 @@ def _check_rollout_inputs(cfg: RolloutConfig) -> None:
     imports torch: seconds): an actor that is no published checkpoint, a prompts file with a bad
     row (every row checked, stages/prompts.py; torch-free). The ranks check again: the files may
     change in between."""
-    from llamarl.lib.errors import UserError
     from llamarl.stages import contract, prompts
 
     try:
@@ -322,12 +309,10 @@ def rollout(
     config: str = typer.Option(None, help="YAML with further options (sampling, columns, chunk_size…)."),
 ):
     """Actor + prompts → responses with log-probs (Parquet parts, resumable)."""
-
     cfg = _config(RolloutConfig, config, {"actor": actor, "prompts": prompts, "out": out, "tp": tp, "dp": dp},
                   ("actor", "prompts", "out"))
     _check_rollout_inputs(cfg)
-    _run_local("rollout", cfg)
-    typer.echo(out)
+    _run_local("rollout", cfg, out)
 
 
 @stage_app.command("score", epilog=epilog(ScoreConfig, _rules_epilog()))
@@ -341,10 +326,8 @@ def score(
     config: str = typer.Option(None, help="YAML with further options (rewards, references, max_length…)."),
 ):
     """Rollout → scores from a reward model and/or rule-based rewards (Parquet, resumable)."""
-
     given = {"rollout": rollout, "out": out, "reward_model": rm, "tp": tp, "pp": pp, "dp": dp}
-    _run_local("score", _config(ScoreConfig, config, given, ("rollout", "out"), reward_model="--rm"))
-    typer.echo(out)
+    _run_local("score", _config(ScoreConfig, config, given, ("rollout", "out"), reward_model="--rm"), out)
 
 
 @stage_app.command("ppo", epilog=epilog(PPOConfig))
@@ -361,11 +344,9 @@ def ppo(
     config: str = typer.Option(None, help="YAML with PPO options (lr, clip, kl, epochs, batch sizes…)."),
 ):
     """Rollout + scores → updated actor and critic (one PPO iteration, resumable)."""
-
     given = {"rollout": rollout, "scores": scores, "actor": actor, "out": out, "critic": critic, "reference": reference,
              "tp": tp, "pp": pp, "dp": dp}
-    _run_local("ppo", _config(PPOConfig, config, given, ("rollout", "scores", "actor", "out")))
-    typer.echo(out)
+    _run_local("ppo", _config(PPOConfig, config, given, ("rollout", "scores", "actor", "out")), out)
 
 
 if __name__ == "__main__":

@@ -97,12 +97,9 @@ def build_dag(spec: RunSpec) -> list[Node]:
     def cfg(cls, options, where: str, **wired):
         return lambda: spec.stage_config(cls, options, where, **wired)
 
-    nodes = [Node("shard/actor", "shard", f"{run}/shard/actor", [], L.shard,
-                  cfg(ShardConfig, {}, "shard", src=spec.actor, dst=f"{run}/shard/actor", tp=L.shard.tp, pp=L.shard.pp))]
-    if spec.reward_model:
-        nodes.append(Node("shard/rm", "shard", f"{run}/shard/rm", [], L.shard,
-                          cfg(ShardConfig, {}, "shard", src=spec.reward_model, dst=f"{run}/shard/rm", tp=L.shard.tp,
-                              pp=L.shard.pp)))
+    nodes = [Node(name, "shard", f"{run}/{name}", [], L.shard,
+                  cfg(ShardConfig, {}, "shard", src=src, dst=f"{run}/{name}", tp=L.shard.tp, pp=L.shard.pp))
+             for name, src in (("shard/actor", spec.actor), ("shard/rm", spec.reward_model)) if src]
     validated = set(validated_iterations(spec))
     actor, critic = "shard/actor", None
     trained = ["shard/actor"]  # trained[k]: the actor after k ppo updates
@@ -220,6 +217,15 @@ def may_run_beside(nodes: list[Node], shown: int = 4) -> dict[str, str]:
     return words
 
 
+def early_parts(nodes: list[Node]) -> dict[str, set[str]]:
+    """For each node, the parts of its output that other nodes read before it ends."""
+    parts: dict[str, set[str]] = {}
+    for n in nodes:
+        for name, sub in n.reads.items():
+            parts.setdefault(name, set()).add(sub)
+    return parts
+
+
 def check_spec(spec: RunSpec) -> list[Node]:
     """The DAG, with every stage's config of every iteration built (validated) — before anything runs."""
     nodes = build_dag(spec)
@@ -259,26 +265,24 @@ def check_models(spec: RunSpec) -> None:
             except ConfigError as e:
                 raise UserError(f"{spec.source}: layout.{stage}: {e} (the {key.replace('_', ' ')}: {config_url})") from None
         if key == "actor":
-            _check_vocabulary(spec, model.vocab_size, config_url)
-            lengths = [("rollout.sampling.max_new_tokens", spec.rollout.sampling.max_new_tokens)]
-            if spec.validation and spec.validation.sampling.max_new_tokens is not None:
-                lengths.append(("validation.sampling.max_new_tokens", spec.validation.sampling.max_new_tokens))
-            for where, new in lengths:
-                if new >= model.max_position_embeddings:
-                    raise UserError(f"{spec.source}: {where}={new} leaves no room for a prompt within the actor's "
-                                    f"max_position_embeddings={model.max_position_embeddings} ({config_url}); lower it")
+            _check_sampling(spec, model, config_url)
 
 
-def _check_vocabulary(spec: RunSpec, vocab_size: int, config_url: str) -> None:
-    """The stop tokens within the actor's vocabulary: a token it cannot sample would never stop a response."""
-    stops = [("rollout.sampling.stop_token_ids", spec.rollout.sampling.stop_token_ids)]
-    if spec.validation and spec.validation.sampling.stop_token_ids is not None:
-        stops.append(("validation.sampling.stop_token_ids", spec.validation.sampling.stop_token_ids))
-    for where, ids in stops:
-        for i, token in enumerate(ids):
-            if token >= vocab_size:
-                raise UserError(f"{spec.source}: {where}.{i}={token} is no token of the actor, whose vocabulary has "
-                                f"{vocab_size} ({config_url}); give ids below {vocab_size}")
+def _check_sampling(spec: RunSpec, model, config_url: str) -> None:  # model: the actor's LlamaConfig
+    """The rollout's and the validation's stop tokens within the actor's vocabulary (a token it
+    cannot sample would never stop a response), then their max_new_tokens within its context."""
+    samplings = [("rollout.sampling", spec.rollout.sampling)]
+    if spec.validation:  # its fields left None take the rollout's
+        samplings.append(("validation.sampling", spec.validation.sampling))
+    for where, sampling in samplings:
+        for i, token in enumerate(sampling.stop_token_ids or ()):
+            if token >= model.vocab_size:
+                raise UserError(f"{spec.source}: {where}.stop_token_ids.{i}={token} is no token of the actor, whose "
+                                f"vocabulary has {model.vocab_size} ({config_url}); give ids below {model.vocab_size}")
+    for where, sampling in samplings:
+        if (new := sampling.max_new_tokens) is not None and new >= model.max_position_embeddings:
+            raise UserError(f"{spec.source}: {where}.max_new_tokens={new} leaves no room for a prompt within the "
+                            f"actor's max_position_embeddings={model.max_position_embeddings} ({config_url}); lower it")
 
 
 def check_columns(spec: RunSpec) -> None:

@@ -41,6 +41,20 @@ def published_id(url: str) -> str | None:
     return publish.output_id(url) if publish.read_manifest(url) is not None else None
 
 
+def published_current(n: Node) -> bool:
+    """Whether ``n``'s output is published whole with the request the driver computes for it: the
+    stage would find it current and do nothing (``identity.skip_if_current``), so no process need
+    start. Only a stage whose request holds no facts that only it knows (score, ppo, export) can
+    match; a rollout's or a shard's never does."""
+    manifest = publish.read_manifest(n.out)
+    if manifest is None or "request" not in manifest or publish.retired(n.out) is not None:
+        return False
+    try:
+        return manifest["request"] == n.declared.request()
+    except FileNotFoundError:  # an input is not published (yet): nothing can be current
+        return False
+
+
 _checksummed: dict[str, str] | None = None  # inside ``one_look``: a listing's fingerprint with checksums
 
 

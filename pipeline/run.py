@@ -21,16 +21,16 @@ so does everything downstream. A stage killed half-way leaves an unpublished out
 itself resumes.
 
 The DAG is pipeline/dag.py's, the keys and the plan (what is done, what runs and why)
-pipeline/records.py's, retention pipeline/retention.py's. A stage that reads only part of an input's output (rollout and export: ppo's ``actor/``, published
-before ppo's training state) is keyed by that part's id and may start as soon as it is published,
-while the stage making it still runs (``Node.reads``; with an executor that runs several stages
-at once).
+pipeline/records.py's, retention pipeline/retention.py's. A stage that reads only part of an
+input's output (rollout and export: ppo's ``actor/``, published before ppo's training state) is
+keyed by that part's id and may start as soon as it is published, while the stage making it still
+runs (``Node.reads``; with an executor that runs several stages at once).
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import fsspec
@@ -41,10 +41,11 @@ from llamarl.lib.files import publish
 from llamarl.lib.errors import Stopped, UserError
 
 from .checks import check_prompts, check_storage
-from .dag import VALIDATE, Node, build_dag, check_spec, may_run_beside
+from .dag import VALIDATE, Node, build_dag, check_spec, early_parts, load_spec, may_run_beside
+from .lock import RunLock
 from .metrics import update_metrics, validation_metrics
 from .monitor import Monitor
-from .records import (assess, fingerprints, input_url, must_redo, node_key, plan, published_id,
+from .records import (assess, fingerprints, input_url, must_redo, node_key, plan, published_current, published_id,
                       read_record, write_record)
 from .retention import Trash, retire_done
 from .spec import RunSpec
@@ -52,9 +53,6 @@ from .spec import RunSpec
 
 class PipelineError(UserError):
     pass
-
-
-# ---- running ---------------------------------------------------------------------------------------------
 
 
 def executor_for(spec: RunSpec) -> Executor:
@@ -85,8 +83,6 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
                     why += f"; may run beside {beside[n.name]}"
             report.append((n.name, ("skip: " if done else "run: ") + why))
         return report
-
-    from .lock import RunLock
 
     with RunLock(run, echo=echo) as lock:  # one `llamarl run` at a time per run directory
         executor = executor or executor_for(spec)
@@ -128,8 +124,6 @@ class NodeRecorder:
     node: str
 
     def _node(self) -> tuple[Node, list[Node], RunSpec]:
-        from .dag import load_spec
-
         spec = load_spec(f"{self.run_dir}/pipeline/spec.yaml")
         nodes = build_dag(spec)
         return next(n for n in nodes if n.name == self.node), nodes, spec
@@ -140,20 +134,26 @@ class NodeRecorder:
 
     def ended(self, result) -> None:
         node, nodes, spec = self._node()
-        if not result.ok:
-            write_record(self.run_dir, node, status="failed", error=result.error, finished=None)
-            return
         by_name = {n.name: n for n in nodes}
-        _record_done(spec, node, by_name)
-        monitor = Monitor(spec)
-        try:
-            _after_done(spec, node, nodes, by_name, monitor, print)
-        finally:
-            monitor.close()
+        if _record_end(spec, node, by_name, result):
+            monitor = Monitor(spec)
+            try:
+                _after_done(spec, node, nodes, by_name, monitor, print)
+            finally:
+                monitor.close()
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _record_end(spec: RunSpec, n: Node, by_name: dict[str, Node], result, key: str | None = None) -> bool:
+    """Record how ``n`` ended, done or failed (its ``StageResult``); whether it is done."""
+    if result.ok:
+        _record_done(spec, n, by_name, key)
+    else:
+        write_record(spec.run_dir, n, status="failed", error=result.error, finished=None)
+    return result.ok
 
 
 def _record_done(spec: RunSpec, n: Node, by_name: dict[str, Node], key: str | None = None) -> None:
@@ -184,81 +184,24 @@ def _remove_stale(n: Node, parts: set[str] = frozenset()) -> None:
     """Before ``n`` runs: its published output, whose config or inputs changed, removed; or, when
     it is unfinished, the ``parts`` of it that other stages read early (a killed run of ``n``
     published them): the stage writes them again, and nothing may start from the old ones."""
-    fs, path = fsspec.core.url_to_fs(n.out)
-    scores = _scores_of(n)
-    if scores is not None and published_id(scores) is not None:
-        # Made from the rollout that runs again (its published output removed below, or none):
-        # stale, and the rollout that publishes the new ones would refuse to overwrite them.
-        scores_fs, scores_path = fsspec.core.url_to_fs(scores)
-        scores_fs.rm(scores_path, recursive=True)
-    if published_id(n.out) is not None:
-        fs.rm(path, recursive=True)
-        return
-    for part in parts:
-        if published_id(f"{n.out}/{part}") is not None:
-            fs.rm(f"{path}/{part}", recursive=True)
-
-
-def _early_parts(nodes: list[Node]) -> dict[str, set[str]]:
-    """For each node, the parts of its output that other nodes read before it ends."""
-    parts: dict[str, set[str]] = {}
-    for n in nodes:
-        for name, sub in n.reads.items():
-            parts.setdefault(name, set()).add(sub)
-    return parts
-
-
-def _skipped(spec: RunSpec, n: Node, by_name: dict[str, Node], will_run: set[str], report: list, echo,
-             parts: set[str] = frozenset(), redo: dict[str, str] | None = None) -> tuple[bool, str]:
-    """(is ``n`` done, why); a done stage is reported skipped, a stale output (or its ``parts``
-    read early) removed before it runs. ``redo``: stages to run again whatever their records say
-    (``records.plan``: retention deleted their output and a stage that runs needs it). A stage whose
-    output another stage published for it (a rollout its rules' scores) is recorded done here, no
-    process started: then ``why`` is ``MADE_ELSEWHERE``."""
-    run = spec.run_dir
-    done, why = (False, redo[n.name]) if n.name in (redo or {}) else assess(run, n, by_name, will_run)
-    fresh = not any(i in will_run for i in n.inputs)  # else what it was made from is about to change
-    if not done and fresh and n.name not in (redo or {}) and _published_current(n):
-        _record_done(spec, n, by_name)
-        report.append((n.name, "done: " + _made_by(n, by_name)))
-        echo(f"[{n.name}] done: {_made_by(n, by_name)}")
-        return True, MADE_ELSEWHERE
-    if done:
-        report.append((n.name, "skipped (done)"))
-        echo(f"[{n.name}] done, skipped")
-    else:
-        _remove_stale(n, parts)
-    return done, why
+    # A rollout's rules' scores (RolloutConfig.scores) are made from the rollout that runs again:
+    # stale, and the rollout that publishes the new ones would refuse to overwrite them.
+    scores = n.make_config().scores if n.stage == "rollout" else None
+    stale = [scores.out] if scores is not None else []
+    stale += [n.out] if published_id(n.out) is not None else [f"{n.out}/{part}" for part in parts]
+    for url in stale:
+        if published_id(url) is not None:
+            fs, path = fsspec.core.url_to_fs(url)
+            fs.rm(path, recursive=True)
 
 
 MADE_ELSEWHERE = "its output was published with this config and inputs"
 
 
-def _published_current(n: Node) -> bool:
-    """Whether ``n``'s output is published whole with the request the driver computes for it: the
-    stage would find it current and do nothing (``identity.skip_if_current``), so no process need
-    start. Only a stage whose request holds no facts that only it knows (score, ppo, export) can
-    match; a rollout's or a shard's never does."""
-    manifest = publish.read_manifest(n.out)
-    if manifest is None or "request" not in manifest or publish.retired(n.out) is not None:
-        return False
-    try:
-        return manifest["request"] == n.declared.request()
-    except FileNotFoundError:  # an input is not published (yet): nothing can be current
-        return False
-
-
 def _made_by(n: Node, by_name: dict[str, Node]) -> str:
-    scorer = by_name.get(n.inputs[0]) if n.stage == "score" and n.inputs else None
-    if scorer is not None and scorer.stage == "rollout" and scorer.make_config().scores is not None:
+    if n.stage == "score" and by_name[n.inputs[0]].make_config().scores is not None:  # its rollout's rules
         return "scored in the rollout"
     return MADE_ELSEWHERE
-
-
-def _scores_of(n: Node) -> str | None:
-    """Where a rollout node publishes its rules' scores too (``RolloutConfig.scores``), or None."""
-    scores = n.make_config().scores if n.stage == "rollout" else None
-    return scores.out if scores is not None else None
 
 
 def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor: Executor,
@@ -266,7 +209,7 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
     """``--detach``: submit every stage that is not done at once, each job after the jobs of its
     inputs (Slurm: ``--dependency=afterok``), or start the executor's in-cluster driver; return
     without waiting."""
-    run, report = spec.run_dir, []
+    run = spec.run_dir
     if executor.detach is None:
         raise PipelineError(f"{spec.source}: --detach needs a cluster executor (slurm or kubernetes); the "
                             f"{spec.executor.kind} executor runs in the foreground")
@@ -276,10 +219,9 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
         where = executor.start_driver(f"{run}/pipeline/spec.yaml", spec.name)
         echo(f"driver: {where}" + ("" if executor.launches else " (apply it: kubectl apply -f)"))
         return [("driver", where)]
-    jobs: dict[str, str] = {}
-    early, redo = _early_parts(nodes), must_redo(run, nodes, by_name)
+    schedule, jobs = _Schedule(spec, nodes, by_name, executor, echo), {}
     for n in nodes:
-        done, why = _skipped(spec, n, by_name, set(jobs), report, echo, early.get(n.name, set()), redo)
+        done, why = schedule.skipped(n, set(jobs))
         if done:
             continue
         after = [jobs[i] for i in n.inputs if i in jobs]
@@ -291,9 +233,9 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
                                     recorder=NodeRecorder(run, n.name))
         jobs[n.name] = job
         write_record(run, n, job=job)
-        report.append((n.name, f"submitted as job {job}"))
+        schedule.report.append((n.name, f"submitted as job {job}"))
         echo(f"[{n.name}] submitted as job {job}" + (f", after {', '.join(after)}" if after else "") + f": {why}")
-    return report
+    return schedule.report
 
 
 def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor: Executor,
@@ -308,34 +250,37 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
             echo(f"[{n.name}] written: {where}")
         return report
     schedule = _Schedule(spec, nodes, by_name, executor, echo)
-    with _StageThreads(max_workers=min(schedule.limit, len(nodes)), thread_name_prefix="stage") as pool:
-        try:
-            if schedule.monitor.active:  # a resumed run: what the sinks missed while no `llamarl run` ran
-                schedule.monitor.update(update_metrics(spec.run_dir, spec.iterations))
-            while schedule.waiting or schedule.running:
-                schedule.start_ready(pool)
-                if not schedule.running:
-                    if schedule.failure is not None or not schedule.waiting:
-                        break
-                    continue  # skipped stages made others ready
-                # About once a second while a waiting stage may start from a part of a running one.
-                ended, _ = wait(schedule.running, timeout=1.0 if schedule.may_start_early() else None,
-                                return_when=FIRST_COMPLETED)
-                # Retention's deletions (moved to the trash, emptied beside) before what the ended
-                # stages made ready starts; the run's metrics and their plot (a second or so) after.
-                done = schedule.collect(ended)
-                if done:
-                    retire_done(spec, nodes, by_name, echo, schedule.trash)
-                schedule.start_ready(pool)
-                for n in done:
-                    _update_metrics(spec, n, schedule.monitor)
-        except BaseException as e:  # stopped (a signal, Ctrl-C) or failed: no stage process may outlive us
-            _stop_stages(spec, executor, schedule.running, by_name, schedule.keys, e)
-            raise
-        finally:
-            schedule.monitor.close()
-            if schedule.trash is not None:
-                schedule.trash.close()
+    pool = ThreadPoolExecutor(max_workers=min(schedule.limit, len(nodes)), thread_name_prefix="stage")
+    schedule.trash = Trash.open(spec.run_dir)
+    try:
+        if schedule.monitor.active:  # a resumed run: what the sinks missed while no `llamarl run` ran
+            schedule.monitor.update(update_metrics(spec.run_dir, spec.iterations))
+        while schedule.waiting or schedule.running:
+            schedule.start_ready(pool)
+            if not schedule.running:
+                if schedule.failure is not None or not schedule.waiting:
+                    break
+                continue  # skipped stages made others ready
+            # About once a second while a waiting stage may start from a part of a running one.
+            ended, _ = wait(schedule.running, timeout=1.0 if schedule.may_start_early() else None,
+                            return_when=FIRST_COMPLETED)
+            # Retention's deletions (moved to the trash, emptied beside) before what the ended
+            # stages made ready starts; the run's metrics and their plot (a second or so) after.
+            done = schedule.collect(ended)
+            if done:
+                retire_done(spec, nodes, by_name, echo, schedule.trash)
+            schedule.start_ready(pool)
+            for n in done:
+                _update_metrics(spec, n, schedule.monitor)
+    except BaseException as e:  # stopped (a signal, Ctrl-C) or failed: no stage process may outlive us
+        schedule.stop(e)
+        raise
+    finally:
+        schedule.monitor.close()
+        if schedule.trash is not None:
+            schedule.trash.close()
+        # Not waited for when stopped: a cluster's stage runs on, and so does the thread following it.
+        pool.shutdown(wait=False, cancel_futures=True)
     return schedule.outcome()
 
 
@@ -350,14 +295,34 @@ class _Schedule:
     def __init__(self, spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor: Executor, echo):
         self.spec, self.nodes, self.by_name, self.executor, self.echo = spec, nodes, by_name, executor, echo
         self.limit = executor.concurrency or len(nodes)
-        self.early, self.redo = _early_parts(nodes), must_redo(spec.run_dir, nodes, by_name)
+        self.early, self.redo = early_parts(nodes), must_redo(spec.run_dir, nodes, by_name)
         self.waiting, self.finished, self.running = list(nodes), set(), {}
         self.failure = None
         self.keys: dict[str, str | None] = {}  # each started node's key when it started
         self.given_up: dict[str, str] = {}
         self.report: list[tuple[str, str]] = []
         self.monitor = Monitor(spec)
-        self.trash = Trash.open(spec.run_dir)
+        self.trash: Trash | None = None  # while stages run here (``_run_nodes``)
+
+    def skipped(self, n: Node, will_run: set[str]) -> tuple[bool, str]:
+        """(is ``n`` done, why), given the stages before it that ``will_run``; a done stage is
+        reported skipped, a stale output (or its parts read early) removed before it runs. A stage
+        whose output another stage published for it (a rollout its rules' scores) is recorded done
+        here, no process started: then ``why`` is ``MADE_ELSEWHERE``."""
+        redo = n.name in self.redo  # retention deleted its output, and a stage that runs needs it
+        done, why = (False, self.redo[n.name]) if redo else assess(self.spec.run_dir, n, self.by_name, will_run)
+        fresh = not any(i in will_run for i in n.inputs)  # else what it was made from is about to change
+        if not done and fresh and not redo and published_current(n):
+            _record_done(self.spec, n, self.by_name)
+            self.report.append((n.name, "done: " + _made_by(n, self.by_name)))
+            self.echo(f"[{n.name}] done: {_made_by(n, self.by_name)}")
+            return True, MADE_ELSEWHERE
+        if done:
+            self.report.append((n.name, "skipped (done)"))
+            self.echo(f"[{n.name}] done, skipped")
+        else:
+            _remove_stale(n, self.early.get(n.name, set()))
+        return done, why
 
     def ready(self, n: Node) -> bool:
         # A part of a running input is this run's: the input's stale parts were removed when it started.
@@ -376,17 +341,15 @@ class _Schedule:
             if len(self.running) >= self.limit:
                 break
             lost = next((i for i in n.inputs if i in self.given_up), None)
+            if lost is None and not self.ready(n):
+                continue
+            self.waiting.remove(n)
             if lost is not None:
-                self.waiting.remove(n)
                 self.given_up[n.name] = f"{lost} failed"
                 self.report.append((n.name, f"not run: {lost} failed"))
                 continue
-            if not self.ready(n):
-                continue
-            self.waiting.remove(n)
             run = self.spec.run_dir
-            done, why = _skipped(self.spec, n, self.by_name, set(), self.report, self.echo,
-                                 self.early.get(n.name, set()), self.redo)
+            done, why = self.skipped(n, set())
             if done:
                 self.finished.add(n.name)
                 if why == MADE_ELSEWHERE:
@@ -408,18 +371,15 @@ class _Schedule:
         done = []
         for future in ended:
             n, result = self.running.pop(future), future.result()
-            if not result.ok:
-                write_record(self.spec.run_dir, n, status="failed", error=result.error, finished=None)
-                if n.role == VALIDATE:
-                    self.given_up[n.name] = result.error
-                    self.echo(f"[{n.name}] failed ({result.error}); training goes on")
-                else:
-                    self.failure = self.failure or (n, result)
-                continue
-            _record_done(self.spec, n, self.by_name, self.keys.get(n.name))
-            self.finished.add(n.name)
-            self.report.append((n.name, "ran"))
-            done.append(n)
+            if _record_end(self.spec, n, self.by_name, result, self.keys.get(n.name)):
+                self.finished.add(n.name)
+                self.report.append((n.name, "ran"))
+                done.append(n)
+            elif n.role == VALIDATE:
+                self.given_up[n.name] = result.error
+                self.echo(f"[{n.name}] failed ({result.error}); training goes on")
+            else:
+                self.failure = self.failure or (n, result)
         return done
 
     def outcome(self) -> list[tuple[str, str]]:
@@ -435,36 +395,23 @@ class _Schedule:
                                 f"stage ran — fix it and rerun `llamarl run`, which runs only what is not done")
         return self.report
 
-
-class _StageThreads(ThreadPoolExecutor):
-    """The threads that follow running stages. Left by an exception (the driver stopping) it does
-    not wait for them: a cluster's stage runs on, and so does the thread following it."""
-
-    def __exit__(self, exc_type, exc, tb):
-        self.shutdown(wait=exc_type is None, cancel_futures=exc_type is not None)
-        return False
-
-
-def _stop_stages(spec: RunSpec, executor: Executor, running: dict[Future, Node], by_name: dict[str, Node],
-                 keys: dict[str, str | None], why: BaseException) -> None:
-    """The driver stops (``why``: a signal, Ctrl-C, an error of its own). The executor stops what
-    is its to stop — every process of each local stage, before it returns — and each stage's
-    record says how it ended: done or failed if it ended just before the stop, else stopped. A
-    cluster's job runs on and keeps its "running" record: a later ``llamarl run`` follows or
-    resumes it."""
-    stopped = set(executor.stop_all() or ())
-    cause = why.name if isinstance(why, Stopped) else f"{type(why).__name__}: {why}".splitlines()[0][:200]
-    ours = {f: n for f, n in running.items() if n.name in stopped or f.done()}
-    wait(ours)  # a stopped stage's thread ends with its processes, which are gone now
-    for future, n in ours.items():
-        result = None if future.exception() is not None else future.result()
-        if result is not None and result.ok:  # it ended well as the stop came
-            _record_done(spec, n, by_name, keys.get(n.name))
-            stopped.discard(n.name)
-        elif n.name in stopped:
-            write_record(spec.run_dir, n, status="stopped", finished=None,
-                         error=f"llamarl run stopped it at {_now()} ({cause}); rerun to resume")
-        elif result is not None:  # it had failed on its own, just before the stop
-            write_record(spec.run_dir, n, status="failed", error=result.error, finished=None)
-    if isinstance(why, Stopped):
-        why.stages = sorted(stopped)
+    def stop(self, why: BaseException) -> None:
+        """The driver stops (``why``: a signal, Ctrl-C, an error of its own). The executor stops
+        what is its to stop — every process of each local stage, before it returns — and each
+        stage's record says how it ended: done or failed if it ended just before the stop, else
+        stopped. A cluster's job runs on and keeps its "running" record: a later ``llamarl run``
+        follows or resumes it."""
+        stopped = set(self.executor.stop_all() or ())
+        cause = why.name if isinstance(why, Stopped) else f"{type(why).__name__}: {why}".splitlines()[0][:200]
+        ours = {f: n for f, n in self.running.items() if n.name in stopped or f.done()}
+        wait(ours)  # a stopped stage's thread ends with its processes, which are gone now
+        for future, n in ours.items():
+            result = None if future.exception() is not None else future.result()
+            if result is not None and (result.ok or n.name not in stopped):  # it ended just before the stop
+                _record_end(self.spec, n, self.by_name, result, self.keys.get(n.name))
+                stopped.discard(n.name)
+            elif n.name in stopped:
+                write_record(self.spec.run_dir, n, status="stopped", finished=None,
+                             error=f"llamarl run stopped it at {_now()} ({cause}); rerun to resume")
+        if isinstance(why, Stopped):
+            why.stages = sorted(stopped)

@@ -33,7 +33,7 @@ def _rows(spec: RunSpec) -> list[tuple[str, str, str]]:
     records = {n.name: read_record(spec.run_dir, n) or {} for n in nodes}
     executor = executor_for(spec)
     redo = must_redo(spec.run_dir, nodes, by_name)
-    rows_in_prompts = _recorded_rows(spec)
+    rows_in_prompts = (recorded(spec) or {}).get("rows")  # the prompts' rows when the run first took some
     rows = []
     for n in nodes:
         record = records[n.name]
@@ -65,11 +65,6 @@ def _rows(spec: RunSpec) -> list[tuple[str, str, str]]:
             why += f"; ran beside {', '.join(beside)}"
         rows.append((n.name, state, why))
     return rows
-
-
-def _recorded_rows(spec: RunSpec) -> int | None:
-    """The number of prompts the run recorded when it first took rows of them."""
-    return (recorded(spec) or {}).get("rows")
 
 
 def _ran_beside(name: str, records: dict[str, dict]) -> list[str]:

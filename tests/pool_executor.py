@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-from llamarl.cluster.executor import ExecutorBase, StageResult
+from llamarl.cluster.executor import Executor, StageResult
 from llamarl.lib.errors import EXIT_USER_ERROR
 
 
@@ -22,7 +22,7 @@ def run_stage(stage: str, config) -> tuple[int, str | None]:
     return 0, None
 
 
-class PoolExecutor(ExecutorBase):
+class PoolExecutor(Executor):
     """Stages of one process each, in ``pool`` (a ``DistPool(1)``), one at a time."""
 
     def __init__(self, pool):

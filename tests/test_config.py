@@ -207,7 +207,7 @@ def test_export_verify_has_a_flag(monkeypatch):
     from llamarl.pipeline import cli
 
     ran = []
-    monkeypatch.setattr(cli, "_run_local", lambda stage, config: ran.append(config))
+    monkeypatch.setattr(cli, "_run_local", lambda stage, config, made: ran.append(config))
     for flags, verify in (([], True), (["--no-verify"], False)):
         result = CliRunner().invoke(cli.app, ["stage", "export", "CK", "OUT", *flags])
         assert result.exit_code == 0, result.output

@@ -15,12 +15,11 @@ import time
 import pytest
 import yaml
 
+from driver import ENV, alive, start
 from llamarl.cluster.local import survivors
 from llamarl.pipeline import demo
 
 pytestmark = pytest.mark.slow
-
-ENV = {**os.environ, "COLUMNS": "400"}  # no wrapped lines
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +49,6 @@ def _cli(*args):
                           timeout=900, env=ENV)
 
 
-def _start(spec: str, env: dict = ENV) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
-
-
 def _running(run: str, node: str, processes: int, driver: subprocess.Popen) -> tuple[list, list[int]]:
     """Once ``node`` runs with at least ``processes`` live processes in its groups, as the run's
     lock records them: (its groups, their pids)."""
@@ -73,14 +67,6 @@ def _running(run: str, node: str, processes: int, driver: subprocess.Popen) -> t
     raise AssertionError(f"{node} did not run with {processes} processes")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("sig,resident", [(signal.SIGTERM, False), (signal.SIGHUP, True)],
                          ids=["SIGTERM-process-per-stage", "SIGHUP-resident"])
 def test_a_signal_stops_the_run_and_every_process_of_its_stage(small, sig, resident):
@@ -89,7 +75,7 @@ def test_a_signal_stops_the_run_and_every_process_of_its_stage(small, sig, resid
     still runs), its worker with it."""
     spec, run = small(f"stopped-by-{sig.name.lower()}", resident=resident)
     node = "iter-001/ppo" if resident else "iter-001/rollout"
-    driver = _start(spec, env={**ENV, "LLAMARL_TEST_PPO_AT": "published actor:sleep=600"})
+    driver = start(spec, env={**ENV, "LLAMARL_TEST_PPO_AT": "published actor:sleep=600"})
     groups, pids = _running(run, node, 1 if resident else 2, driver)
     driver.send_signal(sig)
     out, _ = driver.communicate(timeout=120)
@@ -97,7 +83,7 @@ def test_a_signal_stops_the_run_and_every_process_of_its_stage(small, sig, resid
     assert out.strip().splitlines()[-1] == (f"error: llamarl run got {sig.name}: stopped {node}, every "
                                             f"process of each; rerun `llamarl run {spec}` to resume")
     assert "Traceback" not in out
-    assert not [p for p in pids if _alive(p)] and survivors(groups) == {}
+    assert not [p for p in pids if alive(p)] and survivors(groups) == {}
     assert not os.path.exists(os.path.join(run, "pipeline", "lock.json"))
     record = json.load(open(os.path.join(run, "pipeline", f"{node.replace('/', '.')}.json")))
     assert record["status"] == "stopped" and f"({sig.name}); rerun to resume" in record["error"]
@@ -120,17 +106,17 @@ def test_a_killed_drivers_stage_dies_with_it_and_the_next_run_stops_what_it_left
     spec, run = small(f"killed-{resident}", rewards=rewards, resident=resident)
     tests = os.path.dirname(__file__)
     env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
-    driver = _start(spec, env={**env, "LLAMARL_TEST_SANDBOX": "1"})
+    driver = start(spec, env={**env, "LLAMARL_TEST_SANDBOX": "1"})
     groups, pids = _running(run, "iter-001/scores", 2, driver)  # the rank and its sandbox
     driver.kill()
     driver.wait(timeout=60)
     rank = groups[0][0]
     deadline = time.monotonic() + 30
-    while _alive(rank) and time.monotonic() < deadline:
+    while alive(rank) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not _alive(rank), "the stage's process should die with its driver"
+    assert not alive(rank), "the stage's process should die with its driver"
     sandbox = [p for p in pids if p != rank]
-    assert sandbox and all(_alive(p) for p in sandbox), "its sandbox should outlive it"
+    assert sandbox and all(alive(p) for p in sandbox), "its sandbox should outlive it"
     rerun = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], capture_output=True, text=True,
                            timeout=900, env=env)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
@@ -144,5 +130,5 @@ def test_a_killed_drivers_stage_dies_with_it_and_the_next_run_stops_what_it_left
     assert stopped < taken < started, rerun.stdout
     assert lines[stopped].endswith(f"which is gone: its process(es) {', '.join(map(str, sandbox))} still ran")
     assert lines[taken].endswith("its process is gone")
-    assert survivors(groups) == {} and not [p for p in pids if _alive(p)]
+    assert survivors(groups) == {} and not [p for p in pids if alive(p)]
     driver.stdout.close()

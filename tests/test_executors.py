@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from llamarl.cluster.executor import ExecutorBase, StageResult
+from llamarl.cluster.executor import Executor, StageResult
 from llamarl.cluster.kinds import make_executor, validate_options
 from llamarl.cluster.local import LocalExecutor, LocalOptions
 from llamarl.lib.errors import EXIT_USER_ERROR, UserError
@@ -122,7 +122,7 @@ def test_every_executor_implements_the_whole_protocol(kind, options, detach, que
             ex.start_driver("/runs/r/pipeline/spec.yaml", "r")
     ex.stop_all()  # nothing started: nothing to stop, no error
     ex.close()
-    assert queue == (type(ex).job_state is not ExecutorBase.job_state)
+    assert queue == (type(ex).job_state is not Executor.job_state)
 
 
 @pytest.mark.parametrize("kind,options,message", [

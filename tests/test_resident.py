@@ -21,6 +21,7 @@ import time
 import pytest
 import yaml
 
+from driver import ENV, alive, start
 from llamarl.cluster.executor import StageResult
 from llamarl.cluster.kinds import make_executor
 from llamarl.cluster.local import LocalExecutor, LocalOptions, survivors
@@ -32,7 +33,6 @@ from llamarl.pipeline.dag import load_spec
 from llamarl.pipeline.run import run_spec
 from llamarl.stages.config import ShardConfig
 
-ENV = {**os.environ, "COLUMNS": "400"}  # no wrapped lines
 LAYOUT = {"shard": {"tp": 2}, "rollout": {"tp": 2}, "score": {"dp": 2}, "ppo": {"tp": 2}, "export": {"procs": 1}}
 
 
@@ -130,11 +130,6 @@ def _cli(*args, env=ENV, timeout=600) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
-def _start(spec: str, env=ENV) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "llamarl.pipeline.cli", "run", spec], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
-
-
 def _registered(run: str, name: str, driver: subprocess.Popen) -> dict[str, list[int]]:
     """Once the run's lock lists ``name`` among its processes: every registered name's pids."""
     lock = os.path.join(run, "pipeline", "lock.json")
@@ -151,26 +146,18 @@ def _registered(run: str, name: str, driver: subprocess.Popen) -> dict[str, list
     raise AssertionError(f"{name} never ran")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 def test_a_worker_killed_mid_stage_fails_it_and_the_next_run_ends_with_the_same_bytes(toy_run, reference):
     spec, run = toy_run(resident=True, grace_s=1)
     # ppo's ranks wait at their first step, so that the kill lands inside the stage.
-    driver = _start(spec, env={**ENV, "LLAMARL_TEST_PPO_AT": "step 1:sleep=60"})
+    driver = start(spec, env={**ENV, "LLAMARL_TEST_PPO_AT": "step 1:sleep=60"})
     procs = _registered(run, "iter-001/ppo", driver)
     time.sleep(2)
     os.kill(procs["iter-001/ppo"][1], signal.SIGKILL)
     out, _ = driver.communicate(timeout=120)
     assert driver.returncode == EXIT_USER_ERROR, out
     assert out.strip().splitlines()[-1].startswith("error: stage iter-001/ppo failed ("), out
-    assert not [pid for pids in procs.values() for pid in pids if _alive(pid)], "no worker outlives its run"
+    assert not [pid for pids in procs.values() for pid in pids if alive(pid)], "no worker outlives its run"
     assert not os.path.exists(os.path.join(run, "pipeline", "lock.json"))
     rerun = _cli("run", spec)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
@@ -181,7 +168,7 @@ def test_a_worker_killed_mid_stage_fails_it_and_the_next_run_ends_with_the_same_
 @pytest.mark.slow
 def test_sigterm_stops_the_run_and_every_worker(toy_run):
     spec, run = toy_run(resident=True)
-    driver = _start(spec, env={**ENV, "LLAMARL_TEST_PPO_AT": "step 1:sleep=60"})  # a stage that is still running
+    driver = start(spec, env={**ENV, "LLAMARL_TEST_PPO_AT": "step 1:sleep=60"})  # a stage that is still running
     procs = _registered(run, "iter-001/ppo", driver)
     driver.send_signal(signal.SIGTERM)
     out, _ = driver.communicate(timeout=120)
@@ -189,7 +176,7 @@ def test_sigterm_stops_the_run_and_every_worker(toy_run):
     assert out.strip().splitlines()[-1] == (f"error: llamarl run got SIGTERM: stopped iter-001/ppo, every "
                                             f"process of each; rerun `llamarl run {spec}` to resume")
     assert "Traceback" not in out
-    assert len(procs[POOL]) == 2 and not [pid for pids in procs.values() for pid in pids if _alive(pid)]
+    assert len(procs[POOL]) == 2 and not [pid for pids in procs.values() for pid in pids if alive(pid)]
     assert not os.path.exists(os.path.join(run, "pipeline", "lock.json"))
 
 
