@@ -67,8 +67,11 @@ def _throughput(s: dict) -> str:
 
 
 def _vs_trl(inv: dict, run: dict) -> float | None:
-    """llamarl's generated tok/s/GPU over TRL's, same invocation (one iteration or several)."""
+    """llamarl's generated tok/s/GPU over TRL's, same invocation (one iteration or several); none
+    where TRL did not finish (a timeout's rate is of its cold first iteration alone)."""
     it = run.get("iterations") or run.get("iteration") or {}
+    if (inv.get("trl") or {}).get("status") not in (None, "ok"):
+        return None
     trl = (inv.get("trl") or {}).get("generated_tok_s_per_gpu")
     if (it.get("vs_trl") or {}).get("generated_tok_s_per_gpu_ratio") is not None:
         return it["vs_trl"]["generated_tok_s_per_gpu_ratio"]

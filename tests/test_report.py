@@ -114,3 +114,12 @@ def test_write_replaces_only_what_lies_between_the_markers():
         assert "markers" in str(e)
     else:
         raise AssertionError("a doc without markers was written")
+
+
+def test_no_ratio_against_a_trl_that_did_not_finish():
+    import tables
+
+    run = {"workload": "grpo", "iterations": {"complete": True, "generated_tok_s_per_gpu": 8000.0}}
+    assert tables._vs_trl({"trl": {"status": "ok", "generated_tok_s_per_gpu": 8000.0}}, run) == 1.0
+    # A TRL killed at its deadline measured only its cold first iteration: no reference.
+    assert tables._vs_trl({"trl": {"status": "timeout", "generated_tok_s_per_gpu": 4966.0}}, run) is None
