@@ -8,6 +8,7 @@ Run directory (``STORAGE/NAME``)::
     pipeline/prompts.json       the prompts dataset the run takes rows of (prompts_per_iteration)
     pipeline/prompts-index/     its row index (stages/prompts.py)
     pipeline/monitor.json       what TensorBoard and W&B were sent
+    pipeline/trash/             what retention deletes, while it is deleted
     iter-001/rollout  iter-001/scores  iter-001/ppo (actor/, critic/, train_state/, metrics.jsonl)
     iter-001/val-rollout  iter-001/val-scores       at the iterations the run validates
     …
