@@ -360,7 +360,7 @@ def launch(actor: str, folder: str, number: int, monkeypatch) -> tuple[Case, str
     out, options = f"{folder}/out-{number}", f"{folder}/options-{number}.yaml"
     _write(options, yaml.safe_dump(case.options).encode())
     started = []
-    monkeypatch.setattr(cli, "_run_local", lambda stage, config: started.append(config))
+    monkeypatch.setattr(cli, "_run_local", lambda stage, config, made: started.append(config))
     result = invoke(["stage", "rollout", actor, case.path, out, "--config", options], case)
     # A check across the options and the command line names the option alone (tests/test_config.py).
     accepted = ran_or_refused(result, case, [case.path, options, *(f"{k}=" for k in case.options)])
