@@ -43,6 +43,30 @@ class Stopped(KeyboardInterrupt):
         return 128 + self.signum  # the shell's convention for a process ended by a signal
 
 
+_stop: Stopped | None = None  # the stop a signal raised in this process, until ``forget_stop``
+
+
+def raise_stop(signum: int) -> None:
+    """A signal handler's stop: ``Stopped`` raised in the main thread, and kept for ``check_stop``."""
+    global _stop
+    _stop = Stopped(signum)
+    raise _stop
+
+
+def check_stop() -> None:
+    """Raise again a stop that did not unwind the main thread. A signal's handler runs wherever the
+    main thread is, and the interpreter prints and drops what it raises there inside a finalizer (a
+    ``__del__``, a weakref callback): a driver's loop calls this between its waits, so that the
+    stop is never lost."""
+    if _stop is not None:
+        raise _stop
+
+
+def forget_stop() -> None:
+    global _stop
+    _stop = None
+
+
 _DISK_FULL = {28: "no space left on device", 122: "disk quota exceeded"}  # ENOSPC, EDQUOT (Linux)
 
 

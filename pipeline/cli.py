@@ -9,7 +9,8 @@ from contextlib import contextmanager
 
 import typer
 
-from llamarl.lib.errors import EXIT_USER_ERROR, Stopped, UserError, disk_full, disk_full_error, one_line, unreadable
+from llamarl.lib.errors import (EXIT_USER_ERROR, Stopped, UserError, disk_full, disk_full_error, forget_stop, one_line,
+                                raise_stop, unreadable)
 from llamarl.lib.options import Source, validate
 from llamarl.stages.config import (WIRED, ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
                                    describe, describe_rules, kind_of, options_model, processes)
@@ -91,7 +92,7 @@ def stopped_by_signals():
         nonlocal stopping
         if not stopping:
             stopping = True
-            raise Stopped(signum)
+            raise_stop(signum)
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     for sig, handler in previous.items():
@@ -102,6 +103,7 @@ def stopped_by_signals():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        forget_stop()
 
 
 def _say(console, text, markup: bool = True, wrap: bool = False) -> None:

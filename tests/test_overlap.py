@@ -179,9 +179,10 @@ def test_one_stage_at_a_time_keeps_the_order(tmp_path):
 def test_a_stage_starts_after_retention_and_before_the_metrics_of_the_one_that_made_it_ready(tmp_path, monkeypatch):
     # Retention's deletions come first (the next stage's free-space check counts on them); the
     # metrics and their plot (a second or so) run beside the next stage, in the order stages end.
-    from llamarl.pipeline import run as run_module
+    from llamarl.pipeline import schedule as schedule_module
 
-    real_metrics, real_retire, metrics, retired = run_module._update_metrics, run_module.retire_done, {}, []
+    real_metrics, real_retire = schedule_module.update_metrics_after, schedule_module.retire_done
+    metrics, retired = {}, []
 
     def slow_metrics(spec, n, monitor):
         start = time.monotonic()
@@ -194,8 +195,8 @@ def test_a_stage_starts_after_retention_and_before_the_metrics_of_the_one_that_m
         retired.append(time.monotonic())
         return real_retire(*args)
 
-    monkeypatch.setattr(run_module, "_update_metrics", slow_metrics)
-    monkeypatch.setattr(run_module, "retire_done", retire)
+    monkeypatch.setattr(schedule_module, "update_metrics_after", slow_metrics)
+    monkeypatch.setattr(schedule_module, "retire_done", retire)
     ex, by = _schedule(_spec(tmp_path, 0, iterations=2), 1)
     ev = ex.events
     ppo1 = metrics["iter-001/ppo"]
