@@ -60,8 +60,9 @@ _checksummed: dict[str, str] | None = None  # inside ``one_look``: a listing's f
 
 @contextmanager
 def one_look():
-    """Within it, an input outside the run is hashed once per listing (name, size, time): a plan of
-    a 200-iteration DAG names the same prompts 200 times and looks at them once."""
+    """Within it (a ``with`` block, or a function it decorates), an input outside the run is hashed
+    once per listing (name, size, time): a plan of a 200-iteration DAG names the same prompts 200
+    times and looks at them once."""
     global _checksummed
     outer = _checksummed
     _checksummed = {} if outer is None else outer
@@ -167,15 +168,11 @@ def retired_parts(url: str) -> list[str]:
     return sorted({m.rstrip("/")[len(path):].strip("/").removesuffix(publish.RETIRED).strip("/") for m in markers})
 
 
+@one_look()
 def plan(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, tuple[bool, str]]:
     """For every node, in DAG order: (is it done, why). A done stage whose output retention
     deleted is not done when a stage that will run reads it: it runs again first (and so does what
     it needs, back to what is still on disk)."""
-    with one_look():
-        return _plan(run, nodes, by_name)
-
-
-def _plan(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, tuple[bool, str]]:
     redo: dict[str, str] = {}
     while True:
         states, will_run = {}, set()
