@@ -22,10 +22,7 @@ Stage options are those of each stage's config (``llamarl.stages.config``) excep
 and layout, which the pipeline fills in. Each stage's ``layout`` takes only the counts that stage
 uses (shard: tp, pp; rollout: tp, dp; score and ppo: tp, pp, dp; export: procs; all: nodes); its processes
 are their product (``stages.config.processes``), the same function a stage's config answers with.
-This module holds what a spec may say; ``pipeline/dag.py``'s ``load_spec`` checks a spec whole —
-every stage of every iteration built, the executor's options, and each stage's layout against the
-actor's and reward model's ``config.json`` where they exist — so a wrong value fails ``llamarl run``
-(and ``--dry-run``) in one line before any stage starts, without importing torch.
+This module holds what a spec may say; ``pipeline/dag.py``'s ``load_spec`` checks a spec whole.
 """
 
 from __future__ import annotations
@@ -71,11 +68,6 @@ MAX_PROCESSES = 2**16
 MAX_ITERATIONS = 10_000
 
 
-def _nodes():
-    return Field(1, description="Nodes of a cluster job (slurm, kubernetes); the processes are spread evenly over "
-                                "them, so nodes must divide their number.")
-
-
 class StageLayout(Strict):
     """How many processes one stage runs on, on how many nodes, and how they split the work: one
     entry of the spec's ``layout:``. Each stage's own model (``layout_model``) has the counts it
@@ -99,7 +91,8 @@ def layout_model(cls: type[StageConfig]) -> type[StageLayout]:
     """The layout of the stage whose config is ``cls``: its layout counts (the same fields, so
     the two never disagree) and ``nodes``."""
     counts = {name: (f.annotation, f) for name, f in cls.model_fields.items() if kind_of(f) == LAYOUT}
-    counts["nodes"] = (Count, _nodes())
+    counts["nodes"] = (Count, Field(1, description="Nodes of a cluster job (slurm, kubernetes); the processes are "
+                                                   "spread evenly over them, so nodes must divide their number."))
     return create_model(f"{cls.__name__.removesuffix('Config')}Layout", __base__=StageLayout,
                         __doc__=f"The layout of the {cls.__name__.removesuffix('Config').lower()} stage.", **counts)
 
