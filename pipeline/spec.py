@@ -38,21 +38,23 @@ from llamarl.stages.config import (GROUP_ADVANTAGES, INPUT, LAYOUT, Count, Expor
                                    RolloutConfig, Sampling, ScoreConfig, ShardConfig, StageConfig, Url, kind_of,
                                    options_model, processes)
 
-def _run_sampling() -> type[BaseModel]:
-    """``rollout.sampling`` as a run spec sets it: without the seed, which the run derives."""
-
-    def no_seed(data):
-        if isinstance(data, dict) and "seed" in data:
-            raise ValueError("seed: derived for each iteration from the run's seed (no two iterations share random "
-                             "streams); remove it here and set seed at the top of the spec instead")
-        return data
-
-    fields = {name: (f.annotation, f) for name, f in Sampling.model_fields.items() if name != "seed"}
-    return create_model("RunSampling", __config__=ConfigDict(extra="forbid", allow_inf_nan=False), __doc__=Sampling.__doc__,
-                        __validators__={"_no_seed": model_validator(mode="before")(no_seed)}, **fields)
+def _no_seed(data):
+    if isinstance(data, dict) and "seed" in data:
+        raise ValueError("seed: derived for each iteration from the run's seed (no two iterations share random "
+                         "streams); remove it here and set seed at the top of the spec instead")
+    return data
 
 
-RunSampling = _run_sampling()
+def _sampling_model(name: str, doc: str | None, optional: bool, **validators) -> type[BaseModel]:
+    """``rollout.sampling``'s fields but the seed, which the run derives; ``optional``: each None
+    by default (the run's)."""
+    fields = {key: (f.annotation | None, Field(None, description=f.description)) if optional else (f.annotation, f)
+              for key, f in Sampling.model_fields.items() if key != "seed"}
+    return create_model(name, __config__=ConfigDict(extra="forbid", allow_inf_nan=False), __doc__=doc,
+                        __validators__=validators, **fields)
+
+
+RunSampling = _sampling_model("RunSampling", Sampling.__doc__, False, _no_seed=model_validator(mode="before")(_no_seed))
 RolloutOptions = create_model("RolloutOptions", __base__=options_model(RolloutConfig),
                               sampling=(RunSampling, Field(default_factory=RunSampling,
                                                            description="How responses are drawn.")))
@@ -122,16 +124,8 @@ class ExecutorSpec(Strict):
                                                             "docs/pipeline.md; checked by parse_spec.")
 
 
-def _sampling_overrides() -> type[BaseModel]:
-    """``rollout.sampling``'s fields, each optional (None: the run's), but the seed, which the run derives."""
-    fields = {name: (f.annotation | None, Field(None, description=f.description))
-              for name, f in Sampling.model_fields.items() if name != "seed"}
-    return create_model("SamplingOverrides", __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
-                        __doc__="How validation responses are drawn: each field overrides the run's rollout.sampling.",
-                        **fields)
-
-
-SamplingOverrides = _sampling_overrides()
+SamplingOverrides = _sampling_model("SamplingOverrides", "How validation responses are drawn: each field overrides the "
+                                    "run's rollout.sampling.", True)
 
 
 class ValidationSpec(Strict):
