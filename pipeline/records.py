@@ -1,11 +1,6 @@
-"""What the run directory says of each stage: its record, its key, and whether it is done.
-
-A stage's *key* hashes its identity (its config minus where it runs: ``stages/identity.py``, the
-declaration the stage's own skip reads too), the ids of what it reads of its inputs' published
-outputs, and the fingerprints of what it declares it reads from outside the run. A stage is
-done when its output is published and its record holds the same key and output id. ``plan`` says,
-for every stage of a DAG, whether it is done or will run and why — including the stages whose
-output retention deleted (``publish.retire``) and that a stage about to run needs again.
+"""What the run directory says of each stage: its record, its key (``node_key``: from the
+declaration the stage's own skip reads too, ``stages/identity.py``), and whether it is done —
+its output published, and its record holding the same key and output id (``assess``, ``plan``).
 """
 
 from __future__ import annotations
