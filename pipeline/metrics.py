@@ -28,23 +28,14 @@ STEP_MEANS = ("kl", "policy_loss", "value_loss", "entropy", "approx_kl", "clip_f
 
 def validation_metrics(scores_url: str, pass_threshold: float) -> dict:
     """The validation metrics of a published scores output (of a validation rollout)."""
-    import pyarrow.parquet as pq
-
     from llamarl.stages import contract
 
-    manifest = publish.require_published(scores_url, contract.SCORES)
-    fs, path = fsspec.core.url_to_fs(scores_url)
-    tables = []
-    for name in contract.manifest_parts(manifest):
-        with fs.open(f"{path}/{contract.PARTS}/{name}", "rb") as f:
-            tables.append(pq.read_table(f))
-    rows = [row for t in tables for row in t.to_pylist()]
+    rows = contract.read_rows(scores_url, publish.require_published(scores_url, contract.SCORES))
     by_prompt: dict[str, list[float]] = defaultdict(list)
     for row in rows:
         by_prompt[row[contract.PROMPT_ID]].append(row[contract.SCORE])
     n = min(len(s) for s in by_prompt.values())
-    terms = [c.removeprefix(f"{contract.SCORE}_") for c in (tables[0].column_names if tables else [])
-             if c.startswith(f"{contract.SCORE}_")]
+    terms = [c.removeprefix(f"{contract.SCORE}_") for c in rows[0] if c.startswith(f"{contract.SCORE}_")]
     out = {"val_score": mean([row[contract.SCORE] for row in rows]), "val_prompts": len(by_prompt), "val_samples": n}
     for term in terms:
         out[f"val_score_{term}"] = mean([row[contract.term_column(term)] for row in rows])
