@@ -1,10 +1,7 @@
 """What a run checks before anything runs, dry runs too: that its storage can hold the run
-directory, and the prompts it reads — every row of the training and the validation prompts
-well-formed (stages/prompts.py: the check a rollout makes, done once here and
-remembered in the run's row index, so no stage is started on a dataset a rollout would refuse),
-and, for a run that takes ``prompts_per_iteration`` rows at a time, the dataset it takes them from
-recorded (``pipeline/prompts.json``) and held to: a prompts file that changes under the run is
-refused, since its iterations would mix two datasets' rows."""
+directory, and that every row of its prompts is one a rollout takes (stages/prompts.py: checked
+once here, so no stage is started on a dataset a rollout would refuse) — with
+``prompts_per_iteration``, of the very dataset it first took rows of (``pipeline/prompts.json``)."""
 
 from __future__ import annotations
 

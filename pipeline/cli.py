@@ -244,34 +244,26 @@ def _fail(message: str):
     raise typer.Exit(EXIT_USER_ERROR)
 
 
-def _options(config: str) -> dict:
-    """The options file of a stage command, or a one-line error."""
-    from llamarl.lib.files import yamlfile
-
-    try:
-        with open(config) as f:
-            data = yamlfile.load(f, config) or {}
-    except FileNotFoundError:
-        _fail(f"{config}: no such options file; check the --config path")
-    except (OSError, UnicodeDecodeError) as e:
-        _fail(f"{config}: cannot be read as an options file ({unreadable(e)}); check the --config path")
-    except UserError as e:
-        _fail(str(e))
-    return data
-
-
 def _config(cls: type[StageConfig], config: str | None, given: dict, arguments: tuple[str, ...], **flags: str):
     """A stage's config from its ``--config`` file and its command line (``given``: the fields its
-    arguments and flags set); a bad value is one line naming the file's field, the flag (``--tp``;
-    ``flags`` where it is not the field's name) or the argument (``SRC``)."""
+    arguments and flags set); a bad value or file is one line naming the file's field, the flag
+    (``--tp``; ``flags`` where it is not the field's name), the argument (``SRC``) or the file."""
+    from llamarl.lib.files import yamlfile
+
     names = {k: k.upper() if k in arguments else flags.get(k, "--" + k.replace("_", "-")) for k in given}
     try:
         # The file first, on its own: it may not set what the command line sets (which would
         # silently win), and its errors name the file.
         options = {}
         if config:
-            options = validate(options_model(cls), _options(config), Source(config, names=names)).model_dump()
+            with open(config) as f:
+                data = yamlfile.load(f, config) or {}
+            options = validate(options_model(cls), data, Source(config, names=names)).model_dump()
         return validate(cls, options | given, Source("", names=names))
+    except FileNotFoundError:
+        _fail(f"{config}: no such options file; check the --config path")
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(f"{config}: cannot be read as an options file ({unreadable(e)}); check the --config path")
     except UserError as e:
         _fail(str(e))
 

@@ -128,9 +128,8 @@ def build_dag(spec: RunSpec) -> list[Node]:
         actor, critic = po, (po if spec.ppo.advantage == "gae" else None)
         trained.append(po)
     nodes.append(Node("export", "export", f"{run}/export", [actor], L.export,
-                      lambda: spec.stage_config(ExportConfig, spec.export, "export", src=actor_dir(run, actor),
-                                                dst=f"{run}/export", procs=L.export.procs),
-                      reads=_actor_only(actor)))
+                      cfg(ExportConfig, spec.export, "export", src=actor_dir(run, actor), dst=f"{run}/export",
+                          procs=L.export.procs), reads=_actor_only(actor)))
     return nodes
 
 
@@ -159,7 +158,7 @@ def _rules_only(score: Callable[[], ScoreConfig]) -> ScoreConfig | None:
     """The score config for its rollout to score itself (``RolloutConfig.scores``): when no term
     needs the reward model, the rules run in the rollout's processes and no score process starts."""
     cfg = score()
-    return None if any(t.name == "rm" for t in cfg.rewards) else cfg
+    return None if cfg.uses_rm() else cfg
 
 
 def _score_node(spec: RunSpec, name: str, rollout: str, score: Callable[[], ScoreConfig], iteration: int,

@@ -15,7 +15,6 @@ they are compared under does not.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 from llamarl.stages.config import PromptSelection
 
@@ -49,26 +48,12 @@ def iteration_selection(run_seed: int, shuffle: bool, per_iteration: int | None,
     return PromptSelection(seed=run_seed, shuffle=shuffle, start=(iteration - 1) * per_iteration, count=per_iteration)
 
 
-@dataclass(frozen=True)
-class Position:
-    """Where a selection lies in the stream of epochs of a dataset of ``rows`` rows."""
-
-    start: int
-    count: int
-    rows: int
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of its first position, from 1."""
-        return self.start // self.rows + 1
-
-    @property
-    def last_epoch(self) -> int:
-        return (self.start + self.count - 1) // self.rows + 1
-
-    def describe(self) -> str:
-        """E.g. ``epoch 2, prompts 17–32 of 48`` or ``epochs 1–2, prompts 41–48 and 1–8 of 48``."""
-        first, last = self.start % self.rows + 1, (self.start + self.count - 1) % self.rows + 1
-        if self.epoch == self.last_epoch:
-            return f"epoch {self.epoch}, prompts {first}–{last} of {self.rows}"
-        return f"epochs {self.epoch}–{self.last_epoch}, prompts {first}–{self.rows} and 1–{last} of {self.rows}"
+def describe_position(select: PromptSelection, rows: int) -> str:
+    """Where ``select`` lies in the stream of epochs of a dataset of ``rows`` rows, e.g. ``epoch 2,
+    prompts 17–32 of 48`` or ``epochs 1–2, prompts 41–48 and 1–8 of 48``."""
+    end = select.start + select.count - 1
+    epoch, last_epoch = select.start // rows + 1, end // rows + 1
+    first, last = select.start % rows + 1, end % rows + 1
+    if epoch == last_epoch:
+        return f"epoch {epoch}, prompts {first}–{last} of {rows}"
+    return f"epochs {epoch}–{last_epoch}, prompts {first}–{rows} and 1–{last} of {rows}"

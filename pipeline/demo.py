@@ -14,10 +14,7 @@ skipped.
 
 ``--overlap`` and ``--compare-overlap`` use the placement overlap needs on a small machine: every
 stage on one process (one core), two stages at once (``max_concurrent_stages: 2``), so with
-``max_staleness: 1`` a rollout runs on one core while the ppo before it trains on the other. The
-comparison runs the same spec with ``max_staleness`` 0 and 1 (nothing else differs), each
-``--repeats`` times (alternating which goes first), from scratch, and prints each wall, the
-medians and the mean score per iteration; the numbers also go to DEMO_DIR/compare-overlap.json.
+``max_staleness: 1`` a rollout runs on one core while the ppo before it trains on the other.
 """
 
 from __future__ import annotations
@@ -123,9 +120,10 @@ def _children_cpu_s() -> float:
 
 
 def compare_overlap(root: str, repeats: int) -> dict:
-    """The demo with max_staleness 0 and 1 on the overlap placement, ``repeats`` fresh runs each
-    (alternating which goes first); prints and returns every run, the median walls and the median
-    of each back-to-back pair's ratio (on a machine others share, a pair sees about the same load)."""
+    """The demo with max_staleness 0 and 1 (nothing else differs) on the overlap placement,
+    ``repeats`` fresh runs each (alternating which goes first); prints, returns and writes to
+    ROOT/compare-overlap.json every run, the median walls and the median of each back-to-back
+    pair's ratio (on a machine others share, a pair sees about the same load)."""
     specs = {s: make_inputs(root, s) for s in (0, 1)}
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     print(f"overlap comparison: {os.cpu_count()} cores, every stage on 1 process, max_concurrent_stages 2, "

@@ -97,10 +97,7 @@ class RunLock:
     def holder(self) -> str | None:
         """Who runs this run now, in words (None when nobody does, or the holder is gone)."""
         held = self._read()
-        if not held or self._gone(held) is not None:
-            return None
-        age = time.time() - held.get("heartbeat", 0)
-        return f"{_who(held)} since {_when(held['started'])}, heartbeat {age:.0f}s ago"
+        return None if not held or self._gone(held) is not None else _holding(held)
 
     # ---- the stages' processes (ProcessRegistry) --------------------------------------------------
 
@@ -135,10 +132,8 @@ class RunLock:
             age = time.time() - holder.get("heartbeat", 0)
             stale = "" if age <= holder.get("lease_s", self.lease_s) else (
                 f" (on this host, without a heartbeat: suspended? resume it with `kill -CONT {holder['pid']}`)")
-            raise RunLocked(
-                f"{self.url}: this run is being run by {holder['user']}@{holder['host']} (pid {holder['pid']}) "
-                f"since {_when(holder['started'])}, heartbeat {age:.0f}s ago{stale}; wait for it to finish, or "
-                f"stop it first")
+            raise RunLocked(f"{self.url}: this run is being run by {_holding(holder)}{stale}; wait for it to finish, "
+                            "or stop it first")
         stages = holder.get("stages") or {}
         if holder.get("host") == self.me["host"] and holder.get("pid_ns", self.me["pid_ns"]) == self.me["pid_ns"]:
             for name, pids in self._stop_stages(holder, stages).items():
@@ -241,8 +236,10 @@ def _kill_command(stages: dict) -> str:
     return "kill -KILL -- " + " ".join(f"-{pid}" for pids in _pids(stages).values() for pid in pids)
 
 
-def _when(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+def _holding(held: dict) -> str:
+    """Who holds the run, since when, and how fresh its heartbeat is."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(held["started"]))
+    return f"{_who(held)} since {started}, heartbeat {time.time() - held.get('heartbeat', 0):.0f}s ago"
 
 
 def _who(holder: dict | None) -> str:

@@ -28,36 +28,22 @@ STEP_MEANS = ("kl", "policy_loss", "value_loss", "entropy", "approx_kl", "clip_f
 
 def validation_metrics(scores_url: str, pass_threshold: float) -> dict:
     """The validation metrics of a published scores output (of a validation rollout)."""
-    import pyarrow.parquet as pq
-
     from llamarl.stages import contract
 
-    manifest = publish.require_published(scores_url, contract.SCORES)
-    fs, path = fsspec.core.url_to_fs(scores_url)
-    tables = []
-    for name in contract.manifest_parts(manifest):
-        with fs.open(f"{path}/{contract.PARTS}/{name}", "rb") as f:
-            tables.append(pq.read_table(f))
-    rows = [row for t in tables for row in t.to_pylist()]
+    rows = contract.read_rows(scores_url, publish.require_published(scores_url, contract.SCORES))
     by_prompt: dict[str, list[float]] = defaultdict(list)
     for row in rows:
         by_prompt[row[contract.PROMPT_ID]].append(row[contract.SCORE])
     n = min(len(s) for s in by_prompt.values())
-    terms = [c.removeprefix(f"{contract.SCORE}_") for c in (tables[0].column_names if tables else [])
-             if c.startswith(f"{contract.SCORE}_")]
-    out = {"val_score": _mean(row[contract.SCORE] for row in rows), "val_prompts": len(by_prompt), "val_samples": n}
+    terms = [c.removeprefix(f"{contract.SCORE}_") for c in rows[0] if c.startswith(f"{contract.SCORE}_")]
+    out = {"val_score": mean([row[contract.SCORE] for row in rows]), "val_prompts": len(by_prompt), "val_samples": n}
     for term in terms:
-        out[f"val_score_{term}"] = _mean(row[contract.term_column(term)] for row in rows)
-    out[f"val_best@{n}"] = _mean(max(s) for s in by_prompt.values())
+        out[f"val_score_{term}"] = mean([row[contract.term_column(term)] for row in rows])
+    out[f"val_best@{n}"] = mean([max(s) for s in by_prompt.values()])
     passes = [sum(x >= pass_threshold for x in s) for s in by_prompt.values()]
     for k in sorted({2 ** j for j in range(n.bit_length()) if 2 ** j <= n} | {n}):
-        out[f"val_pass@{k}"] = _mean(1 - math.comb(n - c, k) / math.comb(n, k) for c in passes)
+        out[f"val_pass@{k}"] = mean([1 - math.comb(n - c, k) / math.comb(n, k) for c in passes])
     return out
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
 
 
 def iteration_metrics(run: str, iterations: int) -> list[dict]:

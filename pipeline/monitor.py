@@ -43,15 +43,14 @@ def points(rows: list[dict]) -> dict[str, dict[int, float]]:
 
 def check_installed(metrics: MetricsSpec, source: str) -> None:
     """A spec naming a sink whose package is missing is refused in one line, before anything runs."""
-    for wanted, module, package in ((metrics.tensorboard, "tensorboardX", "tensorboardX"),
-                                    (metrics.wandb, "wandb", "wandb")):
-        if wanted is None:
+    for field, package in (("tensorboard", "tensorboardX"), ("wandb", "wandb")):
+        if getattr(metrics, field) is None:
             continue
         try:
-            __import__(module)
+            __import__(package)
         except ImportError:
-            raise UserError(f"{source}: metrics.{'wandb' if module == 'wandb' else 'tensorboard'} needs the {package} "
-                            f"package, which is not installed; pip install {package}, or remove it") from None
+            raise UserError(f"{source}: metrics.{field} needs the {package} package, which is not installed; "
+                            f"pip install {package}, or remove it") from None
 
 
 class Monitor:
@@ -125,7 +124,7 @@ class Monitor:
     def _wandb_dir(self) -> str | None:
         """W&B's local files beside the run's records, where the run directory is local."""
         fs, path = fsspec.core.url_to_fs(f"{self.spec.run_dir}/pipeline")
-        if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        if "file" not in fs.protocol:
             return None
         fs.makedirs(path, exist_ok=True)
         return path

@@ -1,11 +1,6 @@
-"""What the run directory says of each stage: its record, its key, and whether it is done.
-
-A stage's *key* hashes its identity (its config minus where it runs: ``stages/identity.py``, the
-declaration the stage's own skip reads too), the ids of what it reads of its inputs' published
-outputs, and the fingerprints of what it declares it reads from outside the run. A stage is
-done when its output is published and its record holds the same key and output id. ``plan`` says,
-for every stage of a DAG, whether it is done or will run and why — including the stages whose
-output retention deleted (``publish.retire``) and that a stage about to run needs again.
+"""What the run directory says of each stage: its record, its key (``node_key``: from the
+declaration the stage's own skip reads too, ``stages/identity.py``), and whether it is done —
+its output published, and its record holding the same key and output id (``assess``, ``plan``).
 """
 
 from __future__ import annotations
@@ -60,8 +55,9 @@ _checksummed: dict[str, str] | None = None  # inside ``one_look``: a listing's f
 
 @contextmanager
 def one_look():
-    """Within it, an input outside the run is hashed once per listing (name, size, time): a plan of
-    a 200-iteration DAG names the same prompts 200 times and looks at them once."""
+    """Within it (a ``with`` block, or a function it decorates), an input outside the run is hashed
+    once per listing (name, size, time): a plan of a 200-iteration DAG names the same prompts 200
+    times and looks at them once."""
     global _checksummed
     outer = _checksummed
     _checksummed = {} if outer is None else outer
@@ -167,15 +163,11 @@ def retired_parts(url: str) -> list[str]:
     return sorted({m.rstrip("/")[len(path):].strip("/").removesuffix(publish.RETIRED).strip("/") for m in markers})
 
 
+@one_look()
 def plan(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, tuple[bool, str]]:
     """For every node, in DAG order: (is it done, why). A done stage whose output retention
     deleted is not done when a stage that will run reads it: it runs again first (and so does what
     it needs, back to what is still on disk)."""
-    with one_look():
-        return _plan(run, nodes, by_name)
-
-
-def _plan(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, tuple[bool, str]]:
     redo: dict[str, str] = {}
     while True:
         states, will_run = {}, set()

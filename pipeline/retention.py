@@ -91,21 +91,14 @@ class Trash:
             self._wake.clear()
 
 
+@one_look()
 def retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo=print,
                 trash: Trash | None = None) -> list[str]:
     """Delete what retention lets go of now (into ``trash`` when given); returns the outputs (or
     parts) deleted."""
-    if spec.retention.keep_last is None and spec.retention.keep_samples:
-        return []
-    with one_look():
-        deleted = _retire_done(spec, nodes, by_name, echo, trash.path if trash else None)
-    if trash is not None and deleted:
-        trash.empty_soon()
-    return deleted
-
-
-def _retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo, trash: str | None) -> list[str]:
     r, run = spec.retention, spec.run_dir
+    if r.keep_last is None and r.keep_samples:
+        return []
     consumers = _consumers(nodes)
     done_memo: dict[str, bool] = {}
 
@@ -134,9 +127,12 @@ def _retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ech
             if n.role == VALIDATE and n.stage == "score" and "metrics" not in (read_record(run, n) or {}):
                 continue  # its metrics are read from it first
             goes.append(n.out)
-    deleted = [url for url in goes if publish.retire(url, _why(spec), keep=(), trash=trash)]
+    into = trash.path if trash else None
+    deleted = [url for url in goes if publish.retire(url, _why(spec), keep=(), trash=into)]
     for url in deleted:
         echo(f"[retention] deleted {url[len(run) + 1:]} ({_why(spec)})")
+    if trash is not None and deleted:
+        trash.empty_soon()
     return deleted
 
 

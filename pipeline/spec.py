@@ -22,10 +22,7 @@ Stage options are those of each stage's config (``llamarl.stages.config``) excep
 and layout, which the pipeline fills in. Each stage's ``layout`` takes only the counts that stage
 uses (shard: tp, pp; rollout: tp, dp; score and ppo: tp, pp, dp; export: procs; all: nodes); its processes
 are their product (``stages.config.processes``), the same function a stage's config answers with.
-This module holds what a spec may say; ``pipeline/dag.py``'s ``load_spec`` checks a spec whole —
-every stage of every iteration built, the executor's options, and each stage's layout against the
-actor's and reward model's ``config.json`` where they exist — so a wrong value fails ``llamarl run``
-(and ``--dry-run``) in one line before any stage starts, without importing torch.
+This module holds what a spec may say; ``pipeline/dag.py``'s ``load_spec`` checks a spec whole.
 """
 
 from __future__ import annotations
@@ -41,21 +38,23 @@ from llamarl.stages.config import (GROUP_ADVANTAGES, INPUT, LAYOUT, Count, Expor
                                    RolloutConfig, Sampling, ScoreConfig, ShardConfig, StageConfig, Url, kind_of,
                                    options_model, processes)
 
-def _run_sampling() -> type[BaseModel]:
-    """``rollout.sampling`` as a run spec sets it: without the seed, which the run derives."""
-
-    def no_seed(data):
-        if isinstance(data, dict) and "seed" in data:
-            raise ValueError("seed: derived for each iteration from the run's seed (no two iterations share random "
-                             "streams); remove it here and set seed at the top of the spec instead")
-        return data
-
-    fields = {name: (f.annotation, f) for name, f in Sampling.model_fields.items() if name != "seed"}
-    return create_model("RunSampling", __config__=ConfigDict(extra="forbid", allow_inf_nan=False), __doc__=Sampling.__doc__,
-                        __validators__={"_no_seed": model_validator(mode="before")(no_seed)}, **fields)
+def _no_seed(data):
+    if isinstance(data, dict) and "seed" in data:
+        raise ValueError("seed: derived for each iteration from the run's seed (no two iterations share random "
+                         "streams); remove it here and set seed at the top of the spec instead")
+    return data
 
 
-RunSampling = _run_sampling()
+def _sampling_model(name: str, doc: str | None, optional: bool, **validators) -> type[BaseModel]:
+    """``rollout.sampling``'s fields but the seed, which the run derives; ``optional``: each None
+    by default (the run's)."""
+    fields = {key: (f.annotation | None, Field(None, description=f.description)) if optional else (f.annotation, f)
+              for key, f in Sampling.model_fields.items() if key != "seed"}
+    return create_model(name, __config__=ConfigDict(extra="forbid", allow_inf_nan=False), __doc__=doc,
+                        __validators__=validators, **fields)
+
+
+RunSampling = _sampling_model("RunSampling", Sampling.__doc__, False, _no_seed=model_validator(mode="before")(_no_seed))
 RolloutOptions = create_model("RolloutOptions", __base__=options_model(RolloutConfig),
                               sampling=(RunSampling, Field(default_factory=RunSampling,
                                                            description="How responses are drawn.")))
@@ -69,11 +68,6 @@ ExportOptions = options_model(ExportConfig)
 # iteration (about 1 ms a stage on one core).
 MAX_PROCESSES = 2**16
 MAX_ITERATIONS = 10_000
-
-
-def _nodes():
-    return Field(1, description="Nodes of a cluster job (slurm, kubernetes); the processes are spread evenly over "
-                                "them, so nodes must divide their number.")
 
 
 class StageLayout(Strict):
@@ -99,7 +93,8 @@ def layout_model(cls: type[StageConfig]) -> type[StageLayout]:
     """The layout of the stage whose config is ``cls``: its layout counts (the same fields, so
     the two never disagree) and ``nodes``."""
     counts = {name: (f.annotation, f) for name, f in cls.model_fields.items() if kind_of(f) == LAYOUT}
-    counts["nodes"] = (Count, _nodes())
+    counts["nodes"] = (Count, Field(1, description="Nodes of a cluster job (slurm, kubernetes); the processes are "
+                                                   "spread evenly over them, so nodes must divide their number."))
     return create_model(f"{cls.__name__.removesuffix('Config')}Layout", __base__=StageLayout,
                         __doc__=f"The layout of the {cls.__name__.removesuffix('Config').lower()} stage.", **counts)
 
@@ -129,16 +124,8 @@ class ExecutorSpec(Strict):
                                                             "docs/pipeline.md; checked by parse_spec.")
 
 
-def _sampling_overrides() -> type[BaseModel]:
-    """``rollout.sampling``'s fields, each optional (None: the run's), but the seed, which the run derives."""
-    fields = {name: (f.annotation | None, Field(None, description=f.description))
-              for name, f in Sampling.model_fields.items() if name != "seed"}
-    return create_model("SamplingOverrides", __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
-                        __doc__="How validation responses are drawn: each field overrides the run's rollout.sampling.",
-                        **fields)
-
-
-SamplingOverrides = _sampling_overrides()
+SamplingOverrides = _sampling_model("SamplingOverrides", "How validation responses are drawn: each field overrides the "
+                                    "run's rollout.sampling.", True)
 
 
 class ValidationSpec(Strict):

@@ -13,9 +13,9 @@ from .checks import recorded
 from .records import assess, must_redo, one_look, read_record
 from .retention import retained
 from .run import executor_for
-from .spec import RunSpec
 
 
+@one_look()
 def status(run: str) -> list[tuple[str, str, str]]:
     """(node, state, why) for the run directory ``run``: also, for a rollout taking rows of the
     prompts, which (epoch and position), and what retention deleted."""
@@ -23,11 +23,6 @@ def status(run: str) -> list[tuple[str, str, str]]:
     if not fs.exists(path):
         raise UserError(f"{run} is not a run directory (no pipeline/spec.yaml); start it with `llamarl run SPEC`")
     spec = load_spec(f"{run.rstrip('/')}/pipeline/spec.yaml")
-    with one_look():
-        return _rows(spec)
-
-
-def _rows(spec: RunSpec) -> list[tuple[str, str, str]]:
     nodes = build_dag(spec)
     by_name = {n.name: n for n in nodes}
     records = {n.name: read_record(spec.run_dir, n) or {} for n in nodes}
@@ -56,7 +51,7 @@ def _rows(spec: RunSpec) -> list[tuple[str, str, str]]:
         if n.stage == "rollout" and n.role != VALIDATE and rows_in_prompts and spec.prompts_per_iteration:
             select = data.iteration_selection(spec.seed, spec.shuffle is not False, spec.prompts_per_iteration,
                                               n.iteration)
-            why += f"; {data.Position(select.start, select.count, rows_in_prompts).describe()}"
+            why += f"; {data.describe_position(select, rows_in_prompts)}"
         gone = retained(n)
         if gone:
             why += f"; {gone}"
