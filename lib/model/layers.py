@@ -216,9 +216,7 @@ def wgrad_fusion_on(device: torch.device, in_region: bool = False) -> bool:
     bf16 gradient, added into ``main_grad`` by ``GradBuffer``'s hook). Not inside the regions by
     default: there its host time a linear may cost more than the GPU time it saves, and its
     measurement is open (docs/training.md)."""
-    mode = os.environ.get(WGRAD_ENV, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{WGRAD_ENV}={mode!r}: use auto, 0 or 1")
+    mode = _switch(WGRAD_ENV, "auto", ("auto", "0", "1"))
     if mode != "auto":
         return mode == "1"
     return not in_region and device.type == "cuda" and fusions_on(device) and _fp32_addmm_works(device.index)
@@ -311,9 +309,7 @@ def fusions_on(device: torch.device) -> bool:
     """Whether fused kernels (these compiled regions, the Triton vocabulary kernels) run on
     ``device``: ``LLAMARL_FUSED`` = ``auto`` (the default: on CUDA), ``1`` (everywhere; on CPU
     through inductor's C++ code, slow to compile: for tests) or ``0`` (never: the eager reference)."""
-    mode = os.environ.get(FUSED_ENV, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{FUSED_ENV}={mode!r}: use auto, 0 or 1")
+    mode = _switch(FUSED_ENV, "auto", ("auto", "0", "1"))
     return mode == "1" or (mode == "auto" and device.type == "cuda")
 
 
@@ -327,10 +323,15 @@ def fused_layers_on() -> bool:
     the compiled code's host path per layer. The four linears inside fuse their gradient
     accumulation only with ``LLAMARL_FUSED_WGRAD=1`` (``wgrad_fusion_on``). ``0``: the four small
     regions (always at TP > 1, where the matmuls' communication stays outside the regions)."""
-    mode = os.environ.get(FUSED_LAYERS_ENV, "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"{FUSED_LAYERS_ENV}={mode!r}: use 0 or 1")
-    return mode == "1"
+    return _switch(FUSED_LAYERS_ENV, "1", ("0", "1")) == "1"
+
+
+def _switch(env: str, default: str, choices: tuple[str, ...]) -> str:
+    """The value of the switch ``env`` (``default`` when unset), one of ``choices``."""
+    mode = os.environ.get(env, default)
+    if mode not in choices:
+        raise ValueError(f"{env}={mode!r}: use {', '.join(choices[:-1])} or {choices[-1]}")
+    return mode
 
 
 def region_rms_norm(x, weight, eps: float):
