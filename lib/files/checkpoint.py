@@ -21,6 +21,7 @@ import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import fsspec
 import torch
@@ -30,23 +31,19 @@ from llamarl.lib.files.dcp_format import METADATA, read_metadata  # noqa: F401 â
 from llamarl.lib.model import hf_mapping
 
 
-class Chunks:
-    """This rank's pieces of one global tensor: ``{offsets: local tensor}`` (views allowed: loading
-    writes through them)."""
+class Chunks(NamedTuple):
+    """This rank's pieces of one global tensor of ``size``: ``{offsets: local tensor}`` (views
+    allowed: loading writes through them)."""
 
-    def __init__(self, size: tuple[int, ...], pieces: dict[tuple[int, ...], torch.Tensor]):
-        self._size = torch.Size(size)
-        self.pieces = pieces
-
-    def size(self) -> torch.Size:
-        return self._size
+    size: tuple[int, ...]
+    pieces: dict[tuple[int, ...], torch.Tensor]
 
 
 def _pieces(state: dict) -> dict[str, tuple[torch.Size, dict[tuple[int, ...], torch.Tensor]]]:
     out = {}
     for fqn, obj in state.items():
         if isinstance(obj, Chunks):
-            out[fqn] = (obj.size(), {tuple(o): t for o, t in obj.pieces.items()})
+            out[fqn] = (torch.Size(obj.size), {tuple(o): t for o, t in obj.pieces.items()})
         elif isinstance(obj, torch.Tensor):
             out[fqn] = (obj.shape, {(0,) * obj.dim(): obj})
         else:
