@@ -84,15 +84,11 @@ def _mix(x):
     return x ^ (x >> 15)
 
 
-def sequence_key(seed: int, key: int, sample: int) -> tuple[int, int]:
-    """Two 32-bit words naming the random stream of response ``sample`` of prompt ``key``."""
-    digest = hashlib.sha256(f"{seed}:{key}:{sample}".encode()).digest()
-    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")
-
-
 def sequence_keys(seed: int, keys, samples: int = 1, device=None) -> torch.Tensor:
-    """``[len(keys) * samples, 2]`` int64 stream keys, prompt-major (key 0's samples first)."""
-    words = [sequence_key(seed, k, s) for k in keys for s in range(samples)]
+    """``[len(keys) * samples, 2]`` int64 stream keys, prompt-major (key 0's samples first): the
+    two 32-bit words naming the random stream of each response ``s`` of each prompt ``k``."""
+    digests = [hashlib.sha256(f"{seed}:{k}:{s}".encode()).digest() for k in keys for s in range(samples)]
+    words = [(int.from_bytes(d[:4], "little"), int.from_bytes(d[4:8], "little")) for d in digests]
     return torch.tensor(words, dtype=torch.int64, device=device).reshape(-1, 2)
 
 
