@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -203,7 +203,7 @@ class _Stream:
         first, n = self.read, self.n
         self.read += len(batch.prompts)
         self.stats["batches"] += 1
-        record = _Pending(batch, first * n, [None] * (len(batch.prompts) * n))
+        record = _Pending(batch, first * n, [None] * (len(batch.prompts) * n), len(batch.prompts) * n)
         (self.pending if batch.prompts else self.ready).append(record)
         if not batch.prompts:
             return
@@ -373,7 +373,4 @@ class _Pending:
     batch: Batch
     first: int
     completions: list
-    left: int = field(init=False)
-
-    def __post_init__(self):
-        self.left = len(self.completions)
+    left: int  # completions still to come
