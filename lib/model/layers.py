@@ -12,24 +12,12 @@ buffer), so SP would not run on gloo. Ours hold the same shards and call the map
 group to every mapping it calls.
 
 Fused elementwise work (``fused=True``, training on CUDA by default): RMSNorm, the residual add
-with the norm after it, rotary and SwiGLU each run as one ``torch.compile`` region (forward and
-backward each one Triton kernel, nothing in fp32 kept for backward); the matmuls and the
-communication stay outside, eager, so the regions are the same at every layout. Each fused
+with the norm after it, rotary and SwiGLU each run as one ``torch.compile`` region; the matmuls
+and the communication stay outside, eager, so the regions are the same at every layout. Each fused
 function computes what its eager twin does (``tests/test_fusions.py``), rounding once instead of
-after every op.
-
-At TP 1 (``LLAMARL_FUSED_LAYERS``, on by default) a decoder layer is instead two regions with its
-matmuls inside — everything before attention and everything after it — so a layer costs two
-calls through the compiled code's host path instead of four plus five eager matmuls
-(``lib.model.llama.DecoderLayer``).
-
-Gradient accumulation fusion (``linear``, as megatron's ``gradient_accumulation_fusion``): where
-a bf16 weight has an fp32 ``main_grad`` (``lib.rl.optim.GradBuffer``) and fusions are on, the weight
-gradient of its linear is computed by one GEMM that adds into ``main_grad`` in fp32 (cuBLAS with
-an fp32 C matrix: ``torch.addmm(..., out_dtype=torch.float32)`` on CUDA), instead of a bf16
-gradient written out, then read and added into ``main_grad`` by a hook, once per micro-batch.
-By default for the eager linears (the head; all of them at TP > 1); inside the fused layer
-regions only on request (``wgrad_fusion_on``).
+after every op. At TP 1 a decoder layer is two regions with its matmuls inside
+(``fused_layers_on``); a linear's weight gradient may go straight into its fp32 ``main_grad``
+(``linear``, ``wgrad_fusion_on``). The why and the measurements: docs/training.md.
 """
 
 from __future__ import annotations
