@@ -81,7 +81,8 @@ def lost_ranks() -> str | None:
         time.sleep(2.5 * INTERVAL_S)
         second = [store.add(k, 0) for k in keys]
     except Exception:
-        return f"rank 0's host ({_master()}), which holds the job's rendezvous store"
+        master = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        return f"rank 0's host ({master}), which holds the job's rendezvous store"
     gone = [r for r in range(beat.world) if r != beat.rank and first[r] == second[r]]
     if not gone:
         return None
@@ -93,7 +94,3 @@ def lost_ranks() -> str | None:
             who = "?"
         names.append(f"rank {r} on {who}")
     return ", ".join(names)
-
-
-def _master() -> str:
-    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"

@@ -1,30 +1,13 @@
 """Generation on lib/'s CausalLM: continuous batching over a fixed set of slots, one prefill per
 prompt, static-shape decode (captured as CUDA graphs on GPU), keyed sampling on the device.
 
-An ``Engine`` owns ``max_batch`` slots: a KV cache ``[slots, kv_heads, max_len, head_dim]`` per
-layer and the per-slot state (last token, length, tokens made, live flag, random-stream key,
-tokens and log-probs so far), all on the device. Sequences (prompt × sample index) wait in a
-queue; free slots take the next ones:
-
-* **Prefill, ahead** — prompts run in packed (remove-padding) prefills of up to
-  ``prefill_tokens`` tokens into a *prompt store* (a second KV cache, a row per prompt), through
-  the head at each prompt's last token only; every sample's first token is drawn there. One eager
-  forward serves many admissions.
-* **Admission** — a free slot gets its sequence's prompt keys and values copied from the store
-  (so the samples of a prompt share its one prefill) and its first token: device copies only.
-* **Decode** — one token for every slot of a bucket ``[:b]`` (b a power of two, or all slots),
-  attending over a span rounded up to ``SPAN_QUANTUM`` with a length mask: static shapes whose
-  steps differ only in values. On CUDA each (b, span) step is captured once as a CUDA graph and
-  replayed; the host never waits on a step.
-* **Check** — every ``check_every`` steps the host reads the live flags and token counts (copied
-  to pinned memory behind the window, read one window later), queues the copy of the finished
-  sequences' tokens to the host (read one window later too), frees their slots and admits the
-  next sequences. Once the queue is empty the live sequences are moved to the lowest slots so the
-  step shrinks to a smaller bucket.
-* **Stream** — ``Engine.stream`` takes batches of prompts lazily, one stream of sequences for all
-  of them: the next batch's sequences take the slots as the last batch's free them (no drain at a
-  batch boundary), and each batch comes back as soon as its last sequence finishes.
-  ``generate`` is a stream of one batch.
+An ``Engine`` owns ``max_batch`` slots (a KV-cache row and a sequence's state each, on the device;
+``lib.engine.slots``). Sequences (prompt × sample index) wait in a queue; prompts are prefilled
+ahead into a prompt store, free slots copy their prompt's keys and values from it, and every slot
+decodes one token a step; every ``check_every`` steps the host, one window behind the device,
+frees the finished slots and admits the next sequences. ``Engine.stream`` takes batches of prompts
+lazily, one stream of sequences for all of them; ``generate`` is a stream of one batch. Each piece
+and why: docs/generation.md.
 
 Sampling (``lib.engine.sampling``) gives each sequence its own counter-based stream keyed by (seed,
 prompt key, sample index), so a response does not depend on ``max_batch``, DP, TP or the order
@@ -37,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -127,7 +110,7 @@ class Engine(Slots):
         (and before the first step, enough to fill them). Time spent in ``batches`` and in the
         consumer (between a yield and the next request) is not the engine's: ``stats["busy_s"]``
         is the rest, ``stats["source_s"]`` the time waiting for batches. The host runs one window
-        behind the device (the module docstring's Check): a slot freed in window k-1 idles
+        behind the device (docs/generation.md, "check"): a slot freed in window k-1 idles
         (masked) through window k."""
         if samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt={samples_per_prompt} must be >= 1")
@@ -203,7 +186,7 @@ class _Stream:
         first, n = self.read, self.n
         self.read += len(batch.prompts)
         self.stats["batches"] += 1
-        record = _Pending(batch, first * n, [None] * (len(batch.prompts) * n))
+        record = _Pending(batch, first * n, [None] * (len(batch.prompts) * n), len(batch.prompts) * n)
         (self.pending if batch.prompts else self.ready).append(record)
         if not batch.prompts:
             return
@@ -373,7 +356,4 @@ class _Pending:
     batch: Batch
     first: int
     completions: list
-    left: int = field(init=False)
-
-    def __post_init__(self):
-        self.left = len(self.completions)
+    left: int  # completions still to come

@@ -1,29 +1,19 @@
 """Sampling from vocab-parallel logits, each sequence drawing from its own random stream.
 
 **Keyed streams.** A response is identified by ``(seed, prompt key, sample index)``
-(``sequence_keys``). Its t-th token uses uniforms that are a pure function of that key, t and the
-global vocabulary index — a counter-based generator (an integer hash in torch ops, computed where
-the logits are), not a stateful ``torch.Generator``. So a response does not depend on which
-sequences share its batch, on the batch size, on DP, on the order continuous batching runs
-sequences in, nor on TP (every shard hashes the global indices of its own slice).
+(``sequence_keys``); its t-th token uses uniforms that are a pure function of that key, t and the
+global vocabulary index (a counter-based hash in torch ops, not a stateful ``torch.Generator``),
+so a response does not depend on its batch, DP, TP or the order sequences run in.
 
-**Gumbel-max.** ``argmax_j (x_j + g_j)`` with ``g_j = -log(-log u_j)`` i.i.d. Gumbel draws token j
-with probability ``softmax(x)_j``: exactly the categorical distribution ``multinomial`` samples,
-without a cumulative sum over the vocabulary. Top-k / top-p set ``x_j = -inf`` outside the kept
-set first, which renormalises over it (the same distribution as sampling ``softmax`` of the
-filtered logits). The uniforms have 24 bits (``(h + 0.5) / 2^24``), so probabilities are exact to
-about 1e-7 — far below what any sample size could detect.
-
-**Under TP no rank gathers ``[batch, vocab]``.** The argmax of a maximum over disjoint slices is
-the argmax of the slice whose maximum is largest, so each shard reduces its slice to five numbers
-per row (its best perturbed logit and that token, its logit max, its sum of exps, the best token's
-logit) and one all-gather of ``[tp, batch, 5]`` finishes the draw and the log-prob (a
-vocab-parallel logsumexp). The winner, and with it the token, is the same on every rank. Top-k
-gathers each shard's k best logits (``[batch, tp·k]``); top-p alone finds its threshold by
-bisection with an all-reduced ``[batch]`` mass per step (``_nucleus_threshold``).
+**Gumbel-max.** ``argmax_j (x_j + g_j)`` with Gumbel noise ``g_j = -log(-log u_j)`` draws token j
+with probability ``softmax(x)_j``, without a cumulative sum over the vocabulary; top-k / top-p set
+``x_j = -inf`` outside the kept set first. **Under TP** each shard reduces its slice to five
+numbers per row (``_row_stats``) and one all-gather of ``[tp, batch, 5]`` finishes the draw and
+the log-prob, the same on every rank; no rank gathers ``[batch, vocab]``.
 
 The log-prob returned is under ``softmax(logits / temperature)`` (temperature 1 for greedy),
-without top-k / top-p truncation: the distribution PPO trains.
+without top-k / top-p truncation: the distribution PPO trains. Why each of these holds, and the
+measurements: docs/generation.md, "Sampling".
 """
 
 from __future__ import annotations
@@ -84,15 +74,11 @@ def _mix(x):
     return x ^ (x >> 15)
 
 
-def sequence_key(seed: int, key: int, sample: int) -> tuple[int, int]:
-    """Two 32-bit words naming the random stream of response ``sample`` of prompt ``key``."""
-    digest = hashlib.sha256(f"{seed}:{key}:{sample}".encode()).digest()
-    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")
-
-
 def sequence_keys(seed: int, keys, samples: int = 1, device=None) -> torch.Tensor:
-    """``[len(keys) * samples, 2]`` int64 stream keys, prompt-major (key 0's samples first)."""
-    words = [sequence_key(seed, k, s) for k in keys for s in range(samples)]
+    """``[len(keys) * samples, 2]`` int64 stream keys, prompt-major (key 0's samples first): the
+    two 32-bit words naming the random stream of each response ``s`` of each prompt ``k``."""
+    digests = [hashlib.sha256(f"{seed}:{k}:{s}".encode()).digest() for k in keys for s in range(samples)]
+    words = [(int.from_bytes(d[:4], "little"), int.from_bytes(d[4:8], "little")) for d in digests]
     return torch.tensor(words, dtype=torch.int64, device=device).reshape(-1, 2)
 
 

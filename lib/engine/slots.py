@@ -1,7 +1,7 @@
-"""The device side of generation (``lib.engine.generate`` is the whole story): a fixed set of
-slots, each a KV-cache row and a sequence's state; the prompt store that prefills fill and
-admissions copy from; the decode step, captured as a CUDA graph per shape; and the copies between
-host and device, queued so that the host never waits on the step it has just queued.
+"""The device side of generation (the whole story: ``lib.engine.generate``, docs/generation.md): a
+fixed set of slots, each a KV-cache row and a sequence's state; the prompt store that prefills
+fill and admissions copy from; the decode step, captured as a CUDA graph per shape; and the copies
+between host and device, queued so that the host never waits on the step it has just queued.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import fsspec
 import torch
@@ -30,23 +31,19 @@ from llamarl.lib.files.dcp_format import METADATA, read_metadata  # noqa: F401 â
 from llamarl.lib.model import hf_mapping
 
 
-class Chunks:
-    """This rank's pieces of one global tensor: ``{offsets: local tensor}`` (views allowed: loading
-    writes through them)."""
+class Chunks(NamedTuple):
+    """This rank's pieces of one global tensor of ``size``: ``{offsets: local tensor}`` (views
+    allowed: loading writes through them)."""
 
-    def __init__(self, size: tuple[int, ...], pieces: dict[tuple[int, ...], torch.Tensor]):
-        self._size = torch.Size(size)
-        self.pieces = pieces
-
-    def size(self) -> torch.Size:
-        return self._size
+    size: tuple[int, ...]
+    pieces: dict[tuple[int, ...], torch.Tensor]
 
 
 def _pieces(state: dict) -> dict[str, tuple[torch.Size, dict[tuple[int, ...], torch.Tensor]]]:
     out = {}
     for fqn, obj in state.items():
         if isinstance(obj, Chunks):
-            out[fqn] = (obj.size(), {tuple(o): t for o, t in obj.pieces.items()})
+            out[fqn] = (torch.Size(obj.size), {tuple(o): t for o, t in obj.pieces.items()})
         elif isinstance(obj, torch.Tensor):
             out[fqn] = (obj.shape, {(0,) * obj.dim(): obj})
         else:
@@ -305,23 +302,22 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def read(state: dict, url: str, md=None, block_bytes: int | None = None, threads: int | None = None) -> None:
+def read(state: dict, url: str, md=None) -> None:
     """Fill the tensors/chunks of ``state`` in place from the checkpoint at ``url`` (written at any
     layout: each piece is read from the chunks it overlaps), on this rank alone. ``md``: the
     checkpoint's ``read_metadata``, when the caller has it. A missing tensor or a shape that
     differs is a ``KeyError`` / ``ValueError``; a damaged item fails in its reader."""
     url = url.rstrip("/")
     with torch.no_grad():
-        _read(url, _plan(state, md if md is not None else read_metadata(url), url), block_bytes or BLOCK_BYTES,
-              threads or READ_THREADS)
+        _read(url, _plan(state, md if md is not None else read_metadata(url), url), BLOCK_BYTES, READ_THREADS)
 
 
-def load(state: dict, url: str, block_bytes: int | None = None, threads: int | None = None) -> None:
+def load(state: dict, url: str) -> None:
     """Collective ``read``: a failure on any rank raises on every rank."""
     url = url.rstrip("/")
     error, cause = None, None
     try:
-        read(state, url, block_bytes=block_bytes, threads=threads)
+        read(state, url)
     except Exception as e:  # reported on every rank below
         error, cause = f"rank {collectives.rank_world()[0]}: {type(e).__name__}: {e}", e
     error = collectives.agree(error)

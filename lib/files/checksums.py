@@ -36,12 +36,12 @@ def hasher(algorithm: str = CHECKSUM):
     return hashlib.new(algorithm)
 
 
-def checksum(url: str, algorithm: str = CHECKSUM, chunk: int = _BLOCK, threads: int = 4) -> str:
+def checksum(url: str, algorithm: str = CHECKSUM) -> str:
     """The checksum of a whole file, read again."""
     if algorithm == TREE:
-        return _tree_checksum(url, threads)
+        return _tree_checksum(url)
     h = hasher(algorithm)
-    buf = bytearray(chunk)
+    buf = bytearray(_BLOCK)
     view = memoryview(buf)
     with fsspec.open(url, "rb") as f:
         while n := f.readinto(buf):
@@ -49,7 +49,7 @@ def checksum(url: str, algorithm: str = CHECKSUM, chunk: int = _BLOCK, threads: 
     return h.hexdigest()
 
 
-def _tree_checksum(url: str, threads: int, read_bytes: int = 4 << 20) -> str:
+def _tree_checksum(url: str, threads: int = 4, read_bytes: int = 4 << 20) -> str:
     """``TREE`` of a file: its blocks hashed by ``threads`` threads, each reading ``read_bytes`` at
     a time (what it holds)."""
     import xxhash

@@ -30,6 +30,7 @@ TRASH_ENV = "LLAMARL_TRASH"
 """A folder whose files are being deleted (``retire``'s ``trash``): a stage's free-space check
 counts their bytes as free."""
 FORMAT_VERSION = 1
+THREADS = 8  # files hashed or checked at once
 
 
 class PublishError(UserError, RuntimeError):
@@ -65,10 +66,9 @@ class HashingWriter:
     """A binary stream that writes through to ``raw`` and hashes every byte on the way (sequential
     writes only: it cannot seek)."""
 
-    def __init__(self, raw, algorithm: str = CHECKSUM):
-        self.raw, self.algorithm = raw, algorithm
-        self.bytes = 0
-        self._hash = hasher(algorithm)
+    def __init__(self, raw):
+        self.raw, self.bytes = raw, 0
+        self._hash = hasher(CHECKSUM)
 
     def write(self, data) -> int:
         global first_write_time
@@ -88,7 +88,7 @@ class HashingWriter:
         self.raw.flush()
 
     def entry(self) -> dict[str, Any]:
-        return {"bytes": self.bytes, self.algorithm: self._hash.hexdigest()}
+        return {"bytes": self.bytes, CHECKSUM: self._hash.hexdigest()}
 
 
 def _keep(fs, path: str, entry: dict[str, Any]) -> None:
@@ -121,14 +121,14 @@ def written_entry(url: str) -> dict[str, Any] | None:
 
 
 @contextmanager
-def open_write(url: str, algorithm: str = CHECKSUM) -> Iterator[HashingWriter]:
+def open_write(url: str) -> Iterator[HashingWriter]:
     """Open a file for writing at any fsspec URL (its folder created), hashed as it is written; its
     entry is kept for ``file_entry``. A failed write removes the file."""
     fs, path = _fs(url)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     try:
         with fs.open(path, "wb") as raw:
-            writer = HashingWriter(raw, algorithm)
+            writer = HashingWriter(raw)
             yield writer
     except BaseException:
         if fs.exists(path):
@@ -148,12 +148,12 @@ def file_entry(url: str, algorithm: str = CHECKSUM) -> dict[str, Any]:
     return {"bytes": fs.size(path), algorithm: checksum(url, algorithm)}
 
 
-def file_entries(root: str, names: list[str], threads: int = 8, algorithm: str = CHECKSUM) -> dict[str, dict[str, Any]]:
-    """``file_entry`` of each ``root/name``, several files at a time."""
+def file_entries(root: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    """``file_entry`` of each ``root/name``, up to ``THREADS`` files at a time."""
     if not names:
         return {}
-    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
-        return dict(zip(names, pool.map(lambda n: file_entry(f"{root}/{n}", algorithm), names)))
+    with ThreadPoolExecutor(min(THREADS, len(names))) as pool:
+        return dict(zip(names, pool.map(lambda n: file_entry(f"{root}/{n}"), names)))
 
 
 def write_bytes(url: str, data: bytes) -> dict[str, Any]:
@@ -289,10 +289,9 @@ def publish(root: str, manifest: dict) -> None:
         fs.rm(f"{path}/{INCOMPLETE}")
 
 
-def verify(root: str, files: dict[str, dict], names: list[str] | None = None, checksums: bool = True,
-           threads: int = 8) -> None:
+def verify(root: str, files: dict[str, dict], names: list[str] | None = None) -> None:
     """Check files of a published directory against its manifest entries (sizes, then checksums,
-    several files at a time); the first damaged file raises."""
+    up to ``THREADS`` files at a time); the first damaged file raises."""
     fs, path = _fs(root)
     names = names if names is not None else sorted(files)
     for name in names:
@@ -302,7 +301,7 @@ def verify(root: str, files: dict[str, dict], names: list[str] | None = None, ch
         if fs.size(target) != files[name]["bytes"]:
             raise PublishError(f"{root}/{name} has {fs.size(target)} bytes, the manifest says {files[name]['bytes']}; "
                                f"the output is damaged: delete {root} and rerun the stage that wrote it")
-    if not checksums or not names:
+    if not names:
         return
 
     def matches(name: str) -> tuple[str, str | None, bool]:
@@ -310,7 +309,7 @@ def verify(root: str, files: dict[str, dict], names: list[str] | None = None, ch
         algorithm = next((a for a in ALGORITHMS if a in entry), None)
         return name, algorithm, algorithm is not None and checksum(f"{root}/{name}", algorithm) == entry[algorithm]
 
-    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
+    with ThreadPoolExecutor(min(THREADS, len(names))) as pool:
         for name, algorithm, ok in pool.map(matches, names):
             if algorithm is None:
                 raise PublishError(f"{root}/{name}: its manifest entry names no checksum this version knows "

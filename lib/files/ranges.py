@@ -14,7 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 
-class _ReadOnly(io.RawIOBase):
+class Sparse(io.RawIOBase):
+    """An item of which only the first and last bytes were read (enough for its zip directory,
+    its pickle and the offset of its data); reading anything else fails."""
+
+    def __init__(self, head, tail, length: int):
+        self.head, self.tail, self.length, self.pos = head, tail, length, 0
+
     def readable(self):
         return True
 
@@ -27,14 +33,6 @@ class _ReadOnly(io.RawIOBase):
 
     def tell(self):
         return self.pos
-
-
-class Sparse(_ReadOnly):
-    """An item of which only the first and last bytes were read (enough for its zip directory,
-    its pickle and the offset of its data); reading anything else fails."""
-
-    def __init__(self, head, tail, length: int):
-        self.head, self.tail, self.length, self.pos = head, tail, length, 0
 
     def __len__(self) -> int:
         return self.length

@@ -22,7 +22,7 @@ class ConfigError(UserError, ValueError):
 _SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 
-def compute_dtype(name: str, device, *, option: str = "dtype"):
+def compute_dtype(name: str, device):
     """The torch dtype a stage computes in, from its (validated: stages/config.py) ``dtype``
     option; refused up front, in one line, when the device cannot run it (before any weights are read).
 
@@ -35,7 +35,7 @@ def compute_dtype(name: str, device, *, option: str = "dtype"):
     if name == "auto":
         return torch.bfloat16 if cuda else torch.float32
     if name == "fp16" and not cuda:
-        raise UserError(f"{option}=fp16 does not run on CPU; use bf16 or fp32 (or auto: fp32 on CPU, bf16 on GPU)")
+        raise UserError("dtype=fp16 does not run on CPU; use bf16 or fp32 (or auto: fp32 on CPU, bf16 on GPU)")
     return torch_dtype(name)
 
 
@@ -141,9 +141,9 @@ class LlamaConfig:
                 raise ConfigError(f"{path}: not valid JSON ({e}); re-copy the checkpoint's config.json") from None
         return cls.from_hf(d, source=path)
 
-    def to_hf(self, architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict:
+    def to_hf(self, architecture: str = "LlamaForCausalLM") -> dict:
         """An HF ``config.json`` dict that ``transformers`` loads back into the same model."""
-        d = {
+        return {
             "architectures": [architecture],
             "model_type": "llama",
             "vocab_size": self.vocab_size,
@@ -165,8 +165,6 @@ class LlamaConfig:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        d.update(overrides)
-        return d
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -247,11 +245,10 @@ def valid_tps(cfg: LlamaConfig) -> list[int]:
             and (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0)]
 
 
-def pad_vocab(vocab_size: int, tp: int, multiple: int = 1) -> int:
-    """The vocabulary size rounded up so each of ``tp`` ranks holds an equal slice (a multiple of
-    ``multiple`` rows each). The padded rows are never sampled, scored or given probability."""
-    step = tp * multiple
-    return -(-vocab_size // step) * step
+def pad_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary size rounded up so each of ``tp`` ranks holds an equal slice. The padded rows
+    are never sampled, scored or given probability."""
+    return -(-vocab_size // tp) * tp
 
 
 def split_layers(num_layers: int, pp: int, sizes: list[int] | None = None) -> list[range]:

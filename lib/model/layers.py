@@ -12,24 +12,12 @@ buffer), so SP would not run on gloo. Ours hold the same shards and call the map
 group to every mapping it calls.
 
 Fused elementwise work (``fused=True``, training on CUDA by default): RMSNorm, the residual add
-with the norm after it, rotary and SwiGLU each run as one ``torch.compile`` region (forward and
-backward each one Triton kernel, nothing in fp32 kept for backward); the matmuls and the
-communication stay outside, eager, so the regions are the same at every layout. Each fused
+with the norm after it, rotary and SwiGLU each run as one ``torch.compile`` region; the matmuls
+and the communication stay outside, eager, so the regions are the same at every layout. Each fused
 function computes what its eager twin does (``tests/test_fusions.py``), rounding once instead of
-after every op.
-
-At TP 1 (``LLAMARL_FUSED_LAYERS``, on by default) a decoder layer is instead two regions with its
-matmuls inside — everything before attention and everything after it — so a layer costs two
-calls through the compiled code's host path instead of four plus five eager matmuls
-(``lib.model.llama.DecoderLayer``).
-
-Gradient accumulation fusion (``linear``, as megatron's ``gradient_accumulation_fusion``): where
-a bf16 weight has an fp32 ``main_grad`` (``lib.rl.optim.GradBuffer``) and fusions are on, the weight
-gradient of its linear is computed by one GEMM that adds into ``main_grad`` in fp32 (cuBLAS with
-an fp32 C matrix: ``torch.addmm(..., out_dtype=torch.float32)`` on CUDA), instead of a bf16
-gradient written out, then read and added into ``main_grad`` by a hook, once per micro-batch.
-By default for the eager linears (the head; all of them at TP > 1); inside the fused layer
-regions only on request (``wgrad_fusion_on``).
+after every op. At TP 1 a decoder layer is two regions with its matmuls inside
+(``fused_layers_on``); a linear's weight gradient may go straight into its fp32 ``main_grad``
+(``linear``, ``wgrad_fusion_on``). The why and the measurements: docs/training.md.
 """
 
 from __future__ import annotations
@@ -216,9 +204,7 @@ def wgrad_fusion_on(device: torch.device, in_region: bool = False) -> bool:
     bf16 gradient, added into ``main_grad`` by ``GradBuffer``'s hook). Not inside the regions by
     default: there its host time a linear may cost more than the GPU time it saves, and its
     measurement is open (docs/training.md)."""
-    mode = os.environ.get(WGRAD_ENV, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{WGRAD_ENV}={mode!r}: use auto, 0 or 1")
+    mode = _switch(WGRAD_ENV, "auto", ("auto", "0", "1"))
     if mode != "auto":
         return mode == "1"
     return not in_region and device.type == "cuda" and fusions_on(device) and _fp32_addmm_works(device.index)
@@ -311,9 +297,7 @@ def fusions_on(device: torch.device) -> bool:
     """Whether fused kernels (these compiled regions, the Triton vocabulary kernels) run on
     ``device``: ``LLAMARL_FUSED`` = ``auto`` (the default: on CUDA), ``1`` (everywhere; on CPU
     through inductor's C++ code, slow to compile: for tests) or ``0`` (never: the eager reference)."""
-    mode = os.environ.get(FUSED_ENV, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{FUSED_ENV}={mode!r}: use auto, 0 or 1")
+    mode = _switch(FUSED_ENV, "auto", ("auto", "0", "1"))
     return mode == "1" or (mode == "auto" and device.type == "cuda")
 
 
@@ -327,10 +311,15 @@ def fused_layers_on() -> bool:
     the compiled code's host path per layer. The four linears inside fuse their gradient
     accumulation only with ``LLAMARL_FUSED_WGRAD=1`` (``wgrad_fusion_on``). ``0``: the four small
     regions (always at TP > 1, where the matmuls' communication stays outside the regions)."""
-    mode = os.environ.get(FUSED_LAYERS_ENV, "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"{FUSED_LAYERS_ENV}={mode!r}: use 0 or 1")
-    return mode == "1"
+    return _switch(FUSED_LAYERS_ENV, "1", ("0", "1")) == "1"
+
+
+def _switch(env: str, default: str, choices: tuple[str, ...]) -> str:
+    """The value of the switch ``env`` (``default`` when unset), one of ``choices``."""
+    mode = os.environ.get(env, default)
+    if mode not in choices:
+        raise ValueError(f"{env}={mode!r}: use {', '.join(choices[:-1])} or {choices[-1]}")
+    return mode
 
 
 def region_rms_norm(x, weight, eps: float):

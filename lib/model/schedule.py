@@ -26,11 +26,6 @@ from llamarl.lib.distributed.parallel import Topology
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
 
-def _shape(model: ParallelLlama, batch: TokenBatch) -> tuple[int, int]:
-    tp = model.layout.tp if model.layout.sequence_parallel else 1
-    return batch.num_tokens // tp, model.cfg.hidden_size
-
-
 def _p2p(topo: Topology, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
     """One batch of point-to-point ops with this rank's neighbouring stages; ``recv_*`` are
     (shape, dtype, device). Returns the received tensors (from the previous stage, from the next)."""
@@ -69,13 +64,13 @@ def forward_backward(
     p2p = functools.partial(_p2p, topo)
     first, last = topo.is_first_stage, topo.is_last_stage
     extras = list(extras) if extras is not None else [None] * len(batches)
-    dtype = model.dtype
     dev = next(model.parameters()).device
+    sp = model.layout.tp if model.layout.sequence_parallel else 1  # the tokens' split between TP ranks
     results: list[Any] = []
     n = len(batches)
 
     def recv_spec(i):
-        return (_shape(model, batches[i]), dtype, dev)
+        return (batches[i].num_tokens // sp, model.cfg.hidden_size), model.dtype, dev
 
     def run_forward(i, received):
         x = None

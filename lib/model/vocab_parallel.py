@@ -32,10 +32,6 @@ from llamarl.lib.model.layers import fusions_on
 from llamarl.lib.distributed.parallel import group_rank, group_size
 
 
-def _or_current(group: ProcessGroup | None) -> ProcessGroup | None:
-    return parallel.tp_group() if group is None else group
-
-
 def _softmax_stats(logits: torch.Tensor, group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 probabilities of this rank's slice, global log-sum-exp per token)."""
     x = logits.float()
@@ -171,10 +167,6 @@ def _kernels():
     return stats_kernel, grad_kernel
 
 
-def _use_kernels(logits: torch.Tensor) -> bool:
-    return logits.is_cuda and fusions_on(logits.device) and _kernels() is not None
-
-
 def _block(n_cols: int) -> int:
     return min(4096, 1 << max(n_cols - 1, 1).bit_length())
 
@@ -205,17 +197,13 @@ def _k_grad(x, lse, mean, target, g_logp, g_ent) -> torch.Tensor:
     return grad
 
 
-def _rows(logits: torch.Tensor) -> torch.Tensor:
-    return logits if logits.stride(-1) == 1 else logits.contiguous()
-
-
 class _Kernel(torch.autograd.Function):
     """``_Eager``'s outputs from the Triton kernels: nothing kept for backward but the logits and
     ``[N]`` vectors."""
 
     @staticmethod
     def forward(ctx, logits, labels, group, with_entropy):
-        x = _rows(logits)
+        x = logits if logits.stride(-1) == 1 else logits.contiguous()
         lse, mean = _k_stats(x, group, with_entropy)
         outs, target = [], None
         if labels is not None:
@@ -242,8 +230,9 @@ class _Kernel(torch.autograd.Function):
 
 
 def _apply(logits, labels, group, with_entropy: bool):
-    fn = _Kernel if _use_kernels(logits) else _Eager
-    return fn.apply(logits, labels, _or_current(group), with_entropy)
+    kernels = logits.is_cuda and fusions_on(logits.device) and _kernels() is not None
+    return (_Kernel if kernels else _Eager).apply(logits, labels, parallel.tp_group() if group is None else group,
+                                                  with_entropy)
 
 
 def log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor,

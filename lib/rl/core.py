@@ -163,10 +163,14 @@ def sequence_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), rows, torch.full_like(rows, -1))
 
 
-def _sequence_sums(x: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor,
-                   sequences: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sequence_sums(x: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None,
+                   sequences: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per sequence, the sum of ``x`` over its masked tokens and their number; and each token's bin
-    (its sequence, or ``sequences`` outside the mask), flat."""
+    (its sequence, or ``sequences`` outside the mask), flat. ``seq``/``sequences`` as in ``aggregate``."""
+    if seq is None:
+        seq, sequences = sequence_index(mask), mask.shape[0]
+    elif sequences is None:
+        raise ValueError("a sequence mean over packed tokens needs their number of sequences")
     # Tokens outside the mask go to one bin past the last, dropped: a fixed-size scatter with
     # no boolean indexing (which would wait for the device to count the selected tokens). The
     # mask decides, not only ``seq``: packing pads ``seq`` with 0 (sequence-parallel padding).
@@ -185,10 +189,6 @@ def sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None 
     ``x`` and ``mask`` are ``[batch, len]``, or packed tokens with ``seq`` and ``sequences`` as in
     ``aggregate``. A sequence lies whole in one call (ppo never splits one across micro-batches,
     and every TP rank holds every token's log-prob), so the mean needs no communication."""
-    if seq is None:
-        seq, sequences = sequence_index(mask), mask.shape[0]
-    elif sequences is None:
-        raise ValueError("a sequence mean over packed tokens needs their number of sequences")
     sums, counts, bins = _sequence_sums(x, mask, seq, sequences)
     means = torch.cat([sums / counts.clamp(min=1), sums.new_zeros(1)])
     return means[bins].reshape(x.shape)
@@ -210,10 +210,6 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: fl
     if mode in ("token-mean", "seq-mean-token-sum-norm"):
         return (loss * mask).sum() / denominator
     if mode == "seq-mean-token-mean":
-        if seq is None:
-            seq, sequences = sequence_index(mask), mask.shape[0]
-        elif sequences is None:
-            raise ValueError("seq-mean-token-mean over packed tokens needs their number of sequences")
         sums, counts, _ = _sequence_sums(loss, mask, seq, sequences)
         return (sums / counts.clamp(min=1)).sum() / denominator
     raise ValueError(f"loss aggregation {mode!r}: use token-mean, seq-mean-token-mean or "
