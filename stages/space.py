@@ -1,31 +1,12 @@
-"""Room on disk before a stage writes (#26): what it will write, against what its output's file
-system has free.
+"""Room on disk before a stage writes (#26): what it will write, at most, against what its
+output's file system has free. What each stage's estimate counts, and what counts as free:
+docs/pipeline.md, "Free space before a stage writes".
 
-Every stage calls ``check(cfg)`` first in its ``run()``. Where the output is on local storage
-(fsspec's "file" protocol; object stores are skipped), a stage whose output would not fit is
-refused in one line naming the bytes it needs, the bytes free and the path — before it reads a
-weight, not when the disk fills halfway through a ppo (at the Llama-3.2-1B shape every ppo output
-is ~20 GB: 3 GB of weights, 17 GB of training state). What each stage writes, at most:
-
-- shard: every tensor of the source at the stored dtype, the HF side files it copies;
-- rollout: for each sample of each prompt, (prompt + ``max_new_tokens``) tokens of its columns —
-  4 bytes a token for each id and log-prob, ``TEXT_BYTES_PER_TOKEN`` of decoded response, and the
-  prompt row's own bytes (the prompt text and ``keep_columns``, copied into every sample's row);
-  prompt tokens bounded both by ``max_prompt_tokens`` (or the actor's room) and by the prompts'
-  bytes (a token is at least a byte of text) plus ``TEMPLATE_TOKENS`` of chat template a prompt;
-- score: ``ROW_BYTES`` a row and 4 bytes a reward term (small);
-- ppo: each role's weights at the actor's stored dtype, its training state (fp32 Adam moments,
-  and fp32 master weights when training in a lower precision: 8 or 12 bytes a parameter), and
-  with ``save_every`` one resumable copy of both per save (ppo keeps them all until it ends);
-- export: every tensor at the output dtype, the HF side files.
-
-Each also counts its own overheads (``CHUNK_BYTES`` a checkpoint chunk, ``PART_BYTES`` a Parquet
-part, ``FOLDER_BYTES`` a published folder). Parquet's compression makes the rollout's and score's
-bounds generous. A resumed stage counts what it still writes: rollout and score the parts not yet
-published, ppo the saves after its latest; and the unfinished output a stage clears before it writes
-(shard's, export's, everything of ppo's but its saved states) counts as free. An output already
-published is not written again (the stage skips it, or refuses to overwrite it): nothing to check.
-Two stages that run at once each check alone.
+Every stage calls ``check(cfg)`` first in its ``run()``: a stage that cannot fit is refused in one
+line before it reads a weight, not when the disk fills halfway through. Only local storage is
+checked (fsspec's "file" protocol: an object store has no free space to ask), and not an output
+already published (the stage skips it or refuses to overwrite it). Parquet's compression makes the
+rollout's and score's bounds generous; two stages that run at once each check alone.
 """
 
 from __future__ import annotations
