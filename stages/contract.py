@@ -343,4 +343,14 @@ def redo_train_state(url: str) -> str:
 ACTOR = "actor"
 CRITIC = "critic"
 METRICS = "metrics.jsonl"
+STATE = ".state"  # while ppo runs: its resumable training states, STATE/step-NNNNNN, each whole once done.json is
+
+
+def saved_step(out: str) -> int:
+    """The optimizer step of the latest whole training state a ppo saved in ``out`` (0: none)."""
+    fs, path = fsspec.core.url_to_fs(out)
+    if not fs.exists(f"{path}/{STATE}"):
+        return 0
+    return max((int(p.rstrip("/").rsplit("-", 1)[-1]) for p in fs.ls(f"{path}/{STATE}", detail=False)
+                if fs.exists(f"{p}/done.json")), default=0)
 

@@ -116,11 +116,11 @@ def _ppo(cfg: PPOConfig, path: str) -> Need:
     state = params * state_per_param + 3 * chunks * CHUNK_BYTES
     rows = publish.require_published(cfg.rollout.rstrip("/"), contract.ROLLOUT)["rows"]
     steps = cfg.ppo_epochs * -(-rows // cfg.mini_batch_size)
-    saves = len(range(_last_save(path) + cfg.save_every, steps, cfg.save_every)) if cfg.save_every else 0
+    saves = len(range(contract.saved_step(path) + cfg.save_every, steps, cfg.save_every)) if cfg.save_every else 0
     outputs = weights + state + len(roles) * (2 * FOLDER_BYTES + _hf_side_bytes(actor))
     total = outputs + saves * (weights + state + FOLDER_BYTES) + steps * STEP_BYTES + FOLDER_BYTES
     what = f"weights {size(weights)}, training state {size(state)}" + (f", {saves} saved state(s)" if saves else "")
-    return Need(total, what, _du(path, keep=(".state", publish.INCOMPLETE)))
+    return Need(total, what, _du(path, keep=(contract.STATE, publish.INCOMPLETE)))
 
 
 def _rollout(cfg: RolloutConfig, path: str) -> Need:
@@ -208,15 +208,6 @@ def _value_model(actor: dict) -> dict:
     tensors = {n: s for n, s in actor["tensors"].items() if n != "lm_head.weight"}
     tensors["score.weight"] = [1, actor["model_config"]["hidden_size"]]
     return tensors
-
-
-def _last_save(path: str) -> int:
-    """The optimizer step of the latest state an unfinished ppo saved (0: none)."""
-    states = os.path.join(path, ".state")
-    if not os.path.isdir(states):
-        return 0
-    return max((int(e.name.rsplit("-", 1)[-1]) for e in os.scandir(states)
-                if os.path.exists(os.path.join(e.path, "done.json"))), default=0)
 
 
 def _prompts(url: str) -> tuple[int, int]:
