@@ -189,9 +189,7 @@ def _batch_terms(cfg: PPOConfig, inputs: _Inputs, actor, critic, dtype, topo):
                            cfg.micro_batch_tokens)
     # π_old recomputed before any update (a resumed run recomputes it from the same input actor).
     ref_logp, actor_logp = frozen_logprobs(cfg, inputs.ref_source, samples, groups, actor, cfg.reference or cfg.actor)
-    old_values = token_outputs(critic, samples, groups, 1.0) if critic is not None else None
-    old_values = gather_dp(dict(zip([i for g in groups for i in g], old_values)) if old_values is not None else None,
-                           topo)
+    old_values = gather_dp(groups, token_outputs(critic, samples, groups, 1.0), topo) if critic is not None else None
     data = advantages(cfg, samples, ref_logp, old_values, dev, actor_logp) if topo.is_last_stage else None
     check = StepCheck(cfg, [s.score for s in samples], dev, dtypes.torch_dtype(inputs.actor["dtype"]))
     if data is not None:
