@@ -122,7 +122,8 @@ def save_state(out: str, k: int, trainers: dict[str, Trainer], store_dtype: torc
     marker written last."""
     root = _state_root(out, k)
     for name, t in trainers.items():
-        t.save(f"{root}/{name}", store_dtype)
+        t.save_weights(f"{root}/{name}", store_dtype)
+        t.save_optimizer(f"{root}/{name}")
     dist.barrier()
     fs, path = fsspec.core.url_to_fs(root)
     files = outputs.file_entries(root, sorted(p[len(path) + 1 :] for p in fs.find(path)))

@@ -56,11 +56,6 @@ class Trainer:
         ``root/optim``."""
         checkpoint.save(self.opt.state(), f"{root}/{contract.OPTIM}")
 
-    def save(self, root: str, store_dtype: torch.dtype) -> None:
-        """Collective: both, under one ``root`` (a resumable state of the run)."""
-        self.save_weights(root, store_dtype)
-        self.save_optimizer(root)
-
     def free_gradients(self) -> None:
         """After the last step: drop the fp32 gradient buffer (4 bytes a parameter), which nothing
         saved reads, so the memory is free before the outputs are written. No step may follow."""
@@ -71,7 +66,8 @@ class Trainer:
         self.grads = None
 
     def restore(self, root: str, step: int) -> None:
-        """Collective: what ``save`` wrote, as of optimizer step ``step``."""
+        """Collective: what ``save_weights`` and ``save_optimizer`` wrote under ``root``, as of optimizer
+        step ``step``."""
         checkpoint.load_model(self.model, f"{root}/{contract.MODEL}")
         self.opt.load_state(f"{root}/{contract.OPTIM}", step, f"{root}/{contract.MODEL}")
 
