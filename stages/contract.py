@@ -30,6 +30,7 @@ from llamarl.lib.errors import UserError
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
 # No pyarrow at import: the pipeline reads this module's names to check a spec, and pyarrow is
 # imported where a part is built, read or written.
@@ -186,20 +187,13 @@ def read_part(root: str, name: str, columns: list[str] | None = None) -> pa.Tabl
         return pq.read_table(f, columns=columns)
 
 
-def read_part_schema(root: str, name: str) -> pa.Schema:
+def part_metadata(root: str, name: str) -> pq.FileMetaData:
+    """A part's Parquet footer: its rows (``num_rows``) and schema, no data read."""
     import pyarrow.parquet as pq
 
     fs, path = fsspec.core.url_to_fs(root)
     with fs.open(f"{path}/{PARTS}/{name}", "rb") as f:
-        return pq.read_schema(f)
-
-
-def part_rows(root: str, name: str) -> int:
-    import pyarrow.parquet as pq
-
-    fs, path = fsspec.core.url_to_fs(root)
-    with fs.open(f"{path}/{PARTS}/{name}", "rb") as f:
-        return pq.ParquetFile(f).metadata.num_rows
+        return pq.read_metadata(f)
 
 
 def read_rows(root: str, manifest: dict) -> list[dict]:

@@ -242,7 +242,7 @@ def _publish(cfg: RolloutConfig, out: str, reading, request: dict, all_stats: li
     if len(parts) != expected:
         raise RuntimeError(f"{out}: {len(parts)} parts published, {expected} expected")
     files = contract.part_entries(out, parts)
-    rows = sum(contract.part_rows(out, p) for p in parts)
+    rows = sum(contract.part_metadata(out, p).num_rows for p in parts)
     spans.mark("manifest_entries")
     selection = {"selection": reading.selection} if reading.selection else {}
     publish.publish(out, {"kind": contract.ROLLOUT, "timing": outputs.timing(), "request": request, "files": files,

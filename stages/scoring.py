@@ -156,7 +156,7 @@ def _check_inputs(cfg: ScoreConfig, rollout: str, parts: list[str], refs) -> Non
     """Columns, keys and references of every part, before any work (metadata and keys only)."""
     seen: set = set()
     for p in parts:
-        missing = [c for c in REQUIRED if c not in contract.read_part_schema(rollout, p).names]
+        missing = [c for c in REQUIRED if c not in contract.part_metadata(rollout, p).schema.to_arrow_schema().names]
         if missing:
             raise UserError(f"{rollout}/{contract.PARTS}/{p}: missing column(s) {', '.join(missing)}; "
                             "score reads rollout outputs")
