@@ -217,12 +217,8 @@ def copy_side_files(src: str, names: Iterable[str], dst: str) -> dict[str, dict[
     """Copy ``src/name`` to ``dst/name`` for each name that exists; returns their manifest entries.
     Rank 0's job: side files are small."""
     fs, path = fsspec.core.url_to_fs(src)
-    files = {}
-    for name in names:
-        if fs.exists(f"{path}/{name}"):
-            publish.write_bytes(f"{dst}/{name}", fs.cat_file(f"{path}/{name}"))
-            files[name] = publish.file_entry(f"{dst}/{name}")
-    return files
+    return {name: publish.write_bytes(f"{dst}/{name}", fs.cat_file(f"{path}/{name}")) for name in names
+            if fs.exists(f"{path}/{name}")}
 
 
 # What one role's checkpoint must hold to serve it: its head, and what the message offers as the fix.

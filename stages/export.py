@@ -172,8 +172,7 @@ def run(cfg: ExportConfig) -> None:
 
 def _write_side_files(src, dst, manifest, head, dtype, groups, names, files) -> None:
     def put(name: str, data: bytes) -> None:
-        publish.write_bytes(f"{dst}/{name}", data)
-        files[name] = publish.file_entry(f"{dst}/{name}")
+        files[name] = publish.write_bytes(f"{dst}/{name}", data)
 
     put("config.json", json.dumps(hf_config_for(manifest, head, dtype), indent=2).encode())
     copied = [n for n in contract.hf_side_files(manifest) if n != "config.json"]  # ours says what was exported

@@ -271,8 +271,7 @@ def _publish_manifest(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[
                       summary: dict) -> None:
     """Rank 0: the step metrics, then the stage's manifest, with the id of each sub-output (the
     stage's own id changes with any of them); the saved states go."""
-    publish.write_bytes(f"{out}/{contract.METRICS}", json_lines(lines))
-    files = {contract.METRICS: publish.file_entry(f"{out}/{contract.METRICS}")}
+    files = {contract.METRICS: publish.write_bytes(f"{out}/{contract.METRICS}", json_lines(lines))}
     _test_hook("wrote metrics")
     parts = [*trainers, *(f"{contract.TRAIN_STATE}/{name}" for name in trainers)]
     publish.publish(out, {"kind": contract.PPO, "timing": outputs.timing(), "request": inputs.request, "files": files,
