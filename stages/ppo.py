@@ -1,26 +1,10 @@
 """Stage ppo: one PPO iteration — update the actor and critic from a rollout and its scores.
 
 Run with tp × pp × dp processes (``llamarl stage ppo …``). ``run`` is the recipe, one named step
-a line:
-
-- ``_read_inputs``: rollout and scores joined on (prompt_id, sample_index), checked against the
-  rollout's manifest (its actor, its temperature); with dynamic sampling, the prompts whose scores
-  are all equal dropped;
-- ``_batch_terms``: reference log-probs (a forward of the frozen initial actor, freed once done,
-  only where the rollout's or the actor's own give none: ``ppo_trainer.reference_source``), old values
-  (critic) and, when π_old is the actor's (``old_logp``), the actor's own log-probs before any
-  update, the batch split over DP; then token rewards (score at the last token, minus β·KL unless
-  KL is a loss term), the advantages (GAE, GRPO, RLOO, REINFORCE++), whitening, truncated
-  importance weights;
-- ``_train``: ``ppo_epochs`` passes over shuffled mini-batches; each mini-batch is one optimizer
-  step of the actor (clipped/dual-clip policy loss, entropy bonus, optional KL loss) and of the
-  critic (clipped value loss), micro-batched by a token budget with gradient accumulation,
-  gradients reduced over DP from one buffer, clipped by the global norm, AdamW with ZeRO-1;
-- ``_publish_outputs``: weights first, each role's checkpoint ``OUT/<role>`` (published as soon as
-  the last step is done: the next rollout and export read nothing else), the gradient memory
-  freed, then each role's training state ``OUT/train_state/<role>`` (fp32 moments and masters, 6×
-  the bf16 weights, read only by the next ppo); ``_publish_manifest``: metrics.jsonl, and the
-  stage's manifest last.
+a line, each saying what it does: ``_read_inputs`` (before any process group or weight),
+``_batch_terms`` (the frozen passes, rewards and advantages: docs/rl.md), ``_train`` (``ppo_epochs``
+passes of one optimizer step a mini-batch), ``_publish_outputs`` (each role's weights, then its
+training state) and ``_publish_manifest``.
 
 Training state is saved every ``save_every`` steps under ``OUT/.state``; a rerun resumes from the
 latest and ends with the same weights as an uninterrupted run (the data order depends only on
@@ -121,6 +105,9 @@ def run(cfg: PPOConfig) -> None:
 
 
 def _read_inputs(cfg: PPOConfig) -> _Inputs:
+    """The rollout and its scores joined on (prompt_id, sample_index) and checked against the
+    rollout's manifest (its actor, its temperature), dynamic sampling's prompts dropped; the
+    checkpoints' manifests and training states; the schedule checked."""
     actor = contract.require_checkpoint(cfg.actor, "lm", "the actor")
     model_cfg = LlamaConfig.from_dict(actor["model_config"])
     layout = ParallelLayout(tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sequence_parallel, remove_padding=True)
