@@ -13,12 +13,10 @@ a function of (``seed``, r, k) only (lib/engine/sampling.py). So a response does
 of DP groups, on TP, on ``chunk_size``, on which chunks ran before it, nor on ``max_batch`` (how
 many sequences one engine decodes together), which only trades memory for speed.
 
-A rank's chunks go through one stream of the engine (lib/engine/generate.py ``Engine.stream``): the next
-chunk's sequences take the slots as the last ones free them, so the batch never drains at a chunk
-boundary. The prompts are read and tokenized ahead in one thread, the responses decoded and the
-parts written behind in another, while the engine runs; parts are still published one at a time,
-each whole. The manifest's ``spans_s`` say where the stage's time went (docs/generation.md). With
-``scores`` (the pipeline sets it when every reward term is a rule), the rollout then publishes the
+A rank's chunks go through one ``Engine.stream`` (lib/engine/generate.py), read and tokenized
+ahead and written behind in threads, each part still published whole (docs/generation.md, "The
+rollout stage: one stream per rank"); the manifest's ``spans_s`` say where the stage's time went.
+With ``scores`` (the pipeline sets it when every reward term is a rule), the rollout then publishes the
 score stage's output too (stages/scoring.py), so no score process starts. Formats: docs/formats.md.
 """
 
