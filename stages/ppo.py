@@ -163,7 +163,15 @@ def _load_models(cfg: PPOConfig, inputs: _Inputs, dtype):
         return actor, None
     with torch.device(parallel.device()):
         critic = ParallelLlamaForValue(inputs.model_cfg, inputs.layout, dtype=dtype)
-    _load_critic(critic, cfg)
+    if cfg.critic:
+        checkpoint.load_model(critic, f"{cfg.critic}/{contract.MODEL}")
+        return actor, critic
+    # A fresh critic: the actor's backbone and a zero value head.
+    with torch.no_grad():
+        for p in critic.parameters():
+            p.zero_()
+    state = {k: v for k, v in checkpoint.model_state(critic).items() if k != "score.weight"}
+    checkpoint.load(state, f"{cfg.actor}/{contract.MODEL}")
     return actor, critic
 
 
@@ -324,18 +332,6 @@ def _test_hook(point: str, trainers: dict | None = None) -> None:
             trainer.lr = float(action.removeprefix("lr="))
         return
     time.sleep(float(action.removeprefix("sleep=")))
-
-
-def _load_critic(critic, cfg: PPOConfig) -> None:
-    if cfg.critic:
-        checkpoint.load_model(critic, f"{cfg.critic}/{contract.MODEL}")
-        return
-    # A fresh critic: the actor's backbone and a zero value head.
-    with torch.no_grad():
-        for p in critic.parameters():
-            p.zero_()
-    state = {k: v for k, v in checkpoint.model_state(critic).items() if k != "score.weight"}
-    checkpoint.load(state, f"{cfg.actor}/{contract.MODEL}")
 
 
 if __name__ == "__main__":
