@@ -30,6 +30,7 @@ from llamarl.lib.errors import UserError
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
 # No pyarrow at import: the pipeline reads this module's names to check a spec, and pyarrow is
 # imported where a part is built, read or written.
@@ -186,20 +187,13 @@ def read_part(root: str, name: str, columns: list[str] | None = None) -> pa.Tabl
         return pq.read_table(f, columns=columns)
 
 
-def read_part_schema(root: str, name: str) -> pa.Schema:
+def part_metadata(root: str, name: str) -> pq.FileMetaData:
+    """A part's Parquet footer: its rows (``num_rows``) and schema, no data read."""
     import pyarrow.parquet as pq
 
     fs, path = fsspec.core.url_to_fs(root)
     with fs.open(f"{path}/{PARTS}/{name}", "rb") as f:
-        return pq.read_schema(f)
-
-
-def part_rows(root: str, name: str) -> int:
-    import pyarrow.parquet as pq
-
-    fs, path = fsspec.core.url_to_fs(root)
-    with fs.open(f"{path}/{PARTS}/{name}", "rb") as f:
-        return pq.ParquetFile(f).metadata.num_rows
+        return pq.read_metadata(f)
 
 
 def read_rows(root: str, manifest: dict) -> list[dict]:
@@ -223,12 +217,8 @@ def copy_side_files(src: str, names: Iterable[str], dst: str) -> dict[str, dict[
     """Copy ``src/name`` to ``dst/name`` for each name that exists; returns their manifest entries.
     Rank 0's job: side files are small."""
     fs, path = fsspec.core.url_to_fs(src)
-    files = {}
-    for name in names:
-        if fs.exists(f"{path}/{name}"):
-            publish.write_bytes(f"{dst}/{name}", fs.cat_file(f"{path}/{name}"))
-            files[name] = publish.file_entry(f"{dst}/{name}")
-    return files
+    return {name: publish.write_bytes(f"{dst}/{name}", fs.cat_file(f"{path}/{name}")) for name in names
+            if fs.exists(f"{path}/{name}")}
 
 
 # What one role's checkpoint must hold to serve it: its head, and what the message offers as the fix.
@@ -343,4 +333,14 @@ def redo_train_state(url: str) -> str:
 ACTOR = "actor"
 CRITIC = "critic"
 METRICS = "metrics.jsonl"
+STATE = ".state"  # while ppo runs: its resumable training states, STATE/step-NNNNNN, each whole once done.json is
+
+
+def saved_step(out: str) -> int:
+    """The optimizer step of the latest whole training state a ppo saved in ``out`` (0: none)."""
+    fs, path = fsspec.core.url_to_fs(out)
+    if not fs.exists(f"{path}/{STATE}"):
+        return 0
+    return max((int(p.rstrip("/").rsplit("-", 1)[-1]) for p in fs.ls(f"{path}/{STATE}", detail=False)
+                if fs.exists(f"{p}/done.json")), default=0)
 

@@ -105,12 +105,6 @@ def _write(url: str, model_url: str, md, names: list[str], shapes: dict, dtype: 
         raise OSError(e.errno, f"writing {url}: {e.strerror or e}") from e
 
 
-def _failure(e: Exception, rank: int, src: str) -> tuple:
-    if isinstance(e, _Unreadable):
-        return "user", None, f"rank {rank}: {src}: {e}; the checkpoint is damaged: reshard it"
-    return collectives.describe(e, rank)
-
-
 def run(cfg: ExportConfig) -> None:
     space.check(cfg)
     src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
@@ -145,7 +139,8 @@ def run(cfg: ExportConfig) -> None:
             written[names[i]] = _write(f"{dst}/{names[i]}", f"{src}/{contract.MODEL}", md, groups[i], shapes,
                                        dtypes.torch_dtype(out_dtype))
     except (_Unreadable, OSError) as e:
-        failure = _failure(e, rank, src)
+        failure = (("user", None, f"rank {rank}: {src}: {e}; the checkpoint is damaged: reshard it")
+                   if isinstance(e, _Unreadable) else collectives.describe(e, rank))
     # A damaged input file (its checksum, any rank's) is the error to report, before what reading it did.
     verified = verifying.result() if verifying else None
     results = collectives.all_gather_object((verified, failure, written))
@@ -158,7 +153,7 @@ def run(cfg: ExportConfig) -> None:
     failure = None
     if rank == 0:
         try:
-            _write_side_files(src, dst, manifest, head, out_dtype, groups, names, files)
+            _write_side_files(src, dst, manifest, head, out_dtype, shapes, groups, names, files)
             _check_written(dst, shapes, out_dtype, groups, names)
             publish.publish(dst, {**recorded, "request": request, "files": files, "timing": outputs.timing()})
         except (UserError, OSError) as e:
@@ -170,10 +165,9 @@ def run(cfg: ExportConfig) -> None:
         print(f"{dst}: exported {total / 1e9:.2f} GB ({len(names)} file(s)) in {dt:.1f}s ({total / 1e9 / dt:.2f} GB/s)", flush=True)
 
 
-def _write_side_files(src, dst, manifest, head, dtype, groups, names, files) -> None:
+def _write_side_files(src, dst, manifest, head, dtype, shapes, groups, names, files) -> None:
     def put(name: str, data: bytes) -> None:
-        publish.write_bytes(f"{dst}/{name}", data)
-        files[name] = publish.file_entry(f"{dst}/{name}")
+        files[name] = publish.write_bytes(f"{dst}/{name}", data)
 
     put("config.json", json.dumps(hf_config_for(manifest, head, dtype), indent=2).encode())
     copied = [n for n in contract.hf_side_files(manifest) if n != "config.json"]  # ours says what was exported
@@ -183,8 +177,7 @@ def _write_side_files(src, dst, manifest, head, dtype, groups, names, files) -> 
         gen = {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
         put("generation_config.json", json.dumps(gen, indent=2).encode())
     if len(names) > 1:
-        itemsize = dtypes.itemsize(dtype)
-        total = sum(itemsize * math.prod(s) for s in hf_mapping.hf_shapes(LlamaConfig.from_dict(manifest["model_config"]), head).values())
+        total = sum(dtypes.itemsize(dtype) * math.prod(s) for s in shapes.values())
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: fname for group, fname in zip(groups, names) for n in group}}
         put("model.safetensors.index.json", json.dumps(index, indent=2).encode())

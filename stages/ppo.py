@@ -1,26 +1,10 @@
 """Stage ppo: one PPO iteration — update the actor and critic from a rollout and its scores.
 
 Run with tp × pp × dp processes (``llamarl stage ppo …``). ``run`` is the recipe, one named step
-a line:
-
-- ``_read_inputs``: rollout and scores joined on (prompt_id, sample_index), checked against the
-  rollout's manifest (its actor, its temperature); with dynamic sampling, the prompts whose scores
-  are all equal dropped;
-- ``_batch_terms``: reference log-probs (a forward of the frozen initial actor, freed once done,
-  only where the rollout's or the actor's own give none: ``ppo_trainer.reference_source``), old values
-  (critic) and, when π_old is the actor's (``old_logp``), the actor's own log-probs before any
-  update, the batch split over DP; then token rewards (score at the last token, minus β·KL unless
-  KL is a loss term), the advantages (GAE, GRPO, RLOO, REINFORCE++), whitening, truncated
-  importance weights;
-- ``_train``: ``ppo_epochs`` passes over shuffled mini-batches; each mini-batch is one optimizer
-  step of the actor (clipped/dual-clip policy loss, entropy bonus, optional KL loss) and of the
-  critic (clipped value loss), micro-batched by a token budget with gradient accumulation,
-  gradients reduced over DP from one buffer, clipped by the global norm, AdamW with ZeRO-1;
-- ``_publish_outputs``: weights first, each role's checkpoint ``OUT/<role>`` (published as soon as
-  the last step is done: the next rollout and export read nothing else), the gradient memory
-  freed, then each role's training state ``OUT/train_state/<role>`` (fp32 moments and masters, 6×
-  the bf16 weights, read only by the next ppo); ``_publish_manifest``: metrics.jsonl, and the
-  stage's manifest last.
+a line, each saying what it does: ``_read_inputs`` (before any process group or weight),
+``_batch_terms`` (the frozen passes, rewards and advantages: docs/rl.md), ``_train`` (``ppo_epochs``
+passes of one optimizer step a mini-batch), ``_publish_outputs`` (each role's weights, then its
+training state) and ``_publish_manifest``.
 
 Training state is saved every ``save_every`` steps under ``OUT/.state``; a rerun resumes from the
 latest and ends with the same weights as an uninterrupted run (the data order depends only on
@@ -121,6 +105,9 @@ def run(cfg: PPOConfig) -> None:
 
 
 def _read_inputs(cfg: PPOConfig) -> _Inputs:
+    """The rollout and its scores joined on (prompt_id, sample_index) and checked against the
+    rollout's manifest (its actor, its temperature), dynamic sampling's prompts dropped; the
+    checkpoints' manifests and training states; the schedule checked."""
     actor = contract.require_checkpoint(cfg.actor, "lm", "the actor")
     model_cfg = LlamaConfig.from_dict(actor["model_config"])
     layout = ParallelLayout(tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sequence_parallel, remove_padding=True)
@@ -176,7 +163,15 @@ def _load_models(cfg: PPOConfig, inputs: _Inputs, dtype):
         return actor, None
     with torch.device(parallel.device()):
         critic = ParallelLlamaForValue(inputs.model_cfg, inputs.layout, dtype=dtype)
-    _load_critic(critic, cfg)
+    if cfg.critic:
+        checkpoint.load_model(critic, f"{cfg.critic}/{contract.MODEL}")
+        return actor, critic
+    # A fresh critic: the actor's backbone and a zero value head.
+    with torch.no_grad():
+        for p in critic.parameters():
+            p.zero_()
+    state = {k: v for k, v in checkpoint.model_state(critic).items() if k != "score.weight"}
+    checkpoint.load(state, f"{cfg.actor}/{contract.MODEL}")
     return actor, critic
 
 
@@ -189,9 +184,7 @@ def _batch_terms(cfg: PPOConfig, inputs: _Inputs, actor, critic, dtype, topo):
                            cfg.micro_batch_tokens)
     # π_old recomputed before any update (a resumed run recomputes it from the same input actor).
     ref_logp, actor_logp = frozen_logprobs(cfg, inputs.ref_source, samples, groups, actor, cfg.reference or cfg.actor)
-    old_values = token_outputs(critic, samples, groups, 1.0) if critic is not None else None
-    old_values = gather_dp(dict(zip([i for g in groups for i in g], old_values)) if old_values is not None else None,
-                           topo)
+    old_values = gather_dp(groups, token_outputs(critic, samples, groups, 1.0), topo) if critic is not None else None
     data = advantages(cfg, samples, ref_logp, old_values, dev, actor_logp) if topo.is_last_stage else None
     check = StepCheck(cfg, [s.score for s in samples], dev, dtypes.torch_dtype(inputs.actor["dtype"]))
     if data is not None:
@@ -273,8 +266,7 @@ def _publish_manifest(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[
                       summary: dict) -> None:
     """Rank 0: the step metrics, then the stage's manifest, with the id of each sub-output (the
     stage's own id changes with any of them); the saved states go."""
-    publish.write_bytes(f"{out}/{contract.METRICS}", json_lines(lines))
-    files = {contract.METRICS: publish.file_entry(f"{out}/{contract.METRICS}")}
+    files = {contract.METRICS: publish.write_bytes(f"{out}/{contract.METRICS}", json_lines(lines))}
     _test_hook("wrote metrics")
     parts = [*trainers, *(f"{contract.TRAIN_STATE}/{name}" for name in trainers)]
     publish.publish(out, {"kind": contract.PPO, "timing": outputs.timing(), "request": inputs.request, "files": files,
@@ -340,18 +332,6 @@ def _test_hook(point: str, trainers: dict | None = None) -> None:
             trainer.lr = float(action.removeprefix("lr="))
         return
     time.sleep(float(action.removeprefix("sleep=")))
-
-
-def _load_critic(critic, cfg: PPOConfig) -> None:
-    if cfg.critic:
-        checkpoint.load_model(critic, f"{cfg.critic}/{contract.MODEL}")
-        return
-    # A fresh critic: the actor's backbone and a zero value head.
-    with torch.no_grad():
-        for p in critic.parameters():
-            p.zero_()
-    state = {k: v for k, v in checkpoint.model_state(critic).items() if k != "score.weight"}
-    checkpoint.load(state, f"{cfg.actor}/{contract.MODEL}")
 
 
 if __name__ == "__main__":

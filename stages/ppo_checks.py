@@ -1,19 +1,8 @@
-"""What ppo checks so that it never trains on, or publishes, anything non-finite.
-
-- Before any weights are read: that some optimizer step of this iteration has a learning rate
-  above 0 (``check_schedule``: a decay that reached 0 at ``total_steps`` trains nothing).
-- Before the first step: the batch's log-probs, advantages and returns (``StepCheck``).
-- At every optimizer step, for the actor and the critic: the loss terms, the gradient norm and the
-  updated fp32 master weights — finite, and within what the parameters' and the checkpoint's
-  dtypes hold, since the masters are copied into the one and saved as the other.
-
-A step's check adds no host sync of its own: each term's flag is computed where the term lives
-(losses on the last pipeline stage, gradient norms everywhere, masters on the DP rank that owns
-them) without leaving the device; the flags of all terms are all-reduced over every rank in one
-collective and read once. So every rank stops at the same step (none is left waiting in a
-collective) with the same one-line error: the step, the term and its likely cause. The stage then
-writes nothing more — no weights, no training state, no manifest (a state saved under ``.state``
-by an earlier step stays, unpublished).
+"""What ppo checks so that it never trains on, or publishes, anything non-finite: before any
+weights are read, that some optimizer step has a learning rate above 0 (``check_schedule``); before
+the first step and at every one, the terms of ``TERMS`` (``StepCheck``). Each term's flag stays on
+the device where the term lives; one all-reduce and one read a step, so every rank stops at the
+same step with the same line. What is checked, why, and what it costs: docs/rl.md, section 6.
 """
 
 from __future__ import annotations

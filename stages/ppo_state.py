@@ -84,7 +84,7 @@ def clear_published(out: str) -> None:
     started from those weights: its key names their id, which the rewrite changes)."""
     fs, path = fsspec.core.url_to_fs(out)
     for entry in fs.ls(path, detail=False):
-        if entry.rstrip("/").rsplit("/", 1)[-1] not in (".state", publish.INCOMPLETE):
+        if entry.rstrip("/").rsplit("/", 1)[-1] not in (contract.STATE, publish.INCOMPLETE):
             fs.rm(entry, recursive=True)
 
 
@@ -108,13 +108,13 @@ def verify_train_state(url: str, manifest: dict, checkpoint_url: str) -> None:
 
 def metrics_on_rank0(lines: list[dict], topo: Topology) -> list[dict] | None:
     """Collective: the step metrics (kept on the last stage's first TP/DP rank of ``topo``), on rank 0."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, lines if (topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0) else None)
+    gathered = collectives.all_gather_object(lines if topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
+                                             else None)
     return next(g for g in gathered if g is not None) if dist.get_rank() == 0 else None
 
 
 def _state_root(out: str, k: int) -> str:
-    return f"{out}/.state/step-{k:06d}"
+    return f"{out}/{contract.STATE}/step-{k:06d}"
 
 
 def save_state(out: str, k: int, trainers: dict[str, Trainer], store_dtype: torch.dtype, metrics: list[dict] | None) -> None:
@@ -122,7 +122,8 @@ def save_state(out: str, k: int, trainers: dict[str, Trainer], store_dtype: torc
     marker written last."""
     root = _state_root(out, k)
     for name, t in trainers.items():
-        t.save(f"{root}/{name}", store_dtype)
+        t.save_weights(f"{root}/{name}", store_dtype)
+        t.save_optimizer(f"{root}/{name}")
     dist.barrier()
     fs, path = fsspec.core.url_to_fs(root)
     files = outputs.file_entries(root, sorted(p[len(path) + 1 :] for p in fs.find(path)))
@@ -135,41 +136,37 @@ def save_state(out: str, k: int, trainers: dict[str, Trainer], store_dtype: torc
 def resume(out: str, trainers: dict[str, Trainer], start_step: int) -> tuple[int, list[dict]]:
     """Collective: the number of optimizer steps an interrupted run already did (0 if none), its
     state loaded into ``trainers``, and the metrics of those steps (on the rank that keeps them)."""
-    fs, path = fsspec.core.url_to_fs(out)
-    steps = []
-    if fs.exists(f"{path}/.state"):
-        for p in fs.ls(f"{path}/.state", detail=False):
-            if fs.exists(f"{p}/done.json"):
-                steps.append(int(p.rstrip("/").rsplit("-", 1)[-1]))
-    found = [max(steps) if steps else 0, None]
-    error = None
-    if found[0] and dist.get_rank() == 0:
-        done = _state_root(out, found[0])
+
+    def damaged(root: str, what: str) -> str:
+        return (f"{what}: the saved training state is damaged; delete {root} to resume from an earlier step (or the "
+                "whole output to start over)")
+
+    k, marker, error = contract.saved_step(out), None, None
+    root = _state_root(out, k)
+    if k and dist.get_rank() == 0:
+        fs, path = fsspec.core.url_to_fs(root)
         try:
-            found[1] = json.loads(fs.cat_file(f"{path}/.state/step-{found[0]:06d}/done.json"))
+            marker = json.loads(fs.cat_file(f"{path}/done.json"))
         except json.JSONDecodeError:
-            error = (f"{done}/done.json is not valid JSON: the saved training state is damaged; delete {done} to resume "
-                     "from an earlier step (or the whole output to start over)")
+            error = damaged(root, f"{root}/done.json is not valid JSON")
     collectives.check(error)
-    dist.broadcast_object_list(found, src=0)
-    k, marker = found
-    metrics = (marker or {}).get("metrics")
-    if k:
-        root = _state_root(out, k)
-        try:
-            outputs.verify_input(root, {"files": marker.get("files", {})})  # states saved before checksums: none
-        except UserError as e:
-            raise UserError(f"{e.args[0].split('; ')[0]}: the saved training state is damaged; delete {root} to resume "
-                            "from an earlier step (or the whole output to start over)") from None
-        for name, t in trainers.items():
-            t.restore(f"{root}/{name}", start_step + k)
-        if dist.get_rank() == 0:
-            print(f"{out}: resuming after optimizer step {k}", flush=True)
-    return k, list(metrics or [])
+    k, marker = collectives.broadcast_object((k, marker))
+    if not k:
+        return 0, []
+    root = _state_root(out, k)  # rank 0's
+    try:
+        outputs.verify_input(root, {"files": marker.get("files", {})})  # states saved before checksums: none
+    except UserError as e:
+        raise UserError(damaged(root, e.args[0].split("; ")[0])) from None
+    for name, t in trainers.items():
+        t.restore(f"{root}/{name}", start_step + k)
+    if dist.get_rank() == 0:
+        print(f"{out}: resuming after optimizer step {k}", flush=True)
+    return k, list(marker.get("metrics") or [])
 
 
 def clear_state(out: str) -> None:
     """Drop the saved training state once the outputs are published: it served its purpose."""
     fs, path = fsspec.core.url_to_fs(out)
-    if fs.exists(f"{path}/.state"):
-        fs.rm(f"{path}/.state", recursive=True)
+    if fs.exists(f"{path}/{contract.STATE}"):
+        fs.rm(f"{path}/{contract.STATE}", recursive=True)

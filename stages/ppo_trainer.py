@@ -56,11 +56,6 @@ class Trainer:
         ``root/optim``."""
         checkpoint.save(self.opt.state(), f"{root}/{contract.OPTIM}")
 
-    def save(self, root: str, store_dtype: torch.dtype) -> None:
-        """Collective: both, under one ``root`` (a resumable state of the run)."""
-        self.save_weights(root, store_dtype)
-        self.save_optimizer(root)
-
     def free_gradients(self) -> None:
         """After the last step: drop the fp32 gradient buffer (4 bytes a parameter), which nothing
         saved reads, so the memory is free before the outputs are written. No step may follow."""
@@ -71,7 +66,8 @@ class Trainer:
         self.grads = None
 
     def restore(self, root: str, step: int) -> None:
-        """Collective: what ``save`` wrote, as of optimizer step ``step``."""
+        """Collective: what ``save_weights`` and ``save_optimizer`` wrote under ``root``, as of optimizer
+        step ``step``."""
         checkpoint.load_model(self.model, f"{root}/{contract.MODEL}")
         self.opt.load_state(f"{root}/{contract.OPTIM}", step, f"{root}/{contract.MODEL}")
 
@@ -168,24 +164,19 @@ def frozen_logprobs(cfg: PPOConfig, source: str, samples: list[Sample], groups: 
     runs only for what nothing else gives: the reference checkpoint ``reference`` is built like the
     actor, read, run and freed only for ``forward``."""
     topo = actor.topology
-    order = [i for g in groups for i in g]
-
-    def gathered(values):
-        return gather_dp(dict(zip(order, values)) if values is not None else None, topo)
-
     ref_logp = None
     if source == "forward":
         with torch.device(next(actor.parameters()).device):
             ref = type(actor)(actor.cfg, actor.layout, dtype=actor.dtype)
         checkpoint.load_model(ref, f"{reference}/{contract.MODEL}")
         ref.eval()
-        ref_logp = gathered(token_outputs(ref, samples, groups, cfg.temperature))
+        ref_logp = gather_dp(groups, token_outputs(ref, samples, groups, cfg.temperature), topo)
         del ref  # used once per iteration: free its memory for training rather than park it on the host
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     actor_logp = None
     if cfg.old_logp_source() == "actor":
-        actor_logp = gathered(token_outputs(actor, samples, groups, cfg.temperature))
+        actor_logp = gather_dp(groups, token_outputs(actor, samples, groups, cfg.temperature), topo)
     if source == "actor":
         ref_logp = actor_logp
     elif source == "rollout" and topo.is_last_stage:
@@ -193,11 +184,13 @@ def frozen_logprobs(cfg: PPOConfig, source: str, samples: list[Sample], groups: 
     return ref_logp, actor_logp
 
 
-def gather_dp(mine: dict[int, list[float]] | None, topo: Topology) -> dict[int, list[float]] | None:
-    """Collective over DP: every rank's ``{sample index: values}`` merged (None stays None: off the
-    last stage)."""
-    if mine is None:
+def gather_dp(groups: list[list[int]], values: list[list[float]] | None,
+              topo: Topology) -> dict[int, list[float]] | None:
+    """Collective over DP: ``token_outputs``' ``values`` of this rank's ``groups`` and every other
+    rank's, by sample index (None stays None: off the last stage)."""
+    if values is None:
         return None
+    mine = dict(zip([i for g in groups for i in g], values))
     if topo.dp == 1:
         return mine
     parts: list = [None] * topo.dp

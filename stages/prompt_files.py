@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
 from llamarl.lib.errors import UserError
 
@@ -71,7 +72,7 @@ class Dataset:
 
     def name(self, f: int) -> str:
         path = self.files[f]
-        return path if _is_local(self.fs) else self.fs.unstrip_protocol(path)
+        return path if isinstance(self.fs, LocalFileSystem) else self.fs.unstrip_protocol(path)
 
     def where(self, number: int, place: tuple[int, int]) -> str:
         """Row ``number`` at ``place`` as a user finds it: ``FILE: line L (row N)`` (JSON lines) or
@@ -89,12 +90,6 @@ class Dataset:
                 count += block.count(b"\n")
                 offset -= len(block)
         return count + 1
-
-
-def _is_local(fs) -> bool:
-    from fsspec.implementations.local import LocalFileSystem
-
-    return isinstance(fs, LocalFileSystem)
 
 
 def _stamp(info: dict) -> str:

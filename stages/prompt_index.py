@@ -1,14 +1,10 @@
-"""The row index of a prompts dataset: where each row lies, so that a rollout reads only the rows
-it takes. Torch-free.
+"""The row index of a prompts dataset: where each row lies (JSON lines: each row's byte offset;
+Parquet: each row group's rows), so that a rollout reads only the rows it takes. Torch-free.
 
-For JSON lines it is the byte offset of each row's line (a NumPy scan for newlines over the
-file's bytes), for Parquet the row count of each row group (from the footers: no data read). It
-is built once per dataset version (every file's path, size and modification stamp:
-``Dataset.version``) and kept in an index cache folder, one file per version, written under a
-name of its own and renamed (ranks and stages may race: each writes a whole file). A cache file
-is trusted only when its header names this version and its arrays match their checksum;
-anything else (damaged, truncated, another dataset's) is built again and replaced. Beside it,
-small *notes* keep what was found about that version (prompts.py: a whole dataset's check).
+Built once per dataset version (``Dataset.version``) and kept in an index cache folder, one whole
+file per version, trusted only when its header names this version and its arrays match their
+checksum; beside it, small *notes* keep what was found about that version (prompts.py: a whole
+dataset's check). The file and why it is so: docs/generation.md, "Which prompts a rollout reads".
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The prompts a rollout reads: the dataset's files, a row index kept between rollouts, the rows
-one rollout selects, and the rules every row meets before anything is made from it.
+one rollout selects (``selected_rows``: a range of positions in an endless stream of seeded
+epochs), and the rules every row meets before anything is made from it (``check_rows``: each fault
+refused in one line naming the file, the line or row, and the fix).
 
 Torch-free (fsspec, numpy, pyarrow): the pipeline checks a dataset and counts its rows
-(``check_dataset``) without starting a stage. Formats and rules: docs/formats.md, "Prompts".
-
-- **Rows.** Parquet or JSON lines (``.jsonl``/``.json``), one file or a folder of them in path
-  order, at any fsspec URL, numbered from 0 across its files (a blank line is no row). A row's
-  number is its key: its prompt id without ``id_column``, and what its random streams are keyed
-  by. A JSON line is parsed alone, by Python's json: its values are what it says.
-- **The index** (``row_index``, prompt_index.py): where each row lies, built once per dataset
-  version and kept in an index cache folder; with it a rollout reads only the rows it takes.
-- **The selection** (``selected_rows``): the rows form an endless stream of epochs, each a
-  permutation of every row drawn from (seed, epoch); a rollout takes a range of its positions.
-- **The rules** (``check_rows``): a prompt is non-blank text or chat messages; an id is text or an
-  integer, unique; a kept column has one type that Parquet can store. Each fault is refused in one
-  line naming the file, the line or row, and the fix.
+(``check_dataset``) without starting a stage. The selection and the index: docs/generation.md,
+"Which prompts a rollout reads"; the files and the rules: docs/formats.md, "Prompts".
 """
 
 from __future__ import annotations

@@ -13,12 +13,10 @@ a function of (``seed``, r, k) only (lib/engine/sampling.py). So a response does
 of DP groups, on TP, on ``chunk_size``, on which chunks ran before it, nor on ``max_batch`` (how
 many sequences one engine decodes together), which only trades memory for speed.
 
-A rank's chunks go through one stream of the engine (lib/engine/generate.py ``Engine.stream``): the next
-chunk's sequences take the slots as the last ones free them, so the batch never drains at a chunk
-boundary. The prompts are read and tokenized ahead in one thread, the responses decoded and the
-parts written behind in another, while the engine runs; parts are still published one at a time,
-each whole. The manifest's ``spans_s`` say where the stage's time went (docs/generation.md). With
-``scores`` (the pipeline sets it when every reward term is a rule), the rollout then publishes the
+A rank's chunks go through one ``Engine.stream`` (lib/engine/generate.py), read and tokenized
+ahead and written behind in threads, each part still published whole (docs/generation.md, "The
+rollout stage: one stream per rank"); the manifest's ``spans_s`` say where the stage's time went.
+With ``scores`` (the pipeline sets it when every reward term is a rule), the rollout then publishes the
 score stage's output too (stages/scoring.py), so no score process starts. Formats: docs/formats.md.
 """
 
@@ -242,7 +240,7 @@ def _publish(cfg: RolloutConfig, out: str, reading, request: dict, all_stats: li
     if len(parts) != expected:
         raise RuntimeError(f"{out}: {len(parts)} parts published, {expected} expected")
     files = contract.part_entries(out, parts)
-    rows = sum(contract.part_rows(out, p) for p in parts)
+    rows = sum(contract.part_metadata(out, p).num_rows for p in parts)
     spans.mark("manifest_entries")
     selection = {"selection": reading.selection} if reading.selection else {}
     publish.publish(out, {"kind": contract.ROLLOUT, "timing": outputs.timing(), "request": request, "files": files,

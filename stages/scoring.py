@@ -67,9 +67,6 @@ class Scoring:
         _check_inputs(cfg, rollout, parts, refs)
         return cls(cfg, rollout, cfg.out.rstrip("/"), manifest, parts, rules, refs, opened)
 
-    def request(self) -> dict:
-        return identity.declare(self.cfg).request()
-
     def run(self, dp: int, dp_rank: int, writer: bool, load_rm: Callable[[], RewardModel] | None = None,
             guest: bool = False) -> None:
         """Collective: score every part not yet published, data-parallel group ``dp_rank`` of ``dp``
@@ -78,7 +75,7 @@ class Scoring:
         only when there is work for it. ``guest``: run in another stage's process (the rollout's),
         whose start is none of the scores' time: their manifest's timing is the scoring's own, from
         ``open``."""
-        request = self.request()
+        request = identity.declare(self.cfg).request()
         if identity.skip_if_current(self.out, request, DONE):
             return
         rm = load_rm() if load_rm is not None else None
@@ -148,15 +145,14 @@ def _load_references(url: str) -> dict[str, dict]:
     table = pads.dataset(path, format=fmt, filesystem=fs).to_table()
     if contract.PROMPT_ID not in table.column_names:
         raise UserError(f"{url}: needs a {contract.PROMPT_ID} column to be joined with the rollout")
-    rows = table.to_pylist()
-    return {str(r[contract.PROMPT_ID]): r for r in rows}
+    return {str(r[contract.PROMPT_ID]): r for r in table.to_pylist()}
 
 
 def _check_inputs(cfg: ScoreConfig, rollout: str, parts: list[str], refs) -> None:
     """Columns, keys and references of every part, before any work (metadata and keys only)."""
     seen: set = set()
     for p in parts:
-        missing = [c for c in REQUIRED if c not in contract.read_part_schema(rollout, p).names]
+        missing = [c for c in REQUIRED if c not in contract.part_metadata(rollout, p).schema.to_arrow_schema().names]
         if missing:
             raise UserError(f"{rollout}/{contract.PARTS}/{p}: missing column(s) {', '.join(missing)}; "
                             "score reads rollout outputs")

@@ -2,13 +2,8 @@
 
 Run with tp × pp processes (``llamarl stage shard SRC DST --tp T --pp P``). Each rank reads only
 the slices of the HF tensors that its part of the layout owns (range reads over fsspec) and writes
-them as DCP chunks; no rank ever holds the whole model. The result loads into any layout.
-
-Output directory (see docs/formats.md):
-    llamarl.json   manifest, written last: model config, head, dtype, layout written, the source's
-                   files with their checksums, every output file with size and checksum
-    model/         DCP checkpoint of HF-named tensors
-    hf/            config.json, generation_config.json and tokenizer files, copied from the source
+them as DCP chunks; no rank ever holds the whole model. The result loads into any layout; its
+files and manifest: docs/formats.md, "Sharded checkpoint".
 """
 
 from __future__ import annotations

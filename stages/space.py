@@ -1,31 +1,12 @@
-"""Room on disk before a stage writes (#26): what it will write, against what its output's file
-system has free.
+"""Room on disk before a stage writes (#26): what it will write, at most, against what its
+output's file system has free. What each stage's estimate counts, and what counts as free:
+docs/pipeline.md, "Free space before a stage writes".
 
-Every stage calls ``check(cfg)`` first in its ``run()``. Where the output is on local storage
-(fsspec's "file" protocol; object stores are skipped), a stage whose output would not fit is
-refused in one line naming the bytes it needs, the bytes free and the path — before it reads a
-weight, not when the disk fills halfway through a ppo (at the Llama-3.2-1B shape every ppo output
-is ~20 GB: 3 GB of weights, 17 GB of training state). What each stage writes, at most:
-
-- shard: every tensor of the source at the stored dtype, the HF side files it copies;
-- rollout: for each sample of each prompt, (prompt + ``max_new_tokens``) tokens of its columns —
-  4 bytes a token for each id and log-prob, ``TEXT_BYTES_PER_TOKEN`` of decoded response, and the
-  prompt row's own bytes (the prompt text and ``keep_columns``, copied into every sample's row);
-  prompt tokens bounded both by ``max_prompt_tokens`` (or the actor's room) and by the prompts'
-  bytes (a token is at least a byte of text) plus ``TEMPLATE_TOKENS`` of chat template a prompt;
-- score: ``ROW_BYTES`` a row and 4 bytes a reward term (small);
-- ppo: each role's weights at the actor's stored dtype, its training state (fp32 Adam moments,
-  and fp32 master weights when training in a lower precision: 8 or 12 bytes a parameter), and
-  with ``save_every`` one resumable copy of both per save (ppo keeps them all until it ends);
-- export: every tensor at the output dtype, the HF side files.
-
-Each also counts its own overheads (``CHUNK_BYTES`` a checkpoint chunk, ``PART_BYTES`` a Parquet
-part, ``FOLDER_BYTES`` a published folder). Parquet's compression makes the rollout's and score's
-bounds generous. A resumed stage counts what it still writes: rollout and score the parts not yet
-published, ppo the saves after its latest; and the unfinished output a stage clears before it writes
-(shard's, export's, everything of ppo's but its saved states) counts as free. An output already
-published is not written again (the stage skips it, or refuses to overwrite it): nothing to check.
-Two stages that run at once each check alone.
+Every stage calls ``check(cfg)`` first in its ``run()``: a stage that cannot fit is refused in one
+line before it reads a weight, not when the disk fills halfway through. Only local storage is
+checked (fsspec's "file" protocol: an object store has no free space to ask), and not an output
+already published (the stage skips it or refuses to overwrite it). Parquet's compression makes the
+rollout's and score's bounds generous; two stages that run at once each check alone.
 """
 
 from __future__ import annotations
@@ -135,11 +116,11 @@ def _ppo(cfg: PPOConfig, path: str) -> Need:
     state = params * state_per_param + 3 * chunks * CHUNK_BYTES
     rows = publish.require_published(cfg.rollout.rstrip("/"), contract.ROLLOUT)["rows"]
     steps = cfg.ppo_epochs * -(-rows // cfg.mini_batch_size)
-    saves = len(range(_last_save(path) + cfg.save_every, steps, cfg.save_every)) if cfg.save_every else 0
+    saves = len(range(contract.saved_step(path) + cfg.save_every, steps, cfg.save_every)) if cfg.save_every else 0
     outputs = weights + state + len(roles) * (2 * FOLDER_BYTES + _hf_side_bytes(actor))
     total = outputs + saves * (weights + state + FOLDER_BYTES) + steps * STEP_BYTES + FOLDER_BYTES
     what = f"weights {size(weights)}, training state {size(state)}" + (f", {saves} saved state(s)" if saves else "")
-    return Need(total, what, _du(path, keep=(".state", publish.INCOMPLETE)))
+    return Need(total, what, _du(path, keep=(contract.STATE, publish.INCOMPLETE)))
 
 
 def _rollout(cfg: RolloutConfig, path: str) -> Need:
@@ -227,15 +208,6 @@ def _value_model(actor: dict) -> dict:
     tensors = {n: s for n, s in actor["tensors"].items() if n != "lm_head.weight"}
     tensors["score.weight"] = [1, actor["model_config"]["hidden_size"]]
     return tensors
-
-
-def _last_save(path: str) -> int:
-    """The optimizer step of the latest state an unfinished ppo saved (0: none)."""
-    states = os.path.join(path, ".state")
-    if not os.path.isdir(states):
-        return 0
-    return max((int(e.name.rsplit("-", 1)[-1]) for e in os.scandir(states)
-                if os.path.exists(os.path.join(e.path, "done.json"))), default=0)
 
 
 def _prompts(url: str) -> tuple[int, int]:
