@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import importlib
 import io
 import math
 import pickle
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -152,10 +154,7 @@ def _check_tiling(url: str, tensors: dict[str, tuple], chunks: dict[str, list]) 
 def _metadata(url: str, tensors: dict[str, tuple], written: list[tuple]) -> bytes:
     """``.metadata``: DCP's ``Metadata`` of the written items, pickled as DCP pickles it. Its save
     id is the items' digest (DCP draws a random one): a rerun writes the same bytes."""
-    from torch.distributed.checkpoint.filesystem import (
-        CURRENT_DCP_VERSION,
-        _StorageInfo,
-    )
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         Metadata,
@@ -206,6 +205,9 @@ def _buckets(pieces: list[Piece], n: int) -> list[list[Piece]]:
     return [b for b in buckets if b]
 
 
+_DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"  # imported by ``_metadata``
+
+
 def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
     """Collective over the stage's processes: every rank passes the pieces it holds; a piece held by
     several ranks is written once. Each rank writes its pieces into up to ``threads`` files at once;
@@ -213,6 +215,8 @@ def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
     and leaves no ``.metadata``."""
     url = url.rstrip("/")
     rank, _world = collectives.rank_world()
+    if rank == 0:  # DCP's classes for ``.metadata`` take about a second to import: behind the writes
+        threading.Thread(target=importlib.import_module, args=(_DCP_FILESYSTEM,), daemon=True).start()
     plan = [(p.fqn, p.offsets, p.shape, p.nbytes) for p in pieces]
     tensors = {p.fqn: (tuple(p.size), p.dtype) for p in pieces}
     plans = collectives.all_gather_object((plan, tensors))
