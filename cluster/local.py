@@ -214,22 +214,25 @@ class LocalExecutor(Executor):
             code = self._wait(handle)
         except KeyboardInterrupt:  # Ctrl-C or a signal (errors.Stopped) where this waits in the main thread
             kill_groups(handle.groups)
-            self._reap(handle)
+            self._end(handle)
             raise
-        finally:
-            self._give_back(handle.gpus)
-            with self._starting:
-                if handle in self._runs:
-                    self._runs.remove(handle)
-        # What its processes started and left behind (a tokenizer process still closing) goes with them.
-        kill_groups(handle.groups)
-        self._reap(handle)
-        # The error line may still sit in a pipe after its process has gone: read them to the end.
-        for reader in handle.readers:
-            reader.join(timeout=10)
+        self._end(handle)
         if code == 0:
             return StageResult(0)
         return StageResult(code, handle.error() or f"exit status {code}")
+
+    def _end(self, run: LocalRun) -> None:
+        """The stage has ended: what its processes started and left behind (a tokenizer process
+        still closing) goes with them; then its GPUs are given back."""
+        kill_groups(run.groups)
+        self._reap(run)
+        self._give_back(run.gpus)
+        with self._starting:
+            if run in self._runs:
+                self._runs.remove(run)
+        # The error line may still sit in a pipe after its process has gone: read them to the end.
+        for reader in run.readers:
+            reader.join(timeout=10)
 
     def _wait(self, run: LocalRun) -> int:
         """The stage's exit status once every process has ended: 0, a user error where any process

@@ -32,7 +32,7 @@ from typing import Any
 
 from llamarl.lib.errors import PARENT_ENV, UserError
 
-from .executor import StageResult, free_port, stage_args
+from .executor import free_port, stage_args
 from .local import STOP_WAIT_S, LocalExecutor, LocalOptions, LocalRun, kill_groups, pass_on, process_start, wait_gone
 from .worker import END
 
@@ -214,18 +214,6 @@ class ResidentExecutor(LocalExecutor):
         for slot in range(min(self._spares, self.options.gpus or self._spares)):
             if slot not in self._workers or self._workers[slot].proc.poll() is not None:
                 self._worker(slot).send({"warm": list(WARM)})
-
-    def wait(self, handle: ResidentRun) -> StageResult:
-        try:
-            code = self._wait(handle)
-        except KeyboardInterrupt:  # Ctrl-C or a signal (errors.Stopped) where this waits in the main thread
-            kill_groups(handle.groups)
-            self._end(handle)
-            raise
-        self._end(handle)
-        if code == 0:
-            return StageResult(0)
-        return StageResult(code, handle.error() or f"exit status {code}")
 
     def _end(self, run: ResidentRun) -> None:
         """The stage has ended: its workers are free, the dead ones gone (and replaced when their
