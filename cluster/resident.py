@@ -175,32 +175,27 @@ class ResidentExecutor(LocalExecutor):
         run.slots = self._take_slots(nprocs, run.name)
         argv = stage_args(stage, config)[2:]  # what follows `-m llamarl.stages.STAGE`
         port = free_port()
-        with self._starting:
+        with self._starting:  # the stage handed to its workers, unless the run is stopping
             stopping = self._stopping
             if not stopping:
-                self._start(run, stage, argv, port)
+                self._runs.append(run)
+                run.workers = [self._worker(slot) for slot in run.slots]
+                run.procs, run.starts = [w.proc for w in run.workers], [w.start for w in run.workers]
+                for rank, worker in enumerate(run.workers):
+                    worker.rank, worker.run = rank, run
+                if self.registry is not None:
+                    self.registry.started(run.name, run.groups)
+                for rank, worker in enumerate(run.workers):
+                    env = {**os.environ, **self._env(rank, nprocs, port), PARENT_ENV: str(os.getpid()),
+                           **self._device(run.slots[rank])}
+                    if self.options.gpus:
+                        env["LOCAL_RANK"] = "0"  # its one visible GPU
+                    worker.send({"stage": stage, "argv": argv, "env": env})
+                self._start_spares(nprocs)
         if stopping:
             self._give_slots(run.slots)
             raise UserError(f"{run.name}: not started: the run is stopping")
         return run
-
-    def _start(self, run: ResidentRun, stage: str, argv: list[str], port: int) -> None:
-        """Hand the stage to its workers (under ``_starting``)."""
-        nprocs = len(run.slots)
-        self._runs.append(run)
-        run.workers = [self._worker(slot) for slot in run.slots]
-        run.procs, run.starts = [w.proc for w in run.workers], [w.start for w in run.workers]
-        for rank, worker in enumerate(run.workers):
-            worker.rank, worker.run = rank, run
-        if self.registry is not None:
-            self.registry.started(run.name, run.groups)
-        for rank, worker in enumerate(run.workers):
-            env = {**os.environ, **self._env(rank, nprocs, port), PARENT_ENV: str(os.getpid()),
-                   **self._device(run.slots[rank])}
-            if self.options.gpus:
-                env["LOCAL_RANK"] = "0"  # its one visible GPU
-            worker.send({"stage": stage, "argv": argv, "env": env})
-        self._start_spares(nprocs)
 
     def _start_spares(self, nprocs: int) -> None:
         """With stages beside each other, the workers a second stage takes are started, warm, while
