@@ -244,32 +244,32 @@ class ResidentExecutor(LocalExecutor):
             runs, workers = list(self._runs), list(self._workers.values())
         with self._gpus_changed:
             self._gpus_changed.notify_all()  # a stage waiting for GPUs gives up
-        self._leave(workers, at_once=True)
+        self._kill(workers)
         return [run.name for run in runs]
 
     def close(self) -> None:
         """The run is over: every worker leaves (its stdin closed), what it started with it."""
         with self._starting:
             workers = list(self._workers.values())
-        self._leave(workers, at_once=False)
+        for worker in workers:
+            try:
+                worker.proc.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + QUIT_WAIT_S
+        for worker in workers:
+            try:
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill(workers)
         with self._starting:
             spawner, self._spawner = self._spawner, None
         if spawner is not None:
             spawner.shutdown()
 
-    def _leave(self, workers: list[Worker], at_once: bool) -> None:
-        if not at_once:
-            for worker in workers:
-                try:
-                    worker.proc.stdin.close()
-                except OSError:
-                    pass
-            deadline = time.monotonic() + QUIT_WAIT_S
-            for worker in workers:
-                try:
-                    worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+    def _kill(self, workers: list[Worker]) -> None:
+        """Kill ``workers`` with what they started and wait until none of their processes lives."""
         groups = [w.group for w in workers]
         kill_groups(groups)
         left = wait_gone(groups, STOP_WAIT_S, reap=[w.proc for w in workers])
