@@ -143,16 +143,17 @@ class LocalExecutor(Executor):
             self._reap(run)
         return [run.name for run in runs]
 
-    def _reap(self, run: LocalRun) -> list[int]:
-        """Wait until no process of ``run``'s groups lives (its own processes reaped); then it
-        leaves the registry. The pids still alive after ``STOP_WAIT_S`` (then it stays there)."""
-        left = wait_gone(run.groups, STOP_WAIT_S, reap=run.procs)
+    def _reap(self, run: LocalRun, groups: list | None = None, procs: list = ()) -> None:
+        """Wait until no process of ``groups`` lives (default: ``run``'s, its processes reaped); then
+        ``run`` leaves the registry, unless one still lives after ``STOP_WAIT_S``."""
+        if groups is None:
+            groups, procs = run.groups, run.procs
+        left = wait_gone(groups, STOP_WAIT_S, reap=procs) if groups else []
         with self._starting:
             if not left and not run.gone:
                 run.gone = True
                 if self.registry is not None:
                     self.registry.ended(run.name)
-        return left
 
     def command(self, stage: str, config: Any) -> list[str]:
         """The command line of every process of the stage (only their environments differ)."""

@@ -222,15 +222,10 @@ class ResidentExecutor(LocalExecutor):
                     del self._workers[worker.slot]
             if run in self._runs:
                 self._runs.remove(run)
-        left = []
         if dead:  # what a dead worker started goes with it
             kill_groups([w.group for w in dead])
-            left = wait_gone([w.group for w in dead], STOP_WAIT_S, reap=[w.proc for w in dead])
+        self._reap(run, [w.group for w in dead], [w.proc for w in dead])
         with self._starting:
-            if not run.gone and not left:
-                run.gone = True
-                if self.registry is not None:
-                    self.registry.ended(run.name)
             self._register_pool()
         self._give_slots(run.slots)
 
