@@ -19,7 +19,6 @@ so that a ``llamarl run`` taking over from a driver that died stops what they le
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -86,7 +85,6 @@ class ResidentRun(LocalRun):
     reported, or the worker's own exit status where it died first."""
 
     workers: list[Worker] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
     codes: dict[int, int] = field(default_factory=dict)  # each rank's status, as its worker reported it
     dead_since: dict[int, float] = field(default_factory=dict)
 
@@ -107,7 +105,6 @@ class ResidentExecutor(LocalExecutor):
     def __init__(self, options: LocalOptions | None = None, *, run_dir: str | None = None):
         super().__init__(options, run_dir=run_dir)
         self._workers: dict[int, Worker] = {}  # by slot: the GPU it is bound to, or an index
-        self._busy: set[int] = set()  # slots of running stages (without ``gpus``)
         # Linux's parent-death signal (``PARENT_ENV``) fires when the *thread* that started a
         # process ends: workers are started by this one thread, which lives until ``close``, never
         # by the pipeline's stage threads, which may end while the workers serve on.
@@ -118,22 +115,7 @@ class ResidentExecutor(LocalExecutor):
         return (f"# {name or stage}: run as a call in {nprocs} resident worker(s) (python -m llamarl.cluster.worker), "
                 f"as these processes would run it\n" + super().render(stage, config, nprocs, nodes, name=name))
 
-    # ---- slots and workers ---------------------------------------------------------------------------
-
-    def _take_slots(self, n: int, name: str) -> list[int]:
-        if self.options.gpus:
-            return self._take_gpus(n, name)
-        with self._starting:
-            slots = list(itertools.islice((s for s in itertools.count() if s not in self._busy), n))
-            self._busy.update(slots)
-        return slots
-
-    def _give_slots(self, slots: list[int]) -> None:
-        if self.options.gpus:
-            self._give_back(slots)
-            return
-        with self._starting:
-            self._busy.difference_update(slots)
+    # ---- workers ---------------------------------------------------------------------------------
 
     def _worker(self, slot: int) -> Worker:
         """The live worker of ``slot``, started if there is none (under ``_starting``)."""
@@ -237,8 +219,8 @@ class ResidentExecutor(LocalExecutor):
         with self._starting:
             self._stopping = True
             runs, workers = list(self._runs), list(self._workers.values())
-        with self._gpus_changed:
-            self._gpus_changed.notify_all()  # a stage waiting for GPUs gives up
+        with self._slots_changed:
+            self._slots_changed.notify_all()  # a stage waiting for GPUs gives up
         self._kill(workers)
         return [run.name for run in runs]
 
