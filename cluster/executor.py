@@ -131,10 +131,9 @@ def _listening(port: int) -> socket.socket:
 
 def free_port() -> int:
     """A port free on every interface of this host, for a stage's rendezvous (rank 0's store
-    listens on it). Drawn at random below the kernel's ephemeral range, which outgoing
-    connections take their ports from: a port from that range (what binding port 0 gives) was
-    taken by another process between this check and the stage's own bind now and then, two
-    stages starting at once or other jobs on the host."""
+    listens on it), drawn at random below the kernel's ephemeral range: outgoing connections take
+    their ports from that range (as does binding port 0), so such a port may be taken between this
+    check and the stage's own bind."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             ephemeral_low = int(f.read().split()[0])

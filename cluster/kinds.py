@@ -16,7 +16,6 @@ KINDS = ("local", "slurm", "kubernetes")
 
 
 def _classes(kind: str, source: str) -> tuple[type[BaseModel], Callable[..., Executor]]:
-    # Imported on demand: a spec naming one executor loads neither of the others.
     if kind == "local":
         from .local import LocalOptions
 

@@ -22,6 +22,7 @@ follows the Job to its Complete or Failed condition.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
 import sys
@@ -44,11 +45,9 @@ GPU_STAGES = ("rollout", "score", "ppo")
 """Stages that compute on GPUs: their pods get one GPU per process unless ``gpus_per_node`` says."""
 
 
-def _run_label(run_dir: str) -> str:
-    """A label value (≤ 63 characters) that names the run directory."""
-    import hashlib
-
-    return hashlib.sha256(run_dir.rstrip("/").encode()).hexdigest()[:16]
+def _end_condition(job: Any) -> Any:
+    """The Job's Complete or Failed condition; None while it runs."""
+    return next((c for c in job.status.conditions or [] if c.status == "True" and c.type in ("Complete", "Failed")), None)
 
 
 def _dns_name(text: str) -> str:
@@ -107,7 +106,8 @@ class KubernetesExecutor(Executor):
         self.options = options
         self.launches = options.apply
         self._batch_api, self._core_api = batch_api, core_api
-        self.run_label = _run_label(run_dir) if run_dir else None
+        # A label value (at most 63 characters) that names the run directory.
+        self.run_label = hashlib.sha256(run_dir.rstrip("/").encode()).hexdigest()[:16] if run_dir else None
         self._written = 0  # manifests written so far: their files are numbered in the order to apply them
         self._jobs: dict[str, dict] = {}  # submitted Jobs by name, to create again on a restart
 
@@ -239,7 +239,9 @@ class KubernetesExecutor(Executor):
             restarts += 1
             print(f"job {handle} failed ({cond.reason}: {cond.message}); replacing all its pods, restart {restarts} "
                   f"of {self.options.restarts}", file=sys.stderr, flush=True)
-            self._recreate(handle)
+            # The Job created again whole: its new pods keep the names (and DNS names) the rendezvous needs.
+            self._delete(handle)
+            self._apis()[0].create_namespaced_job(namespace=self.options.namespace, body=self._jobs[handle])
 
     def _running_job(self, node: str) -> str | None:
         """The name of this run's Job of ``node`` that has not ended, if there is one."""
@@ -248,8 +250,7 @@ class KubernetesExecutor(Executor):
         batch, _ = self._apis()
         selector = f"llamarl/run={self.run_label},llamarl/node={_dns_name(node)}"
         for job in batch.list_namespaced_job(namespace=self.options.namespace, label_selector=selector).items:
-            conditions = job.status.conditions or []
-            if not any(c.status == "True" and c.type in ("Complete", "Failed") for c in conditions):
+            if _end_condition(job) is None:
                 return job.metadata.name
         return None
 
@@ -312,17 +313,9 @@ class KubernetesExecutor(Executor):
         return objects[-1]["metadata"]["name"]
 
     def _ended(self, name: str) -> Any:
-        """The Job's Complete or Failed condition; None while it runs."""
+        """The ``_end_condition`` of the Job ``name``."""
         batch, _ = self._apis()
-        status = batch.read_namespaced_job_status(name=name, namespace=self.options.namespace).status
-        return next((c for c in status.conditions or [] if c.status == "True" and c.type in ("Complete", "Failed")), None)
-
-    def _recreate(self, name: str) -> None:
-        """Delete the Job with its pods, wait until it is gone, create it again: the new pods keep
-        the names (and DNS names) the rendezvous needs."""
-        self._delete(name)
-        batch, _ = self._apis()
-        batch.create_namespaced_job(namespace=self.options.namespace, body=self._jobs[name])
+        return _end_condition(batch.read_namespaced_job_status(name=name, namespace=self.options.namespace))
 
     def _delete(self, name: str) -> None:
         """Delete the Job with its pods and wait until it is gone (its name is free again)."""

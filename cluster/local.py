@@ -20,6 +20,7 @@ In a ``llamarl run`` the stages run by default as calls in workers that live for
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import signal
@@ -72,7 +73,7 @@ class LocalRun:
     errors: dict[int, str] = field(default_factory=dict)  # each process's one-line error, once it printed it
     shown: set[str] = field(default_factory=set)  # the error lines passed on (several ranks may print one)
     shown_lock: threading.Lock = field(default_factory=threading.Lock)
-    gpus: list[int] = field(default_factory=list)  # held while it runs
+    slots: list[int] = field(default_factory=list)  # held while it runs (``_take_slots``)
     gone: bool = False  # no process of its groups lives any more
 
     @property
@@ -105,28 +106,35 @@ class LocalExecutor(Executor):
         """``run_dir`` is unused: the local executor writes nothing of its own."""
         self.options = options or LocalOptions()
         self.concurrency = self.options.max_concurrent_stages or (2 if has_gpus() else 1)
-        self._free_gpus = list(range(self.options.gpus))
-        self._gpus_changed = threading.Condition()
+        self._busy: set[int] = set()  # the slots of the running stages
+        self._slots_changed = threading.Condition()
         self._runs: list[LocalRun] = []  # started and not yet waited for
         self._starting = threading.Lock()  # held while processes start, and while ``stop_all`` begins
         self._stopping = False  # set by stop_all: no process starts any more
 
-    def _take_gpus(self, n: int, name: str) -> list[int]:
-        if not self.options.gpus:
-            return []
-        if n > self.options.gpus:
-            raise UserError(f"a stage of {n} processes needs {n} GPUs; the local executor has gpus={self.options.gpus}")
-        with self._gpus_changed:
-            self._gpus_changed.wait_for(lambda: len(self._free_gpus) >= n or self._stopping)
+    def _take_slots(self, n: int, name: str) -> list[int]:
+        """The ``n`` lowest slots no running stage holds, one per process: with ``gpus``, the GPUs it
+        runs on, waiting until enough are free; without, as many as it asks for."""
+        gpus = self.options.gpus
+        if n > gpus > 0:
+            raise UserError(f"a stage of {n} processes needs {n} GPUs; the local executor has gpus={gpus}")
+        pool = range(gpus or sys.maxsize)
+
+        def free() -> list[int]:
+            return list(itertools.islice((s for s in pool if s not in self._busy), n))
+
+        with self._slots_changed:
+            self._slots_changed.wait_for(lambda: len(free()) == n or self._stopping)
             if self._stopping:
                 raise UserError(f"{name}: not started: the run is stopping")
-            taken, self._free_gpus = self._free_gpus[:n], self._free_gpus[n:]
-        return taken
+            slots = free()
+            self._busy.update(slots)
+        return slots
 
-    def _give_back(self, gpus: list[int]) -> None:
-        with self._gpus_changed:
-            self._free_gpus = sorted(self._free_gpus + gpus)
-            self._gpus_changed.notify_all()
+    def _give_slots(self, slots: list[int]) -> None:
+        with self._slots_changed:
+            self._busy.difference_update(slots)
+            self._slots_changed.notify_all()
 
     def stop_all(self) -> list[str]:
         """The pipeline is stopping: start nothing more, kill every process group of the stages
@@ -135,24 +143,25 @@ class LocalExecutor(Executor):
         with self._starting:
             self._stopping = True
             runs = list(self._runs)
-        with self._gpus_changed:
-            self._gpus_changed.notify_all()  # a stage waiting for GPUs gives up
+        with self._slots_changed:
+            self._slots_changed.notify_all()  # a stage waiting for GPUs gives up
         for run in runs:
             kill_groups(run.groups)
         for run in runs:
             self._reap(run)
         return [run.name for run in runs]
 
-    def _reap(self, run: LocalRun) -> list[int]:
-        """Wait until no process of ``run``'s groups lives (its own processes reaped); then it
-        leaves the registry. The pids still alive after ``STOP_WAIT_S`` (then it stays there)."""
-        left = wait_gone(run.groups, STOP_WAIT_S, reap=run.procs)
+    def _reap(self, run: LocalRun, groups: list | None = None, procs: list = ()) -> None:
+        """Wait until no process of ``groups`` lives (default: ``run``'s, its processes reaped); then
+        ``run`` leaves the registry, unless one still lives after ``STOP_WAIT_S``."""
+        if groups is None:
+            groups, procs = run.groups, run.procs
+        left = wait_gone(groups, STOP_WAIT_S, reap=procs) if groups else []
         with self._starting:
             if not left and not run.gone:
                 run.gone = True
                 if self.registry is not None:
                     self.registry.ended(run.name)
-        return left
 
     def command(self, stage: str, config: Any) -> list[str]:
         """The command line of every process of the stage (only their environments differ)."""
@@ -182,8 +191,8 @@ class LocalExecutor(Executor):
     def submit(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> LocalRun:
         """Start ``llamarl.stages.<stage>`` as ``nprocs`` processes."""
         self._check(nprocs, nodes)
-        run = LocalRun(name or stage, gpus=self._take_gpus(nprocs, name or stage))
-        devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, run.gpus))} if run.gpus else {}
+        run = LocalRun(name or stage, slots=self._take_slots(nprocs, name or stage))
+        devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, run.slots))} if self.options.gpus else {}
         port = free_port()
         with self._starting:
             self._runs.append(run)
@@ -214,22 +223,25 @@ class LocalExecutor(Executor):
             code = self._wait(handle)
         except KeyboardInterrupt:  # Ctrl-C or a signal (errors.Stopped) where this waits in the main thread
             kill_groups(handle.groups)
-            self._reap(handle)
+            self._end(handle)
             raise
-        finally:
-            self._give_back(handle.gpus)
-            with self._starting:
-                if handle in self._runs:
-                    self._runs.remove(handle)
-        # What its processes started and left behind (a tokenizer process still closing) goes with them.
-        kill_groups(handle.groups)
-        self._reap(handle)
-        # The error line may still sit in a pipe after its process has gone: read them to the end.
-        for reader in handle.readers:
-            reader.join(timeout=10)
+        self._end(handle)
         if code == 0:
             return StageResult(0)
         return StageResult(code, handle.error() or f"exit status {code}")
+
+    def _end(self, run: LocalRun) -> None:
+        """The stage has ended: what its processes started and left behind (a tokenizer process
+        still closing) goes with them; then its GPUs are given back."""
+        kill_groups(run.groups)
+        self._reap(run)
+        self._give_slots(run.slots)
+        with self._starting:
+            if run in self._runs:
+                self._runs.remove(run)
+        # The error line may still sit in a pipe after its process has gone: read them to the end.
+        for reader in run.readers:
+            reader.join(timeout=10)
 
     def _wait(self, run: LocalRun) -> int:
         """The stage's exit status once every process has ended: 0, a user error where any process

@@ -19,7 +19,6 @@ so that a ``llamarl run`` taking over from a driver that died stops what they le
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -32,7 +31,7 @@ from typing import Any
 
 from llamarl.lib.errors import PARENT_ENV, UserError
 
-from .executor import StageResult, free_port, stage_args
+from .executor import free_port, stage_args
 from .local import STOP_WAIT_S, LocalExecutor, LocalOptions, LocalRun, kill_groups, pass_on, process_start, wait_gone
 from .worker import END
 
@@ -86,7 +85,6 @@ class ResidentRun(LocalRun):
     reported, or the worker's own exit status where it died first."""
 
     workers: list[Worker] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
     codes: dict[int, int] = field(default_factory=dict)  # each rank's status, as its worker reported it
     dead_since: dict[int, float] = field(default_factory=dict)
 
@@ -107,7 +105,6 @@ class ResidentExecutor(LocalExecutor):
     def __init__(self, options: LocalOptions | None = None, *, run_dir: str | None = None):
         super().__init__(options, run_dir=run_dir)
         self._workers: dict[int, Worker] = {}  # by slot: the GPU it is bound to, or an index
-        self._busy: set[int] = set()  # slots of running stages (without ``gpus``)
         # Linux's parent-death signal (``PARENT_ENV``) fires when the *thread* that started a
         # process ends: workers are started by this one thread, which lives until ``close``, never
         # by the pipeline's stage threads, which may end while the workers serve on.
@@ -118,22 +115,7 @@ class ResidentExecutor(LocalExecutor):
         return (f"# {name or stage}: run as a call in {nprocs} resident worker(s) (python -m llamarl.cluster.worker), "
                 f"as these processes would run it\n" + super().render(stage, config, nprocs, nodes, name=name))
 
-    # ---- slots and workers ---------------------------------------------------------------------------
-
-    def _take_slots(self, n: int, name: str) -> list[int]:
-        if self.options.gpus:
-            return self._take_gpus(n, name)
-        with self._starting:
-            slots = list(itertools.islice((s for s in itertools.count() if s not in self._busy), n))
-            self._busy.update(slots)
-        return slots
-
-    def _give_slots(self, slots: list[int]) -> None:
-        if self.options.gpus:
-            self._give_back(slots)
-            return
-        with self._starting:
-            self._busy.difference_update(slots)
+    # ---- workers ---------------------------------------------------------------------------------
 
     def _worker(self, slot: int) -> Worker:
         """The live worker of ``slot``, started if there is none (under ``_starting``)."""
@@ -175,32 +157,27 @@ class ResidentExecutor(LocalExecutor):
         run.slots = self._take_slots(nprocs, run.name)
         argv = stage_args(stage, config)[2:]  # what follows `-m llamarl.stages.STAGE`
         port = free_port()
-        with self._starting:
+        with self._starting:  # the stage handed to its workers, unless the run is stopping
             stopping = self._stopping
             if not stopping:
-                self._start(run, stage, argv, port)
+                self._runs.append(run)
+                run.workers = [self._worker(slot) for slot in run.slots]
+                run.procs, run.starts = [w.proc for w in run.workers], [w.start for w in run.workers]
+                for rank, worker in enumerate(run.workers):
+                    worker.rank, worker.run = rank, run
+                if self.registry is not None:
+                    self.registry.started(run.name, run.groups)
+                for rank, worker in enumerate(run.workers):
+                    env = {**os.environ, **self._env(rank, nprocs, port), PARENT_ENV: str(os.getpid()),
+                           **self._device(run.slots[rank])}
+                    if self.options.gpus:
+                        env["LOCAL_RANK"] = "0"  # its one visible GPU
+                    worker.send({"stage": stage, "argv": argv, "env": env})
+                self._start_spares(nprocs)
         if stopping:
             self._give_slots(run.slots)
             raise UserError(f"{run.name}: not started: the run is stopping")
         return run
-
-    def _start(self, run: ResidentRun, stage: str, argv: list[str], port: int) -> None:
-        """Hand the stage to its workers (under ``_starting``)."""
-        nprocs = len(run.slots)
-        self._runs.append(run)
-        run.workers = [self._worker(slot) for slot in run.slots]
-        run.procs, run.starts = [w.proc for w in run.workers], [w.start for w in run.workers]
-        for rank, worker in enumerate(run.workers):
-            worker.rank, worker.run = rank, run
-        if self.registry is not None:
-            self.registry.started(run.name, run.groups)
-        for rank, worker in enumerate(run.workers):
-            env = {**os.environ, **self._env(rank, nprocs, port), PARENT_ENV: str(os.getpid()),
-                   **self._device(run.slots[rank])}
-            if self.options.gpus:
-                env["LOCAL_RANK"] = "0"  # its one visible GPU
-            worker.send({"stage": stage, "argv": argv, "env": env})
-        self._start_spares(nprocs)
 
     def _start_spares(self, nprocs: int) -> None:
         """With stages beside each other, the workers a second stage takes are started, warm, while
@@ -215,18 +192,6 @@ class ResidentExecutor(LocalExecutor):
             if slot not in self._workers or self._workers[slot].proc.poll() is not None:
                 self._worker(slot).send({"warm": list(WARM)})
 
-    def wait(self, handle: ResidentRun) -> StageResult:
-        try:
-            code = self._wait(handle)
-        except KeyboardInterrupt:  # Ctrl-C or a signal (errors.Stopped) where this waits in the main thread
-            kill_groups(handle.groups)
-            self._end(handle)
-            raise
-        self._end(handle)
-        if code == 0:
-            return StageResult(0)
-        return StageResult(code, handle.error() or f"exit status {code}")
-
     def _end(self, run: ResidentRun) -> None:
         """The stage has ended: its workers are free, the dead ones gone (and replaced when their
         slot is next needed), its slots given back."""
@@ -239,15 +204,10 @@ class ResidentExecutor(LocalExecutor):
                     del self._workers[worker.slot]
             if run in self._runs:
                 self._runs.remove(run)
-        left = []
         if dead:  # what a dead worker started goes with it
             kill_groups([w.group for w in dead])
-            left = wait_gone([w.group for w in dead], STOP_WAIT_S, reap=[w.proc for w in dead])
+        self._reap(run, [w.group for w in dead], [w.proc for w in dead])
         with self._starting:
-            if not run.gone and not left:
-                run.gone = True
-                if self.registry is not None:
-                    self.registry.ended(run.name)
             self._register_pool()
         self._give_slots(run.slots)
 
@@ -259,34 +219,34 @@ class ResidentExecutor(LocalExecutor):
         with self._starting:
             self._stopping = True
             runs, workers = list(self._runs), list(self._workers.values())
-        with self._gpus_changed:
-            self._gpus_changed.notify_all()  # a stage waiting for GPUs gives up
-        self._leave(workers, at_once=True)
+        with self._slots_changed:
+            self._slots_changed.notify_all()  # a stage waiting for GPUs gives up
+        self._kill(workers)
         return [run.name for run in runs]
 
     def close(self) -> None:
         """The run is over: every worker leaves (its stdin closed), what it started with it."""
         with self._starting:
             workers = list(self._workers.values())
-        self._leave(workers, at_once=False)
+        for worker in workers:
+            try:
+                worker.proc.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + QUIT_WAIT_S
+        for worker in workers:
+            try:
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill(workers)
         with self._starting:
             spawner, self._spawner = self._spawner, None
         if spawner is not None:
             spawner.shutdown()
 
-    def _leave(self, workers: list[Worker], at_once: bool) -> None:
-        if not at_once:
-            for worker in workers:
-                try:
-                    worker.proc.stdin.close()
-                except OSError:
-                    pass
-            deadline = time.monotonic() + QUIT_WAIT_S
-            for worker in workers:
-                try:
-                    worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+    def _kill(self, workers: list[Worker]) -> None:
+        """Kill ``workers`` with what they started and wait until none of their processes lives."""
         groups = [w.group for w in workers]
         kill_groups(groups)
         left = wait_gone(groups, STOP_WAIT_S, reap=[w.proc for w in workers])

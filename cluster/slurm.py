@@ -88,21 +88,21 @@ class StageTask:
         # and where name service is slow (IPv6 lookups timing out) that adds minutes.
         os.environ["MASTER_ADDR"] = socket.gethostbyname(os.environ["MASTER_ADDR"])
         module = importlib.import_module(f"llamarl.stages.{self.stage}")
-        if self.recorder is not None and task.global_rank == 0:
-            self.recorder.started(str(task.job_id))
+        recorder = self.recorder if task.global_rank == 0 else None  # rank 0 keeps the record
+        if recorder is not None:
+            recorder.started(str(task.job_id))
         try:
             failure = job.execute(STAGES[self.stage], module.run, ["--config-json", json.dumps(self.config)])
         except Exception as e:  # a bug: its traceback goes to the job's log, its one line to the record
-            if self.recorder is not None and task.global_rank == 0:
+            if recorder is not None:
                 first = (str(e).strip().splitlines() or [""])[0][:200]
-                self.recorder.ended(StageResult(1, f"{type(e).__name__}: {first} (log: {task.paths.stderr})"))
+                recorder.ended(StageResult(1, f"{type(e).__name__}: {first} (log: {task.paths.stderr})"))
             raise
         result = StageResult(failure.code, failure.error) if failure is not None else StageResult(0)
-        if self.recorder is not None:
-            if task.global_rank == 0:
-                self.recorder.ended(result)
-            if not result.ok:
-                raise StageFailed(result.error)
+        if recorder is not None:
+            recorder.ended(result)
+        if self.recorder is not None and not result.ok:
+            raise StageFailed(result.error)
         return result
 
     def checkpoint(self, *args, **kwargs):

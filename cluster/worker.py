@@ -1,22 +1,19 @@
-"""A resident stage worker: one process per rank that runs stage after stage as calls
-(``python -m llamarl.cluster.worker``, started by the local executor with ``resident: true``,
-cluster/resident.py).
+"""A resident stage worker (``python -m llamarl.cluster.worker``): one process per rank that runs
+stage after stage as calls, started by the local executor with ``resident: true``
+(cluster/resident.py, which says what stays between stages and what does not).
 
-A request ``{"warm": [MODULE, …]}`` imports those modules and answers nothing (``warm``). Each
-other request is one JSON line on the worker's stdin: the stage, its arguments (those of ``python
--m llamarl.stages.STAGE``) and the environment its process would get (torchrun's variables, a
-fresh rendezvous port). The worker runs it the way a stage process does (``job.call``: the same
-config parsing, process group, one-line errors and exit statuses) and then writes ``END STATUS``
-as a line of its own on stderr, after everything the stage printed there: the executor reads the
-stage's result from the same stream as its errors, so it never has the status without the error
-line. Imports, the CUDA context and compiled kernels stay for the next stage; the process group
-does not (each stage joins its own, as its process would). Only files pass between stages.
+Each request is one JSON line on the worker's stdin. ``{"warm": [MODULE, …]}`` imports those
+modules and answers nothing; any other names the stage, its arguments (those of ``python -m
+llamarl.stages.STAGE``) and the environment its process would get. The worker runs it the way a
+stage process does (``job.call``: the same config parsing, process group, one-line errors and exit
+statuses) and then writes ``END STATUS`` as a line of its own on stderr, after everything the
+stage printed there: the executor reads the stage's result from the same stream as its errors, so
+it never has the status without the error line.
 
-A worker leaves after a stage that ended in anything but success or a user error (a lost peer, a
-bug): its state is not to be trusted, and the executor starts another. It leaves too when its
-stdin closes (the run is over) and, like a stage process, when the driver dies (``PARENT_ENV``).
+A worker leaves after a stage that ended in anything but success or a user error (its state is
+not to be trusted), when its stdin closes (the run is over) and, like a stage process, when the
+driver dies (``PARENT_ENV``).
 """
-
 from __future__ import annotations
 
 import gc
