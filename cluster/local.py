@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import Field
 
-from llamarl.lib.errors import EXIT_USER_ERROR, PARENT_ENV, UserError
+from llamarl.lib.errors import EXIT_USER_ERROR, PARENT_ENV, UserError, check_stop
 from llamarl.lib.options import Strict
 
 from .executor import Executor, StageResult, free_port, per_node, stage_command
@@ -247,7 +247,10 @@ class LocalExecutor(Executor):
         """The stage's exit status once every process has ended: 0, a user error where any process
         reported one (the others' failures, a lost peer, follow from it), else the first failure."""
         failed_at = None
+        waits_for_driver = threading.current_thread() is threading.main_thread()  # `llamarl stage`
         while True:
+            if waits_for_driver:
+                check_stop()  # a stop the interpreter dropped (errors.check_stop)
             codes = [run.status(i) for i in range(len(run.procs))]
             if all(c is not None for c in codes):
                 bad = [c for c in codes if c != 0]

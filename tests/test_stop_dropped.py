@@ -74,3 +74,28 @@ def test_a_stop_dropped_in_a_finalizer_still_stops_the_run(tmp_path, monkeypatch
     assert time.monotonic() - start < 10 and executor.stopped.is_set()
     node = next(n for n in nodes if n.name == executor.running)
     assert read_record(spec.run_dir, node)["status"] == "stopped"
+
+
+def test_a_stop_dropped_in_a_finalizer_still_stops_a_stage_and_its_processes(monkeypatch):
+    """`llamarl stage`: the executor waits for the stage's processes in the main thread."""
+    from llamarl.cluster.local import LocalExecutor, LocalRun, survivors
+
+    executor = LocalExecutor()
+    monkeypatch.setattr(executor, "command", lambda stage, config: [sys.executable, "-c", "import time; time.sleep(60)"])
+    real_status, polls, runs = LocalRun.status, [], []
+
+    def status(run, rank):  # the first poll: a signal whose stop a finalizer drops
+        polls.append(rank)
+        if len(polls) == 1:
+            runs.append(run)
+            _SignalledInAFinalizer()
+        return real_status(run, rank)
+
+    monkeypatch.setattr(LocalRun, "status", status)
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(u.exc_type))
+    start = time.monotonic()
+    with pytest.raises(Stopped), stopped_by_signals():
+        executor.run("rollout", None, 1)
+    assert dropped == [Stopped] and time.monotonic() - start < 10
+    assert survivors(runs[0].groups) == {}
