@@ -48,7 +48,21 @@ def e2e(path: str) -> list[str]:
                 out.append(f"| TRL {inv['versions'].get('trl')} GRPOTrainer, same run, iteration {timed['iteration']} "
                            f"| {timed['seconds']:.1f} | | | {_fmt(timed['generated_tok_s'])} gen tok/s/GPU; "
                            f"llamarl/TRL = **{ratio:.3g}×** | {timed.get('peak_gpu_gb_allocated')} (allocated) |")
+                whole = _trl_whole(trl)
+                if its.get("complete") and whole and len(trl["iterations"]) > 1:
+                    out.append(f"| TRL, all {len(trl['iterations'])} iterations (its cold first included, as in "
+                               f"llamarl's row above) | {sum(i['seconds'] for i in trl['iterations']):.1f} | | | "
+                               f"{_fmt(whole)} gen tok/s/GPU; llamarl/TRL, whole runs = "
+                               f"**{its['generated_tok_s_per_gpu'] / whole:.3g}×** | |")
     return out
+
+
+def _trl_whole(trl: dict) -> float | None:
+    """TRL's generated tok/s/GPU over all its iterations, the first (cold) one included: what
+    llamarl's rate over its iterations compares with like for like."""
+    its = trl.get("iterations") or []
+    seconds = sum(i["seconds"] for i in its)
+    return sum(i["generated_tokens"] for i in its) / seconds if seconds and all("generated_tokens" in i for i in its) else None
 
 
 def _throughput(s: dict) -> str:

@@ -123,3 +123,10 @@ def test_no_ratio_against_a_trl_that_did_not_finish():
     assert tables._vs_trl({"trl": {"status": "ok", "generated_tok_s_per_gpu": 8000.0}}, run) == 1.0
     # A TRL killed at its deadline measured only its cold first iteration: no reference.
     assert tables._vs_trl({"trl": {"status": "timeout", "generated_tok_s_per_gpu": 4966.0}}, run) is None
+
+
+def test_trl_over_all_its_iterations_is_the_like_for_like_rate():
+    its = [{"seconds": 14.0, "generated_tokens": 49152}, {"seconds": 5.0, "generated_tokens": 49152},
+           {"seconds": 5.0, "generated_tokens": 49152}]
+    assert tables._trl_whole({"iterations": its}) == 3 * 49152 / 24.0
+    assert tables._trl_whole({"iterations": [{"seconds": 5.0}]}) is None  # older files: no token counts
