@@ -11,6 +11,7 @@ records (a rerun does not redo it) and what was made from it keeps its key.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -80,11 +81,13 @@ class Trash:
     def _empty(self) -> None:
         while True:
             closing = self._closing
+            # Never raises: a thread that died here would leave the trash, and the disk, full.
             for entry in os.scandir(self.path) if os.path.isdir(self.path) else []:
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path, ignore_errors=True)
                 else:
-                    os.remove(entry.path)
+                    with contextlib.suppress(OSError):
+                        os.remove(entry.path)
             if closing:
                 return
             self._wake.wait()

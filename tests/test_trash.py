@@ -50,3 +50,20 @@ def test_the_trash_is_emptied_beside_and_whole_at_close(tmp_path, monkeypatch):
 
 def test_no_trash_on_an_object_store():
     assert Trash.open("memory://run") is None
+
+
+def test_a_file_the_trash_cannot_delete_leaves_it_emptying(tmp_path, monkeypatch):
+    from llamarl.pipeline import retention
+
+    trash = Trash.open(str(tmp_path / "run"))
+    os.makedirs(trash.path, exist_ok=True)
+    stuck = os.path.join(trash.path, "stuck")
+    open(stuck, "wb").close()
+    real_remove = os.remove
+    monkeypatch.setattr(retention.os, "remove", lambda p: (_ for _ in ()).throw(PermissionError(p))
+                        if p == stuck else real_remove(p))
+    trash.empty_soon()
+    root = _published(tmp_path / "out")
+    publish.retire(root, "retention", trash=trash.path)
+    trash.close()  # the thread lived on, and emptied what came after
+    assert os.listdir(trash.path) == ["stuck"]
