@@ -84,6 +84,11 @@ class Executor(Protocol):
         """What ``submit`` would launch, as text (for dry runs); starts and writes nothing."""
         raise NotImplementedError
 
+    def prepare(self, stage: str, config: Any, nprocs: int, *, name: str | None = None) -> None:
+        """A hint: the stage is next once the running stages end. An executor whose processes
+        outlive a stage (resident workers) may get some ready for it meanwhile; it never writes
+        the stage's output, and the stage runs the same whether or not this did anything."""
+
     def stop_all(self) -> list[str]:
         """The pipeline is stopping (a signal, Ctrl-C): stop what this executor started and still
         runs, where stopping it is this process's to do — local processes, every process of each

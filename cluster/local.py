@@ -20,7 +20,6 @@ In a ``llamarl run`` the stages run by default as calls in workers that live for
 
 from __future__ import annotations
 
-import itertools
 import os
 import shlex
 import signal
@@ -112,16 +111,17 @@ class LocalExecutor(Executor):
         self._starting = threading.Lock()  # held while processes start, and while ``stop_all`` begins
         self._stopping = False  # set by stop_all: no process starts any more
 
-    def _take_slots(self, n: int, name: str) -> list[int]:
-        """The ``n`` lowest slots no running stage holds, one per process: with ``gpus``, the GPUs it
-        runs on, waiting until enough are free; without, as many as it asks for."""
+    def _take_slots(self, n: int, name: str, stage: str = "") -> list[int]:
+        """``n`` slots no running stage holds, one per process, those that suit ``stage`` best
+        first (``_slot_order``): with ``gpus``, the GPUs it runs on, waiting until enough are free;
+        without, as many as it asks for."""
         gpus = self.options.gpus
         if n > gpus > 0:
             raise UserError(f"a stage of {n} processes needs {n} GPUs; the local executor has gpus={gpus}")
-        pool = range(gpus or sys.maxsize)
 
         def free() -> list[int]:
-            return list(itertools.islice((s for s in pool if s not in self._busy), n))
+            pool = range(gpus or max(self._busy | self._kept_slots(), default=-1) + 1 + n)
+            return self._slot_order([s for s in pool if s not in self._busy], stage)[:n]
 
         with self._slots_changed:
             self._slots_changed.wait_for(lambda: len(free()) == n or self._stopping)
@@ -130,6 +130,14 @@ class LocalExecutor(Executor):
             slots = free()
             self._busy.update(slots)
         return slots
+
+    def _kept_slots(self) -> set[int]:
+        """Slots that hold something between stages (none here: a stage's processes end with it)."""
+        return set()
+
+    def _slot_order(self, free: list[int], stage: str) -> list[int]:
+        """The ``free`` slots in the order a ``stage`` takes them: the lowest first."""
+        return free
 
     def _give_slots(self, slots: list[int]) -> None:
         with self._slots_changed:

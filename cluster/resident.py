@@ -110,6 +110,8 @@ class ResidentExecutor(LocalExecutor):
         # by the pipeline's stage threads, which may end while the workers serve on.
         self._spawner: ThreadPoolExecutor | None = None
         self._spares = 0  # workers kept started (``_start_spares``)
+        self._ran: dict[int, set[str]] = {}  # by slot: the stages its worker ran or got ready for
+        self._readying: dict[int, str] = {}  # by slot: the stage its worker got ready for, until a stage runs there
 
     def render(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
         return (f"# {name or stage}: run as a call in {nprocs} resident worker(s) (python -m llamarl.cluster.worker), "
@@ -133,8 +135,38 @@ class ResidentExecutor(LocalExecutor):
         worker.reader = threading.Thread(target=worker.read, name=f"worker-{slot}", daemon=True)
         worker.reader.start()
         self._workers[slot] = worker
+        self._ran[slot] = set()  # a new worker has run nothing yet
+        self._readying.pop(slot, None)
         self._register_pool()
         return worker
+
+    def _live(self, slot: int) -> bool:
+        worker = self._workers.get(slot)
+        return worker is not None and worker.proc.poll() is None
+
+    def _kept_slots(self) -> set[int]:
+        return set(self._workers)
+
+    def _slot_order(self, free: list[int], stage: str) -> list[int]:
+        """The workers that ran ``stage``, or got ready for it, first: what it left there stays warm
+        (compiled kernels, CUDA graphs, the imports of its first call); then the other live
+        workers, those getting ready for another stage last; then slots with no worker, which a
+        start costs (seconds)."""
+        def rank(slot: int) -> tuple[int, int]:
+            if not self._live(slot):
+                return 3, slot
+            if stage in self._ran[slot]:
+                return 0, slot
+            return (2 if slot in self._readying else 1), slot
+
+        return sorted(free, key=rank)
+
+    def _stage_env(self, rank: int, nprocs: int, port: int | str, slot: int) -> dict[str, str]:
+        """What a stage's rank ``rank`` on the worker of ``slot`` sees: its process's environment."""
+        env = {**os.environ, **self._env(rank, nprocs, port), PARENT_ENV: str(os.getpid()), **self._device(slot)}
+        if self.options.gpus:
+            env["LOCAL_RANK"] = "0"  # its one visible GPU
+        return env
 
     def _device(self, slot: int) -> dict[str, str]:
         """With ``gpus``, a worker sees its own GPU alone, for life."""
@@ -154,7 +186,7 @@ class ResidentExecutor(LocalExecutor):
         """Run ``llamarl.stages.<stage>`` as a call in ``nprocs`` workers."""
         self._check(nprocs, nodes)
         run = ResidentRun(name or stage)
-        run.slots = self._take_slots(nprocs, run.name)
+        run.slots = self._take_slots(nprocs, run.name, stage)
         argv = stage_args(stage, config)[2:]  # what follows `-m llamarl.stages.STAGE`
         port = free_port()
         with self._starting:  # the stage handed to its workers, unless the run is stopping
@@ -165,14 +197,12 @@ class ResidentExecutor(LocalExecutor):
                 run.procs, run.starts = [w.proc for w in run.workers], [w.start for w in run.workers]
                 for rank, worker in enumerate(run.workers):
                     worker.rank, worker.run = rank, run
+                    self._ran[worker.slot].add(stage)
+                    self._readying.pop(worker.slot, None)
                 if self.registry is not None:
                     self.registry.started(run.name, run.groups)
                 for rank, worker in enumerate(run.workers):
-                    env = {**os.environ, **self._env(rank, nprocs, port), PARENT_ENV: str(os.getpid()),
-                           **self._device(run.slots[rank])}
-                    if self.options.gpus:
-                        env["LOCAL_RANK"] = "0"  # its one visible GPU
-                    worker.send({"stage": stage, "argv": argv, "env": env})
+                    worker.send({"stage": stage, "argv": argv, "env": self._stage_env(rank, nprocs, port, worker.slot)})
                 self._start_spares(nprocs)
         if stopping:
             self._give_slots(run.slots)
@@ -191,6 +221,31 @@ class ResidentExecutor(LocalExecutor):
         for slot in range(min(self._spares, self.options.gpus or self._spares)):
             if slot not in self._workers or self._workers[slot].proc.poll() is not None:
                 self._worker(slot).send({"warm": list(WARM)})
+
+    def prepare(self, stage: str, config: Any, nprocs: int, *, name: str | None = None) -> None:
+        """Where the stage has something to get ready (``StageConfig.prepares``: ppo's compiled
+        kernels) and stages run beside each other, workers no stage holds get ready for it while
+        others run (cluster/worker.py ``prepare``), and it runs on them next (``_slot_order``):
+        spares first, started where none is idle. Nothing when live workers ran it or got ready
+        for it already."""
+        if self.concurrency < 2 or not type(config).prepares:
+            return
+        self._spares = max(self._spares, nprocs * self.concurrency)
+        with self._starting:
+            if self._stopping or sum(self._live(s) and stage in ran for s, ran in self._ran.items()) >= nprocs:
+                return
+            with self._slots_changed:
+                free = [s for s in range(self.options.gpus or self._spares) if s not in self._busy]
+            # Spares first (a stage that starts now takes a worker that ran something), then the others.
+            slots = sorted(free, key=lambda s: (not self._live(s), bool(self._ran.get(s)), s))[:nprocs]
+            if len(slots) < nprocs:
+                return
+            argv, port = stage_args(stage, config)[2:], free_port()
+            for rank, slot in enumerate(slots):
+                self._worker(slot).send({"prepare": {"stage": stage, "argv": argv,
+                                                     "env": self._stage_env(rank, nprocs, port, slot)}})
+                self._ran[slot].add(stage)
+                self._readying[slot] = stage
 
     def _end(self, run: ResidentRun) -> None:
         """The stage has ended: its workers are free, the dead ones gone (and replaced when their

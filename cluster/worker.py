@@ -3,7 +3,8 @@ stage after stage as calls, started by the local executor with ``resident: true`
 (cluster/resident.py, which says what stays between stages and what does not).
 
 Each request is one JSON line on the worker's stdin. ``{"warm": [MODULE, …]}`` imports those
-modules and answers nothing; any other names the stage, its arguments (those of ``python -m
+modules and answers nothing; ``{"prepare": STAGE REQUEST}`` gets ready for a stage that comes next
+(``prepare``) and answers nothing either; any other names the stage, its arguments (those of ``python -m
 llamarl.stages.STAGE``) and the environment its process would get. The worker runs it the way a
 stage process does (``job.call``: the same config parsing, process group, one-line errors and exit
 statuses) and then writes ``END STATUS`` as a line of its own on stderr, after everything the
@@ -45,6 +46,9 @@ def main() -> None:
         if "warm" in request:
             warm(request["warm"])
             continue
+        if "prepare" in request:
+            prepare(request["prepare"])
+            continue
         code = serve(request)
         sys.stdout.flush()
         sys.stderr.write(f"{END} {code}\n")
@@ -66,6 +70,31 @@ def warm(modules: list[str]) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the call reports it
             pass
+
+
+def prepare(request: dict) -> None:
+    """Get ready for the stage of ``request``, which comes next here (``Executor.prepare``): import
+    it and, where the stage has a ``prepare(config)``, run it (ppo compiles its kernels ahead). It
+    writes no output and joins no process group: the stage's call does what it always does, only
+    sooner. A failure costs only the head start: one line says so, and the call reports whatever
+    fails again."""
+    import importlib
+
+    from llamarl.lib.runtime import job
+    from llamarl.stages.config import STAGES
+
+    os.environ.clear()
+    os.environ.update(request["env"])
+    stage = request["stage"]
+    try:
+        module = importlib.import_module(f"llamarl.stages.{stage}")
+        if hasattr(module, "prepare"):
+            module.prepare(job.load_config(STAGES[stage], request["argv"]))
+    except BaseException as e:  # noqa: BLE001 - the stage's call reports it, where it matters
+        first = (str(e).splitlines() or [""])[0][:200]
+        print(f"note: getting {stage} ready failed ({type(e).__name__}: {first}); it starts without that",
+              file=sys.stderr, flush=True)
+    _give_back()
 
 
 def serve(request: dict) -> int:
@@ -95,12 +124,17 @@ def serve(request: dict) -> int:
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon and thread.is_alive():
             thread.join()
-    # What a stage process's exit gives back, the worker gives back too: the GPU memory its caching
-    # allocator holds, which another stage's process on the same GPU may need. The context stays.
+    _give_back()
+    return code
+
+
+def _give_back() -> None:
+    """What a stage process's exit gives back, the worker gives back too: the GPU memory its caching
+    allocator holds, which another stage's process on the same GPU may need. The context stays."""
+    gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    return code
 
 
 if __name__ == "__main__":

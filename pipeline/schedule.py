@@ -101,6 +101,7 @@ class Schedule:
         self.waiting, self.finished, self.running = list(nodes), set(), {}
         self.failure = None
         self.keys: dict[str, str | None] = {}  # each started node's key when it started
+        self.prepared: set[str] = set()  # the nodes the executor was told come next (``prepare_next``)
         self.given_up: dict[str, str] = {}
         self.report: list[tuple[str, str]] = []
         self.monitor = Monitor(spec)
@@ -161,6 +162,22 @@ class Schedule:
             self.keys[n.name] = node_key(n, self.by_name)
             self.running[pool.submit(self.executor.run, n.stage, n.make_config(), n.nprocs, n.layout.nodes,
                                      name=n.name)] = n
+        self.prepare_next()
+
+    def prepare_next(self) -> None:
+        """Tell the executor, once each, of the waiting stages that come next: each of whose inputs
+        is done, running, or itself waits only on done or running stages (``Executor.prepare``:
+        resident workers get ready for them — ppo's compiled kernels — while the running stages
+        work)."""
+        if self.failure is not None or not self.running:
+            return
+        near = self.finished | {m.name for m in self.running.values()}
+        waiting = {n.name: n for n in self.waiting}
+        for n in self.waiting:
+            if n.name not in self.prepared and all(
+                    i in near or (i in waiting and set(waiting[i].inputs) <= near) for i in n.inputs):
+                self.prepared.add(n.name)
+                self.executor.prepare(n.stage, n.make_config(), n.nprocs, name=n.name)
 
     def step(self, ended, pool: ThreadPoolExecutor) -> None:
         """After a wait: record the stages that ``ended``, and start what they made ready. Retention's

@@ -109,7 +109,7 @@ def test_every_executor_implements_the_whole_protocol(kind, options, detach, que
     ex = make_executor(kind, options, "/runs/r", "x")
     members = _protocol_members()
     assert {"submit", "wait", "run", "render", "stop_all", "close", "job_state", "submit_after", "start_driver",
-            "launches", "concurrency", "detach"} <= members
+            "launches", "concurrency", "detach", "prepare"} <= members
     assert not [m for m in members if not hasattr(ex, m)]
     assert ex.detach == detach
     if kind != "slurm":  # slurm asks squeue, which need not be here

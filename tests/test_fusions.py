@@ -86,6 +86,32 @@ def test_fused_layers_match_eager_on_cpu(monkeypatch):
     assert max(errs.values()) < 1e-5, errs
 
 
+def test_warming_compiles_every_region_that_training_then_runs(monkeypatch):
+    """``warm_training_regions`` (a resident ppo worker's head start) compiles, on a one-layer model,
+    the very graphs a whole model's training pass runs: on other lengths, nothing compiles again."""
+    from torch._dynamo.utils import counters
+
+    from llamarl.lib.model.llama import warm_training_regions
+
+    monkeypatch.setenv(layers.FUSED_ENV, "1")  # the regions on CPU too
+    torch._dynamo.reset()
+    hf = tiny.hf_model()
+    cfg = tiny.our_config(hf)
+    assert cfg.num_layers > 1
+    assert warm_training_regions(cfg, ParallelLayout(), torch.float32, "cpu")
+    warmed = counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]
+    assert warmed[0] > 0
+    model = ParallelLlamaForCausalLM(cfg, ParallelLayout(), dtype=torch.float32)
+    model.load_hf_state_dict(hf.state_dict())
+    for lengths in ((7, 12, 3), (5, 9, 16, 2)):
+        _loss(model, *tiny.batch("right", lengths=lengths))
+    assert (counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]) == warmed
+    # Nothing to warm where no region runs: TP > 1 here, or the regions switched off.
+    assert not warm_training_regions(cfg, ParallelLayout(tp=2), torch.float32, "cpu")
+    monkeypatch.setenv(layers.FUSED_ENV, "0")
+    assert not warm_training_regions(cfg, ParallelLayout(), torch.float32, "cpu")
+
+
 @pytest.mark.slow
 def test_fused_regions_match_eager_tp2_sp(pool2):
     # Sequence parallel: the norms' weights are mapped (gradient summed over TP) outside the region.

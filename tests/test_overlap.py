@@ -14,6 +14,7 @@ import time
 import pytest
 import yaml
 
+from llamarl.cluster.executor import Executor
 from llamarl.lib.files import publish
 from llamarl.pipeline import demo
 from llamarl.pipeline.dag import build_dag, load_spec
@@ -86,7 +87,7 @@ def test_overlapped_demo_runs_a_rollout_beside_a_ppo_and_the_score_rises(tmp_pat
 # ---- early start: a stage that reads only ppo's actor/ starts once it is published --------------------
 
 
-class _PublishingExecutor:
+class _PublishingExecutor(Executor):
     """Stages that only publish their outputs, as the real ones order them: ppo, after its start-up
     (``pause`` seconds: it clears what a killed run left only then), its ``actor/`` first, then,
     ``pause`` seconds later (its training state being written), the rest. Each stage's start and
@@ -96,6 +97,11 @@ class _PublishingExecutor:
 
     def __init__(self, concurrency: int, pause: float = 2.5):
         self.concurrency, self.pause, self.events = concurrency, pause, {}
+        self.prepared: dict[str, float] = {}  # the stages the pipeline said come next, and when
+
+    def prepare(self, stage, config, nprocs, *, name=None):
+        assert name not in self.prepared, f"{name} prepared twice"
+        self.prepared[name] = time.monotonic()
 
     def run(self, stage, config, nprocs, nodes=1, *, name=None):
         from llamarl.cluster.executor import StageResult
@@ -165,6 +171,18 @@ def test_rollout_k_plus_1_starts_once_ppo_k_published_its_actor(tmp_path):
     os.remove(f"{run}/iter-001/ppo/{publish.MANIFEST}")
     assert assess(run, by["iter-002/rollout"], by, set()) == (
         False, "iter-001/ppo is unfinished: its actor/ will be written again")
+
+
+def test_the_executor_hears_of_each_stage_that_comes_next_while_others_run(tmp_path):
+    """``Executor.prepare``: once a stage's inputs are done, running, or themselves next, the
+    executor is told, once, while its inputs still run (resident workers get ready meanwhile)."""
+    ex, by = _schedule(_spec(tmp_path, 0, iterations=2), 2)
+    ev = ex.events
+    assert set(ex.prepared) <= set(by)
+    # ppo 1 reads rollout 1 and its scores: it is next once rollout 1 starts, before the scores do.
+    assert ev["shard/actor"][1] < ex.prepared["iter-001/ppo"] < ev["iter-001/rollout"][1]
+    assert ev["iter-002/rollout"][0] <= ex.prepared["iter-002/ppo"] < ev["iter-002/ppo"][0]
+    assert all(ex.prepared[n] < ev[n][0] for n in ex.prepared)
 
 
 def test_one_stage_at_a_time_keeps_the_order(tmp_path):

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import ClassVar
 
 import pytest
 import yaml
@@ -31,7 +32,7 @@ from llamarl.lib.files import publish
 from llamarl.pipeline import toy
 from llamarl.pipeline.dag import load_spec
 from llamarl.pipeline.run import run_spec
-from llamarl.stages.config import ShardConfig
+from llamarl.stages.config import ExportConfig, ShardConfig
 
 LAYOUT = {"shard": {"tp": 2}, "rollout": {"tp": 2}, "score": {"dp": 2}, "ppo": {"tp": 2}, "export": {"procs": 1}}
 
@@ -232,3 +233,60 @@ def test_beside_a_running_stage_the_next_takes_spare_workers_started_with_the_fi
         executor.close()
     assert len(started) == 4 and set(executor.pids["second"]) == started - set(executor.pids["first"])
     assert survivors([(pid, None) for pid in started]) == {}
+
+
+class _Ready(ExportConfig):
+    prepares: ClassVar[bool] = True  # as if export had something to get ready (ppo's compiling)
+
+
+def test_a_stage_runs_on_the_workers_that_got_ready_for_it_and_each_kind_keeps_its_own(tmp_path):
+    """``prepare`` (the pipeline's word that a stage comes next) readies a spare beside the running
+    stage; the stage then runs there, and later runs of each kind go back to the worker that ran it
+    last (what it compiled stays warm), not to the lowest free one."""
+    export = _Ready(src=str(tmp_path / "no-such-checkpoint"), dst=str(tmp_path / "hf"))
+    executor = _Watched(LocalOptions(max_concurrent_stages=2))
+    try:
+        first = executor.submit("shard", _shard(tmp_path), 1, name="shard-1")
+        executor.prepare("export", export, 1, name="export-1")
+        ready = {w.slot: w.proc.pid for w in executor._workers.values()}
+        assert executor.wait(first).code == EXIT_USER_ERROR
+        for name in ("export-1", "shard-2", "export-2"):
+            stage, config = (("export", export) if name.startswith("export") else ("shard", _shard(tmp_path)))
+            assert executor.run(stage, config, 1, name=name).code == EXIT_USER_ERROR
+        executor.prepare("export", export, 1, name="export-3")  # one ran it already: nothing to do
+        executor.prepare("shard", _shard(tmp_path), 1, name="shard-3")  # nothing to get ready for a shard
+        assert sorted(executor._workers) == [0, 1]
+    finally:
+        executor.close()
+    assert sorted(ready) == [0, 1]
+    assert executor.pids["shard-1"] == executor.pids["shard-2"] == [ready[0]]
+    assert executor.pids["export-1"] == executor.pids["export-2"] == [ready[1]]
+
+
+def test_one_stage_at_a_time_readies_no_worker(tmp_path):
+    executor = _Watched(LocalOptions(resident=True, max_concurrent_stages=1))
+    try:
+        executor.prepare("shard", _shard(tmp_path), 1, name="next")
+        assert executor._workers == {}
+    finally:
+        executor.close()
+
+
+def test_a_worker_runs_the_stages_prepare_and_a_failed_one_costs_a_note_only(tmp_path, monkeypatch, capsys):
+    import types
+
+    from llamarl.cluster import worker
+    from llamarl.cluster.executor import stage_args
+    from llamarl.stages import config as stage_configs
+
+    seen = []
+    probe = types.ModuleType("llamarl.stages._probe")
+    probe.prepare = seen.append
+    monkeypatch.setitem(sys.modules, "llamarl.stages._probe", probe)
+    monkeypatch.setitem(stage_configs.STAGES, "_probe", ShardConfig)
+    request = {"stage": "_probe", "argv": stage_args("shard", _shard(tmp_path))[2:], "env": dict(os.environ)}
+    worker.prepare(request)
+    assert seen == [_shard(tmp_path)]
+    probe.prepare = lambda config: 1 / 0
+    worker.prepare(request)
+    assert "note: getting _probe ready failed (ZeroDivisionError: division by zero)" in capsys.readouterr().err

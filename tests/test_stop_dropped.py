@@ -14,6 +14,7 @@ import time
 import pytest
 import yaml
 
+from llamarl.cluster.executor import Executor
 from llamarl.lib.errors import Stopped
 from llamarl.pipeline import demo
 from llamarl.pipeline import run as run_module
@@ -29,7 +30,7 @@ class _SignalledInAFinalizer:
             pass
 
 
-class _StageUntilStopped:
+class _StageUntilStopped(Executor):
     """Every stage runs until ``stop_all`` (or ``limit_s``, then it succeeds)."""
 
     launches, concurrency = True, 1

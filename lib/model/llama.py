@@ -11,6 +11,8 @@ and head, each a contiguous range of decoder layers. ``forward(batch, hidden)`` 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -295,6 +297,28 @@ class ParallelLlamaForCausalLM(ParallelLlama):
             cols = torch.arange(logits.shape[-1], device=logits.device)
             logits = logits.masked_fill(cols >= valid, torch.finfo(logits.dtype).min)
         return logits
+
+
+def warm_training_regions(cfg: LlamaConfig, layout: ParallelLayout, dtype: torch.dtype, device) -> bool:
+    """Compile, in this process, the regions a training pass of ``cfg`` at ``layout`` runs
+    (``lib.model.layers``), with one forward and backward of a one-layer model of its shapes on a
+    few tokens: every layer shares the regions and their token dimension is symbolic, so the
+    training that follows compiles nothing more. At TP 1 (any PP: a stage's layers are the same
+    code), outside any process group; False where there is nothing to do (no regions: on the CPU,
+    or ``LLAMARL_FUSED=0``) or the layout splits layers over TP."""
+    device = torch.device(device)
+    if layout.tp != 1 or not fusions_on(device) or parallel.topology().tp != 1:
+        return False
+    with torch.device(device):
+        model = ParallelLlamaForCausalLM(dataclasses.replace(cfg, num_layers=1), dataclasses.replace(layout, pp=1),
+                                         dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.02)
+    lengths = torch.tensor([5, 11], device=device)  # more than one token each: the kernels of any batch
+    mask = torch.arange(11, device=device) < lengths[:, None]
+    model(model.make_batch(torch.zeros_like(mask, dtype=torch.long), mask)).float().sum().backward()
+    return True
 
 
 class ParallelLlamaForValue(ParallelLlama):

@@ -39,7 +39,9 @@ from llamarl.lib.files import outputs
 C = TypeVar("C")
 
 
-def _load(cls, argv):
+def load_config(cls, argv):
+    """The stage's config from its command line (``--config FILE`` or ``--config-json JSON``),
+    checked; a ``UserError`` in one line where it is not a valid one."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", help="a JSON or YAML file with the stage's options")
     parser.add_argument("--config-json", help="the stage's options as a JSON object")
@@ -84,7 +86,7 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
     mark("imported")
     _output = None
     try:
-        config = _load(cls, argv)
+        config = load_config(cls, argv)
         mark("config")
         run(config)
     except Exception as e:

@@ -4,7 +4,7 @@ them, checked locations (``Url``) and ``StageConfig``, the base of each stage's 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import AfterValidator, ConfigDict, Field
 
@@ -82,6 +82,10 @@ C = TypeVar("C", bound="StageConfig")
 
 class StageConfig(Strict):
     model_config = ConfigDict(validate_default=True)
+
+    prepares: ClassVar[bool] = False
+    """Whether the stage's module has ``prepare(config)``: what a resident worker may do for it
+    while other stages run (cluster/worker.py), such as ppo's compiling."""
 
     collective_timeout_s: int = placement(
         600, "Seconds a collective (all-reduce, barrier, ...) may wait for a peer before the stage fails with the "

@@ -3,7 +3,7 @@ and its schedule, and how π_old and importance weights are taken."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -19,6 +19,8 @@ GROUP_ADVANTAGES = ("grpo", "rloo", "reinforce++-baseline")
 
 
 class PPOConfig(StageConfig):
+    prepares: ClassVar[bool] = True  # its training's compiled kernels (stages/ppo.py ``prepare``)
+
     rollout: Url = path("Published rollout folder.")
     scores: Url = path("Published scores folder of that rollout.")
     actor: Url = path("Actor checkpoint to update (from shard or the previous ppo).")
