@@ -51,17 +51,11 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, be
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over each response; returns (advantages, returns).
-    Positions after the last real token contribute nothing (next value 0)."""
-    adv = torch.zeros_like(rewards)
-    next_value = torch.zeros_like(rewards[:, 0])
-    running = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        m = mask[:, t]
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = (delta + gamma * lam * running) * m
-        adv[:, t] = running
-        next_value = values[:, t] * m
+    """Generalised advantage estimation over each response; returns (advantages, returns). The
+    advantages are the TD errors' returns-to-go discounted by γλ; positions outside the response
+    contribute nothing (their value counts as 0)."""
+    next_values = torch.cat([values[:, 1:] * mask[:, 1:], torch.zeros_like(values[:, :1])], 1)
+    adv = returns_to_go(rewards + gamma * next_values - values, mask, gamma * lam)
     return adv, (adv + values) * mask
 
 
