@@ -127,10 +127,8 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> to
 def equal_score_groups(scores: list[float], groups: list) -> set:
     """The groups (their names in ``groups``) whose scores are all equal, a single sample's
     included: no comparison within them, so no signal for a group baseline (DAPO drops them)."""
-    by: dict = {}
-    for g, s in zip(groups, scores):
-        by.setdefault(g, []).append(s)
-    return {g for g, s in by.items() if max(s) == min(s)}
+    return {groups[rows[0]] for rows in _groups(groups)
+            if max(scores[i] for i in rows) == min(scores[i] for i in rows)}
 
 
 def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
