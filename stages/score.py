@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from llamarl.lib.files import checkpoint, outputs
 from llamarl.lib.runtime import job
@@ -89,13 +90,9 @@ def score_sequences(model, seqs: list[list[int]], micro_batch: int, padding_side
     dev = next(model.parameters()).device
     batches = []
     for i in range(0, len(seqs), micro_batch):
-        group = seqs[i : i + micro_batch]
-        width = max(len(s) for s in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
-        for j, s in enumerate(group):
-            sl = slice(width - len(s), width) if padding_side == "left" else slice(0, len(s))
-            ids[j, sl], mask[j, sl] = torch.tensor(s), 1
+        group = [torch.tensor(s, dtype=torch.long) for s in seqs[i : i + micro_batch]]
+        ids = pad_sequence(group, batch_first=True, padding_side=padding_side)
+        mask = pad_sequence([torch.ones_like(s) for s in group], batch_first=True, padding_side=padding_side)
         batches.append(model.make_batch(ids.to(dev), mask.to(dev)))
     outs = schedule.forward(model, batches)
     if not model.topology.is_last_stage:
