@@ -113,7 +113,6 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     s = cfg.sampling
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
                             stop_token_ids=tuple(sorted(set(toklib.stop_token_ids(actor, tok)) | set(s.stop_token_ids))))
-    params.check()
     spans.mark("tokenizer_wait")
     if compiling is not None:
         compiling.result()

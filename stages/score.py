@@ -18,9 +18,9 @@ when every term is a rule (the pipeline then starts no score process). Formats: 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from llamarl.lib.files import checkpoint, outputs
 from llamarl.lib.runtime import job
@@ -31,7 +31,7 @@ from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.model.offload import ParamOffload
 from llamarl.stages import contract, space
 from llamarl.stages.config import ScoreConfig
-from llamarl.stages.scoring import Scoring
+from llamarl.stages.scoring import RewardModel, Scoring
 
 
 # ---- re-tokenization ---------------------------------------------------------------------------
@@ -90,13 +90,9 @@ def score_sequences(model, seqs: list[list[int]], micro_batch: int, padding_side
     dev = next(model.parameters()).device
     batches = []
     for i in range(0, len(seqs), micro_batch):
-        group = seqs[i : i + micro_batch]
-        width = max(len(s) for s in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
-        for j, s in enumerate(group):
-            sl = slice(width - len(s), width) if padding_side == "left" else slice(0, len(s))
-            ids[j, sl], mask[j, sl] = torch.tensor(s), 1
+        group = [torch.tensor(s, dtype=torch.long) for s in seqs[i : i + micro_batch]]
+        ids = pad_sequence(group, batch_first=True, padding_side=padding_side)
+        mask = pad_sequence([torch.ones_like(s) for s in group], batch_first=True, padding_side=padding_side)
         batches.append(model.make_batch(ids.to(dev), mask.to(dev)))
     outs = schedule.forward(model, batches)
     if not model.topology.is_last_stage:
@@ -107,41 +103,31 @@ def score_sequences(model, seqs: list[list[int]], micro_batch: int, padding_side
 # ---- the stage ---------------------------------------------------------------------------------
 
 
-@dataclass
-class _RewardModel:
-    """The reward model, loaded, with the tokenizers its inputs are made with."""
+def _reward_model(cfg: ScoreConfig, manifest: dict, actor: str, dtype) -> RewardModel:
+    """Collective: the reward model's files verified and its weights loaded, as the function that
+    scores rows (a ``scoring.RewardModel``); ``actor``: the rollout's actor, whose tokenizer made
+    the responses."""
+    from llamarl.lib.model.llama import ParallelLlamaForScore
 
-    cfg: ScoreConfig
-    model: object
-    offload: ParamOffload
-    actor_tok: object
-    rm_tok: object
-    max_length: int
+    outputs.verify_input(cfg.reward_model, manifest, f"{contract.MODEL}/")
+    rm_cfg = LlamaConfig.from_dict(manifest["model_config"])
+    with torch.device(parallel.device()):
+        model = ParallelLlamaForScore(rm_cfg, ParallelLayout(tp=cfg.tp, pp=cfg.pp, remove_padding=True), dtype=dtype)
+    checkpoint.load_model(model, f"{cfg.reward_model}/{contract.MODEL}")
+    model.eval()
+    offload = ParamOffload(model, parallel.device())
+    actor_tok, rm_tok = toklib.load(actor), toklib.load(cfg.reward_model)
+    max_length = cfg.max_length or rm_cfg.max_position_embeddings
 
-    @classmethod
-    def load(cls, cfg: ScoreConfig, manifest: dict, actor: str, dtype) -> _RewardModel:
-        """Collective: its files verified, its weights loaded; ``actor``: the rollout's actor, whose
-        tokenizer made the responses."""
-        from llamarl.lib.model.llama import ParallelLlamaForScore
-
-        outputs.verify_input(cfg.reward_model, manifest, f"{contract.MODEL}/")
-        rm_cfg = LlamaConfig.from_dict(manifest["model_config"])
-        with torch.device(parallel.device()):
-            model = ParallelLlamaForScore(rm_cfg, ParallelLayout(tp=cfg.tp, pp=cfg.pp, remove_padding=True), dtype=dtype)
-        checkpoint.load_model(model, f"{cfg.reward_model}/{contract.MODEL}")
-        model.eval()
-        return cls(cfg, model, ParamOffload(model, parallel.device()), toklib.load(actor), toklib.load(cfg.reward_model),
-                   cfg.max_length or rm_cfg.max_position_embeddings)
-
-    def score(self, rows: list[dict]) -> tuple[list[float] | None, int]:
-        """Collective over the model's ranks: each row's score (None off the last pipeline stage),
-        and how many rows had their prompt cut."""
-        seqs, truncated = rm_inputs(rows, self.actor_tok, self.rm_tok, self.max_length, self.cfg.chat_template)
-        self.offload.to_device()
-        scores = score_sequences(self.model, seqs, self.cfg.micro_batch)
-        if self.cfg.offload:
-            self.offload.to_host()
+    def score(rows: list[dict]) -> tuple[list[float] | None, int]:
+        seqs, truncated = rm_inputs(rows, actor_tok, rm_tok, max_length, cfg.chat_template)
+        offload.to_device()
+        scores = score_sequences(model, seqs, cfg.micro_batch)
+        if cfg.offload:
+            offload.to_host()
         return scores, truncated
+
+    return score
 
 
 def run(cfg: ScoreConfig) -> None:
@@ -154,9 +140,9 @@ def run(cfg: ScoreConfig) -> None:
 
     topo = parallel.init(cfg.tp, cfg.pp, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="score")
 
-    def load_rm() -> _RewardModel:
+    def load_rm() -> RewardModel:
         actor = contract.RolloutFacts.read(scoring.rollout, scoring.manifest).actor
-        return _RewardModel.load(cfg, rm_manifest, actor, compute_dtype(cfg.dtype, parallel.device()))
+        return _reward_model(cfg, rm_manifest, actor, compute_dtype(cfg.dtype, parallel.device()))
 
     scoring.run(topo.dp, topo.dp_rank, writer=topo.tp_rank == 0 and topo.is_last_stage,
                 load_rm=load_rm if rm_manifest is not None else None)

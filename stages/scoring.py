@@ -18,7 +18,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import fsspec
 
@@ -35,10 +35,9 @@ FLOAT32_MAX = 3.4028234663852886e38  # the scores' columns are float32: torch.fi
 DONE = "already scored with this rollout, reward model and config"
 
 
-class RewardModel(Protocol):
-    def score(self, rows: list[dict]) -> tuple[list[float] | None, int]:
-        """Collective over the model's ranks: each row's score (None off the last pipeline stage),
-        and how many rows had their prompt cut."""
+# The reward model, loaded: collective over its ranks, each row's score (None off the last
+# pipeline stage) and how many rows had their prompt cut.
+RewardModel = Callable[[list[dict]], tuple[list[float] | None, int]]
 
 
 @dataclass
@@ -116,7 +115,7 @@ class Scoring:
         where = f"{self.rollout}/{contract.PARTS}/{name}"
         columns: dict[str, list[float]] = {}  # by term name
         if rm is not None:
-            columns["rm"], truncated = rm.score(rows)
+            columns["rm"], truncated = rm(rows)
             stats["truncated"] += truncated
         for t in self.cfg.rewards:
             if t.name != "rm":

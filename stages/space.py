@@ -181,15 +181,8 @@ def _du(path: str, keep: tuple[str, ...] = ()) -> int:
     """Bytes on disk under ``path``, but for its entries named in ``keep``."""
     if not os.path.isdir(path):
         return 0
-    total = 0
-    for entry in os.scandir(path):
-        if entry.name in keep:
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            total += _du(entry.path)
-        else:
-            total += entry.stat(follow_symlinks=False).st_blocks * 512
-    return total
+    return sum(_du(e.path) if e.is_dir(follow_symlinks=False) else e.stat(follow_symlinks=False).st_blocks * 512
+               for e in os.scandir(path) if e.name not in keep)
 
 
 def _unfinished(path: str) -> int:

@@ -82,17 +82,13 @@ def sequence_keys(seed: int, keys, samples: int = 1, device=None) -> torch.Tenso
     return torch.tensor(words, dtype=torch.int64, device=device).reshape(-1, 2)
 
 
-def _step_words(keys: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, two words for token index ``steps`` of the stream ``keys [rows, 2]``."""
-    s = steps & _M32
-    return _mix(keys[:, 0] ^ _mix(s)), _mix(keys[:, 1] ^ _mix(s ^ 0x5BD1E995))
-
-
 def uniforms(keys: torch.Tensor, steps: torch.Tensor, vocab_index: torch.Tensor) -> torch.Tensor:
     """fp32 uniforms in (0, 1), ``[rows, len(vocab_index)]``: row r's stream at token index
     ``steps[r]``, one per global vocabulary index. Two rounds with two 32-bit row words, so two
     rows never share a (shifted) run of values."""
-    r1, r2 = _step_words(keys, steps)
+    s = steps & _M32
+    r1 = _mix(keys[:, 0] ^ _mix(s))
+    r2 = _mix(keys[:, 1] ^ _mix(s ^ 0x5BD1E995))
     h = _mix(_mix(vocab_index[None, :] ^ r1[:, None]) ^ r2[:, None])
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 

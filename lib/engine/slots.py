@@ -95,11 +95,7 @@ class Slots:
 
     def buckets(self) -> list[int]:
         """The slot counts a decode step runs on: powers of two below ``slots``, and ``slots``."""
-        out, b = [], 1
-        while b < self.slots:
-            out.append(b)
-            b *= 2
-        return out + [self.slots]
+        return [b for b in (1 << i for i in range(self.slots.bit_length())) if b < self.slots] + [self.slots]
 
     def _sample(self, logits, keys, steps):
         m = self.model

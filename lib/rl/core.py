@@ -51,17 +51,11 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, be
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over each response; returns (advantages, returns).
-    Positions after the last real token contribute nothing (next value 0)."""
-    adv = torch.zeros_like(rewards)
-    next_value = torch.zeros_like(rewards[:, 0])
-    running = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        m = mask[:, t]
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = (delta + gamma * lam * running) * m
-        adv[:, t] = running
-        next_value = values[:, t] * m
+    """Generalised advantage estimation over each response; returns (advantages, returns). The
+    advantages are the TD errors' returns-to-go discounted by γλ; positions outside the response
+    contribute nothing (their value counts as 0)."""
+    next_values = torch.cat([values[:, 1:] * mask[:, 1:], torch.zeros_like(values[:, :1])], 1)
+    adv = returns_to_go(rewards + gamma * next_values - values, mask, gamma * lam)
     return adv, (adv + values) * mask
 
 
@@ -133,10 +127,8 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> to
 def equal_score_groups(scores: list[float], groups: list) -> set:
     """The groups (their names in ``groups``) whose scores are all equal, a single sample's
     included: no comparison within them, so no signal for a group baseline (DAPO drops them)."""
-    by: dict = {}
-    for g, s in zip(groups, scores):
-        by.setdefault(g, []).append(s)
-    return {g for g, s in by.items() if max(s) == min(s)}
+    return {groups[rows[0]] for rows in _groups(groups)
+            if max(scores[i] for i in rows) == min(scores[i] for i in rows)}
 
 
 def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:

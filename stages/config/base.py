@@ -4,7 +4,7 @@ them, checked locations (``Url``) and ``StageConfig``, the base of each stage's 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import AfterValidator, ConfigDict, Field
 
@@ -76,10 +76,6 @@ def kind_of(field) -> str:
     return (field.json_schema_extra or {}).get("kind", "option")
 
 
-
-C = TypeVar("C", bound="StageConfig")
-
-
 class StageConfig(Strict):
     model_config = ConfigDict(validate_default=True)
 
@@ -93,7 +89,7 @@ class StageConfig(Strict):
              "on one rank only (e.g. rank 0 writing a large file while the others wait).", ge=1, le=MAX_TIMEOUT_S)
 
     @classmethod
-    def parse(cls: type[C], data: Any, source: str) -> C:
+    def parse(cls, data: Any, source: str) -> Self:
         """Build from a mapping (YAML / JSON), or raise a one-line ``UserError`` naming ``source``
         and the field."""
         return validate(cls, data, source)
