@@ -1,18 +1,14 @@
-"""Process groups: set up from the torchrun environment; this module is their one owner.
-
-Everything in llamarl asks this module for ranks and groups; nothing else builds groups.
-NCCL on GPU, gloo on CPU — the same collectives are used on both.
+"""Process groups: set up from the torchrun environment; this module is their one owner (nothing
+else in llamarl builds a group). NCCL on GPU, gloo on CPU — the same collectives are used on both.
 
 A model asks once, when it is built, and keeps its ``Topology`` and TP group; its layers,
 ``schedule`` and ``generate`` pass them to each function that communicates (``mappings``,
 ``vocab_parallel``), so the model's code never looks a group up at call time. None stands for
 "no group" (a model built without ``init``): one rank, nothing to communicate.
 
-The grid is megatron-core's default order (tensor fastest, then data, then pipeline):
-``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, and the groups are the ones its
-``parallel_state`` builds (tests/test_parallel.py checks them against it). They are built here
-rather than by ``parallel_state`` because importing megatron-core costs every stage process 4–6 s
-of start-up for what is a few ``new_group`` calls.
+The grid is megatron-core's default order (tensor fastest, then data, then pipeline), and the
+groups are the ones its ``parallel_state`` builds (tests/test_parallel.py checks them against it;
+docs/lib.md says why they are built here instead).
 """
 
 from __future__ import annotations
