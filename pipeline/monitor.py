@@ -1,11 +1,9 @@
 """The run's metrics rows, also to TensorBoard and W&B (the spec's ``metrics:``), from the driver.
 
-Each sink gets the same rows as ``metrics.jsonl`` (pipeline/metrics.py), one point per iteration:
-training metrics under ``train/``, the validation's under ``val/`` (``val_score`` → ``val/score``,
-``val_pass@4`` → ``val/pass_at_4``). A row grows after it is first written (its validation ends later)
-and a `llamarl run` can stop and resume, so what each sink holds is recorded in the run directory
-(``pipeline/monitor.json``): a point is written once, again only if its value changed (a stage that
-ran again), and a resumed run goes on in the same TensorBoard folder and the same W&B run.
+Each sink gets the same rows as ``metrics.jsonl``, one point per iteration, named by ``tag``. A row
+grows after it is first written (its validation ends later) and a `llamarl run` can stop and
+resume, so what each sink holds is recorded (``pipeline/monitor.json``): a point is written once,
+again only if its value changed, and a resumed run goes on in the same TensorBoard folder and W&B run.
 """
 
 from __future__ import annotations
