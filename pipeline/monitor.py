@@ -63,14 +63,11 @@ class Monitor:
     def active(self) -> bool:
         return self.metrics.tensorboard is not None or self.metrics.wandb is not None
 
-    def _state(self) -> dict:
-        fs, path = fsspec.core.url_to_fs(self.state_url)
-        return json.loads(fs.cat_file(path)) if fs.exists(path) else {}
-
     def update(self, rows: list[dict]) -> None:
         if not self.active:
             return
-        state = self._state()
+        fs, path = fsspec.core.url_to_fs(self.state_url)
+        state = json.loads(fs.cat_file(path)) if fs.exists(path) else {}
         new = points(rows)
         if self.metrics.tensorboard is not None:
             written = state.setdefault("tensorboard", {})
