@@ -8,12 +8,9 @@
 Each node is one stage run: its config built from the spec (every iteration's rollout with its own
 prompts and seed, ``pipeline/data.py``), its inputs (upstream nodes), and where it writes in the run
 directory. Validation nodes (``validation.every``, and after the last iteration) read an actor and
-feed nothing but the metrics: no training stage waits for them.
-
-``parse_spec`` / ``load_spec`` check a spec whole — its fields, the executor's options, every
-stage's config of every iteration built, the layouts against the models' ``config.json`` — so a
-wrong value fails ``llamarl run`` (and ``--dry-run``) in one line before any stage starts, without
-importing torch.
+feed nothing but the metrics: no training stage waits for them. ``parse_spec`` / ``load_spec``
+check a spec whole (docs/pipeline.md, "Configs are validated whole"), in one line before any stage
+starts, without importing torch.
 """
 
 from __future__ import annotations

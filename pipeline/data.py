@@ -1,15 +1,7 @@
-"""What each iteration of a run draws: its prompts and its random streams.
-
-With ``prompts_per_iteration: B`` iteration k's rollout takes positions [(k−1)·B, k·B) of the
-dataset's endless stream of epochs (``stages.config.PromptSelection``: epoch e a permutation of
-every row drawn from (seed, e)). So the prompts an iteration takes are a pure function of the run's
-seed, the iteration and the dataset's size: a rerun or a resume takes the same rows, and extending
-``iterations`` takes the next ones.
-
-Every iteration samples with its own seed, derived from (run seed, iteration): no two iterations
-share a random stream, and a resumed iteration draws the same bits. Validation samples with one
-seed derived from the run's, the same at every validation: the validated actors differ, the noise
-they are compared under does not.
+"""What each iteration of a run draws: its prompts and its random streams (docs/pipeline.md, "A
+long run": the dataset across iterations, and random streams). Both are pure functions of the
+run's seed, the iteration and the dataset's size: a rerun or a resume draws the same, and extending
+``iterations`` draws the next.
 """
 
 from __future__ import annotations
@@ -31,7 +23,8 @@ def iteration_seed(run_seed: int, iteration: int) -> int:
 
 
 def validation_seed(run_seed: int) -> int:
-    """The sampling seed of every validation rollout of the run."""
+    """The sampling seed of every validation rollout of the run: the validated actors differ, the
+    noise they are compared under does not."""
     return _derived("validation", run_seed)
 
 

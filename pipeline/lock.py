@@ -1,25 +1,14 @@
 """One ``llamarl run`` per run directory: a lock file on the shared storage, with a heartbeat.
 
-``RUN/pipeline/lock.json`` holds who runs the run (user, host, pid and the pid's start time), since
-when, a heartbeat that a thread refreshes every ``lease_s / 4`` seconds, and the processes of the
-stages it runs on its host (``stages``: for each, the host and each process's pid and start time;
-each process leads the process group of what it starts), kept by the local executor as they start
-and end. It is created exclusively (``xb``), so of two runs started together one wins; the other
-exits at once saying who holds the run.
-
-A lock whose holder is gone is taken over, with a message. On this host the holder is gone when
-its process no longer runs (the pid with the same start time), whatever its heartbeat; one that
-runs without a heartbeat (suspended, Ctrl-Z) still holds the run: it would write again once
-resumed. Before taking over, the processes of the old holder's stages still alive on this host
-are stopped, one line each (a driver killed by SIGKILL takes its stage processes with it,
-lib/runtime/job.py, but not what they started, reparented to init): nobody waits for them any more, what
-they published is kept and the new run redoes the rest — and two writers must never share an
-output. Processes this user cannot stop (another user's, or one still there after SIGKILL) make
-the takeover refuse, naming them. A holder on another host is gone when
-its heartbeat is older than its lease (a killed login session, a lost node); its stages' processes
-cannot be checked from here, so the message names them and says they are assumed gone with it.
-Exclusive create is atomic on local and network file systems (POSIX, NFS v3+); object stores
-without it get last-writer-wins, which the heartbeat check after writing narrows but cannot close.
+``RUN/pipeline/lock.json`` holds who runs the run (user, host, pid and the pid's start time, its
+pid namespace), since when, a heartbeat that a thread refreshes every ``lease_s / 4`` seconds, and
+the processes of the stages it runs on its host (``stages``: for each, the host and each process's
+pid and start time; each process leads the process group of what it starts), kept by the local
+executor as they start and end. It is created exclusively (``xb``), so of two runs started together
+one wins; the other exits at once saying who holds the run. When a holder counts as gone, and how
+its stages' processes are stopped before its lock is taken over, is docs/pipeline.md's "Stopping a
+run, and taking over from one that died". Exclusive create is atomic on local and network file
+systems (POSIX, NFS v3+); object stores without it get last-writer-wins.
 """
 
 from __future__ import annotations

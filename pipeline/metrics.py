@@ -2,12 +2,8 @@
 
 One row per finished ppo iteration: the mean score of its rollout (the policy before that
 iteration's update), the means of its per-step metrics, and — at the iterations the run validates —
-the validation of the actor it wrote: ``val_score`` (mean@n: the mean over every validation
-sample), ``val_score_<term>`` (each reward term's mean), ``val_best@n`` (each prompt's best of its n
-samples, averaged) and ``val_pass@k`` for k = 1, 2, 4, … ≤ n and n (the unbiased estimator of the
-chance that one of k samples passes: 1 − C(n−c, k) / C(n, k) for a prompt with c passing samples,
-averaged over prompts; a sample passes when its score reaches ``validation.pass_threshold``).
-The driver also hands the rows to TensorBoard and W&B (``pipeline/monitor.py``).
+the validation of the actor it wrote (docs/pipeline.md, "A long run", names each validation metric
+and pass@k's estimator). The driver also hands the rows to TensorBoard and W&B (``pipeline/monitor.py``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The run's metrics rows, also to TensorBoard and W&B (the spec's ``metrics:``), from the driver.
 
-Each sink gets the same rows as ``metrics.jsonl`` (pipeline/metrics.py), one point per iteration:
-training metrics under ``train/``, the validation's under ``val/`` (``val_score`` → ``val/score``,
-``val_pass@4`` → ``val/pass_at_4``). A row grows after it is first written (its validation ends later)
-and a `llamarl run` can stop and resume, so what each sink holds is recorded in the run directory
-(``pipeline/monitor.json``): a point is written once, again only if its value changed (a stage that
-ran again), and a resumed run goes on in the same TensorBoard folder and the same W&B run.
+Each sink gets the same rows as ``metrics.jsonl``, one point per iteration, named by ``tag``. A row
+grows after it is first written (its validation ends later) and a `llamarl run` can stop and
+resume, so what each sink holds is recorded (``pipeline/monitor.json``): a point is written once,
+again only if its value changed, and a resumed run goes on in the same TensorBoard folder and W&B run.
 """
 
 from __future__ import annotations
@@ -65,14 +63,11 @@ class Monitor:
     def active(self) -> bool:
         return self.metrics.tensorboard is not None or self.metrics.wandb is not None
 
-    def _state(self) -> dict:
-        fs, path = fsspec.core.url_to_fs(self.state_url)
-        return json.loads(fs.cat_file(path)) if fs.exists(path) else {}
-
     def update(self, rows: list[dict]) -> None:
         if not self.active:
             return
-        state = self._state()
+        fs, path = fsspec.core.url_to_fs(self.state_url)
+        state = json.loads(fs.cat_file(path)) if fs.exists(path) else {}
         new = points(rows)
         if self.metrics.tensorboard is not None:
             written = state.setdefault("tensorboard", {})

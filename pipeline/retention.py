@@ -1,12 +1,8 @@
-"""Retention: what of a finished iteration is deleted as the run goes on (the spec's ``retention``).
-
-Once a newer ppo has published, the ppo outputs of iterations older than the last ``keep_last``
-lose their training state, and their actor (and critic) weights unless the iteration is a multiple
-of ``keep_every``; with ``keep_samples: false`` a rollout and its scores go once their ppo has
-published (a validation's once its metrics are recorded). An output is deleted only when every
-stage that reads it is done — so nothing a running stage, a resumed one, a validation or the export
-needs ever goes — and through ``publish.retire``: its manifest stays, so it stays done in the
-records (a rerun does not redo it) and what was made from it keeps its key.
+"""Retention: what of a finished iteration is deleted as the run goes on (the spec's ``retention``;
+docs/pipeline.md, "A long run", says what goes when). An output is deleted only when every stage
+that reads it is done — so nothing a running stage, a resumed one, a validation or the export needs
+ever goes — and through ``publish.retire``: its manifest stays, so it stays done in the records (a
+rerun does not redo it) and what was made from it keeps its key.
 """
 
 from __future__ import annotations

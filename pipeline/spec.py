@@ -1,28 +1,11 @@
-"""The run spec: one YAML file describing a whole PPO run.
-
-    name: demo
-    storage: /shared/runs            # any fsspec URL; the run lives in STORAGE/NAME
-    actor: /models/llama-1b          # HF checkpoint of the initial actor (and reference)
-    reward_model: /models/rm         # HF LlamaForSequenceClassification, optional
-    prompts: /data/prompts.jsonl
-    prompts_per_iteration: 512       # optional: each iteration takes the next 512 of a seeded order
-    seed: 0                          # the prompts' order and each iteration's sampling seed derive from it
-    iterations: 3
-    validation: {prompts: /data/val.jsonl, every: 10, sampling: {temperature: 0}}   # optional
-    retention: {keep_last: 2}        # optional: delete older iterations' training state and weights
-    metrics: {tensorboard: /shared/tb/demo}                                          # optional
-    layout: {shard: {tp: 2}, rollout: {tp: 2}, score: {tp: 2}, ppo: {tp: 2}, export: {procs: 2}}
-    rollout: {...}                   # options of the rollout stage (``llamarl stage rollout --help``)
-    score: {...}                     # options of the score stage (rewards, …)
-    ppo: {...}                       # options of the ppo stage
-    export: {dtype: bf16}
-    executor: {kind: local}          # local | slurm | kubernetes, with their options
+"""The run spec: one YAML file describing a whole PPO run (docs/pipeline.md, "A long run", has one
+to copy; ``llamarl stage NAME --help`` lists a stage's options).
 
 Stage options are those of each stage's config (``llamarl.stages.config``) except inputs, outputs
 and layout, which the pipeline fills in. Each stage's ``layout`` takes only the counts that stage
-uses (shard: tp, pp; rollout: tp, dp; score and ppo: tp, pp, dp; export: procs; all: nodes); its processes
-are their product (``stages.config.processes``), the same function a stage's config answers with.
-This module holds what a spec may say; ``pipeline/dag.py``'s ``load_spec`` checks a spec whole.
+uses; its processes are their product (``stages.config.processes``), the same function a stage's
+config answers with. This module holds what a spec may say; ``pipeline/dag.py``'s ``load_spec``
+checks a spec whole.
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ def rank_world() -> tuple[int, int]:
 
 
 def all_gather_object(obj) -> list:
-    """Collective: every rank's ``obj``, by rank. Alone (a world of one) no collective runs: on
-    NCCL the first one would build a communicator, most of a second."""
+    """Collective: every rank's ``obj``, by rank."""
     if (dist := _dist()) is not None and dist.get_world_size() > 1:
         out: list = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
@@ -61,8 +60,6 @@ def leave() -> None:
 
 def agree(error: str | None) -> str | None:
     """Collective: the first error any rank hit (by rank), or None if none did."""
-    if rank_world()[1] == 1:
-        return error
     return next((e for e in all_gather_object(error) if e is not None), None)
 
 

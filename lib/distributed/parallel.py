@@ -1,23 +1,18 @@
-"""Process groups: set up from the torchrun environment; this module is their one owner.
-
-Everything in llamarl asks this module for ranks and groups; nothing else builds groups.
-NCCL on GPU, gloo on CPU — the same collectives are used on both.
+"""Process groups: set up from the torchrun environment; this module is their one owner (nothing
+else in llamarl builds a group). NCCL on GPU, gloo on CPU — the same collectives are used on both.
 
 A model asks once, when it is built, and keeps its ``Topology`` and TP group; its layers,
 ``schedule`` and ``generate`` pass them to each function that communicates (``mappings``,
 ``vocab_parallel``), so the model's code never looks a group up at call time. None stands for
 "no group" (a model built without ``init``): one rank, nothing to communicate.
 
-The grid is megatron-core's default order (tensor fastest, then data, then pipeline):
-``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, and the groups are the ones its
-``parallel_state`` builds (tests/test_parallel.py checks them against it). They are built here
-rather than by ``parallel_state`` because importing megatron-core costs every stage process 4–6 s
-of start-up for what is a few ``new_group`` calls.
+The grid is megatron-core's default order (tensor fastest, then data, then pipeline), and the
+groups are the ones its ``parallel_state`` builds (tests/test_parallel.py checks them against it;
+docs/lib.md says why they are built here instead).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import time
@@ -117,33 +112,21 @@ def init(tp: int = 1, pp: int = 1, *, dp: int | None = None, backend: str | None
         joined_at = time.time()
     destroy_model_parallel()
     dp, rank = world // (tp * pp), dist.get_rank()
-    grid = Topology(tp, pp, dp, rank % tp, rank // (tp * dp), (rank // tp) % dp)
-    mine: dict[str, object] = {}
-
-    def build(kind: str, ranks: list[int]) -> None:
-        # Every rank creates every group, in the same order (new_group is collective). A group
-        # does not take the job's timeout from the global group: it is given here.
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            mine[kind] = group
-
-    for d in range(dp):
-        for p in range(pp):
-            build("tp", [grid.rank_of(t, d, p) for t in range(tp)])
-    for t in range(tp):
-        for p in range(pp):
-            build("dp", [grid.rank_of(t, d, p) for d in range(dp)])
-    for t in range(tp):
-        for d in range(dp):
-            build("pp", [grid.rank_of(t, d, p) for p in range(pp)])
-    for d in range(dp):
-        build("model_parallel", [grid.rank_of(t, d, p) for p in range(pp) for t in range(tp)])
-    if pp > 1:
-        for t in range(tp):
-            for d in range(dp):
-                build("embedding", [grid.rank_of(t, d, 0), grid.rank_of(t, d, pp - 1)])
-    groups = Groups(mine["tp"], mine["dp"], mine["pp"], mine["model_parallel"], mine.get("embedding"))
-    _TOPOLOGY = dataclasses.replace(grid, groups=groups)
+    grid = torch.arange(world).view(pp, dp, tp)  # grid[p, d, t] is rank t + tp * (d + dp * p)
+    # Each kind of group as the grid with the axes it spans last: each row of it is one group.
+    kinds = {"tp": grid, "dp": grid.movedim(1, -1), "pp": grid.movedim(0, -1),
+             "model_parallel": grid.movedim(1, 0).flatten(1)}
+    if pp > 1:  # the first and the last pipeline stage
+        kinds["embedding"] = grid[[0, -1]].movedim(0, -1)
+    mine = {}
+    for kind, groups in kinds.items():
+        for ranks in groups.reshape(-1, groups.shape[-1]).tolist():
+            # Every rank creates every group, in the same order (new_group is collective). A
+            # group does not take the job's timeout from the global group: it is given here.
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[kind] = group
+    _TOPOLOGY = Topology(tp, pp, dp, rank % tp, rank // (tp * dp), (rank // tp) % dp, Groups(**mine))
     return _TOPOLOGY
 
 

@@ -4,10 +4,8 @@ The attention metadata (``AttentionMetadata``, as vLLM and flash-attn users know
 
 * ``Padded``: tokens are ``batch × seqlen`` rows with a key-padding mask (SDPA with a mask).
 * ``Packed``: the valid tokens of all sequences back to back, delimited by ``cu_seqlens``
-  (remove-padding). Backends, fastest first: sequences all of one length as one dense causal
-  SDPA batch (cuDNN on Hopper); flash-attn's ``flash_attn_varlen_func`` when it imports;
-  ``torch.nn.attention.varlen.varlen_attn`` on CUDA; SDPA per sequence on CPU and for fp32 (the
-  varlen kernels are fp16/bf16 only).
+  (remove-padding), through the backend ``attention_backend`` picks (docs/lib.md, "Attention
+  backends", says which runs when).
 * ``Prefill`` / ``Decode``: generation over a preallocated ``KVCache`` — packed prompts that
   also fill the cache, then one token per sequence attending over its cache.
 

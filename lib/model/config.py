@@ -20,6 +20,8 @@ class ConfigError(UserError, ValueError):
 
 
 _SUPPORTED_ROPE = ("default", "linear", "llama3")
+# Our field names that HF spells otherwise; every other field is HF's own name.
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
 
 
 def compute_dtype(name: str, device):
@@ -142,29 +144,10 @@ class LlamaConfig:
         return cls.from_hf(d, source=path)
 
     def to_hf(self, architecture: str = "LlamaForCausalLM") -> dict:
-        """An HF ``config.json`` dict that ``transformers`` loads back into the same model."""
-        return {
-            "architectures": [architecture],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "mlp_bias": self.mlp_bias,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-        }
+        """An HF ``config.json`` dict that ``transformers`` loads back into the same model: every
+        field under its HF name (``_HF_NAMES``), so a field added here reaches exported configs."""
+        return {"architectures": [architecture], "model_type": "llama", "hidden_act": "silu",
+                **{_HF_NAMES.get(name, name): value for name, value in self.to_dict().items()}}
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -149,28 +149,23 @@ def _whole(cfg: LlamaConfig, name: str) -> Slice:
 SliceReader = Callable[[str, int, int, int], "torch.Tensor"]
 
 
-def read_slice(read: SliceReader, s: Slice, hf_size: int) -> torch.Tensor:
-    """Read ``s``; rows past the HF tensor's end (vocab padding) come back as zeros."""
-    stop = min(s.stop, hf_size)
-    part = read(s.hf_name, s.dim, s.start, stop) if stop > s.start else None
-    if stop == s.stop:
-        return part
-    pad_shape = list(part.shape if part is not None else ())
-    if part is None:
-        raise ValueError(f"slice {s} lies entirely in padding")
-    pad_shape[s.dim] = s.stop - stop
-    import torch
-
-    return torch.cat([part, part.new_zeros(pad_shape)], dim=s.dim)
-
-
 def build_local(cfg: LlamaConfig, tp: int, tp_rank: int, name: str, read: SliceReader,
                 head: str = "lm") -> torch.Tensor:
-    shapes = hf_shapes(cfg, head)
-    slices = param_slices(cfg, tp, tp_rank, name)
-    parts = [read_slice(read, s, shapes[s.hf_name][s.dim]) for s in slices]
+    """TP rank ``tp_rank``'s parameter ``name``, its HF slices read through ``read``; rows past an
+    HF tensor's end (vocabulary padding) are zeros."""
     import torch
 
+    shapes, parts = hf_shapes(cfg, head), []
+    slices = param_slices(cfg, tp, tp_rank, name)
+    for s in slices:
+        stop = min(s.stop, shapes[s.hf_name][s.dim])
+        if stop <= s.start:
+            raise ValueError(f"slice {s} lies entirely in padding")
+        parts.append(read(s.hf_name, s.dim, s.start, stop))
+        if stop < s.stop:
+            pad = list(parts[-1].shape)
+            pad[s.dim] = s.stop - stop
+            parts.append(parts[-1].new_zeros(pad))
     return torch.cat(parts, dim=slices[0].dim)
 
 

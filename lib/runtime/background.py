@@ -98,9 +98,7 @@ class Behind:
 
     def close(self) -> None:
         """Wait for every item; raise the first failure."""
-        if self._thread is not None:
-            self._queue.put(self._END)
-            self._thread.join()
+        self.stop()
         self._raise()
 
     def stop(self) -> None:

@@ -34,10 +34,7 @@ class StackSampler:
         self.samples: list[tuple[float, str, str]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
-
-    def start(self) -> "StackSampler":
         self._thread.start()
-        return self
 
     def _run(self) -> None:
         me = threading.get_ident()
@@ -70,4 +67,4 @@ def from_env() -> StackSampler | None:
     folder = os.environ.get(STACKS_ENV)
     if not folder:
         return None
-    return StackSampler(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}-{os.getpid()}.stacks.jsonl")).start()
+    return StackSampler(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}-{os.getpid()}.stacks.jsonl"))
