@@ -197,9 +197,9 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
                 if schedule.failure is not None or not schedule.waiting:
                     break
                 continue  # skipped stages made others ready
-            # Once a second: a waiting stage may start from a part of a running one, and a stop the
-            # interpreter dropped is raised again (errors.check_stop).
-            ended, _ = wait(schedule.running, timeout=1.0, return_when=FIRST_COMPLETED)
+            # Now and then: a waiting stage may start from a part of a running one (Schedule.poll_s),
+            # and a stop the interpreter dropped is raised again (errors.check_stop).
+            ended, _ = wait(schedule.running, timeout=schedule.poll_s(), return_when=FIRST_COMPLETED)
             check_stop()
             schedule.step(ended, pool)
     except BaseException as e:  # stopped (a signal, Ctrl-C) or failed: no stage process may outlive us

@@ -86,6 +86,9 @@ def _made_by(n: Node, by_name: dict[str, Node]) -> str:
     return MADE_ELSEWHERE
 
 
+PART_POLL_S = 0.2  # how often a part of a running stage is looked for (a manifest's existence: cheap)
+
+
 class Schedule:
     """The stages of one ``llamarl run`` as they wait, run and end. Every stage whose inputs are
     done starts, up to the executor's concurrency (the local executor's max_concurrent_stages; a
@@ -163,6 +166,16 @@ class Schedule:
             self.running[pool.submit(self.executor.run, n.stage, n.make_config(), n.nprocs, n.layout.nodes,
                                      name=n.name)] = n
         self.prepare_next()
+
+    def poll_s(self) -> float:
+        """How long the driver may wait for a stage to end before it looks again: a fifth of a second
+        while a waiting stage may start from a part of a running one (a rollout from its ppo's
+        ``actor/``: each wait is on the iteration's critical path), else a second."""
+        if len(self.running) < self.limit:
+            running = {m.name for m in self.running.values()}
+            if any(i in running for n in self.waiting for i in n.reads):
+                return PART_POLL_S
+        return 1.0
 
     def prepare_next(self) -> None:
         """Tell the executor, once each, of the waiting stages that come next: each of whose inputs

@@ -189,14 +189,14 @@ BAD_YAML = [  # (a spec's or an options file's text, what its one line says afte
 def test_a_yaml_file_that_means_no_one_thing_is_one_line(tmp_path, text, says, monkeypatch):
     from typer.testing import CliRunner
 
-    from llamarl.lib.runtime.job import _load
+    from llamarl.lib.runtime.job import load_config
     from llamarl.pipeline import cli
     from llamarl.stages.config import ExportConfig
 
     path = tmp_path / "file.yaml"
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
     assert _one_line(lambda: load_spec(str(path))).startswith(f"{path}: {says}")  # llamarl run
-    assert _one_line(lambda: _load(ExportConfig, ["--config", str(path)])).startswith(f"{path}: {says}")  # a stage
+    assert _one_line(lambda: load_config(ExportConfig, ["--config", str(path)])).startswith(f"{path}: {says}")  # a stage
     monkeypatch.setattr(cli, "_run_local", lambda *a: pytest.fail("started"))
     result = CliRunner().invoke(cli.app, ["stage", "score", "R", str(tmp_path / "o"), "--config", str(path)])
     lines = result.output.splitlines()

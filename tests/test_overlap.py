@@ -181,8 +181,27 @@ def test_the_executor_hears_of_each_stage_that_comes_next_while_others_run(tmp_p
     assert set(ex.prepared) <= set(by)
     # ppo 1 reads rollout 1 and its scores: it is next once rollout 1 starts, before the scores do.
     assert ev["shard/actor"][1] < ex.prepared["iter-001/ppo"] < ev["iter-001/rollout"][1]
-    assert ev["iter-002/rollout"][0] <= ex.prepared["iter-002/ppo"] < ev["iter-002/ppo"][0]
+    assert ev["iter-001/ppo: actor/"] < ex.prepared["iter-002/ppo"] < ev["iter-002/ppo"][0]
     assert all(ex.prepared[n] < ev[n][0] for n in ex.prepared)
+
+
+def test_the_driver_looks_for_a_part_of_a_running_stage_five_times_a_second(tmp_path):
+    from llamarl.pipeline import schedule as schedule_module
+
+    spec = load_spec(_spec(tmp_path, 0, iterations=2))
+    nodes = build_dag(spec)
+    by = {n.name: n for n in nodes}
+    sched = schedule_module.Schedule(spec, nodes, by, _PublishingExecutor(2), echo=lambda m: None)
+    sched.waiting = [n for n in nodes if n.name not in ("iter-001/ppo",)]
+    sched.running = {"ppo": by["iter-001/ppo"]}  # rollout 2 may start from its actor/
+    assert sched.poll_s() == schedule_module.PART_POLL_S == 0.2
+    sched.running = {"rollout": by["iter-001/rollout"]}  # nothing waits on a part of it
+    assert sched.poll_s() == 1.0
+    sched.running = {"ppo": by["iter-001/ppo"], "other": by["iter-001/rollout"]}  # no room for another
+    assert sched.poll_s() == 1.0
+    # A stand-in run: rollout 2 starts within a poll of ppo 1's actor/ (before: up to a second).
+    ev = _schedule(_spec(tmp_path, 0, iterations=2), 2)[0].events
+    assert 0 <= ev["iter-002/rollout"][0] - ev["iter-001/ppo: actor/"] < 0.5
 
 
 def test_one_stage_at_a_time_keeps_the_order(tmp_path):
