@@ -202,10 +202,12 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
             ended, _ = wait(schedule.running, timeout=schedule.poll_s(), return_when=FIRST_COMPLETED)
             check_stop()
             schedule.step(ended, pool)
+        schedule.metrics.close()  # the last metrics written, or their failure raised
     except BaseException as e:  # stopped (a signal, Ctrl-C) or failed: no stage process may outlive us
         schedule.stop(e)
         raise
     finally:
+        schedule.metrics.stop()
         schedule.monitor.close()
         if schedule.trash is not None:
             schedule.trash.close()

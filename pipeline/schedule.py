@@ -11,6 +11,7 @@ import fsspec
 
 from llamarl.cluster.executor import Executor
 from llamarl.lib.errors import Stopped, UserError
+from llamarl.lib.runtime.background import Behind
 
 from .dag import VALIDATE, Node, early_parts
 from .metrics import update_metrics, validation_metrics
@@ -108,6 +109,10 @@ class Schedule:
         self.given_up: dict[str, str] = {}
         self.report: list[tuple[str, str]] = []
         self.monitor = Monitor(spec)
+        # The run's metrics and their plot (a second or so, more as the run grows) are written in a
+        # thread of their own, in order: the loop goes on starting stages meanwhile.
+        self.metrics = Behind(lambda n: update_metrics_after(spec, n, self.monitor), depth=8, background=True,
+                              name="metrics")
         self.trash: Trash | None = None  # while stages run here (``_run_nodes``)
 
     def skipped(self, n: Node, will_run: set[str]) -> tuple[bool, str]:
@@ -154,7 +159,8 @@ class Schedule:
             if done:
                 self.finished.add(n.name)
                 if why == MADE_ELSEWHERE:
-                    after_done(self.spec, n, self.nodes, self.by_name, self.monitor, self.echo, self.trash)
+                    retire_done(self.spec, self.nodes, self.by_name, self.echo, self.trash)
+                    self.metrics.put(n)
                 continue
             early_from = [input_url(n, i, self.by_name)[len(run) + 1 :] for i in n.inputs if i not in self.finished]
             if early_from:
@@ -195,13 +201,13 @@ class Schedule:
     def step(self, ended, pool: ThreadPoolExecutor) -> None:
         """After a wait: record the stages that ``ended``, and start what they made ready. Retention's
         deletions (moved to the trash, emptied beside) come before the start, for the started
-        stage's free-space check; the run's metrics and their plot (a second or so) after."""
+        stage's free-space check; the run's metrics after, behind (``metrics``)."""
         done = self.collect(ended)
         if done:
             retire_done(self.spec, self.nodes, self.by_name, self.echo, self.trash)
         self.start_ready(pool)
         for n in done:
-            update_metrics_after(self.spec, n, self.monitor)
+            self.metrics.put(n)
 
     def collect(self, ended) -> list[Node]:
         """Record the stages that ended, done or failed; the done ones."""
