@@ -16,7 +16,8 @@ The writer is ours rather than ``torch.distributed.checkpoint.save`` for what DC
   the same tensors is the same bytes, every file of it (a killed ppo's rerun ends bit-identical).
 
 Items are ``torch.save``'s archives with their records' CRC-32 left 0 (torch's
-``set_crc32_options``): the manifest's checksum covers every byte, and ``torch.load`` checks no CRC.
+``set_crc32_options``, set by each writer thread: torch keeps it per thread): the manifest's
+checksum covers every byte, and ``torch.load`` checks no CRC.
 """
 
 from __future__ import annotations
@@ -127,15 +128,20 @@ def _write_file(url: str, pieces: list[Piece]) -> list[tuple]:
     ``(fqn, offsets, shape, file, begin, length)`` per piece."""
     name = url.rsplit("/", 1)[1]
     out = []
-    with publish.open_write(url) as f:
-        for p in pieces:
-            begin = f.tell()
-            t = p.get()
-            if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
-                raise ValueError(f"{p.fqn} at {list(p.offsets)}: got {t.dtype} {list(t.shape)}, planned "
-                                 f"{p.dtype} {list(p.shape)}")
-            _write_item(f, t)
-            out.append((p.fqn, p.offsets, p.shape, name, begin, f.tell() - begin))
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)  # this thread's: see the module's docstring
+    try:
+        with publish.open_write(url) as f:
+            for p in pieces:
+                begin = f.tell()
+                t = p.get()
+                if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+                    raise ValueError(f"{p.fqn} at {list(p.offsets)}: got {t.dtype} {list(t.shape)}, planned "
+                                     f"{p.dtype} {list(p.shape)}")
+                _write_item(f, t)
+                out.append((p.fqn, p.offsets, p.shape, name, begin, f.tell() - begin))
+    finally:
+        torch.serialization.set_crc32_options(crc)
     return out
 
 
@@ -223,9 +229,7 @@ def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
     mine = assign([p for p, _ in plans])[rank]
     buckets = _buckets([p for p in pieces if (p.fqn, tuple(p.offsets)) in mine], threads)
     failure, written = None, []
-    crc = torch.serialization.get_crc32_options()
     try:
-        torch.serialization.set_crc32_options(False)
         fs, path = fsspec.core.url_to_fs(url)
         fs.makedirs(path, exist_ok=True)
         with ThreadPoolExecutor(max(1, len(buckets))) as pool:
@@ -233,8 +237,6 @@ def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
                 written += part
     except Exception as e:  # raised on every rank below
         failure = e
-    finally:
-        torch.serialization.set_crc32_options(crc)
     results = collectives.all_gather_object((collectives.describe(failure, rank), written))
     first = next((f for f, _ in results if f is not None), None)
     if rank == 0 and first is None:
