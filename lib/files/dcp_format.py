@@ -23,6 +23,7 @@ checksum covers every byte, and ``torch.load`` checks no CRC.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import importlib
 import io
@@ -214,6 +215,15 @@ def _buckets(pieces: list[Piece], n: int) -> list[list[Piece]]:
 _DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"  # imported by ``_metadata``
 
 
+@functools.cache  # once a process
+def start_metadata_import() -> None:
+    """Import DCP's classes for ``.metadata`` on a thread. The import takes about half a second
+    (DTensor, sympy): the rank that writes ``.metadata`` (rank 0) starts it as early as it can, so
+    that it runs beside the rank's waits and writes rather than before ``.metadata``."""
+    threading.Thread(target=importlib.import_module, args=(_DCP_FILESYSTEM,), name="llamarl-dcp-import",
+                     daemon=True).start()
+
+
 def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
     """Collective over the stage's processes: every rank passes the pieces it holds; a piece held by
     several ranks is written once. Each rank writes its pieces into up to ``threads`` files at once;
@@ -221,8 +231,8 @@ def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
     and leaves no ``.metadata``."""
     url = url.rstrip("/")
     rank, _world = collectives.rank_world()
-    if rank == 0:  # DCP's classes for ``.metadata`` take about a second to import: behind the writes
-        threading.Thread(target=importlib.import_module, args=(_DCP_FILESYSTEM,), daemon=True).start()
+    if rank == 0:
+        start_metadata_import()
     plan = [(p.fqn, p.offsets, p.shape, p.nbytes) for p in pieces]
     tensors = {p.fqn: (tuple(p.size), p.dtype) for p in pieces}
     plans = collectives.all_gather_object((plan, tensors))
