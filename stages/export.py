@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from llamarl.lib.files import checkpoint, outputs, publish
+from llamarl.lib.files import checkpoint, outputs, publish, ranges
 from llamarl.lib import dtypes
 from llamarl.lib.model import hf_mapping
 from llamarl.lib.runtime import job
@@ -69,7 +69,7 @@ class _Unreadable(Exception):
 def _tensor(url: str, md, name: str, dtype: torch.dtype) -> torch.Tensor:
     """Tensor ``name`` of the checkpoint, whole, as ``dtype``."""
     stored = md.state_dict_metadata[name]
-    t = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+    t = ranges.empty(tuple(stored.size), stored.properties.dtype)
     try:
         checkpoint.read({name: t}, url, md)
     except Exception as e:  # whatever reading met: a file gone, cut short, or not DCP's

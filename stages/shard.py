@@ -101,6 +101,8 @@ def _pieces(weights: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, topo: T
 
 
 def run(cfg: ShardConfig) -> None:
+    if os.environ.get("RANK", "0") == "0":  # the writer of .metadata: its import beside the start-up
+        dcp_format.start_metadata_import()
     space.check(cfg)
     src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
     fs, src_path = fsspec.core.url_to_fs(src)

@@ -2,6 +2,7 @@
 
 - items are ``torch.save``'s archives, and the parser finds the tensor in any of them;
 - a checkpoint written again from the same tensors is the same bytes, ``.metadata`` too;
+- its items' CRC-32 is 0, on every writer thread;
 - a failure on one rank raises on every rank as its kind (a user error, a full disk, a bug);
 - a checkpoint written before the writer moved onto torch (tests/data/ckpt-db68fda) still loads
   and exports bit for bit;
@@ -61,6 +62,29 @@ def test_a_checkpoint_written_again_is_the_same_bytes(tmp_path):
            "rows": torch.zeros(64, 40)}
     checkpoint.load(out, str(tmp_path / "a"))
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and torch.equal(out["rows"], big)
+
+
+def test_items_leave_their_crc_32_at_0_on_every_writer_thread(tmp_path):
+    # torch's set_crc32_options is the calling thread's own: each writer thread turns it off for
+    # itself (computing CRC-32 is the slowest part of a write), and the caller's is left as it was.
+    import zipfile
+
+    state = {f"t{i}": torch.randn(64, 32 + i) for i in range(6)}
+    assert torch.serialization.get_crc32_options()
+    checkpoint.save(state, str(tmp_path / "a"), threads=3)
+    assert torch.serialization.get_crc32_options()
+    md = dcp_format.read_metadata(str(tmp_path / "a"))
+    assert len({info.relative_path for info in md.storage_data.values()}) == 3
+    for info in md.storage_data.values():
+        with open(tmp_path / "a" / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            item = f.read(info.length)
+        with zipfile.ZipFile(io.BytesIO(item)) as z:
+            records = z.infolist()
+            assert records and all(r.CRC == 0 for r in records), [(r.filename, r.CRC) for r in records]
+    out = {n: torch.zeros_like(t) for n, t in state.items()}
+    checkpoint.load(out, str(tmp_path / "a"))
+    assert all(torch.equal(out[n], state[n]) for n in state)
 
 
 def save_failing_on_rank_1(url: str, failure: str) -> str:

@@ -515,6 +515,57 @@ def test_slices_read_by_many_threads_at_once_are_each_their_own(tmp_path):
         assert torch.equal(t, w.narrow(dim, a, b - a)), (dim, a, b)
 
 
+def _mapping_flags(address: int) -> str | None:
+    """The ``VmFlags`` of this process's memory mapping that holds ``address`` (None: none does)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split(":", 1)[1]
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_large_read_buffers_are_huge_page_mappings_freed_with_their_tensor():
+    # A buffer torch's allocator would map afresh (and the kernel fault in 4 KiB at a time) is a
+    # mapping of its own, advised for transparent huge pages; a view keeps it, the last one frees it.
+    import gc
+
+    from llamarl.lib.files import ranges
+
+    t = ranges.empty((1024, 1024), torch.float32)
+    assert t.shape == (1024, 1024) and t.dtype == torch.float32 and t.is_contiguous()
+    address = t.data_ptr()
+    assert " hg" in _mapping_flags(address)
+    view = t[3:5]
+    del t
+    gc.collect()
+    view.fill_(2.0)
+    assert view.sum().item() == 2.0 * 2 * 1024
+    del view
+    gc.collect()
+    assert " hg" not in (_mapping_flags(address) or "")
+    small = ranges.empty((4, 3), torch.bfloat16)  # below a huge page: torch's own allocation
+    assert small.shape == (4, 3) and small.dtype == torch.bfloat16
+
+
+def test_large_row_and_column_slices_read_into_huge_page_buffers(tmp_path):
+    from safetensors.torch import save_file
+
+    from llamarl.lib.files.safetensors_io import SafetensorsFile
+
+    w = torch.randn(1024, 1536, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # 3 MiB
+    save_file({"w": w, "b": torch.arange(5)}, str(tmp_path / "model.safetensors"))
+    f = SafetensorsFile(str(tmp_path / "model.safetensors"))
+    for dim, a, b in ((0, 0, 1024), (0, 100, 1000), (1, 0, 1536), (1, 10, 1100)):
+        assert torch.equal(f.read("w", dim, a, b), w.narrow(dim, a, b - a)), (dim, a, b)
+    assert torch.equal(f.read("b"), torch.arange(5))
+
+
 def test_unpublished_checkpoint_is_refused(tmp_path):
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / publish.INCOMPLETE).write_text("")

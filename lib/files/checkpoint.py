@@ -123,7 +123,10 @@ class _Read:
 
 
 def _plan(state: dict, md, url: str) -> list[_Read]:
-    storage = {(k.fqn, tuple(k.offset)): v for k, v in md.storage_data.items()}
+    # DCP's own key of a chunk's storage (imported already: ``md`` is made of DCP's classes). Looked
+    # up per chunk: export plans one tensor at a time, against every chunk of the checkpoint.
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
     reads = []
     for fqn, (size, pieces) in _pieces(state).items():
         stored = md.state_dict_metadata.get(fqn)
@@ -138,7 +141,7 @@ def _plan(state: dict, md, url: str) -> list[_Read]:
                 hi = [min(a + n, b + m) for a, n, b, m in zip(off, target.shape, chunk.offsets, chunk.sizes)]
                 if any(h <= low for low, h in zip(lo, hi)):
                     continue
-                info = storage[(fqn, tuple(chunk.offsets))]
+                info = md.storage_data[MetadataIndex(fqn, chunk.offsets)]
                 if info.transform_descriptors:
                     raise ValueError(f"{url}: {fqn} was written with DCP stream extensions "
                                      f"{info.transform_descriptors}; llamarl reads plain DCP checkpoints")

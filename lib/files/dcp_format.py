@@ -16,12 +16,14 @@ The writer is ours rather than ``torch.distributed.checkpoint.save`` for what DC
   the same tensors is the same bytes, every file of it (a killed ppo's rerun ends bit-identical).
 
 Items are ``torch.save``'s archives with their records' CRC-32 left 0 (torch's
-``set_crc32_options``): the manifest's checksum covers every byte, and ``torch.load`` checks no CRC.
+``set_crc32_options``, set by each writer thread: torch keeps it per thread): the manifest's
+checksum covers every byte, and ``torch.load`` checks no CRC.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import importlib
 import io
@@ -127,15 +129,20 @@ def _write_file(url: str, pieces: list[Piece]) -> list[tuple]:
     ``(fqn, offsets, shape, file, begin, length)`` per piece."""
     name = url.rsplit("/", 1)[1]
     out = []
-    with publish.open_write(url) as f:
-        for p in pieces:
-            begin = f.tell()
-            t = p.get()
-            if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
-                raise ValueError(f"{p.fqn} at {list(p.offsets)}: got {t.dtype} {list(t.shape)}, planned "
-                                 f"{p.dtype} {list(p.shape)}")
-            _write_item(f, t)
-            out.append((p.fqn, p.offsets, p.shape, name, begin, f.tell() - begin))
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)  # this thread's: see the module's docstring
+    try:
+        with publish.open_write(url) as f:
+            for p in pieces:
+                begin = f.tell()
+                t = p.get()
+                if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+                    raise ValueError(f"{p.fqn} at {list(p.offsets)}: got {t.dtype} {list(t.shape)}, planned "
+                                     f"{p.dtype} {list(p.shape)}")
+                _write_item(f, t)
+                out.append((p.fqn, p.offsets, p.shape, name, begin, f.tell() - begin))
+    finally:
+        torch.serialization.set_crc32_options(crc)
     return out
 
 
@@ -208,6 +215,15 @@ def _buckets(pieces: list[Piece], n: int) -> list[list[Piece]]:
 _DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"  # imported by ``_metadata``
 
 
+@functools.cache  # once a process
+def start_metadata_import() -> None:
+    """Import DCP's classes for ``.metadata`` on a thread. The import takes about half a second
+    (DTensor, sympy): the rank that writes ``.metadata`` (rank 0) starts it as early as it can, so
+    that it runs beside the rank's waits and writes rather than before ``.metadata``."""
+    threading.Thread(target=importlib.import_module, args=(_DCP_FILESYSTEM,), name="llamarl-dcp-import",
+                     daemon=True).start()
+
+
 def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
     """Collective over the stage's processes: every rank passes the pieces it holds; a piece held by
     several ranks is written once. Each rank writes its pieces into up to ``threads`` files at once;
@@ -215,17 +231,15 @@ def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
     and leaves no ``.metadata``."""
     url = url.rstrip("/")
     rank, _world = collectives.rank_world()
-    if rank == 0:  # DCP's classes for ``.metadata`` take about a second to import: behind the writes
-        threading.Thread(target=importlib.import_module, args=(_DCP_FILESYSTEM,), daemon=True).start()
+    if rank == 0:
+        start_metadata_import()
     plan = [(p.fqn, p.offsets, p.shape, p.nbytes) for p in pieces]
     tensors = {p.fqn: (tuple(p.size), p.dtype) for p in pieces}
     plans = collectives.all_gather_object((plan, tensors))
     mine = assign([p for p, _ in plans])[rank]
     buckets = _buckets([p for p in pieces if (p.fqn, tuple(p.offsets)) in mine], threads)
     failure, written = None, []
-    crc = torch.serialization.get_crc32_options()
     try:
-        torch.serialization.set_crc32_options(False)
         fs, path = fsspec.core.url_to_fs(url)
         fs.makedirs(path, exist_ok=True)
         with ThreadPoolExecutor(max(1, len(buckets))) as pool:
@@ -233,8 +247,6 @@ def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
                 written += part
     except Exception as e:  # raised on every rank below
         failure = e
-    finally:
-        torch.serialization.set_crc32_options(crc)
     results = collectives.all_gather_object((collectives.describe(failure, rank), written))
     first = next((f for f, _ in results if f is not None), None)
     if rank == 0 and first is None:

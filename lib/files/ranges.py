@@ -1,13 +1,16 @@
 """Byte ranges of files read into memory without an intermediate copy: ``read_into`` a buffer
-(``preadv`` on local files, a range request elsewhere); ``MemoryFile`` and ``Sparse``, read-only
-files over bytes already read (what torch's zip reader is given); ``Staging``, the pinned buffers
-that blocks bound for a GPU pass through, and ``read_staged``, which reads through them.
+(``preadv`` on local files, a range request elsewhere) such as one from ``empty``; ``MemoryFile``
+and ``Sparse``, read-only files over bytes already read (what torch's zip reader is given);
+``Staging``, the pinned buffers that blocks bound for a GPU pass through, and ``read_staged``,
+which reads through them.
 """
 
 from __future__ import annotations
 
 import collections
 import io
+import math
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -55,6 +58,22 @@ class MemoryFile(Sparse):
 
     def __init__(self, view: memoryview):
         super().__init__(view, b"", len(view))
+
+
+HUGE_BYTES = 2 << 20  # a transparent huge page: buffers this large get pages of this size
+
+
+def empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor for bytes about to be read into it. One of ``HUGE_BYTES`` or
+    more is an anonymous mapping of its own, advised for transparent huge pages (freed when the
+    tensor is): torch's allocator maps such a buffer afresh and the kernel faults it in 4 KiB at a
+    time, which costs more than reading the bytes into it (NumPy advises its arrays so too)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps ``buf``
 
 
 class ShortRead(OSError):

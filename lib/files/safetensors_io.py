@@ -24,7 +24,7 @@ import torch
 
 from llamarl.lib import dtypes
 from llamarl.lib.files import publish
-from llamarl.lib.files.ranges import ShortRead, read_into
+from llamarl.lib.files.ranges import ShortRead, empty, read_into
 from llamarl.lib.dtypes import SAFETENSORS_CODES as CODES  # a header's "BF16" → torch's "bfloat16"
 from llamarl.lib.errors import UserError
 
@@ -76,7 +76,7 @@ class SafetensorsFile:
         """Bytes ``begin:end`` as a tensor: read straight into its memory by a range read, which
         several threads may do at once (an fsspec file object is one position, and memory://
         hands every opener the same one)."""
-        out = torch.empty(shape, dtype=dtype)
+        out = empty(shape, dtype)
         if end > begin:
             try:
                 read_into(self.fs, self.path, begin, memoryview(out.view(-1).view(torch.uint8).numpy()))
@@ -98,7 +98,7 @@ class SafetensorsFile:
         rows, cols = shape
         row_bytes = cols * dtype.itemsize
         step = max(1, _BLOCK_BYTES // row_bytes)
-        out = torch.empty((rows, stop - start), dtype=dtype)
+        out = empty((rows, stop - start), dtype)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             block = self._read(info.begin + r0 * row_bytes, info.begin + r1 * row_bytes, dtype, (r1 - r0, cols))
