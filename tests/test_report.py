@@ -130,3 +130,9 @@ def test_trl_over_all_its_iterations_is_the_like_for_like_rate():
            {"seconds": 5.0, "generated_tokens": 49152}]
     assert tables._trl_whole({"iterations": its}) == 3 * 49152 / 24.0
     assert tables._trl_whole({"iterations": [{"seconds": 5.0}]}) is None  # older files: no token counts
+
+
+def test_a_ratio_just_short_of_its_goal_never_reads_as_met():
+    assert report._times(0.9995, 1.0) == "0.9995×"  # 1.00× would hide that it is short
+    assert report._times(1.004, 1.0) == "1.00×" and report._times(0.88, 1.5) == "0.88×"
+    assert report._times(1.497, 1.5) == "1.4970×"
