@@ -41,9 +41,10 @@ POOL = "resident workers"
 SETTLE_S = 1.0  # how long a dead worker's last lines (its error, its END) may take to come through
 QUIT_WAIT_S = 10.0  # how long a worker told to leave (its stdin closed) may take
 WARM = ("llamarl.stages.rollout", "llamarl.stages.score", "llamarl.stages.ppo",
-        "transformers.models.auto.tokenization_auto")
+        "transformers.models.auto.tokenization_auto", "torch.distributed.checkpoint.filesystem")
 """What a spare worker imports (``_start_spares``): the stages of an iteration, and what they
-import on their first call (the tokenizer's transformers: seconds)."""
+import on their first call (the tokenizer's transformers: seconds; DCP's classes, which reading
+or writing a checkpoint's ``.metadata`` needs: half a second)."""
 
 
 @dataclass(eq=False)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from llamarl.lib.files import checkpoint, outputs, publish, ranges
+from llamarl.lib.files import checkpoint, dcp_format, outputs, publish, ranges
 from llamarl.lib import dtypes
 from llamarl.lib.model import hf_mapping
 from llamarl.lib.runtime import job
@@ -106,6 +106,7 @@ def _write(url: str, model_url: str, md, names: list[str], shapes: dict, dtype: 
 
 
 def run(cfg: ExportConfig) -> None:
+    dcp_format.start_metadata_import()  # every rank reads .metadata: DCP's import beside the start-up
     space.check(cfg)
     src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
     manifest = publish.require_published(src, kind=contract.CHECKPOINT)

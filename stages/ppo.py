@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from llamarl.lib.files import checkpoint, outputs, publish
+from llamarl.lib.files import checkpoint, dcp_format, outputs, publish
 from llamarl.lib import dtypes
 from llamarl.lib.runtime import job
 from llamarl.lib.distributed import parallel
@@ -78,6 +78,7 @@ class _Inputs:
 
 
 def run(cfg: PPOConfig) -> None:
+    dcp_format.start_metadata_import()  # loading and saving read and write .metadata: DCP's import beside
     space.check(cfg)
     inputs = _read_inputs(cfg)
     topo = parallel.init(cfg.tp, cfg.pp, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="ppo")

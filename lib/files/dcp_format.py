@@ -218,8 +218,9 @@ _DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"  # imported by ``_me
 @functools.cache  # once a process
 def start_metadata_import() -> None:
     """Import DCP's classes for ``.metadata`` on a thread. The import takes about half a second
-    (DTensor, sympy): the rank that writes ``.metadata`` (rank 0) starts it as early as it can, so
-    that it runs beside the rank's waits and writes rather than before ``.metadata``."""
+    (DTensor, sympy): a stage that writes ``.metadata`` (its rank 0) or reads it starts it as early
+    as it can, so that it runs beside the stage's start-up, waits and writes rather than before
+    ``.metadata``."""
     threading.Thread(target=importlib.import_module, args=(_DCP_FILESYSTEM,), name="llamarl-dcp-import",
                      daemon=True).start()
 
