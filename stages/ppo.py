@@ -31,7 +31,7 @@ from llamarl.lib.runtime import job
 from llamarl.lib.distributed import parallel
 from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.errors import UserError
-from llamarl.stages import contract, identity, space
+from llamarl.stages import contract, identity, ppo_kept, space
 from llamarl.stages.config import PPOConfig
 from llamarl.stages.ppo_checks import StepCheck, check_schedule
 from llamarl.stages.ppo_data import (
@@ -88,21 +88,39 @@ def run(cfg: PPOConfig) -> None:
     _verify_inputs(cfg, inputs, out)
     clock = _Clock()
     dtype = compute_dtype(cfg.dtype, parallel.device())
-    actor, critic = _load_models(cfg, inputs, dtype)
+    where = ppo_kept.place(cfg, inputs.layout, inputs.model_cfg, dtype, topo, inputs.start_step)
+    kept = ppo_kept.take(_wanted(cfg, inputs), where, topo)
+    if kept is not None:
+        actor, critic = kept[contract.ACTOR].model, kept[contract.CRITIC].model if contract.CRITIC in kept else None
+    else:
+        actor, critic = _load_models(cfg, inputs, dtype)
     clock.lap("load")
     data, check = _batch_terms(cfg, inputs, actor, critic, dtype, topo)
     clock.lap("reference")
-    trainers = _trainers(cfg, inputs, actor, critic)
+    trainers = _trainers(cfg, inputs, actor, critic, kept)
     metrics, update_tokens = _train(cfg, out, inputs, trainers, data, check, clock, topo)
     tis_mine = [data["tis_stats"]] if data and cfg.uses_tis() else None
     del data  # what no output needs, freed for a stage that may now share the device
     _publish_outputs(cfg, out, inputs, trainers, clock)
     lines = metrics_on_rank0(metrics, topo)
     tis = metrics_on_rank0(tis_mine, topo) if cfg.uses_tis() else None
-    summary = _summary(cfg, inputs, dtype, update_tokens, clock, tis)
+    summary = {**_summary(cfg, inputs, dtype, update_tokens, clock, tis),
+               "models_from": "memory" if kept is not None else "files"}
     if dist.get_rank() == 0:
         _publish_manifest(cfg, out, inputs, trainers, lines, summary)
     dist.barrier()
+    final = ppo_kept.place(cfg, inputs.layout, inputs.model_cfg, dtype, topo, inputs.start_step + inputs.steps)
+    ppo_kept.keep(out, trainers, final, dtypes.torch_dtype(inputs.actor["dtype"]))
+
+
+def _wanted(cfg: PPOConfig, inputs: _Inputs) -> dict[str, tuple[str, str | None]]:
+    """Each role this ppo trains from a checkpoint: its weights' URL and its training state's."""
+    roles = {contract.ACTOR: cfg.actor}
+    if inputs.critic is not None:
+        roles[contract.CRITIC] = cfg.critic
+    elif cfg.advantage == "gae":
+        roles[contract.CRITIC] = None  # a fresh critic: nothing kept can be it
+    return {name: (url or "", (inputs.states.get(name) or (None,))[0]) for name, url in roles.items()}
 
 
 def prepare(cfg: PPOConfig) -> None:
@@ -212,16 +230,17 @@ def _batch_terms(cfg: PPOConfig, inputs: _Inputs, actor, critic, dtype, topo):
     return data, check
 
 
-def _trainers(cfg: PPOConfig, inputs: _Inputs, actor, critic) -> dict[str, Trainer]:
-    """One trainer per role, each with its optimizer state where its checkpoint has one."""
+def _trainers(cfg: PPOConfig, inputs: _Inputs, actor, critic, kept: dict | None) -> dict[str, Trainer]:
+    """One trainer per role, each with its optimizer state where its checkpoint has one (``kept``:
+    the optimizers the previous ppo left in this process, stages/ppo_kept.py)."""
     actor_optim = optim_url(cfg.actor, inputs.actor, inputs.states.get(contract.ACTOR))
     trainers = {contract.ACTOR: Trainer(actor, cfg.actor_lr, cfg, actor_optim, f"{cfg.actor}/{contract.MODEL}",
-                                        inputs.start_step)}
+                                        inputs.start_step, kept[contract.ACTOR].opt if kept else None)}
     if critic is not None:
         critic_optim = optim_url(cfg.critic, inputs.critic, inputs.states.get(contract.CRITIC))
         trainers[contract.CRITIC] = Trainer(critic, cfg.critic_lr, cfg, critic_optim,
                                             f"{cfg.critic}/{contract.MODEL}" if inputs.critic else None,
-                                            inputs.start_step)
+                                            inputs.start_step, kept[contract.CRITIC].opt if kept else None)
     return trainers
 
 
@@ -298,7 +317,8 @@ def _publish_manifest(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[
         print(f"{out}: dynamic sampling kept {stats['kept']} of {stats['groups']} prompts (scores all equal in "
               f"{stats['dropped']}), trains on {stats['trained']}"
               + (f", {stats['short']} short of train_groups" if stats["short"] else ""), flush=True)
-    print(f"{out}: {inputs.steps} PPO steps, mean score {summary['mean_score']:.4f}, update "
+    print(f"{out}: {inputs.steps} PPO steps from the models in {summary['models_from']}, mean score "
+          f"{summary['mean_score']:.4f}, update "
           f"{summary['update_tokens_per_s']:.0f} tokens/s ({', '.join(f'{k} {v:.1f}s' for k, v in summary['seconds'].items())})",
           flush=True)
 

@@ -29,11 +29,16 @@ class Trainer:
     comes from ``optim_url`` (moments, masters) or, for masters, from ``model_url`` at its stored
     precision."""
 
-    def __init__(self, model, lr: float, cfg: PPOConfig, optim_url: str | None, model_url: str | None, step: int):
+    def __init__(self, model, lr: float, cfg: PPOConfig, optim_url: str | None, model_url: str | None, step: int,
+                 opt: optim.ShardedAdamW | None = None):
+        """``opt``: the optimizer, with its state, the previous ppo left in this process
+        (stages/ppo_kept.py), instead of one read from ``optim_url``."""
         self.model, self.lr, self.cfg = model, lr, cfg
         self.grads = optim.GradBuffer(model)
-        self.opt = optim.ShardedAdamW(model, lr, cfg.betas, weight_decay=cfg.weight_decay)
-        self.opt.load_state(optim_url, step, model_url)
+        if opt is None:
+            opt = optim.ShardedAdamW(model, lr, cfg.betas, weight_decay=cfg.weight_decay)
+            opt.load_state(optim_url, step, model_url)
+        self.opt = opt
 
     def update(self, batches: list, loss_fn, extras: list, step: int) -> tuple[torch.Tensor, float]:
         """One optimizer step over the micro-``batches``: accumulate, reduce over DP, clip, step.

@@ -123,6 +123,10 @@ def test_a_resident_run_publishes_the_bytes_of_a_process_per_stage(toy_run, refe
     assert len(ranks) == 1 and len(next(iter(ranks))) == 2, executor.pids
     assert executor.pids["export"] == [next(iter(ranks))[0]]
     assert survivors([(pid, None) for pid in next(iter(ranks))]) == {}
+    # ppo 2 started from what ppo 1 left in the same workers (stages/ppo_kept.py), at TP 2, and
+    # published the bytes of a ppo that read its files.
+    assert [publish.read_manifest(f"{run}/iter-00{i}/ppo")["summary"]["models_from"] for i in (1, 2)] == [
+        "files", "memory"]
     print(f"2-iteration toy run: resident {wall:.1f}s, a process per stage {process_wall:.1f}s")
 
 

@@ -69,8 +69,9 @@ class GradBuffer:
             offset += p.numel()
             if p.dtype == torch.float32:
                 p.grad = p.main_grad
-            else:
+            elif not getattr(p, "accumulates", False):  # once: a model kept for the next ppo gets a new buffer
                 p.register_post_accumulate_grad_hook(_accumulate)
+                p.accumulates = True
 
     def zero(self) -> None:
         self.buffer.zero_()

@@ -1,0 +1,111 @@
+"""What a ppo leaves in its process for the next ppo of the run: each role's model and optimizer as
+it published them. In a resident worker (cluster/resident.py) the next ppo runs in the same
+process, on the same ranks and layout, and starts from them instead of reading back its inputs (at
+the Llama-3.2-1B shape, 3 GB of weights and 17 GB of training state an iteration).
+
+Files stay the contract. The state is taken only when the next ppo's inputs are exactly what was
+published from it — the weights and training state of each role it trains, by their output ids —
+at the same step, layout, rank, dtypes and optimizer settings, and only where reading the files
+back gives the same numbers (fp32 parameters are their own masters: then only when the weights are
+stored in fp32 too). Every rank must hold it, or all read their files: a replaced worker holds
+nothing. A ppo that resumes a saved state, or fails, reads files as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llamarl.lib.distributed import collectives
+from llamarl.lib.distributed.parallel import Topology
+from llamarl.lib.files import publish
+from llamarl.stages import contract
+
+MAX_SHARE_OF_DEVICE = 1 / 3
+"""The most of its GPU's memory that what is kept may hold between stages (the rollout beside
+needs the rest); beyond it, the next ppo reads its files."""
+
+
+@dataclass
+class Kept:
+    """A role's model and optimizer (``optim.ShardedAdamW``) as published under ``weights`` and
+    ``train_state`` (each ``(url, output id)``)."""
+
+    model: torch.nn.Module
+    opt: object
+    weights: tuple[str, str]
+    train_state: tuple[str, str]
+
+
+_kept: tuple[tuple, dict[str, Kept]] | None = None  # (where it was made, each role's)
+
+
+def keep(out: str, trainers: dict, where: tuple, store_dtype: torch.dtype) -> None:
+    """After the ppo's outputs are published (as ``store_dtype``): keep each role's model and
+    optimizer for the next ppo, made ``where`` (``place``'s). Nothing is kept that would crowd the
+    device."""
+    global _kept
+    _kept = None
+    if not all(t.opt.separate_masters for t in trainers.values()) and store_dtype != torch.float32:
+        return  # fp32 parameters from lower-precision weights: a reread rounds them, memory would not
+    if not _fits([t.opt for t in trainers.values()]):
+        return
+    _kept = where, {name: Kept(t.model, t.opt, _published(f"{out}/{name}"),
+                               _published(f"{out}/{contract.TRAIN_STATE}/{name}"))
+                    for name, t in trainers.items()}
+
+
+def take(wanted: dict[str, tuple[str, str | None]], where: tuple, topo: Topology) -> dict[str, Kept] | None:
+    """Collective: each role's kept model and optimizer when every rank holds them for exactly
+    ``wanted`` (per role: its weights' URL and its training state's, None without one), made
+    ``where``; bound to this stage's process groups ``topo``. None otherwise (all ranks read files);
+    what was kept is let go either way."""
+    global _kept
+    kept, _kept = _kept, None
+    mine = kept is not None and kept[0] == where and set(kept[1]) == set(wanted) and all(
+        k.weights == _published(wanted[name][0]) and wanted[name][1] is not None
+        and k.train_state == _published(wanted[name][1]) for name, k in kept[1].items())
+    if not all(collectives.all_gather_object(mine)):
+        return None
+    for k in kept[1].values():
+        _bind(k, topo)
+    return kept[1]
+
+
+def place(cfg, layout, model_cfg, dtype, topo: Topology, step: int) -> tuple:
+    """Everything the kept state depends on besides its inputs: rank, layout, model, dtypes,
+    device, the optimizer's settings and the step it reached."""
+    return (topo.tp, topo.pp, topo.dp, topo.tp_rank, topo.pp_rank, topo.dp_rank, layout, model_cfg, str(dtype),
+            str(torch.cuda.current_device() if torch.cuda.is_available() else "cpu"), tuple(cfg.betas),
+            cfg.weight_decay, step)
+
+
+def _published(url: str) -> tuple[str, str | None]:
+    return url.rstrip("/"), publish.output_id(url)
+
+
+def _fits(opts: list) -> bool:
+    """On a GPU, whether the models and optimizer states take at most ``MAX_SHARE_OF_DEVICE`` of it."""
+    device = opts[0].device
+    if device.type != "cuda":
+        return True
+    held = 0
+    for opt in opts:
+        held += sum(p.numel() * p.element_size() for p in opt.params.values())
+        held += sum(t.numel() * t.element_size() for st in opt.inner.state.values() for t in st.values()
+                    if torch.is_tensor(t))
+        if opt.separate_masters:
+            held += sum(m.numel() * m.element_size() for m in opt.master.values())
+    return held <= MAX_SHARE_OF_DEVICE * torch.cuda.get_device_properties(device).total_memory
+
+
+def _bind(k: Kept, topo: Topology) -> None:
+    """The model and optimizer on this stage's process groups: the last stage's are gone."""
+    for module in k.model.modules():
+        if hasattr(module, "tp_group"):
+            module.tp_group = topo.groups.tp
+        if hasattr(module, "topology"):
+            module.topology = topo
+    k.opt.topo = topo
+    k.opt.dp_group = topo.groups.dp if topo.dp > 1 else None
