@@ -1,0 +1,66 @@
+"""stages/ppo_kept.py: what a ppo leaves for the next one is taken only for exactly what it published
+(output ids), where it was made, once; a state a reread would round is never kept. The whole path,
+byte for byte against a process per stage: tests/test_resident.py."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from types import SimpleNamespace
+
+import torch
+
+from llamarl.lib.distributed import parallel
+from llamarl.lib.files import publish
+from llamarl.stages import contract, ppo_kept
+
+
+def _publish(url: str) -> None:
+    shutil.rmtree(url, ignore_errors=True)
+    publish.prepare(url, lambda m: False)
+    publish.publish(url, {"kind": "checkpoint", "files": {}, "at": time.time()})
+
+
+def _trainer(separate_masters: bool = True):
+    model = torch.nn.Linear(2, 2)
+    opt = SimpleNamespace(separate_masters=separate_masters, device=torch.device("cpu"), params={}, inner=None,
+                          master={}, topo=None, dp_group="old")
+    return SimpleNamespace(model=model, opt=opt)
+
+
+def _kept_ppo(tmp_path, trainer, where=("here",), store=torch.bfloat16) -> dict:
+    out = str(tmp_path / "iter-001" / "ppo")
+    _publish(f"{out}/{contract.ACTOR}")
+    _publish(f"{out}/{contract.TRAIN_STATE}/{contract.ACTOR}")
+    ppo_kept.keep(out, {contract.ACTOR: trainer}, where, store)
+    return {contract.ACTOR: (f"{out}/{contract.ACTOR}", f"{out}/{contract.TRAIN_STATE}/{contract.ACTOR}")}
+
+
+def test_the_next_ppo_takes_exactly_what_the_last_published_once(tmp_path):
+    trainer, topo = _trainer(), parallel.topology()
+    wanted = _kept_ppo(tmp_path, trainer)
+    kept = ppo_kept.take(wanted, ("here",), topo)
+    assert kept[contract.ACTOR].model is trainer.model and kept[contract.ACTOR].opt is trainer.opt
+    assert trainer.opt.topo is topo and trainer.opt.dp_group is None  # bound to this stage's groups
+    assert ppo_kept.take(wanted, ("here",), topo) is None  # taken once
+
+
+def test_nothing_is_taken_for_other_inputs_or_elsewhere(tmp_path):
+    topo = parallel.topology()
+    wanted = _kept_ppo(tmp_path, _trainer())
+    assert ppo_kept.take(wanted, ("another layout",), topo) is None
+    wanted = _kept_ppo(tmp_path, _trainer())
+    _publish(wanted[contract.ACTOR][0])  # the weights published again since: another output id
+    assert ppo_kept.take(wanted, ("here",), topo) is None
+    wanted = _kept_ppo(tmp_path, _trainer())
+    assert ppo_kept.take({**wanted, contract.CRITIC: (wanted[contract.ACTOR][0], None)}, ("here",), topo) is None
+    wanted = _kept_ppo(tmp_path, _trainer())
+    assert ppo_kept.take({contract.ACTOR: (wanted[contract.ACTOR][0], None)}, ("here",), topo) is None
+
+
+def test_fp32_parameters_from_lower_precision_weights_are_not_kept(tmp_path):
+    # fp32 parameters are their own masters; the next ppo reading bf16 weights would round them.
+    wanted = _kept_ppo(tmp_path, _trainer(separate_masters=False), store=torch.bfloat16)
+    assert ppo_kept.take(wanted, ("here",), parallel.topology()) is None
+    wanted = _kept_ppo(tmp_path, _trainer(separate_masters=False), store=torch.float32)
+    assert ppo_kept.take(wanted, ("here",), parallel.topology()) is not None
