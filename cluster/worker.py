@@ -94,6 +94,7 @@ def prepare(request: dict) -> None:
         first = (str(e).splitlines() or [""])[0][:200]
         print(f"note: getting {stage} ready failed ({type(e).__name__}: {first}); it starts without that",
               file=sys.stderr, flush=True)
+    gc.collect()  # what it built (a model, its compiled graphs' inputs) goes before the memory is given back
     _give_back()
 
 
@@ -131,7 +132,6 @@ def serve(request: dict) -> int:
 def _give_back() -> None:
     """What a stage process's exit gives back, the worker gives back too: the GPU memory its caching
     allocator holds, which another stage's process on the same GPU may need. The context stays."""
-    gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
