@@ -78,16 +78,12 @@ def prepare(request: dict) -> None:
     writes no output and joins no process group: the stage's call does what it always does, only
     sooner. A failure costs only the head start: one line says so, and the call reports whatever
     fails again."""
-    import importlib
-
     from llamarl.lib.runtime import job
     from llamarl.stages.config import STAGES
 
-    os.environ.clear()
-    os.environ.update(request["env"])
     stage = request["stage"]
     try:
-        module = importlib.import_module(f"llamarl.stages.{stage}")
+        module = _enter(request)
         if hasattr(module, "prepare"):
             module.prepare(job.load_config(STAGES[stage], request["argv"]))
     except BaseException as e:  # noqa: BLE001 - the stage's call reports it, where it matters
@@ -101,17 +97,13 @@ def prepare(request: dict) -> None:
 def serve(request: dict) -> int:
     """Run the stage of ``request`` in this process; its exit status (1 for a bug, whose
     traceback goes to stderr, as a stage process's does)."""
-    import importlib
-
     from llamarl.lib.runtime import job
     from llamarl.stages.config import STAGES
 
     started = time.time()
-    os.environ.clear()
-    os.environ.update(request["env"])
     stage = request["stage"]
     try:
-        module = importlib.import_module(f"llamarl.stages.{stage}")
+        module = _enter(request)
         code = job.call(STAGES[stage], module.run, request["argv"], started=started)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -127,6 +119,15 @@ def serve(request: dict) -> int:
             thread.join()
     _give_back()
     return code
+
+
+def _enter(request: dict):
+    """The environment the stage's process would have, and the stage's module."""
+    import importlib
+
+    os.environ.clear()
+    os.environ.update(request["env"])
+    return importlib.import_module(f"llamarl.stages.{request['stage']}")
 
 
 def _give_back() -> None:

@@ -133,10 +133,13 @@ def prepare(cfg: PPOConfig) -> None:
     manifest = publish.read_manifest(cfg.actor)
     if manifest is None or "model_config" not in manifest:
         return
-    layout = ParallelLayout(tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sequence_parallel, remove_padding=True)
     device = parallel.device()
-    warm_training_regions(LlamaConfig.from_dict(manifest["model_config"]), layout,
+    warm_training_regions(LlamaConfig.from_dict(manifest["model_config"]), _layout(cfg),
                           compute_dtype(cfg.dtype, device), device)
+
+
+def _layout(cfg: PPOConfig) -> ParallelLayout:
+    return ParallelLayout(tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sequence_parallel, remove_padding=True)
 
 
 def _read_inputs(cfg: PPOConfig) -> _Inputs:
@@ -145,7 +148,7 @@ def _read_inputs(cfg: PPOConfig) -> _Inputs:
     checkpoints' manifests and training states; the schedule checked."""
     actor = contract.require_checkpoint(cfg.actor, "lm", "the actor")
     model_cfg = LlamaConfig.from_dict(actor["model_config"])
-    layout = ParallelLayout(tp=cfg.tp, pp=cfg.pp, sequence_parallel=cfg.sequence_parallel, remove_padding=True)
+    layout = _layout(cfg)
     layout.check(model_cfg)
     start_step = actor.get("train_state", {}).get("step", 0)
     samples = load_samples(cfg.rollout, cfg.scores)
