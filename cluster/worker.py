@@ -70,6 +70,10 @@ def warm(modules: list[str]) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the call reports it
             pass
+    # What the imports made lives as long as the worker: the collection at the end of every call
+    # (``serve``) need not walk it again (a tenth to a fifth of a second a call, on the critical path).
+    gc.collect()
+    gc.freeze()
 
 
 def prepare(request: dict) -> None:

@@ -41,6 +41,7 @@ class RunLock:
                    "pid_start": process_start(os.getpid()), "pid_ns": _pid_namespace(), "started": time.time(),
                    "lease_s": lease_s, "stages": {}}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the lock is to be rewritten now (``_soon``), not at the next beat
         self._thread: threading.Thread | None = None
         self._writing = threading.Lock()  # the heartbeat's writes and the stages' records take turns
 
@@ -65,6 +66,7 @@ class RunLock:
         """Stop the heartbeat and remove the lock — unless a stage's process outlived the stop
         (``STOP_WAIT_S`` after SIGKILL): then the lock stays, naming it, for the next run's takeover."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -72,6 +74,7 @@ class RunLock:
             if holder and holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:
                 left = _alive_stages(self.me["stages"])
                 if left:
+                    self._write()  # naming just the stages that still run
                     self.echo(f"{self.url} stays: {_listing(left)} still run; the next `llamarl run` stops them")
                 else:
                     self.fs.rm(self.path)
@@ -92,14 +95,18 @@ class RunLock:
 
     def started(self, name: str, groups: list[tuple[int, int | None]]) -> None:
         with self._writing:
+            named = {tuple(p) for stage in self.me["stages"].values() for p in stage["procs"]}
             self.me["stages"][name] = {"host": self.me["host"], "procs": [list(g) for g in groups]}
-            if self._thread is not None:
-                self._write()
+            if self._thread is not None and not {tuple(g) for g in groups} <= named:
+                self._write()  # new processes are in the lock before anything else happens
+                return
+        self._wake.set()
 
     def ended(self, name: str) -> None:
         with self._writing:
-            if self.me["stages"].pop(name, None) is not None and self._thread is not None:
-                self._write()
+            if self.me["stages"].pop(name, None) is None:
+                return
+        self._wake.set()
 
     # ---- taking over -------------------------------------------------------------------------------
 
@@ -177,7 +184,15 @@ class RunLock:
             pass
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.lease_s / 4):
+        """Every ``lease_s / 4``, and at once when woken: a stage ended, or one started on processes
+        the lock already names (a resident worker's). Those writes are the heartbeat's, not the
+        driver's: under a large output's write-back a rewrite of the lock can take a tenth of a
+        second or more, and the next stage would wait for it."""
+        while True:
+            self._wake.wait(self.lease_s / 4)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             with self._writing:
                 self._write()
 

@@ -80,16 +80,20 @@ class _Inputs:
 def run(cfg: PPOConfig) -> None:
     dcp_format.start_metadata_import()  # loading and saving read and write .metadata: DCP's import beside
     space.check(cfg)
+    clock = _Clock()
     inputs = _read_inputs(cfg)
     topo = parallel.init(cfg.tp, cfg.pp, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="ppo")
     out = cfg.out.rstrip("/")
     if identity.skip_if_current(out, inputs.request, "this PPO iteration is already done"):
         return
-    _verify_inputs(cfg, inputs, out)
-    clock = _Clock()
+    if dist.get_rank() == 0:
+        clear_published(out)  # what an interrupted run published inside ``out``: written again, whole
     dtype = compute_dtype(cfg.dtype, parallel.device())
     where = ppo_kept.place(cfg, inputs.layout, inputs.model_cfg, dtype, topo, inputs.start_step)
     kept = ppo_kept.take(_wanted(cfg, inputs), where, topo)
+    clock.lap("inputs")
+    _verify_inputs(cfg, inputs, kept is not None)
+    clock.lap("verify")
     if kept is not None:
         actor, critic = kept[contract.ACTOR].model, kept[contract.CRITIC].model if contract.CRITIC in kept else None
     else:
@@ -126,10 +130,11 @@ def _wanted(cfg: PPOConfig, inputs: _Inputs) -> dict[str, tuple[str, str | None]
 def prepare(cfg: PPOConfig) -> None:
     """Get a resident worker ready for this ppo while other stages run (cluster/worker.py
     ``prepare``): the kernels its training compiles, compiled now (at the 135M shape on an H100,
-    seconds of a first iteration). Reads only the actor's manifest, when it is published; writes
-    nothing, joins no process group."""
+    seconds of a first iteration), and the pinned buffers its loads read through. Reads only the
+    actor's manifest, when it is published; writes nothing, joins no process group."""
     from llamarl.lib.model.llama import warm_training_regions
 
+    checkpoint.pin_staging_ahead()
     manifest = publish.read_manifest(cfg.actor)
     if manifest is None or "model_config" not in manifest:
         return
@@ -173,20 +178,20 @@ def _read_inputs(cfg: PPOConfig) -> _Inputs:
                    _agg_norm(cfg, facts), identity.declare(cfg).request(), ref_source)
 
 
-def _verify_inputs(cfg: PPOConfig, inputs: _Inputs, out: str) -> None:
-    """Collective: what an interrupted run published inside ``out`` cleared (written again,
-    whole), and every checkpoint read verified, with the training states beside them."""
-    if dist.get_rank() == 0:
-        clear_published(out)
+def _verify_inputs(cfg: PPOConfig, inputs: _Inputs, kept: bool) -> None:
+    """Collective: every checkpoint this ppo reads verified, with the training states beside them;
+    the actor's and critic's are not read when the previous ppo's state is ``kept``."""
     critic = cfg.critic if inputs.critic else None
     reference = cfg.reference or cfg.actor
-    read = (cfg.actor, reference if inputs.ref_source == "forward" else None, critic)
+    read = {reference} if inputs.ref_source == "forward" else set()
+    if not kept:
+        read |= {cfg.actor, critic}
     for root in dict.fromkeys(filter(None, (cfg.actor, reference, critic))):
         manifest = publish.require_published(root, contract.CHECKPOINT)
         if root in read:  # weights (and old optim/)
             outputs.verify_input(root, manifest, "")
     for role, found in inputs.states.items():
-        if found is not None:
+        if found is not None and not kept:
             verify_train_state(*found, cfg.actor if role == contract.ACTOR else cfg.critic)
 
 

@@ -64,3 +64,23 @@ def test_fp32_parameters_from_lower_precision_weights_are_not_kept(tmp_path):
     assert ppo_kept.take(wanted, ("here",), parallel.topology()) is None
     wanted = _kept_ppo(tmp_path, _trainer(separate_masters=False), store=torch.float32)
     assert ppo_kept.take(wanted, ("here",), parallel.topology()) is not None
+
+
+def test_a_ppo_that_takes_the_kept_state_verifies_only_the_checkpoints_it_reads(monkeypatch):
+    from llamarl.stages import ppo
+
+    verified = []
+    monkeypatch.setattr(publish, "require_published", lambda root, kind: {"root": root})
+    monkeypatch.setattr(ppo.outputs, "verify_input", lambda root, manifest, prefix: verified.append(root))
+    monkeypatch.setattr(ppo, "verify_train_state", lambda url, manifest, checkpoint: verified.append(url))
+    cfg = SimpleNamespace(actor="run/iter-001/ppo/actor", reference="run/shard/actor", critic=None)
+    inputs = SimpleNamespace(critic=None, ref_source="forward",
+                             states={contract.ACTOR: ("run/iter-001/ppo/train_state/actor", {})})
+    ppo._verify_inputs(cfg, inputs, kept=False)
+    assert verified == [cfg.actor, cfg.reference, "run/iter-001/ppo/train_state/actor"]
+    verified.clear()
+    ppo._verify_inputs(cfg, inputs, kept=True)  # the actor and its state come from memory
+    assert verified == [cfg.reference]
+    verified.clear()
+    ppo._verify_inputs(cfg, SimpleNamespace(**{**vars(inputs), "ref_source": "rollout"}), kept=True)
+    assert verified == []

@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -161,6 +162,37 @@ def test_status_says_who_runs_the_run(tmp_path):
     assert RunLock(str(tmp_path)).holder() is None
 
 
+def test_the_lock_names_new_processes_at_once_and_leaves_the_rest_to_its_heartbeat(tmp_path, monkeypatch):
+    """A stage's new processes are in the lock when ``started`` returns; an ended stage, or one on
+    processes the lock names already (resident workers), is written by the heartbeat's thread at
+    once, while the driver goes on."""
+    from llamarl.pipeline.lock import RunLock
+
+    path = tmp_path / "pipeline" / "lock.json"
+
+    def stages():
+        return json.loads(path.read_text())["stages"]
+
+    def soon(expected):
+        deadline = time.monotonic() + 5
+        while stages() != expected:
+            assert time.monotonic() < deadline, f"the lock says {stages()}, not {expected}"
+            time.sleep(0.01)
+
+    with RunLock(str(tmp_path), lease_s=3600) as lock:  # no beat of its own during the test
+        writes = []
+        write = lock._write
+        monkeypatch.setattr(lock, "_write", lambda: (writes.append(threading.current_thread()), write()))
+        lock.started("pool", [(101, 7), (102, 8)])
+        assert list(stages()) == ["pool"] and writes == [threading.current_thread()]
+        lock.started("iter-001/rollout", [(101, 7)])
+        soon({"pool": {"host": socket.gethostname(), "procs": [[101, 7], [102, 8]]},
+              "iter-001/rollout": {"host": socket.gethostname(), "procs": [[101, 7]]}})
+        lock.ended("iter-001/rollout")
+        soon({"pool": {"host": socket.gethostname(), "procs": [[101, 7], [102, 8]]}})
+        assert writes[1:] and all(t is not threading.current_thread() for t in writes[1:])
+
+
 # ---- takeover of a lock whose holder is gone, with its stages' processes (#27) ------------------
 
 _SLEEPER = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
@@ -296,8 +328,11 @@ def test_a_stage_process_that_outlives_the_stop_keeps_the_lock_for_the_next_take
         lock = RunLock(str(tmp_path / "other"))
         lock.acquire()
         lock.started("x", [group])
-        lock.ended("x")
-        assert json.loads((tmp_path / "other" / "pipeline" / "lock.json").read_text())["stages"] == {}
+        lock.ended("x")  # written by the heartbeat's thread, at once
+        deadline = time.monotonic() + 5
+        while json.loads((tmp_path / "other" / "pipeline" / "lock.json").read_text())["stages"] != {}:
+            assert time.monotonic() < deadline, "the ended stage is still in the lock"
+            time.sleep(0.01)
         lock.release()
         assert not (tmp_path / "other" / "pipeline" / "lock.json").exists()
     finally:
