@@ -57,7 +57,7 @@ class StackSampler:
         self._stop.set()
         self._thread.join()
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with open(self.path, "w") as f:
+        with open(self.path, "a") as f:  # a resident worker's stages share its pid: each adds its own
             for s in self.samples:
                 f.write(json.dumps(s) + "\n")
 
