@@ -455,7 +455,9 @@ def measure_run(run_dir: str, res: dict, world: int, gpus: GpuMemory, workload: 
                           startup_s=round(timing["work_start"] - timing["process_start"], 2),
                           to_first_work_s=round(timing["work_start"] - t_start, 2),
                           work_s=round(timing["work_end"] - timing["work_start"], 2),
-                          after_work_s=round(t_stop - timing["work_end"], 2))
+                          after_work_s=round(t_stop - timing["work_end"], 2),
+                          # on the run's clock (seconds since the script started it): for the idle time
+                          work_at_s=[round(timing["work_start"] - res["t0"], 3), round(timing["work_end"] - res["t0"], 3)])
                 st["first_work_fraction_of_wall"] = round(st["to_first_work_s"] / st["wall_s"], 3) if st["wall_s"] else None
             else:
                 st.update(launch_s=None, startup_s=None, to_first_work_s=None, work_s=None, after_work_s=None,
@@ -544,6 +546,22 @@ def _overlap_s(spans: list[tuple[float, float]]) -> float:
     return both
 
 
+def _idle(stages: dict, start: float, end: float, t0: float) -> dict:
+    """Iteration k's window — from the end of iteration k-1 (its ppo recorded done; the first
+    rollout's start for k = 1) to the end of its own ppo — and the seconds of it in which no stage of
+    the run did its own work: start-ups, hand-overs, the driver's bookkeeping. Stages side by side
+    count once, whichever iteration they belong to."""
+    clipped = ((max(a + t0, start), min(b + t0, end)) for s in stages.values() if (w := s.get("work_at_s"))
+               for a, b in [w])
+    spans = sorted((a, b) for a, b in clipped if a < b)
+    busy, reach = 0.0, start
+    for a, b in spans:
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
+    return {"window_s": round(end - start, 2), "idle_s": round(end - start - busy, 2)}
+
+
 def iterations_numbers(stages: dict, res: dict, run_dir: str, iterations: int, staleness: int, devices: int) -> dict:
     """All iterations of a run together: their wall (the first rollout's start to the end of the
     last of their stages: rollout, score and ppo with the pipeline's bookkeeping, stages side by
@@ -568,7 +586,9 @@ def iterations_numbers(stages: dict, res: dict, run_dir: str, iterations: int, s
                     "mean_score": po.get("mean_score"), "kl": po.get("kl"),
                     "sampled_from": _sampled_from(run_dir, iteration_nodes(k)[0]),
                     "rollout_started_s": round(res["starts"][iteration_nodes(k)[0]] - t_first, 2),
-                    "ppo_done_s": round(spans[iteration_nodes(k)[2]][1] - t_first, 2)})
+                    "ppo_done_s": round(spans[iteration_nodes(k)[2]][1] - t_first, 2),
+                    **_idle(stages, spans[iteration_nodes(k - 1)[2]][1] if k > 1 else res["starts"][names[0]],
+                            spans[iteration_nodes(k)[2]][1], res["t0"])})
     return {"complete": True, "iterations": iterations, "max_staleness": staleness, "gpus": devices,
             "overlapped": res["overlapped"], "wall_s": round(wall, 2),
             "stage_sum_s": round(sum(s["wall_s"] for s in its), 2),

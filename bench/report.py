@@ -94,6 +94,14 @@ def vs_trl(hidden: int, staleness: int, level: float) -> Measure:
 
 
 def outside_work(r):
+    """The last iteration's share of wall in which no stage worked (bench/e2e.py ``_idle``); for
+    files without it, and runs of one stage at a time, its stages' walls against their work."""
+    for inv, run in _runs(r):
+        last = ((run.get("iterations") or {}).get("per_iteration") or [{}])[-1]
+        if _hidden(inv) == 2048 and last.get("idle_s") is not None and last.get("window_s"):
+            share = last["idle_s"] / last["window_s"]
+            return (f"{share:.0%} (iteration {last['iteration']}: {last['window_s']:.1f} s, of which no stage worked "
+                    f"{last['idle_s']:.1f} s)", _verdict((share <= 0.10, "")))
     for inv, run in _runs(r):
         last = _last_iteration(run) if _hidden(inv) == 2048 else None
         if last and all(s.get("work_s") is not None for s in last[1]):

@@ -136,3 +136,18 @@ def test_a_ratio_just_short_of_its_goal_never_reads_as_met():
     assert report._times(0.9995, 1.0) == "0.9995×"  # 1.00× would hide that it is short
     assert report._times(1.004, 1.0) == "1.00×" and report._times(0.88, 1.5) == "0.88×"
     assert report._times(1.497, 1.5) == "1.4970×"
+
+
+def test_an_iterations_idle_time_counts_stages_side_by_side_once():
+    import e2e
+
+    # Iteration 2's window runs from iteration 1's ppo done (t 10) to its own ppo done (t 30). On
+    # the run's clock (t0 = 3): the ppo before it works until 12, beside the rollout (7-12); the
+    # ppo works 13-29. Idle: 12-13 and 29-30.
+    stages = {"iter-001/ppo": {"work_at_s": [0.0, 9.0]}, "iter-002/rollout": {"work_at_s": [4.0, 9.0]},
+              "iter-002/scores": {}, "iter-002/ppo": {"work_at_s": [10.0, 26.0]}}
+    assert e2e._idle(stages, 10.0, 30.0, 3.0) == {"window_s": 20.0, "idle_s": 2.0}
+    inv = {"shapes": {"actor": {"hidden_size": 2048}}, "runs": [
+        {"iterations": {"per_iteration": [{"iteration": 2, "window_s": 20.0, "idle_s": 4.0}]}}]}
+    text, verdict = report.outside_work({"bench": "e2e", "invocations": [inv]})
+    assert text.startswith("20% (iteration 2: 20.0 s, of which no stage worked 4.0 s)") and "not" in verdict
