@@ -167,3 +167,20 @@ def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, 
     # Read in place: rows (2 chunks of ours, 1 of DCP's) and vec (1 each); not the columns of
     # ours, nor DCP's strided item of cols.
     assert len([f for f in flat if f is not None]) == (5 if direct else 0)
+
+
+def test_weights_read_into_targets_of_another_dtype_are_converted_exactly(tmp_path):
+    # fp32 masters from bf16 weights: rows of bytes into the stored dtype, then converted; a
+    # region of columns and a stored item strided in its last dimension (DCP's writer) too.
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(5)
+    w, cols = torch.randn(64, 48, generator=g).to(torch.bfloat16), torch.randn(20, 30, generator=g).to(torch.bfloat16)
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    checkpoint.save({"w": checkpoint.Chunks((64, 48), {(0, 0): w[:40], (40, 0): w[40:]}), "cols": cols}, ours, threads=2)
+    dcp.save({"w": w, "cols": cols.t().contiguous().t()}, storage_writer=dcp.FileSystemWriter(theirs, thread_count=2))
+    for url in (ours, theirs):
+        got = {"w": torch.zeros(64, 48), "cols": checkpoint.Chunks((20, 30), {(0, 10): torch.zeros(20, 15)})}
+        checkpoint.load(got, url)
+        assert torch.equal(got["w"], w.float()), url
+        assert torch.equal(got["cols"].pieces[(0, 10)], cols[:, 10:25].float()), url
