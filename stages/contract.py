@@ -88,21 +88,14 @@ ROLLOUT_COLUMNS = (PROMPT_ID, SAMPLE_INDEX, PROMPT, PROMPT_TOKEN_IDS, RESPONSE, 
 """The columns every rollout part has, in this order; then the prompts' ``keep_columns``, as they were."""
 
 
-def rollout_schema() -> pa.Schema:
-    """``ROLLOUT_COLUMNS`` with their types."""
+def rollout_table(columns: dict[str, list], keep: dict[str, list], metadata: dict[str, str]) -> pa.Table:
+    """A rollout part: ``columns``, those of ``ROLLOUT_COLUMNS`` with their types, then the kept
+    prompt columns (their types inferred), with ``metadata`` (actor, sampling, …) in the Parquet schema."""
     import pyarrow as pa
 
     types = (pa.string(), pa.int32(), pa.string(), pa.list_(pa.int32()), pa.string(), pa.list_(pa.int32()),
              pa.list_(pa.float32()), pa.string())
-    return pa.schema(list(zip(ROLLOUT_COLUMNS, types)))
-
-
-def rollout_table(columns: dict[str, list], keep: dict[str, list], metadata: dict[str, str]) -> pa.Table:
-    """A rollout part: ``columns`` of ``rollout_schema``, then the kept prompt columns (their types
-    inferred), with ``metadata`` (actor, sampling, …) in the Parquet schema."""
-    import pyarrow as pa
-
-    table = pa.Table.from_pydict(columns, schema=rollout_schema())
+    table = pa.Table.from_pydict(columns, schema=pa.schema(list(zip(ROLLOUT_COLUMNS, types))))
     for name, values in keep.items():
         table = table.append_column(name, pa.array(values))
     return table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
@@ -120,23 +113,18 @@ def term_column(term: str) -> str:
     return f"{SCORE}_{term}"
 
 
-def scores_schema(terms: Iterable[str], rm_id: str | None) -> pa.Schema:
-    import pyarrow as pa
-
-    # sample_index is int64 here (int32 in the rollout) and rm_id has Arrow's null type when there
-    # is no reward model: the format scores parts have always had, kept so old and new parts agree.
-    return pa.schema([(PROMPT_ID, pa.string()), (SAMPLE_INDEX, pa.int64()), (SCORE, pa.float32())]
-                     + [(term_column(t), pa.float32()) for t in terms]
-                     + [(RM_ID, pa.string() if rm_id is not None else pa.null())])
-
-
 def scores_table(rows: list[dict], total: list[float], terms: dict[str, list[float]], rm_id: str | None) -> pa.Table:
     """A scores part: the key of each rollout row, its ``total`` and each term's score."""
     import pyarrow as pa
 
     data = {PROMPT_ID: [r[PROMPT_ID] for r in rows], SAMPLE_INDEX: [r[SAMPLE_INDEX] for r in rows], SCORE: total,
             **{term_column(t): v for t, v in terms.items()}, RM_ID: [rm_id] * len(rows)}
-    return pa.Table.from_pydict(data, schema=scores_schema(terms, rm_id))
+    # sample_index is int64 here (int32 in the rollout) and rm_id has Arrow's null type when there
+    # is no reward model: the format scores parts have always had, kept so old and new parts agree.
+    schema = pa.schema([(PROMPT_ID, pa.string()), (SAMPLE_INDEX, pa.int64()), (SCORE, pa.float32())]
+                       + [(term_column(t), pa.float32()) for t in terms]
+                       + [(RM_ID, pa.string() if rm_id is not None else pa.null())])
+    return pa.Table.from_pydict(data, schema=schema)
 
 
 # ---- parts ------------------------------------------------------------------------------------------------
