@@ -134,22 +134,10 @@ def token_outputs(model, samples: list[Sample], groups: list[list[int]], tempera
 
 def reference_source(cfg: PPOConfig, reference_id: str, actor_id: str, sampled_by: str,
                      sampled_at: float | None) -> str:
-    """Where π_ref's log-probs come from, so that no forward pass runs whose result is at hand (ids
+    """Where π_ref's log-probs come from, so that no forward pass runs whose result is at hand:
+    ``none``, ``actor``, ``rollout`` or ``forward``, when and why as docs/rl.md §2 tabulates. Ids
     are the published outputs' ids, which hash every file; ``sampled_by``, ``sampled_at``: the id of
-    the actor the rollout sampled from and its temperature, from the rollout's manifest):
-
-    - ``none``: ``kl_coef`` is 0, so no KL enters the rewards or the loss; none is computed (the
-      ``kl`` metric is null) and the reference is not read;
-    - ``actor``: the reference is the actor, whose log-probs are recomputed as π_old anyway: one
-      forward gives both;
-    - ``rollout``: the reference is the policy that sampled, at this temperature, and π_old is the
-      rollout's: the rollout's recorded log-probs are π_ref's, in the numerics π_old already has, so
-      a KL between the two policies compares like with like (on-policy iteration 1: exactly 0);
-    - ``forward``: a forward pass of the reference.
-
-    With π_old the actor's, a reference that sampled but is not the actor still takes a forward:
-    the KL then compares the training forward's numbers with the training forward's, where the
-    rollout's would add the engine's difference from it to the KL (docs/rl.md §2)."""
+    the actor the rollout sampled from and its temperature, from the rollout's manifest."""
     recompute = cfg.old_logp_source() == "actor"
     if cfg.kl_coef == 0:
         return "none"
