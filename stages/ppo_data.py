@@ -13,6 +13,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from llamarl.lib.files import publish
 from llamarl.lib.rl import core as rl
@@ -146,14 +147,10 @@ def packing_stats(groups: list[list[int]], samples: list[Sample], budget: int) -
 
 def padded(samples: list[Sample], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids, attention mask, labels and the response mask, right-padded."""
-    width = max(len(s.ids) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(samples):
-        ids[b, : len(s.ids)] = torch.tensor(s.ids)
-        mask[b, : len(s.ids)] = 1
+    ids = pad_sequence([torch.tensor(s.ids, dtype=torch.long) for s in samples], batch_first=True)
+    mask = pad_sequence([torch.ones(len(s.ids), dtype=torch.long) for s in samples], batch_first=True)
     labels = torch.roll(ids, -1, dims=1)
-    return ids.to(device), mask.to(device), labels.to(device), response_mask(samples, width, device)
+    return ids.to(device), mask.to(device), labels.to(device), response_mask(samples, ids.shape[1], device)
 
 
 def response_mask(samples: list[Sample], width: int, device) -> torch.Tensor:
