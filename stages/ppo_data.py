@@ -213,7 +213,8 @@ def advantages(cfg: PPOConfig, samples: list[Sample], ref_logp: dict[int, list[f
             data["tis"], data["tis_truncated"] = rl.sequence_tis_weights(old, rollout, resp, cfg.tis_cap)
         else:
             data["tis"], data["tis_truncated"] = rl.tis_weights(old, rollout, cfg.tis_cap)
-        data["tis_stats"] = tis_stats(data, list(range(n)))
+        reads = tis_reads(data, list(range(n)))
+        data["tis_stats"] = dict(zip(reads, torch.stack(list(reads.values())).tolist()))  # one wait for the device
     return data
 
 
@@ -226,9 +227,3 @@ def tis_reads(data: dict, rows: list[int]) -> dict[str, torch.Tensor]:
     w, cut = data["tis"][idx] * m, data["tis_truncated"][idx] * m
     tokens = m.sum().clamp(min=1)
     return {"tis_weight_mean": w.sum() / tokens, "tis_weight_max": w.max(), "tis_truncated": cut.sum() / tokens}
-
-
-def tis_stats(data: dict, rows: list[int]) -> dict[str, float]:
-    """``tis_reads``, read (one wait for the device)."""
-    reads = tis_reads(data, rows)
-    return dict(zip(reads, torch.stack(list(reads.values())).tolist()))
