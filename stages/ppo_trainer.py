@@ -111,21 +111,16 @@ def token_outputs(model, samples: list[Sample], groups: list[list[int]], tempera
     """Per-response-token log-probs (CausalLM) or values (Value) for ``groups`` of samples; None
     off the last pipeline stage. Each micro-batch's head output is reduced as soon as it exists:
     a whole batch of ``[tokens, vocab]`` logits never lives at once."""
-    dev = next(model.parameters()).device
-    batches, metas = [], []
-    for g in groups:
-        batch, per_token, _ = micro_batch(model, [samples[i] for i in g], dev)
-        batches.append(batch)
-        metas.append((batch, per_token["labels"]))
+    batches, extras = _step_batches(model, samples, groups, None, [], next(model.parameters()).device)
 
     def per_token(out, meta):
-        batch, labels = meta
+        batch, x = meta
         if model.hf_head == "lm":
-            out = vocab_parallel.log_probs(_scaled(out, temperature), labels, model.tp_group)
+            out = vocab_parallel.log_probs(_scaled(out, temperature), x["labels"], model.tp_group)
         return batch.to_padded(out)
 
     with torch.no_grad():
-        outs = schedule.forward_backward(model, batches, per_token, metas, forward_only=True)
+        outs = schedule.forward_backward(model, batches, per_token, list(zip(batches, extras)), forward_only=True)
     if not model.topology.is_last_stage:
         return None
     # One copy to the host a micro-batch, not one a sample.
@@ -311,17 +306,16 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
 
 
 def _step_batches(actor, samples: list[Sample], groups: list[list[int]], data: dict | None, keys: list[str],
-                  dev) -> tuple[list[TokenBatch], list[dict | None]]:
-    """The micro-batches of ``groups`` and what each one's loss reads: ``micro_batch``'s per-token
-    tensors and, off ``data`` (None: not the last pipeline stage), its samples' rows of ``keys``
-    in its token order."""
+                  dev) -> tuple[list[TokenBatch], list[dict]]:
+    """The micro-batches of ``groups`` and what each one's loss (or per-token output) reads:
+    ``micro_batch``'s per-token tensors and, with ``data`` (None off the last pipeline stage, and
+    for a frozen pass), its samples' rows of ``keys`` in its token order."""
     batches, extras = [], []
     for g in groups:
         batch, per_token, width = micro_batch(actor, [samples[i] for i in g], dev)
         batches.append(batch)
-        if data is None:
-            extras.append(None)
-            continue
-        rows = _on(dev, torch.tensor(g))
-        extras.append({**per_token, **{k: batch.flat(data[k][rows, :width]) for k in keys}})
+        if data is not None:
+            rows = _on(dev, torch.tensor(g))
+            per_token.update({k: batch.flat(data[k][rows, :width]) for k in keys})
+        extras.append(per_token)
     return batches, extras
