@@ -1,15 +1,9 @@
-"""The contract between stages, in one place: what their files hold (docs/formats.md).
-
-- the rollout and scores Parquet columns, each name defined once, and their schemas;
-- Parquet parts: ``parts/part-NNNNNN.parquet``, each published whole by a rename, so a rerun keeps
-  the parts already there and a reader never sees half a part;
-- what each stage publishes (its manifest's ``kind``), and the facts a rollout's manifest gives
-  the stages after it (``RolloutFacts``); when an output is current is stages/identity.py's;
-- the checkpoint manifest (shard and ppo write the same kind), its folders and the HF side files
-  next to it, and the outputs of ppo: each role's weights, and apart from them its training state.
-
-Dtype names (manifests say torch's own: ``bfloat16``) are lib/dtypes.py's. Stages import this
-module and ``stages.config``, never each other.
+"""The contract between stages, in one place: what their files hold (docs/formats.md). Below, a
+section each: what each stage publishes (its manifest's ``kind``) and the facts a rollout's manifest
+gives the stages after it, the rollout and scores columns, the Parquet parts, the checkpoint
+manifest with its folders and HF side files, and ppo's outputs. When an output is current is
+stages/identity.py's; dtype names (manifests say torch's own: ``bfloat16``) are lib/dtypes.py's.
+Stages import this module and ``stages.config``, never each other.
 """
 
 from __future__ import annotations
