@@ -70,9 +70,8 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     actor, out = cfg.actor.rstrip("/"), cfg.out.rstrip("/")
     manifest, model_cfg, layout, room = _check_actor(cfg, actor)
     # What does not wait for the process group starts now, in threads: the tokenizer and, on a GPU,
-    # the kernels' first calls (the sampler's Triton kernel: a load from Triton's cache after the
-    # first run on a machine; the prefill's attention), while the prompts are opened, the process
-    # group joined and the weights loaded.
+    # the kernels' first calls (_warm_up_kernels), while the prompts are opened, the process group
+    # joined and the weights loaded.
     tokenizer = background.Soon(_load_tokenizer, actor, name="rollout-tokenizer")
     device = _local_device()
     dtype = compute_dtype(cfg.dtype, device)
