@@ -1,15 +1,9 @@
-"""The contract between stages, in one place: what their files hold (docs/formats.md).
-
-- the rollout and scores Parquet columns, each name defined once, and their schemas;
-- Parquet parts: ``parts/part-NNNNNN.parquet``, each published whole by a rename, so a rerun keeps
-  the parts already there and a reader never sees half a part;
-- what each stage publishes (its manifest's ``kind``), and the facts a rollout's manifest gives
-  the stages after it (``RolloutFacts``); when an output is current is stages/identity.py's;
-- the checkpoint manifest (shard and ppo write the same kind), its folders and the HF side files
-  next to it, and the outputs of ppo: each role's weights, and apart from them its training state.
-
-Dtype names (manifests say torch's own: ``bfloat16``) are lib/dtypes.py's. Stages import this
-module and ``stages.config``, never each other.
+"""The contract between stages, in one place: what their files hold (docs/formats.md). Below, a
+section each: what each stage publishes (its manifest's ``kind``) and the facts a rollout's manifest
+gives the stages after it, the rollout and scores columns, the Parquet parts, the checkpoint
+manifest with its folders and HF side files, and ppo's outputs. When an output is current is
+stages/identity.py's; dtype names (manifests say torch's own: ``bfloat16``) are lib/dtypes.py's.
+Stages import this module and ``stages.config``, never each other.
 """
 
 from __future__ import annotations
@@ -88,21 +82,14 @@ ROLLOUT_COLUMNS = (PROMPT_ID, SAMPLE_INDEX, PROMPT, PROMPT_TOKEN_IDS, RESPONSE, 
 """The columns every rollout part has, in this order; then the prompts' ``keep_columns``, as they were."""
 
 
-def rollout_schema() -> pa.Schema:
-    """``ROLLOUT_COLUMNS`` with their types."""
+def rollout_table(columns: dict[str, list], keep: dict[str, list], metadata: dict[str, str]) -> pa.Table:
+    """A rollout part: ``columns``, those of ``ROLLOUT_COLUMNS`` with their types, then the kept
+    prompt columns (their types inferred), with ``metadata`` (actor, sampling, …) in the Parquet schema."""
     import pyarrow as pa
 
     types = (pa.string(), pa.int32(), pa.string(), pa.list_(pa.int32()), pa.string(), pa.list_(pa.int32()),
              pa.list_(pa.float32()), pa.string())
-    return pa.schema(list(zip(ROLLOUT_COLUMNS, types)))
-
-
-def rollout_table(columns: dict[str, list], keep: dict[str, list], metadata: dict[str, str]) -> pa.Table:
-    """A rollout part: ``columns`` of ``rollout_schema``, then the kept prompt columns (their types
-    inferred), with ``metadata`` (actor, sampling, …) in the Parquet schema."""
-    import pyarrow as pa
-
-    table = pa.Table.from_pydict(columns, schema=rollout_schema())
+    table = pa.Table.from_pydict(columns, schema=pa.schema(list(zip(ROLLOUT_COLUMNS, types))))
     for name, values in keep.items():
         table = table.append_column(name, pa.array(values))
     return table.replace_schema_metadata({k.encode(): v.encode() for k, v in metadata.items()})
@@ -120,23 +107,18 @@ def term_column(term: str) -> str:
     return f"{SCORE}_{term}"
 
 
-def scores_schema(terms: Iterable[str], rm_id: str | None) -> pa.Schema:
-    import pyarrow as pa
-
-    # sample_index is int64 here (int32 in the rollout) and rm_id has Arrow's null type when there
-    # is no reward model: the format scores parts have always had, kept so old and new parts agree.
-    return pa.schema([(PROMPT_ID, pa.string()), (SAMPLE_INDEX, pa.int64()), (SCORE, pa.float32())]
-                     + [(term_column(t), pa.float32()) for t in terms]
-                     + [(RM_ID, pa.string() if rm_id is not None else pa.null())])
-
-
 def scores_table(rows: list[dict], total: list[float], terms: dict[str, list[float]], rm_id: str | None) -> pa.Table:
     """A scores part: the key of each rollout row, its ``total`` and each term's score."""
     import pyarrow as pa
 
     data = {PROMPT_ID: [r[PROMPT_ID] for r in rows], SAMPLE_INDEX: [r[SAMPLE_INDEX] for r in rows], SCORE: total,
             **{term_column(t): v for t, v in terms.items()}, RM_ID: [rm_id] * len(rows)}
-    return pa.Table.from_pydict(data, schema=scores_schema(terms, rm_id))
+    # sample_index is int64 here (int32 in the rollout) and rm_id has Arrow's null type when there
+    # is no reward model: the format scores parts have always had, kept so old and new parts agree.
+    schema = pa.schema([(PROMPT_ID, pa.string()), (SAMPLE_INDEX, pa.int64()), (SCORE, pa.float32())]
+                       + [(term_column(t), pa.float32()) for t in terms]
+                       + [(RM_ID, pa.string() if rm_id is not None else pa.null())])
+    return pa.Table.from_pydict(data, schema=schema)
 
 
 # ---- parts ------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from llamarl.lib.files import publish
 from llamarl.lib.rl import core as rl
@@ -146,14 +147,10 @@ def packing_stats(groups: list[list[int]], samples: list[Sample], budget: int) -
 
 def padded(samples: list[Sample], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids, attention mask, labels and the response mask, right-padded."""
-    width = max(len(s.ids) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(samples):
-        ids[b, : len(s.ids)] = torch.tensor(s.ids)
-        mask[b, : len(s.ids)] = 1
+    ids = pad_sequence([torch.tensor(s.ids, dtype=torch.long) for s in samples], batch_first=True)
+    mask = pad_sequence([torch.ones(len(s.ids), dtype=torch.long) for s in samples], batch_first=True)
     labels = torch.roll(ids, -1, dims=1)
-    return ids.to(device), mask.to(device), labels.to(device), response_mask(samples, width, device)
+    return ids.to(device), mask.to(device), labels.to(device), response_mask(samples, ids.shape[1], device)
 
 
 def response_mask(samples: list[Sample], width: int, device) -> torch.Tensor:
@@ -216,7 +213,8 @@ def advantages(cfg: PPOConfig, samples: list[Sample], ref_logp: dict[int, list[f
             data["tis"], data["tis_truncated"] = rl.sequence_tis_weights(old, rollout, resp, cfg.tis_cap)
         else:
             data["tis"], data["tis_truncated"] = rl.tis_weights(old, rollout, cfg.tis_cap)
-        data["tis_stats"] = tis_stats(data, list(range(n)))
+        reads = tis_reads(data, list(range(n)))
+        data["tis_stats"] = dict(zip(reads, torch.stack(list(reads.values())).tolist()))  # one wait for the device
     return data
 
 
@@ -229,9 +227,3 @@ def tis_reads(data: dict, rows: list[int]) -> dict[str, torch.Tensor]:
     w, cut = data["tis"][idx] * m, data["tis_truncated"][idx] * m
     tokens = m.sum().clamp(min=1)
     return {"tis_weight_mean": w.sum() / tokens, "tis_weight_max": w.max(), "tis_truncated": cut.sum() / tokens}
-
-
-def tis_stats(data: dict, rows: list[int]) -> dict[str, float]:
-    """``tis_reads``, read (one wait for the device)."""
-    reads = tis_reads(data, rows)
-    return dict(zip(reads, torch.stack(list(reads.values())).tolist()))

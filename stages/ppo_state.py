@@ -36,9 +36,7 @@ def _start(root: str) -> None:
 def _entries(root: str, subs: tuple[str, ...]) -> dict:
     """Collective: the manifest entries of every file under ``root``'s folders ``subs``."""
     fs, path = fsspec.core.url_to_fs(root)
-    names = sorted(f"{sub}/{p.rsplit('/', 1)[-1]}" for sub in subs if fs.exists(f"{path}/{sub}")
-                   for p in fs.ls(f"{path}/{sub}", detail=False))
-    return outputs.file_entries(root, names)
+    return outputs.file_entries(root, sorted(p[len(path) + 1 :] for sub in subs for p in fs.find(f"{path}/{sub}")))
 
 
 def save_weights(root: str, role: str, trainer: Trainer, source: str, source_manifest: dict, step: int,
@@ -125,8 +123,7 @@ def save_state(out: str, k: int, trainers: dict[str, Trainer], store_dtype: torc
         t.save_weights(f"{root}/{name}", store_dtype)
         t.save_optimizer(f"{root}/{name}")
     dist.barrier()
-    fs, path = fsspec.core.url_to_fs(root)
-    files = outputs.file_entries(root, sorted(p[len(path) + 1 :] for p in fs.find(path)))
+    files = _entries(root, tuple(trainers))
     if dist.get_rank() == 0:
         marker = {"step": k, "metrics": metrics, "files": files}
         publish.write_bytes(f"{root}/done.json", dumps(marker).encode())  # written last

@@ -111,21 +111,16 @@ def token_outputs(model, samples: list[Sample], groups: list[list[int]], tempera
     """Per-response-token log-probs (CausalLM) or values (Value) for ``groups`` of samples; None
     off the last pipeline stage. Each micro-batch's head output is reduced as soon as it exists:
     a whole batch of ``[tokens, vocab]`` logits never lives at once."""
-    dev = next(model.parameters()).device
-    batches, metas = [], []
-    for g in groups:
-        batch, per_token, _ = micro_batch(model, [samples[i] for i in g], dev)
-        batches.append(batch)
-        metas.append((batch, per_token["labels"]))
+    batches, extras = _step_batches(model, samples, groups, None, [], next(model.parameters()).device)
 
     def per_token(out, meta):
-        batch, labels = meta
+        batch, x = meta
         if model.hf_head == "lm":
-            out = vocab_parallel.log_probs(_scaled(out, temperature), labels, model.tp_group)
+            out = vocab_parallel.log_probs(_scaled(out, temperature), x["labels"], model.tp_group)
         return batch.to_padded(out)
 
     with torch.no_grad():
-        outs = schedule.forward_backward(model, batches, per_token, metas, forward_only=True)
+        outs = schedule.forward_backward(model, batches, per_token, list(zip(batches, extras)), forward_only=True)
     if not model.topology.is_last_stage:
         return None
     # One copy to the host a micro-batch, not one a sample.
@@ -134,22 +129,10 @@ def token_outputs(model, samples: list[Sample], groups: list[list[int]], tempera
 
 def reference_source(cfg: PPOConfig, reference_id: str, actor_id: str, sampled_by: str,
                      sampled_at: float | None) -> str:
-    """Where π_ref's log-probs come from, so that no forward pass runs whose result is at hand (ids
+    """Where π_ref's log-probs come from, so that no forward pass runs whose result is at hand:
+    ``none``, ``actor``, ``rollout`` or ``forward``, when and why as docs/rl.md §2 tabulates. Ids
     are the published outputs' ids, which hash every file; ``sampled_by``, ``sampled_at``: the id of
-    the actor the rollout sampled from and its temperature, from the rollout's manifest):
-
-    - ``none``: ``kl_coef`` is 0, so no KL enters the rewards or the loss; none is computed (the
-      ``kl`` metric is null) and the reference is not read;
-    - ``actor``: the reference is the actor, whose log-probs are recomputed as π_old anyway: one
-      forward gives both;
-    - ``rollout``: the reference is the policy that sampled, at this temperature, and π_old is the
-      rollout's: the rollout's recorded log-probs are π_ref's, in the numerics π_old already has, so
-      a KL between the two policies compares like with like (on-policy iteration 1: exactly 0);
-    - ``forward``: a forward pass of the reference.
-
-    With π_old the actor's, a reference that sampled but is not the actor still takes a forward:
-    the KL then compares the training forward's numbers with the training forward's, where the
-    rollout's would add the engine's difference from it to the KL (docs/rl.md §2)."""
+    the actor the rollout sampled from and its temperature, from the rollout's manifest."""
     recompute = cfg.old_logp_source() == "actor"
     if cfg.kl_coef == 0:
         return "none"
@@ -323,17 +306,16 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
 
 
 def _step_batches(actor, samples: list[Sample], groups: list[list[int]], data: dict | None, keys: list[str],
-                  dev) -> tuple[list[TokenBatch], list[dict | None]]:
-    """The micro-batches of ``groups`` and what each one's loss reads: ``micro_batch``'s per-token
-    tensors and, off ``data`` (None: not the last pipeline stage), its samples' rows of ``keys``
-    in its token order."""
+                  dev) -> tuple[list[TokenBatch], list[dict]]:
+    """The micro-batches of ``groups`` and what each one's loss (or per-token output) reads:
+    ``micro_batch``'s per-token tensors and, with ``data`` (None off the last pipeline stage, and
+    for a frozen pass), its samples' rows of ``keys`` in its token order."""
     batches, extras = [], []
     for g in groups:
         batch, per_token, width = micro_batch(actor, [samples[i] for i in g], dev)
         batches.append(batch)
-        if data is None:
-            extras.append(None)
-            continue
-        rows = _on(dev, torch.tensor(g))
-        extras.append({**per_token, **{k: batch.flat(data[k][rows, :width]) for k in keys}})
+        if data is not None:
+            rows = _on(dev, torch.tensor(g))
+            per_token.update({k: batch.flat(data[k][rows, :width]) for k in keys})
+        extras.append(per_token)
     return batches, extras

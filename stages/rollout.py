@@ -1,33 +1,22 @@
 """Stage rollout: sample responses from the actor for a prompts dataset; write Parquet parts.
 
-Run with tp × dp processes (``llamarl stage rollout ACTOR PROMPTS OUT --tp T --dp D``). The
-prompts (Parquet or JSONL, a file or a folder, any fsspec URL) are checked, every row, before
-anything is written, then read — every row as a stream, or the rows ``select`` takes, through the
-dataset's row index (stages/prompts.py) — and cut into chunks of ``chunk_size`` rows; chunk c
-goes to data-parallel group c mod dp. Each chunk becomes one part file, published atomically
-(written under a temporary name, then renamed), so a rerun skips the chunks already published and
-nobody ever reads a partial part. The manifest comes last.
-
-Sampling is keyed per response: sample k of the prompt in row r draws from its own random stream,
-a function of (``seed``, r, k) only (lib/engine/sampling.py). So a response does not depend on the number
-of DP groups, on TP, on ``chunk_size``, on which chunks ran before it, nor on ``max_batch`` (how
-many sequences one engine decodes together), which only trades memory for speed.
-
-A rank's chunks go through one ``Engine.stream`` (lib/engine/generate.py), read and tokenized
-ahead and written behind in threads, each part still published whole (docs/generation.md, "The
-rollout stage: one stream per rank"); the manifest's ``spans_s`` say where the stage's time went.
-With ``scores`` (the pipeline sets it when every reward term is a rule), the rollout then publishes the
-score stage's output too (stages/scoring.py), so no score process starts. Formats: docs/formats.md.
+Run with tp × dp processes (``llamarl stage rollout ACTOR PROMPTS OUT --tp T --dp D``). Every prompt
+row is checked before anything is written (stages/prompts.py); the rows, in chunks of ``chunk_size``
+(chunk c to data-parallel group c mod dp), go through one ``Engine.stream`` a rank, read ahead and
+written behind, each chunk one part published whole, so a rerun skips the parts already there; the
+manifest comes last, its ``spans_s`` saying where the stage's time went. A response draws from its
+own random stream, keyed by (``seed``, row, sample) alone, so no layout, chunk or batch changes it.
+How and why: docs/generation.md, "The rollout stage: one stream per rank" and "Sampling"; the files:
+docs/formats.md. With ``scores`` (every reward term a rule) the rollout then publishes the score
+stage's output too (stages/scoring.py), so no score process starts.
 """
 
 from __future__ import annotations
 
 if __name__ == "__main__":
-    # A stage process's start-up is Python-bound: one interpreter lock for its imports, the weight
-    # load, the tokenizer and the kernels' first calls. So before its own imports it starts its
-    # tokenizer in a child process (transformers' import: seconds; lib/engine/tokenizer_process.py) and,
-    # on a GPU machine, a thread hashing Triton's sources (its cache key, the sampler kernel's
-    # first call: ~1 s) beside those imports.
+    # Start-up is Python-bound, so before the stage's own imports the tokenizer starts in a child
+    # process and, on a GPU machine, a thread hashes Triton's sources (the sampler kernel's cache
+    # key): docs/generation.md, "Start-up, beside the weights".
     import importlib
     import os
     import sys
@@ -81,9 +70,8 @@ def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     actor, out = cfg.actor.rstrip("/"), cfg.out.rstrip("/")
     manifest, model_cfg, layout, room = _check_actor(cfg, actor)
     # What does not wait for the process group starts now, in threads: the tokenizer and, on a GPU,
-    # the kernels' first calls (the sampler's Triton kernel: a load from Triton's cache after the
-    # first run on a machine; the prefill's attention), while the prompts are opened, the process
-    # group joined and the weights loaded.
+    # the kernels' first calls (_warm_up_kernels), while the prompts are opened, the process group
+    # joined and the weights loaded.
     tokenizer = background.Soon(_load_tokenizer, actor, name="rollout-tokenizer")
     device = _local_device()
     dtype = compute_dtype(cfg.dtype, device)

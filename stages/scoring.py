@@ -1,15 +1,11 @@
 """Scoring a published rollout into a scores output: what the score stage and the rollout stage share.
 
-The score stage runs it with the reward model (``rm``); when every term is a rule, the rollout stage
-runs it itself right after it publishes its output (``RolloutConfig.scores``, set by the pipeline),
-so no score process starts. Either way the output is the same: every rollout part becomes one scores
-part of the same bytes, and the manifest records the same ``request`` (``identity.declare`` of the
-score config), so a rerun of either stage, and the pipeline, take it for the score stage's own.
-
-Rules run on the rows as read back from the published rollout parts (the very values the score stage
-reads). A term that is not a finite float32 (its column's type), or a total beyond
-±``rl.MAX_ABS_SCORE`` (where ppo's fp32 arithmetic overflows), stops the stage before its part is
-written, naming the term and the row. Formats: docs/formats.md.
+The score stage runs it with the reward model (``rm``); the rollout stage runs it itself, right after
+it publishes its output, when every term is a rule (``RolloutConfig.scores``, set by the pipeline).
+Either way the parts and the manifest's ``request`` are the score stage's, and a term or a total that
+ppo could not train on stops the stage before its part is written, naming the term and the row
+(docs/formats.md, "Scores"). Rules run on the rows as read back from the published rollout parts:
+the very values the score stage reads.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Room on disk before a stage writes (#26): what it will write, at most, against what its
-output's file system has free. What each stage's estimate counts, and what counts as free:
-docs/pipeline.md, "Free space before a stage writes".
-
-Every stage calls ``check(cfg)`` first in its ``run()``: a stage that cannot fit is refused in one
-line before it reads a weight, not when the disk fills halfway through. Only local storage is
-checked (fsspec's "file" protocol: an object store has no free space to ask), and not an output
-already published (the stage skips it or refuses to overwrite it). Parquet's compression makes the
-rollout's and score's bounds generous; two stages that run at once each check alone.
+output's file system has free, checked first in every stage's ``run()`` so that a stage that cannot
+fit is refused in one line before it reads a weight. Only local storage is checked (an object store
+has no free space to ask). What each estimate counts and what counts as free: docs/pipeline.md,
+"Free space before a stage writes".
 """
 
 from __future__ import annotations

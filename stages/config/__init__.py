@@ -1,24 +1,15 @@
 """The stages' configs: one typed, validated model per stage (pydantic), importable without torch.
 
 One module per concept: ``base`` (the kinds of field, ``Url``, ``StageConfig``), ``checkpoint``
-(shard, export), ``rollout``, ``score``, ``ppo``; here, what reads all of them. Every field is one
-of four kinds, marked once (``base``) and read everywhere else:
+(shard, export), ``rollout``, ``score``, ``ppo``; here, what reads all of them. Every field is an
+input, an output, a layout count, a placement option or an ordinary option, marked once (``base``);
+what each kind means, and why a stage's identity leaves out outputs, layout and placement:
+docs/pipeline.md, "Configs are validated whole, before anything runs".
 
-- an **input** or **output** path: the pipeline fills it in (a run spec may not set it);
-- a **layout** count (tp, pp, dp; export's procs): the pipeline fills it in from the spec's
-  ``layout``, and a stage runs on their product (``processes``);
-- a **placement** option: how a stage runs, not what it computes (``score.offload``,
-  ``ppo.save_every``, ``ppo.sequence_parallel``);
-- an ordinary **option**: what the stage computes.
-
-A stage's *identity* (what names its output: the pipeline's keys, the outputs' ``request``, both
-through stages/identity.py) is its config without outputs, layout and placement, so moving a stage to another layout or flipping an
-offload never makes a finished output stale, and adding a placement option changes no key.
-
-Values are checked when a config is built, each error one line naming the field and the fix; so
-``llamarl run`` refuses a bad value in any iteration's stage before the first stage starts. A check
-across fields lives once, in the stage's model (a ``FieldsError`` naming its fields as ``{field}``),
-and reads in the caller's words: ``layout.ppo.tp`` in a run spec, ``--tp`` on a stage's command line.
+Values are checked when a config is built, each error one line naming the field and the fix. A
+check across fields lives once, in the stage's model (a ``FieldsError`` naming its fields as
+``{field}``), and reads in the caller's words: ``layout.ppo.tp`` in a run spec, ``--tp`` on a
+stage's command line.
 """
 
 from __future__ import annotations
