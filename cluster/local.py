@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,10 +288,8 @@ def pass_on(line: str, run: LocalRun | None, index: int) -> None:
             if line in run.shown:
                 return
             run.shown.add(line)
-    try:
+    with suppress(OSError):  # the driver's terminal is gone (SIGHUP): keep draining, so the stage never blocks
         sys.stderr.write(line)
-    except OSError:  # the driver's terminal is gone (SIGHUP): keep draining, so the stage never blocks
-        pass
 
 
 # ---- process groups ------------------------------------------------------------------------------
@@ -355,10 +354,8 @@ def kill_groups(groups: list[tuple[int, int | None]]) -> dict[int, list[int]]:
     PermissionError: a group of another user's processes."""
     alive = survivors(groups)
     for pid in alive:
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return alive
 
 

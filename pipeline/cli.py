@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import typer
 
@@ -108,10 +108,8 @@ def stopped_by_signals():
 
 def _say(console, text, markup: bool = True, wrap: bool = False) -> None:
     """A line to the terminal, which may be gone (SIGHUP): then it is dropped."""
-    try:
+    with suppress(OSError):
         console.print(text, highlight=False, markup=markup, soft_wrap=not wrap)
-    except OSError:
-        pass
 
 
 def _error(console, message: str) -> None:
@@ -126,10 +124,8 @@ def _leave(status: int) -> None:
     """Exit now, without waiting for the threads that follow a cluster's stages (they run on, and
     a later run follows them): everything of the run is recorded and its lock released already."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with suppress(OSError):
             stream.flush()
-        except OSError:
-            pass
     os._exit(status)
 
 

@@ -106,13 +106,13 @@ def build_dag(spec: RunSpec) -> list[Node]:
         # With staleness s, rollout i samples from the actor of ppo i-1-s, so it need not wait for
         # ppo i-1 … i-s: those run while it does.
         sampler = trained[max(0, i - 1 - spec.max_staleness)]
-        score = _score_config(spec, sc, ro, spec.score.model_dump(), "score")
+        score = _score_node(spec, sc, ro, spec.score.model_dump(), "score", i)
         nodes.append(Node(ro, "rollout", f"{run}/{ro}", [sampler], L.rollout,
                           cfg(RolloutConfig, _rollout_options(spec, i), "rollout", actor=actor_dir(run, sampler),
                               prompts=spec.prompts, out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp,
                               scores=_rules_only(score), **_selection(spec, i)),
                           reads=_actor_only(sampler), iteration=i))
-        nodes.append(_score_node(spec, sc, ro, score, i))
+        nodes.append(score)
         critic_dir = f"{run}/{critic}/critic" if critic else None
         stale = {"off_policy": True} if sampler != actor else {}  # its samples are an older actor's
         nodes.append(Node(po, "ppo", f"{run}/{po}", [ro, sc, actor, "shard/actor"] + ([critic] if critic else []), L.ppo,
@@ -144,24 +144,21 @@ def _selection(spec: RunSpec, iteration: int) -> dict:
     return {"select": select.model_dump(), "index_cache": data.prompts_index(spec.run_dir)}
 
 
-def _score_config(spec: RunSpec, name: str, rollout: str, options: dict, where: str) -> Callable[[], ScoreConfig]:
+def _score_node(spec: RunSpec, name: str, rollout: str, options: dict, where: str, iteration: int,
+                role: str = TRAIN) -> Node:
     run, L = spec.run_dir, spec.layout
     rm = {"reward_model": f"{run}/shard/rm"} if spec.reward_model else {}
-    return lambda: spec.stage_config(ScoreConfig, options, where, rollout=f"{run}/{rollout}", out=f"{run}/{name}",
-                                     tp=L.score.tp, pp=L.score.pp, dp=L.score.dp, **rm)
+    return Node(name, "score", f"{run}/{name}", [rollout] + (["shard/rm"] if spec.reward_model else []), L.score,
+                lambda: spec.stage_config(ScoreConfig, options, where, rollout=f"{run}/{rollout}", out=f"{run}/{name}",
+                                          tp=L.score.tp, pp=L.score.pp, dp=L.score.dp, **rm),
+                role=role, iteration=iteration)
 
 
-def _rules_only(score: Callable[[], ScoreConfig]) -> ScoreConfig | None:
+def _rules_only(score: Node) -> ScoreConfig | None:
     """The score config for its rollout to score itself (``RolloutConfig.scores``): when no term
     needs the reward model, the rules run in the rollout's processes and no score process starts."""
-    cfg = score()
+    cfg = score.make_config()
     return None if cfg.uses_rm() else cfg
-
-
-def _score_node(spec: RunSpec, name: str, rollout: str, score: Callable[[], ScoreConfig], iteration: int,
-                role: str = TRAIN) -> Node:
-    return Node(name, "score", f"{spec.run_dir}/{name}", [rollout] + (["shard/rm"] if spec.reward_model else []),
-                spec.layout.score, score, role=role, iteration=iteration)
 
 
 def _validation_nodes(spec: RunSpec, i: int, ppo: str) -> list[Node]:
@@ -175,13 +172,13 @@ def _validation_nodes(spec: RunSpec, i: int, ppo: str) -> list[Node]:
     score_options = spec.score.model_dump()
     score_options["rewards"] = [t.model_dump() for t in v.rewards] if v.rewards else score_options["rewards"]
     score_options["references"] = v.references
-    score = _score_config(spec, sc, ro, score_options, "validation")
+    score = _score_node(spec, sc, ro, score_options, "validation", i, role=VALIDATE)
     rollout = Node(ro, "rollout", f"{run}/{ro}", [ppo], L.rollout,
                    lambda: spec.stage_config(RolloutConfig, options, "validation", actor=actor_dir(run, ppo),
                                              prompts=v.prompts, out=f"{run}/{ro}", tp=L.rollout.tp, dp=L.rollout.dp,
                                              scores=_rules_only(score)),
                    reads=_actor_only(ppo), role=VALIDATE, iteration=i)
-    return [rollout, _score_node(spec, sc, ro, score, i, role=VALIDATE)]
+    return [rollout, score]
 
 
 def may_run_beside(nodes: list[Node], shown: int = 4) -> dict[str, str]:

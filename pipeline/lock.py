@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import suppress
 
 import fsspec
 
@@ -177,11 +178,9 @@ class RunLock:
         leaves the last one in place and is tried again by the next heartbeat: the stage whose
         write failed too reports it."""
         tmp = f"{self.path}.{self.me['pid']}.tmp"
-        try:
+        with suppress(OSError):
             self.fs.pipe_file(tmp, self._body())
             self.fs.mv(tmp, self.path)
-        except OSError:
-            pass
 
     def _beat(self) -> None:
         """Every ``lease_s / 4``, and at once when woken: a stage ended, or one started on processes

@@ -8,6 +8,7 @@ again only if its value changed, and a resumed run goes on in the same TensorBoa
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -51,6 +52,15 @@ def check_installed(metrics: MetricsSpec, source: str) -> None:
                             f"pip install {package}, or remove it") from None
 
 
+def _unsent(sent: dict, new: dict[str, dict[int, float]]) -> list[tuple[int, str, float]]:
+    """(iteration, tag, value) of the points of ``new`` that ``sent`` lacks or holds another value
+    of, in iteration order; from now on in ``sent``."""
+    unsent = sorted((i, name, v) for name, series in new.items() for i, v in series.items()
+                    if sent.get(f"{name}@{i}") != v)
+    sent.update((f"{name}@{i}", v) for i, name, v in unsent)
+    return unsent
+
+
 class Monitor:
     """The sinks of one `llamarl run`: ``update(rows)`` after every change of the metrics rows."""
 
@@ -70,29 +80,17 @@ class Monitor:
         state = json.loads(fs.cat_file(path)) if fs.exists(path) else {}
         new = points(rows)
         if self.metrics.tensorboard is not None:
-            written = state.setdefault("tensorboard", {})
-            if self._write(written, new, lambda name, value, i: self._tensorboard().add_scalar(name, value, i)):
+            unsent = _unsent(state.setdefault("tensorboard", {}), new)
+            for i, name, value in unsent:
+                self._tensorboard().add_scalar(name, value, i)
+            if unsent:
                 self._tb.flush()
         if self.metrics.wandb is not None:
             logged = state.setdefault("wandb", {"id": None, "points": {}})
             run = self._wandb_run(logged)
-            by_iteration: dict[int, dict] = {}
-            self._write(logged["points"], new, lambda t, v, i: by_iteration.setdefault(i, {}).update({t: v}))
-            for i in sorted(by_iteration):
-                run.log({"iteration": i, **by_iteration[i]})
+            for i, found in itertools.groupby(_unsent(logged["points"], new), key=lambda p: p[0]):
+                run.log({"iteration": i, **{name: value for _, name, value in found}})
         publish.write_bytes(self.state_url, json.dumps(state, indent=1, sort_keys=True).encode())
-
-    @staticmethod
-    def _write(done: dict, new: dict[str, dict[int, float]], emit) -> int:
-        """Emit the points of ``new`` that ``done`` lacks or holds another value of, in iteration
-        order; how many."""
-        sent = 0
-        for i, name, value in sorted((i, name, v) for name, series in new.items() for i, v in series.items()):
-            if done.get(f"{name}@{i}") != value:
-                emit(name, value, i)
-                done[f"{name}@{i}"] = value
-                sent += 1
-        return sent
 
     def _tensorboard(self):
         if self._tb is None:

@@ -80,14 +80,12 @@ def fingerprint(url: str, checksums: bool = False) -> str:
                       str(info.get("mtime") or info.get("LastModified") or info.get("ETag"))) for name, info in found.items())
     if not checksums:
         return hashlib.sha256(json.dumps([[*e, None] for e in listing]).encode()).hexdigest()[:16]
+    seen = {} if _checksummed is None else _checksummed  # outside ``one_look``, nothing is kept
     memo = f"{url}\0{json.dumps(listing)}"
-    if _checksummed is not None and memo in _checksummed:
-        return _checksummed[memo]
-    entries = [[*e, publish.checksum(fs.unstrip_protocol(path + e[0]))] for e in listing]
-    found = hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
-    if _checksummed is not None:
-        _checksummed[memo] = found
-    return found
+    if memo not in seen:
+        entries = [[*e, publish.checksum(fs.unstrip_protocol(path + e[0]))] for e in listing]
+        seen[memo] = hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
+    return seen[memo]
 
 
 def fingerprints(node: Node) -> dict[str, str]:
@@ -157,7 +155,7 @@ def retired_parts(url: str) -> list[str]:
     path = path.rstrip("/")
     if not fs.exists(path):
         return []
-    markers = [m for m in fs.glob(f"{path}/**/{publish.RETIRED}", maxdepth=3)]
+    markers = list(fs.glob(f"{path}/**/{publish.RETIRED}", maxdepth=3))
     if fs.exists(f"{path}/{publish.RETIRED}"):
         markers.append(f"{path}/{publish.RETIRED}")
     return sorted({m.rstrip("/")[len(path):].strip("/").removesuffix(publish.RETIRED).strip("/") for m in markers})

@@ -8,6 +8,7 @@ rerun does not redo it) and what was made from it keeps its key.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import threading
@@ -21,11 +22,11 @@ from .records import assess, one_look, read_record, retired_parts
 from .spec import RunSpec
 
 
-def _consumers(nodes: list[Node]) -> dict[str, list[Node]]:
-    found: dict[str, list[Node]] = {n.name: [] for n in nodes}
+def _consumers(nodes: list[Node]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {n.name: [] for n in nodes}
     for n in nodes:
         for i in n.inputs:
-            found[i].append(n)
+            found[i].append(n.name)
     return found
 
 
@@ -99,20 +100,18 @@ def retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo
     if r.keep_last is None and r.keep_samples:
         return []
     consumers = _consumers(nodes)
-    done_memo: dict[str, bool] = {}
 
-    def done(n: Node) -> bool:
-        if n.name not in done_memo:
-            done_memo[n.name] = assess(run, n, by_name, set())[0]
-        return done_memo[n.name]
+    @functools.cache
+    def done(name: str) -> bool:
+        return assess(run, by_name[name], by_name, set())[0]
 
     def all_read(n: Node) -> bool:
-        return done(n) and all(done(c) for c in consumers[n.name])
+        return done(n.name) and all(done(c) for c in consumers[n.name])
 
     goes: list[str] = []
     ppos = [n for n in nodes if n.stage == "ppo"]
     if r.keep_last is not None:
-        finished = [n.iteration for n in ppos if done(n)]
+        finished = [n.iteration for n in ppos if done(n.name)]
         newest = max(finished, default=0)
         for n in ppos:
             if n.iteration > newest - r.keep_last or not all_read(n):
