@@ -166,11 +166,6 @@ def build_local(cfg: LlamaConfig, tp: int, tp_rank: int, name: str, read: SliceR
     return torch.cat(parts, dim=slices[0].dim)
 
 
-def state_dict_reader(sd: dict[str, torch.Tensor]) -> SliceReader:
-    """A reader over an in-memory HF state dict."""
-    return lambda name, dim, start, stop: sd[name].narrow(dim, start, stop - start)
-
-
 def random_reader(cfg: LlamaConfig, seed: int, std: float = 0.02) -> SliceReader:
     """A reader over a random HF checkpoint: each tensor drawn from its own generator (seeded by
     ``seed`` and the tensor's name), norms at one. The same weights whatever the layout that
