@@ -1,10 +1,8 @@
 """Process groups: set up from the torchrun environment; this module is their one owner (nothing
 else in llamarl builds a group). NCCL on GPU, gloo on CPU — the same collectives are used on both.
 
-A model asks once, when it is built, and keeps its ``Topology`` and TP group; its layers,
-``schedule`` and ``generate`` pass them to each function that communicates (``mappings``,
-``vocab_parallel``), so the model's code never looks a group up at call time. None stands for
-"no group" (a model built without ``init``): one rank, nothing to communicate.
+A model asks once, when it is built, and passes its ``Topology``'s groups to each function that
+communicates, so the model's code never looks a group up at call time.
 
 The grid is megatron-core's default order (tensor fastest, then data, then pipeline), and the
 groups are the ones its ``parallel_state`` builds (tests/test_parallel.py checks them against it;

@@ -1,18 +1,11 @@
 """Generation on lib/'s CausalLM: continuous batching over a fixed set of slots, one prefill per
 prompt, static-shape decode (captured as CUDA graphs on GPU), keyed sampling on the device.
 
-An ``Engine`` owns ``max_batch`` slots (a KV-cache row and a sequence's state each, on the device;
-``lib.engine.slots``). Sequences (prompt × sample index) wait in a queue; prompts are prefilled
-ahead into a prompt store, free slots copy their prompt's keys and values from it, and every slot
-decodes one token a step; every ``check_every`` steps the host, one window behind the device,
-frees the finished slots and admits the next sequences. ``Engine.stream`` takes batches of prompts
-lazily, one stream of sequences for all of them; ``generate`` is a stream of one batch. Each piece
-and why: docs/generation.md.
-
-Sampling (``lib.engine.sampling``) gives each sequence its own counter-based stream keyed by (seed,
-prompt key, sample index), so a response does not depend on ``max_batch``, DP, TP or the order
-sequences run in. Under TP every rank runs the same steps and draws the same tokens, without
-gathering the vocabulary.
+``Engine.stream`` takes batches of prompts lazily, one stream of sequences for all of them;
+``generate`` is a stream of one batch. The device side (slots, prompt store, decode step) is
+``lib.engine.slots``; the draw, ``lib.engine.sampling``: each sequence's own random stream, so a
+response does not depend on ``max_batch``, DP, TP or the order sequences run in. Each piece and
+why: docs/generation.md.
 """
 
 from __future__ import annotations
@@ -70,13 +63,10 @@ class Engine(Slots):
     prompt store).
 
     ``batch_invariant``: a sequence's numbers do not depend on the sequences beside it, to the
-    bit: every decode step runs all slots (``max_batch`` rounded up to a multiple of
-    ``ROW_GROUP``; no smaller buckets as a stream drains), so each matmul has the same shape
-    whoever shares it and wherever the sequence sits; prefill groups are always a function of
-    their batch alone. A batch then gives the same bits alone or in any stream, and a resumed
-    rollout the bits of an uninterrupted one. (Otherwise only the random streams are independent
-    of the neighbours, the log-probs equal to float rounding: another matmul shape rounds
-    differently.) Attention reads each slot's own keys, masked past its length."""
+    bit (otherwise to float rounding): every decode step runs all slots (``max_batch`` rounded up
+    to a multiple of ``ROW_GROUP``), so each matmul has the same shape whoever shares it; a
+    resumed rollout then writes the bits of an uninterrupted one (docs/generation.md, "Batch
+    invariance")."""
 
     def __init__(self, model: ParallelLlamaForCausalLM, params: SamplingParams, *, max_batch: int = 64,
                  check_every: int = 4, cuda_graphs: bool | None = None, fused: bool | None = None,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from llamarl.lib.distributed.parallel import group_size
+from llamarl.lib.errors import UserError
 from llamarl.lib.model import mappings
 
 _M32 = 0xFFFFFFFF
@@ -45,8 +46,6 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # EOS and any other stop tokens
 
     def check(self) -> None:
-        from llamarl.lib.errors import UserError
-
         if self.temperature < 0:
             raise UserError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:

@@ -18,15 +18,10 @@ from llamarl.lib.errors import UserError
 def _local_dir(url: str) -> str:
     """``url`` itself when local, else a local copy (transformers reads local files only)."""
     fs, path = fsspec.core.url_to_fs(url)
-    from fsspec.implementations.local import LocalFileSystem
-
-    if isinstance(fs, LocalFileSystem):
+    if getattr(fs, "local_file", False):
         return path
     local = tempfile.mkdtemp(prefix="llamarl-tok-")
-    for entry in fs.ls(path, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        with open(os.path.join(local, name), "wb") as f:
-            f.write(fs.cat_file(entry))
+    fs.get(fs.ls(path, detail=False), f"{local}/")
     return local
 
 

@@ -6,12 +6,8 @@ unpadded vocabulary), each rank writing the pieces it owns as chunks with their 
 own pieces, read from the overlapping chunks. No conversion step, and the fused QKV / gate_up and
 vocabulary padding of a layout never reach the files.
 
-The files are DCP's, written by lib/files/dcp_format.py (which says why not by DCP: ``Chunks``
-can say "rows 128:192 of k_proj, also held by another rank", which no DTensor can). Reading is
-this module's own: a rank's items are read in coalesced ranges of up to ``BLOCK_BYTES`` by
-``READ_THREADS`` threads and each tensor is copied out of that buffer into its target (no
-``torch.load`` copy); a large item that maps 1:1 onto its target is read straight into it; for a
-CUDA target the bytes pass through a few pinned staging buffers and non-blocking copies.
+The files are DCP's, written by lib/files/dcp_format.py (which says why not by DCP). Reading is
+this module's own (``_read`` says how): straight into the targets, without ``torch.load``'s copy.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Byte ranges of files read into memory without an intermediate copy: ``read_into`` a buffer
 (``preadv`` on local files, a range request elsewhere) such as one from ``empty``; ``MemoryFile``
 and ``Sparse``, read-only files over bytes already read (what torch's zip reader is given);
-``Staging``, the pinned buffers that blocks bound for a GPU pass through, and ``read_staged``,
-which reads through them.
+``read_staged``, which reads blocks bound for a GPU through a few pinned buffers.
 """
 
 from __future__ import annotations
@@ -101,34 +100,17 @@ def read_into(fs, path: str, begin: int, view: memoryview) -> None:
         view[:] = data
 
 
-class Staging:
-    """Pinned host buffers that every block bound for a GPU passes through, pinned once per load
-    and cycled: pinning is a system call over every page (slow, slower still in a VM), so a buffer
-    pinned per block costs more than the read. A buffer is handed out again once the copies queued
-    out of it have run (an event). Used from the loading thread only."""
-
-    def __init__(self, count: int, nbytes: int):
-        self.free = collections.deque(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count))
-        self.busy: collections.deque = collections.deque()
-
-    def take(self) -> torch.Tensor:
-        if not self.free:
-            event, buf = self.busy.popleft()
-            event.synchronize()
-            self.free.append(buf)
-        return self.free.popleft()
-
-    def give_back(self, buf: torch.Tensor) -> None:
-        event = torch.cuda.Event()
-        event.record()
-        self.busy.append((event, buf))
-
-
 def read_staged(fs, pool: ThreadPoolExecutor, jobs: list[tuple], threads: int) -> None:
     """``jobs`` — ``(path, begin, bytes, into, then)``: read into the CPU tensor ``into`` or, when
     None, a staging buffer; ``then(bytes read)`` or None — read by ``pool``; each ``then`` (the
-    copies out of the buffer) runs on this thread, in order, before its buffer is handed out again."""
-    staging = Staging(threads + 2, max([n for _, _, n, into, _ in jobs if into is None], default=1))
+    copies out of the buffer) runs on this thread, in order, before its buffer is handed out again.
+
+    The ``threads + 2`` staging buffers are pinned once and cycled: pinning is a system call over
+    every page (slow, slower still in a VM), so a buffer pinned per block costs more than the read.
+    A buffer is handed out again once the copies queued out of it have run (an event)."""
+    nbytes = max([n for _, _, n, into, _ in jobs if into is None], default=1)
+    free = collections.deque(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(threads + 2))
+    busy: collections.deque = collections.deque()  # (event after the copies out of it, buffer)
     pending: collections.deque = collections.deque()
 
     def finish_oldest() -> None:
@@ -137,10 +119,16 @@ def read_staged(fs, pool: ThreadPoolExecutor, jobs: list[tuple], threads: int) -
         if then is not None:
             then(buf[:n])
         if staged:
-            staging.give_back(buf)
+            event = torch.cuda.Event()
+            event.record()
+            busy.append((event, buf))
 
     for path, begin, n, into, then in jobs:
-        buf = staging.take() if into is None else into
+        if into is None and not free:
+            event, buf = busy.popleft()
+            event.synchronize()
+            free.append(buf)
+        buf = free.popleft() if into is None else into
         pending.append((pool.submit(read_into, fs, path, begin, memoryview(buf[:n].numpy())), buf, n, then, into is None))
         if len(pending) >= threads:
             finish_oldest()

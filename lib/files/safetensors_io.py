@@ -125,10 +125,7 @@ class SafetensorsCheckpoint:
                 "point at an HF checkpoint directory saved with safetensors"
             )
         self.files = {name: SafetensorsFile(f"{self.root}/{name}") for name in files}
-        self.where: dict[str, str] = {}
-        for fname, f in self.files.items():
-            for t in f.tensors:
-                self.where[t] = fname
+        self.where = {t: fname for fname, f in self.files.items() for t in f.tensors}
         if weight_map is not None:
             missing = sorted(t for t, fname in weight_map.items() if self.where.get(t) != fname)
             if missing:

@@ -1,13 +1,7 @@
-"""Causal self-attention, and the metadata that says how a batch's tokens form sequences.
-
-The attention metadata (``AttentionMetadata``, as vLLM and flash-attn users know it) is one of:
-
-* ``Padded``: tokens are ``batch × seqlen`` rows with a key-padding mask (SDPA with a mask).
-* ``Packed``: the valid tokens of all sequences back to back, delimited by ``cu_seqlens``
-  (remove-padding), through the backend ``attention_backend`` picks (docs/lib.md, "Attention
-  backends", says which runs when).
-* ``Prefill`` / ``Decode``: generation over a preallocated ``KVCache`` — packed prompts that
-  also fill the cache, then one token per sequence attending over its cache.
+"""Causal self-attention, and the metadata that says how a batch's tokens form sequences
+(``AttentionMetadata``, as vLLM and flash-attn users know it): ``Padded`` rows with a key mask,
+``Packed`` sequences back to back (remove-padding; the backend ``attention_backend`` picks, docs/lib.md
+"Attention backends"), or generation's ``Prefill`` / ``Decode`` over a preallocated ``KVCache``.
 
 All paths take ``q [tokens, heads, head_dim]`` and ``k, v [tokens, kv_heads, head_dim]`` and
 return ``[tokens, heads, head_dim]``; they compute the same function (tested).
@@ -246,9 +240,8 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, backend
             out = _direct_flash(q, k, v, cu_seqlens, max_seqlen)
             if out is not None:
                 return out
-        if has_gqa:
-            return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), enable_gqa=True)
-        return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0))
+        gqa = {"enable_gqa": True} if has_gqa else {}
+        return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), **gqa)
     return _sdpa_per_sequence(q, k, v, cu_seqlens)
 
 

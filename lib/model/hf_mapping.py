@@ -69,11 +69,8 @@ def param_slices(cfg: LlamaConfig, tp: int, tp_rank: int, name: str) -> list[Sli
         rows = cfg.intermediate_size // tp
         r0 = tp_rank * rows
         return [Slice(f"{prefix}mlp.gate_proj.{kind}", 0, r0, r0 + rows), Slice(f"{prefix}mlp.up_proj.{kind}", 0, r0, r0 + rows)]
-    if rest == "self_attn.o_proj.weight":
-        cols = cfg.q_size // tp
-        return [Slice(name, 1, tp_rank * cols, (tp_rank + 1) * cols)]
-    if rest == "mlp.down_proj.weight":
-        cols = cfg.intermediate_size // tp
+    if rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):  # row-parallel: split by input columns
+        cols = (cfg.q_size if rest.startswith("self_attn") else cfg.intermediate_size) // tp
         return [Slice(name, 1, tp_rank * cols, (tp_rank + 1) * cols)]
     if rest in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.bias", "mlp.down_proj.bias"):
         return [_whole(cfg, name)]
@@ -167,11 +164,6 @@ def build_local(cfg: LlamaConfig, tp: int, tp_rank: int, name: str, read: SliceR
             pad[s.dim] = s.stop - stop
             parts.append(parts[-1].new_zeros(pad))
     return torch.cat(parts, dim=slices[0].dim)
-
-
-def state_dict_reader(sd: dict[str, torch.Tensor]) -> SliceReader:
-    """A reader over an in-memory HF state dict."""
-    return lambda name, dim, start, stop: sd[name].narrow(dim, start, stop - start)
 
 
 def random_reader(cfg: LlamaConfig, seed: int, std: float = 0.02) -> SliceReader:

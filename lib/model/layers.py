@@ -7,17 +7,12 @@ scatters them after.
 Why not megatron-core's ColumnParallelLinear/RowParallelLinear: they hard-wire their
 communication (the row layer always all-reduces or, under SP, reduce-scatters into a CUDA
 buffer), so SP would not run on gloo. Ours hold the same shards and call the mappings in
-``mappings.py`` explicitly: one code path for CPU and GPU. Each layer is built with its TP group
-(``tp_group``) and whether tokens are split between blocks (``sequence_parallel``), and passes the
-group to every mapping it calls.
+``mappings.py`` explicitly: one code path for CPU and GPU.
 
-Fused elementwise work (``fused=True``, training on CUDA by default): RMSNorm, the residual add
-with the norm after it, rotary and SwiGLU each run as one ``torch.compile`` region; the matmuls
-and the communication stay outside, eager, so the regions are the same at every layout. Each fused
-function computes what its eager twin does (``tests/test_fusions.py``), rounding once instead of
-after every op. At TP 1 a decoder layer is two regions with its matmuls inside
-(``fused_layers_on``); a linear's weight gradient may go straight into its fp32 ``main_grad``
-(``linear``, ``wgrad_fusion_on``). The why and the measurements: docs/training.md.
+Fused elementwise work (``fusions_on``): RMSNorm, the residual add with the norm after it, rotary
+and SwiGLU each run as one ``torch.compile`` region, outside which the matmuls and the
+communication stay, so the regions are the same at every layout; each computes what its eager twin
+does (``tests/test_fusions.py``), rounding once instead of after every op. docs/training.md.
 """
 
 from __future__ import annotations
@@ -34,18 +29,23 @@ from llamarl.lib.model import mappings
 from llamarl.lib.distributed.parallel import group_rank, group_size
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y = x Wᵀ`` with W split by output rows over TP; the output stays split (per-rank features).
+class _ParallelLinear(nn.Module):
+    """This rank's ``[out, in]`` weight (and bias) of a TP linear; the subclass says how it splits."""
 
-    Input: replicated tokens (``copy_to_tp``: gradient summed over TP) or, under SP, this rank's
-    slice of the tokens (gathered first)."""
-
-    def __init__(self, in_features: int, out_per_rank: int, *, bias: bool, tp_group: ProcessGroup | None,
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp_group: ProcessGroup | None,
                  sequence_parallel: bool, dtype: torch.dtype | None = None):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(out_per_rank, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_per_rank, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x Wᵀ`` with W split by output rows over TP (``out_features`` is this rank's); the
+    output stays split (per-rank features).
+
+    Input: replicated tokens (``copy_to_tp``: gradient summed over TP) or, under SP, this rank's
+    slice of the tokens (gathered first)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self.gather_input(x), self.weight, self.bias)
@@ -60,17 +60,10 @@ def column_input(x: torch.Tensor, tp_group: ProcessGroup | None, sequence_parall
     return mappings.gather_from_sp(x, tp_group) if sequence_parallel else mappings.copy_to_tp(x, tp_group)
 
 
-class RowParallelLinear(nn.Module):
-    """``y = x Wᵀ`` with W split by input columns over TP; partial outputs are summed over TP
-    (or, under SP, reduce-scattered to this rank's tokens). The bias, replicated, is added once
-    after the sum."""
-
-    def __init__(self, in_per_rank: int, out_features: int, *, bias: bool, tp_group: ProcessGroup | None,
-                 sequence_parallel: bool, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(out_features, in_per_rank, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+class RowParallelLinear(_ParallelLinear):
+    """``y = x Wᵀ`` with W split by input columns over TP (``in_features`` is this rank's); partial
+    outputs are summed over TP (or, under SP, reduce-scattered to this rank's tokens). The bias,
+    replicated, is added once after the sum."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)

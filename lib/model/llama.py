@@ -183,7 +183,7 @@ class ParallelLlamaModel(nn.Module):
 
 
 class ParallelLlama(nn.Module):
-    """Base of the three models: backbone plus (on the last stage) a head."""
+    """Base of the three models: backbone plus (on the last stage) a head (``fused``: ``use_fused``)."""
 
     hf_head = "lm"  # which HF head the weights come from: lm (LlamaForCausalLM) | score
 
@@ -199,8 +199,6 @@ class ParallelLlama(nn.Module):
         self.cfg, self.layout, self.dtype = cfg, layout, dtype
         # The groups this model computes over, fixed now: every layer and collective uses these.
         self.topology, self.tp_group = topo, topo.groups.tp
-        # fused: the decoder's elementwise work as compiled regions when training (None: on CUDA
-        # unless LLAMARL_FUSED=0; see lib.model.layers).
         self.model = ParallelLlamaModel(cfg, topo, self.tp_group, layout.sequence_parallel, dtype, layer_split, fused)
         if topo.is_last_stage:
             self._build_head()
@@ -253,7 +251,7 @@ class ParallelLlama(nn.Module):
                 p.copy_(hf_mapping.build_local(self.cfg, topo.tp, topo.tp_rank, name, read, self.hf_head))
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.load_hf(hf_mapping.state_dict_reader(sd))
+        self.load_hf(lambda name, dim, start, stop: sd[name].narrow(dim, start, stop - start))
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random weights that do not depend on the layout (see ``hf_mapping.random_reader``)."""

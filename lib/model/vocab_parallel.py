@@ -7,15 +7,11 @@ in the logits' dtype. Padded vocabulary entries must already be at the dtype's m
 CausalLM head does that): they then carry zero probability.
 
 ``group`` is the TP group the vocabulary is split over: the ``tp_group`` of the model that made
-the logits. Left out (None), it is the current topology's, ``parallel.tp_group()`` — the same
-group unless the groups were rebuilt after the model.
+the logits (None: the current topology's).
 
-Two implementations of the same functions. On CUDA (unless ``LLAMARL_FUSED=0``) two Triton
-kernels: forward reads the logits once (an online softmax gives each row's max, sum of exps and,
-for entropy, sum of exp·logit) and keeps nothing but the logits and two ``[N]`` vectors; backward
-reads them once more and writes the gradient, recomputing the probabilities. No ``[N, vocab]``
-fp32 tensor is ever made. Elsewhere (and as the reference in ``tests/test_fusions.py``) torch ops:
-an fp32 softmax kept for backward.
+Two implementations of the same functions: on CUDA (unless ``LLAMARL_FUSED=0``) two Triton
+kernels that never make an ``[N, vocab]`` fp32 tensor (``_Kernel``); elsewhere, and as the
+reference in ``tests/test_fusions.py``, torch ops with an fp32 softmax kept for backward (``_Eager``).
 """
 
 from __future__ import annotations
@@ -198,8 +194,9 @@ def _k_grad(x, lse, mean, target, g_logp, g_ent) -> torch.Tensor:
 
 
 class _Kernel(torch.autograd.Function):
-    """``_Eager``'s outputs from the Triton kernels: nothing kept for backward but the logits and
-    ``[N]`` vectors."""
+    """``_Eager``'s outputs from the Triton kernels: forward reads the logits once (an online
+    softmax: each row's max, sum of exps and, for entropy, sum of exp·logit) and keeps nothing but
+    the logits and ``[N]`` vectors; backward reads them once more, recomputing the probabilities."""
 
     @staticmethod
     def forward(ctx, logits, labels, group, with_entropy):

@@ -15,14 +15,9 @@ import torch
 import torch.distributed as dist
 
 MAX_ABS_SCORE = 1e6
-"""The largest |score| ppo trains on; score refuses larger ones (docs/formats.md). ppo computes in
-fp32, whose largest number is 3.4e38, and squares the scores' scale in places: the whitening (gae,
-reinforce++) averages squared deviations of the returns, the value loss squares the returns' error,
-and advantages that are not normalised (rloo, Dr. GRPO) scale every gradient, whose norm sums
-squares over whole layers. At |score| 1e30 the whitening makes every advantage 0 and the value loss
-is inf (tests/test_rl.py). At 1e6 a score's square is 1e12, and a layer's sum of squared gradients
-stays over 1e10 below the limit even for 1e8 weights and activations in the thousands, while fp32
-still tells scores 0.1 apart. Rewards are O(1) to O(100) in practice."""
+"""The largest |score| ppo trains on; score refuses larger ones. ppo computes in fp32 and squares
+the scores' scale in places (whitening, value loss, gradient norms): docs/rl.md, "Scores", says why
+this bound."""
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "kl") -> torch.Tensor:

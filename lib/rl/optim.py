@@ -1,23 +1,14 @@
-"""Training pieces: fp32 gradient buffers, global-norm clipping, ZeRO-1 AdamW on fp32 master
-weights, LR schedule.
+"""Training pieces: fp32 gradient buffers and global-norm clipping (``GradBuffer``), ZeRO-1 AdamW
+on fp32 master weights (``ShardedAdamW``), the LR schedule (``lr_at``).
 
 Mixed precision as Megatron does it: parameters (and so activations) may be bf16, while every
 number that accumulates is fp32 — gradients summed over micro-batches and reduced over DP, the
-master weights AdamW updates, and its moments.
+master weights AdamW updates, and its moments. Both classes take the topology from the model they
+are built for and resolve their process groups once, then.
 
-* ``GradBuffer``: every parameter's gradient accumulates into ``p.main_grad``, an fp32 piece of
-  one flat buffer, so the data-parallel reduction is one fp32 all-reduce, not one per tensor.
-* ``GradBuffer.clip``: the norm of the *whole* model's gradient, whatever the layout: each TP/PP
-  rank adds its shards, and pieces held by several ranks (replicated norms, kv heads replicated
-  over TP, tied embeddings on two pipeline stages) are counted once.
-
-Both take the parallel topology from the model they are built for (``model.topology``) and resolve
-the process groups they reduce over once, when they are built.
-* ``ShardedAdamW``: ZeRO-1 — each DP rank keeps fp32 master weights and AdamW moments for its
-  share of the parameters, updates those, writes them back into the model and broadcasts them.
-  Written here rather than taken from torch's ``ZeroRedundancyOptimizer`` because checkpoints need
-  to know who owns which moments: they are saved as chunks of the same HF-named tensors as the
-  weights, so optimizer state, too, loads into any other layout.
+``ShardedAdamW`` is written here rather than taken from torch's ``ZeroRedundancyOptimizer``
+because checkpoints need to know who owns which moments: they are saved as chunks of the same
+HF-named tensors as the weights, so optimizer state, too, loads into any other layout.
 """
 
 from __future__ import annotations
@@ -89,7 +80,9 @@ class GradBuffer:
         """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm
         before, a 0-d fp64 tensor on the device. One fused norm over all pieces
         (``torch._foreach_norm``, what torch's own ``clip_grad_norm_`` uses), in fp32, summed in fp64
-        with each piece's share weight. Nothing is read back to the host: the caller reads the norm
+        with each piece's share weight: a piece several ranks hold (a replicated norm, a kv head
+        replicated over TP, the tied embedding's two copies) counts once, so it is the whole
+        model's norm at any layout. Nothing is read back to the host: the caller reads the norm
         with the step's other checks, once (a non-finite norm leaves the gradients non-finite)."""
         if self._shares is None:
             self._shares = _share_weights(self.model, self.topo)
