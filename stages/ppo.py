@@ -130,11 +130,10 @@ def _wanted(cfg: PPOConfig, inputs: _Inputs) -> dict[str, tuple[str, str | None]
 def prepare(cfg: PPOConfig) -> None:
     """Get a resident worker ready for this ppo while other stages run (cluster/worker.py
     ``prepare``): the kernels its training compiles, compiled now (at the 135M shape on an H100,
-    seconds of a first iteration), and the pinned buffers its loads read through. Reads only the
-    actor's manifest, when it is published; writes nothing, joins no process group."""
+    seconds of a first iteration). Reads only the actor's manifest, when it is published; writes
+    nothing, joins no process group."""
     from llamarl.lib.model.llama import warm_training_regions
 
-    checkpoint.pin_staging_ahead()
     manifest = publish.read_manifest(cfg.actor)
     if manifest is None or "model_config" not in manifest:
         return

@@ -171,9 +171,10 @@ def _copy_stored(target: torch.Tensor, buf: torch.Tensor, stored: dcp_format.Sto
             tgt.view(torch.uint8).copy_(src, non_blocking=non_blocking)
             return
         # Another dtype (fp32 masters from bf16 weights): the rows into a tensor of the stored
-        # dtype, converted by the copy into the target (byte by byte, 1.2 B parameters took seconds).
-        tmp = torch.empty(lengths, dtype=dtype)
-        tmp.view(torch.uint8).copy_(src)
+        # dtype on the target's device, converted there (a conversion on the host, or a copy
+        # across devices that converts, takes seconds at 1 B parameters).
+        tmp = torch.empty(lengths, dtype=dtype, device=tgt.device)
+        tmp.view(torch.uint8).copy_(src, non_blocking=non_blocking)
     else:  # a stored tensor strided in its last dimension: its bytes gathered element by element
         src = buf.as_strided((*lengths, item), (*(st * item for st in stride), 1), begin)
         tmp = torch.empty(lengths, dtype=dtype)
@@ -247,16 +248,6 @@ def _copy_range(buf: torch.Tensor, begin: int, rs: list[_Read], pin: bool) -> No
 
 
 STAGING_BYTES = 16 << 20  # the size of each pinned buffer that blocks bound for a GPU pass through
-
-
-def pin_staging_ahead() -> None:
-    """Pin the buffers a load onto the GPU reads through (``ranges.read_staged``) and hand them
-    to torch's caching host allocator, from which this process's next load takes them. Pinning
-    takes seconds in a VM (2.5 s for these 160 MB on the H100 machines): a stage that gets ready
-    ahead (ppo's ``prepare``) pays for it while another stage runs."""
-    if torch.cuda.is_available():
-        buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(READ_THREADS + 2)]
-        del buffers  # into the cache, still pinned
 
 
 def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
