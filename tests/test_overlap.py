@@ -90,8 +90,9 @@ def test_overlapped_demo_runs_a_rollout_beside_a_ppo_and_the_score_rises(tmp_pat
 class _PublishingExecutor(Executor):
     """Stages that only publish their outputs, as the real ones order them: ppo, after its start-up
     (``pause`` seconds: it clears what a killed run left only then), its ``actor/`` first, then,
-    ``pause`` seconds later (its training state being written), the rest. Each stage's start and
-    end (monotonic) land in ``events``; ppo's actor/ publication as ``<node>: actor/``."""
+    ``pause`` seconds later (its training state being written), the rest; a rollout after a fifth
+    of ``pause`` (what starts beside it sees it running, on a loaded machine too). Each stage's
+    start and end (monotonic) land in ``events``; ppo's actor/ publication as ``<node>: actor/``."""
 
     launches = True
 
@@ -108,8 +109,8 @@ class _PublishingExecutor(Executor):
 
         self.events[name] = [time.monotonic(), None]
         out = getattr(config, "out", None) or config.dst
-        if stage == "ppo":
-            time.sleep(self.pause)
+        if stage in ("ppo", "rollout"):
+            time.sleep(self.pause if stage == "ppo" else self.pause / 5)
         publish.prepare(out, lambda m: False)
         if stage == "ppo":
             publish.prepare(f"{out}/actor", lambda m: False)
