@@ -236,7 +236,10 @@ class ResidentExecutor(LocalExecutor):
             if self._stopping or sum(self._live(s) and stage in ran for s, ran in self._ran.items()) >= nprocs:
                 return
             with self._slots_changed:
-                free = [s for s in range(self.options.gpus or self._spares) if s not in self._busy]
+                # Without ``gpus``, a worker more where every spare is busy (``max_staleness: 1``'s
+                # first rollouts, side by side): what it gets ready for is the next critical stage.
+                pool = range(self.options.gpus or self._spares + nprocs)
+                free = [s for s in pool if s not in self._busy]
             # Spares first (a stage that starts now takes a worker that ran something), then the others.
             slots = sorted(free, key=lambda s: (not self._live(s), bool(self._ran.get(s)), s))[:nprocs]
             if len(slots) < nprocs:

@@ -24,6 +24,11 @@ from llamarl.stages.ppo_checks import StepCheck
 from llamarl.stages.ppo_data import Sample, micro_batches, padded, response_values, tis_reads
 
 
+STATE_WRITERS = 8
+"""Files (and threads) a rank writes its optimizer state into: six times the weights' bytes, on
+the critical path of a run with ``max_staleness: 1`` (the next ppo reads it)."""
+
+
 class Trainer:
     """One role's model with its fp32 gradient buffer and ZeRO-1 optimizer; the optimizer state
     comes from ``optim_url`` (moments, masters) or, for masters, from ``model_url`` at its stored
@@ -59,7 +64,7 @@ class Trainer:
     def save_optimizer(self, root: str) -> None:
         """Collective: the optimizer state in fp32 (moments, and masters when they are copies) under
         ``root/optim``."""
-        checkpoint.save(self.opt.state(), f"{root}/{contract.OPTIM}")
+        checkpoint.save(self.opt.state(), f"{root}/{contract.OPTIM}", threads=STATE_WRITERS)
 
     def free_gradients(self) -> None:
         """After the last step: drop the fp32 gradient buffer (4 bytes a parameter), which nothing

@@ -267,6 +267,24 @@ def test_a_stage_runs_on_the_workers_that_got_ready_for_it_and_each_kind_keeps_i
     assert executor.pids["export-1"] == executor.pids["export-2"] == [ready[1]]
 
 
+def test_a_stage_comes_next_while_every_spare_is_busy_gets_ready_on_a_worker_more(tmp_path):
+    """Two stages side by side on every spare (``max_staleness: 1`` starts two rollouts at once):
+    the stage that comes next gets ready on a worker of its own, and runs there."""
+    export = _Ready(src=str(tmp_path / "no-such-checkpoint"), dst=str(tmp_path / "hf"))
+    executor = _Watched(LocalOptions(max_concurrent_stages=2))
+    try:
+        executor._spares = 2
+        executor._busy.update({0, 1})  # as two running one-process stages hold them
+        executor.prepare("export", export, 1, name="export-1")
+        assert sorted(executor._workers) == [2] and executor._readying == {2: "export"}
+        ready = executor._workers[2].proc.pid
+        executor._busy.difference_update({0, 1})
+        assert executor.run("export", export, 1, name="export-1").code == EXIT_USER_ERROR
+    finally:
+        executor.close()
+    assert executor.pids["export-1"] == [ready]
+
+
 def test_one_stage_at_a_time_readies_no_worker(tmp_path):
     executor = _Watched(LocalOptions(resident=True, max_concurrent_stages=1))
     try:
