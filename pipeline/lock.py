@@ -42,7 +42,7 @@ class RunLock:
                    "pid_start": process_start(os.getpid()), "pid_ns": _pid_namespace(), "started": time.time(),
                    "lease_s": lease_s, "stages": {}}
         self._stop = threading.Event()
-        self._wake = threading.Event()  # the lock is to be rewritten now (``_soon``), not at the next beat
+        self._wake = threading.Event()  # set: the heartbeat rewrites the lock now, not at its next beat
         self._thread: threading.Thread | None = None
         self._writing = threading.Lock()  # the heartbeat's writes and the stages' records take turns
 
