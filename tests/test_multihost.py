@@ -323,7 +323,7 @@ def test_slurm_job_spans_two_hosts_rendezvous_works_and_a_requeue_resumes(slurm_
     address found by name; `scontrol requeue` mid-stage starts both tasks again, and they resume."""
     cluster = slurm_on_two_hosts
     # 48 chunks: after the second part, the stage runs on for longer than squeue and scontrol take
-    # on a loaded machine (with 24 it once finished between the look and the suspend).
+    # on a loaded machine (with 24 the stage can finish between the look and the suspend).
     prompts = toy.make_prompts(str(tmp_path / "prompts.jsonl"), n=48)
     cfg = RolloutConfig(actor=str(iteration / "actor"), prompts=prompts, out=str(tmp_path / "two"), id_column="id",
                         chunk_size=1, dp=2, sampling=Sampling(samples_per_prompt=2, max_new_tokens=24, seed=3))
