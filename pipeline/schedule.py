@@ -27,7 +27,9 @@ class PipelineError(UserError):
 
 
 def now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    """UTC to the millisecond: a stage that ran beside another for under a second still overlaps it."""
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
 
 
 def record_end(spec: RunSpec, n: Node, by_name: dict[str, Node], result, key: str | None = None) -> bool:

@@ -63,7 +63,7 @@ def status(run: str) -> list[tuple[str, str, str]]:
 
 
 def _ran_beside(name: str, records: dict[str, dict]) -> list[str]:
-    """The stages whose last run overlapped ``name``'s in time, from their records (to the second)."""
+    """The stages whose last run overlapped ``name``'s in time, from their records."""
     mine = records[name]
     if not (mine.get("started") and mine.get("finished")):
         return []

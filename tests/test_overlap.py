@@ -84,6 +84,22 @@ def test_overlapped_demo_runs_a_rollout_beside_a_ppo_and_the_score_rises(tmp_pat
     assert any("ran beside" in why[n] and "ppo" in why[n] for n in why if n.endswith("rollout")), why
 
 
+
+def test_stages_that_overlap_for_under_a_second_ran_beside_each_other():
+    from llamarl.pipeline.schedule import now
+    from llamarl.pipeline.status import _ran_beside
+
+    a_start = now()
+    time.sleep(0.01)
+    b_start = now()
+    time.sleep(0.01)
+    a_end = now()
+    time.sleep(0.01)
+    b_end = now()
+    records = {"a": {"started": a_start, "finished": a_end}, "b": {"started": b_start, "finished": b_end},
+               "c": {"started": b_end, "finished": now()}}
+    assert _ran_beside("a", records) == ["b"] and _ran_beside("c", records) == []
+
 # ---- early start: a stage that reads only ppo's actor/ starts once it is published --------------------
 
 
