@@ -200,9 +200,14 @@ def _peer_error(e: BaseException) -> str:
 def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> None:
     """A stage process's ``__main__``: ``call``, then its exit status (``EXIT_USER_ERROR``,
     ``EXIT_PEER_LOST``, or 0)."""
+    import gc
     import threading
 
     die_with_parent()
+    # What the imports made lives as long as the process. Frozen out of the collector's sight, a
+    # full collection during the work (a late import on a thread makes some) walks only what the
+    # stage makes: unfrozen, a shard's rank 0 stalled every thread 0.25 s on one.
+    gc.freeze()
     code = call(cls, run, argv)
     # Leave without the interpreter's teardown: native threads (pyarrow's, torch's, gloo's) still
     # winding down have aborted it now and then ("terminate called…", status -6), which would turn
