@@ -553,17 +553,26 @@ def test_large_read_buffers_are_huge_page_mappings_freed_with_their_tensor():
     assert small.shape == (4, 3) and small.dtype == torch.bfloat16
 
 
-def test_large_row_and_column_slices_read_into_huge_page_buffers(tmp_path):
+def test_large_row_and_column_slices_of_a_local_file_read_exactly_and_never_write_it(tmp_path):
     from safetensors.torch import save_file
 
-    from llamarl.lib.files.safetensors_io import SafetensorsFile
+    from llamarl.lib.files.safetensors_io import SafetensorsError, SafetensorsFile
 
     w = torch.randn(1024, 1536, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # 3 MiB
-    save_file({"w": w, "b": torch.arange(5)}, str(tmp_path / "model.safetensors"))
-    f = SafetensorsFile(str(tmp_path / "model.safetensors"))
+    path = tmp_path / "model.safetensors"
+    save_file({"w": w, "b": torch.arange(5)}, str(path))
+    before = path.read_bytes()
+    f = SafetensorsFile(str(path))
     for dim, a, b in ((0, 0, 1024), (0, 100, 1000), (1, 0, 1536), (1, 10, 1100)):
-        assert torch.equal(f.read("w", dim, a, b), w.narrow(dim, a, b - a)), (dim, a, b)
-    assert torch.equal(f.read("b"), torch.arange(5))
+        got = f.read("w", dim, a, b)
+        assert torch.equal(got, w.narrow(dim, a, b - a)), (dim, a, b)
+        got.zero_()  # rows are the file's pages mapped copy-on-write: the file keeps its bytes
+    assert torch.equal(f.read("b"), torch.arange(5)) and path.read_bytes() == before
+    # A file cut short after its header was read is a one-line error, not a crash.
+    with open(path, "r+b") as out:
+        out.truncate(len(before) - 1000)
+    with pytest.raises(SafetensorsError, match="short read"):
+        f.read("w", 0, 1000, 1024)  # the file's last rows
 
 
 def test_unpublished_checkpoint_is_refused(tmp_path):

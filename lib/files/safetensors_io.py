@@ -24,7 +24,7 @@ import torch
 
 from llamarl.lib import dtypes
 from llamarl.lib.files import publish
-from llamarl.lib.files.ranges import ShortRead, empty, read_into
+from llamarl.lib.files.ranges import ShortRead, empty, mapped, read_into
 from llamarl.lib.dtypes import SAFETENSORS_CODES as CODES  # a header's "BF16" → torch's "bfloat16"
 from llamarl.lib.errors import UserError
 
@@ -73,15 +73,17 @@ class SafetensorsFile:
             self.tensors[name] = TensorInfo(CODES[info["dtype"]], tuple(info["shape"]), begin, end)
 
     def _read(self, begin: int, end: int, dtype: torch.dtype, shape) -> torch.Tensor:
-        """Bytes ``begin:end`` as a tensor: read straight into its memory by a range read, which
-        several threads may do at once (an fsspec file object is one position, and memory://
-        hands every opener the same one)."""
-        out = empty(shape, dtype)
-        if end > begin:
-            try:
+        """Bytes ``begin:end`` as a tensor: a local file's page cache mapped (``mapped``), else read
+        straight into its memory by a range read, which several threads may do at once (an fsspec
+        file object is one position, and memory:// hands every opener the same one)."""
+        try:
+            if end > begin and (view := mapped(self.fs, self.path, begin, end, dtype)) is not None:
+                return view.view(shape)
+            out = empty(shape, dtype)
+            if end > begin:
                 read_into(self.fs, self.path, begin, memoryview(out.view(-1).view(torch.uint8).numpy()))
-            except ShortRead:
-                raise SafetensorsError(f"{self.url}: short read; the file changed while being read") from None
+        except ShortRead:
+            raise SafetensorsError(f"{self.url}: short read; the file changed while being read") from None
         return out
 
     def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
