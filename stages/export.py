@@ -69,9 +69,11 @@ class _Unreadable(Exception):
 def _tensor(url: str, md, name: str, dtype: torch.dtype) -> torch.Tensor:
     """Tensor ``name`` of the checkpoint, whole, as ``dtype``."""
     stored = md.state_dict_metadata[name]
-    t = ranges.empty(tuple(stored.size), stored.properties.dtype)
     try:
-        checkpoint.read({name: t}, url, md)
+        t = checkpoint.mapped(url, md, name)  # a tensor stored whole in a local file: its pages
+        if t is None:
+            t = ranges.empty(tuple(stored.size), stored.properties.dtype)
+            checkpoint.read({name: t}, url, md)
     except Exception as e:  # whatever reading met: a file gone, cut short, or not DCP's
         raise _Unreadable(f"{name}: {type(e).__name__}: {e}") from e
     return t.to(dtype)

@@ -143,7 +143,16 @@ def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, 
     # lib/ or by DCP's own writer (strided items included).
     import torch.distributed.checkpoint as dcp
 
-    flat = []
+    flat, mapped = [], []
+    real_mapped = checkpoint.mapped
+
+    def spy(url, md, name):
+        t = real_mapped(url, md, name)
+        if t is not None:
+            mapped.append((os.path.basename(url), name))
+        return t
+
+    monkeypatch.setattr(checkpoint, "mapped", spy)
     if direct:
         monkeypatch.setattr(checkpoint, "_DIRECT_BYTES", 1)
         monkeypatch.setattr(checkpoint, "_EDGE_BYTES", 4096)  # torch's zip reader looks for the end in 4 KiB
@@ -164,9 +173,11 @@ def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, 
         for name, t in full.items():
             got = export._tensor(url, md, name, t.dtype)
             assert got.dtype == t.dtype and torch.equal(got, t), (url, name)
-    # Read in place: rows (2 chunks of ours, 1 of DCP's) and vec (1 each); not the columns of
-    # ours, nor DCP's strided item of cols.
-    assert len([f for f in flat if f is not None]) == (5 if direct else 0)
+    # A tensor stored whole in one plain item is its file's pages, mapped: vec (of both), rows
+    # (DCP's one chunk); not DCP's strided item of cols. Read in place: the 2 chunks of our rows;
+    # not the columns of ours.
+    assert sorted(mapped) == [("ours", "vec"), ("theirs", "rows"), ("theirs", "vec")], mapped
+    assert len([f for f in flat if f is not None]) == (2 if direct else 0)
 
 
 def test_weights_read_into_targets_of_another_dtype_are_converted_exactly(tmp_path):

@@ -206,13 +206,21 @@ _DIRECT_BYTES = 1 << 20  # items this large are read straight into their target 
 _EDGE_BYTES = 64 << 10  # of such an item, what is read first: its zip directory, pickle, data offset
 
 
-def _header(fs, path: str, r: _Read) -> dcp_format.StoredTensor | None:
-    """Where a large item's tensor lies, from the item's first and last bytes only."""
-    n = r.end - r.begin
+def _header(fs, path: str, begin: int, end: int) -> dcp_format.StoredTensor | None:
+    """Where the tensor of a large item (bytes ``begin:end``) lies, from its first and last bytes only."""
+    n = end - begin
     head, tail = bytearray(min(n, _EDGE_BYTES)), bytearray(min(n, _EDGE_BYTES))
-    ranges.read_into(fs, path, r.begin, memoryview(head))
-    ranges.read_into(fs, path, r.end - len(tail), memoryview(tail))
+    ranges.read_into(fs, path, begin, memoryview(head))
+    ranges.read_into(fs, path, end - len(tail), memoryview(tail))
     return dcp_format.parse_item(ranges.Sparse(bytes(head), bytes(tail), n))
+
+
+def _row_major(size) -> list[int]:
+    """The strides of a contiguous tensor of ``size``."""
+    strides = [1] * len(size)
+    for d in range(len(size) - 2, -1, -1):
+        strides[d] = strides[d + 1] * size[d + 1]
+    return strides
 
 
 def _flat_span(r: _Read, stored: dcp_format.StoredTensor | None) -> tuple[int, int] | None:
@@ -225,9 +233,7 @@ def _flat_span(r: _Read, stored: dcp_format.StoredTensor | None) -> tuple[int, i
     t = r.target
     if dtype != t.dtype or not t.is_contiguous() or not size:
         return None
-    contiguous = [1] * len(size)
-    for d in range(len(size) - 2, -1, -1):
-        contiguous[d] = contiguous[d + 1] * size[d + 1]
+    contiguous = _row_major(size)
     if list(stride) != contiguous or any(r.offsets[1:]) or tuple(r.lengths[1:]) != tuple(size[1:]):
         return None
     row = t.element_size() * contiguous[0]
@@ -267,7 +273,7 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
     # to do with the bytes read, or None)
     jobs: list[tuple] = []
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        for r, stored in zip(large, pool.map(lambda r: _header(fs, f"{root}/{r.file}", r), large)):
+        for r, stored in zip(large, pool.map(lambda r: _header(fs, f"{root}/{r.file}", r.begin, r.end), large)):
             span = _flat_span(r, stored)
             if span is None:
                 small.append(r)
@@ -304,6 +310,27 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
                 fut.result()
     if gpu:
         torch.cuda.current_stream().synchronize()
+
+
+def mapped(url: str, md, fqn: str) -> torch.Tensor | None:
+    """Tensor ``fqn`` of a checkpoint on a local file system, whole, as a view of its file's page
+    cache (``ranges.mapped``: no copy), where it is stored as one plain contiguous chunk; None
+    otherwise (``read`` it). ``md``: the checkpoint's ``read_metadata``."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
+    stored = md.state_dict_metadata.get(fqn)
+    if not getattr(fs, "local_file", False) or stored is None or len(getattr(stored, "chunks", ())) != 1:
+        return None
+    info = md.storage_data[MetadataIndex(fqn, stored.chunks[0].offsets)]
+    path = f"{root}/{info.relative_path}"
+    item = _header(fs, path, info.offset, info.offset + info.length) if not info.transform_descriptors else None
+    size = tuple(stored.size)
+    if (item is None or item.dtype != stored.properties.dtype or item.size != size or not size
+            or list(item.stride) != _row_major(size)):
+        return None
+    begin = info.offset + item.begin
+    return ranges.mapped(fs, path, begin, begin + stored.size.numel() * item.dtype.itemsize, item.dtype).view(size)
 
 
 def read(state: dict, url: str, md=None) -> None:
