@@ -22,12 +22,7 @@ import pyarrow.compute as pc
 from llamarl.lib.errors import UserError
 from llamarl.stages import prompt_index
 from llamarl.stages.prompt_files import ABSENT, Columns, Dataset, Row, iter_rows, open_dataset
-from llamarl.stages.prompt_index import Index, read_rows, row_index
-
-__all__ = ["Columns", "Checked", "Dataset", "Index", "Row", "RolloutRows", "open_dataset", "row_index",
-           "epoch_order", "selected_rows", "selection_record", "iter_rows", "read_rows", "check_rows", "check_dataset",
-           "for_rollout"]
-
+from llamarl.stages.prompt_index import read_rows, row_index
 
 # ---- the selection ----------------------------------------------------------------------------------
 
