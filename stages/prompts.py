@@ -1,11 +1,8 @@
-"""The prompts a rollout reads: the dataset's files, a row index kept between rollouts, the rows
-one rollout selects (``selected_rows``: a range of positions in an endless stream of seeded
-epochs), and the rules every row meets before anything is made from it (``check_rows``: each fault
-refused in one line naming the file, the line or row, and the fix).
-
-Torch-free (fsspec, numpy, pyarrow): the pipeline checks a dataset and counts its rows
-(``check_dataset``) without starting a stage. The selection and the index: docs/generation.md,
-"Which prompts a rollout reads"; the files and the rules: docs/formats.md, "Prompts".
+"""The prompts a rollout reads: the rows one rollout selects (``selected_rows``) and the rules every
+row meets before anything is made from it (``check_rows``: each fault one line naming the file, the
+line or row, and the fix). Torch-free: the pipeline checks a dataset (``check_dataset``) without
+starting a stage. The selection and the index: docs/generation.md, "Which prompts a rollout reads";
+the files and the rules: docs/formats.md, "Prompts".
 """
 
 from __future__ import annotations
