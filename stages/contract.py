@@ -224,11 +224,10 @@ def hf_side_files(manifest: dict) -> list[str]:
 
 def checkpoint_manifest(model_cfg: LlamaConfig, head: str, dtype, hf_config: dict, source: dict,
                         files: dict, topo, **extra: Any) -> dict:
-    """The manifest of a checkpoint written by a job of topology ``topo`` (the written layout: a
-    ``parallel.Topology``, or anything with its ``tp`` and ``pp``). ``dtype``: torch's or its name.
-
-    ``source``: ``{url, files}`` of the HF checkpoint the weights come from (ppo's carry their
-    actor's along). ``extra``: what only one writer knows (shard's ``ranks``, ppo's ``train_state``)."""
+    """The manifest of a checkpoint written at the layout ``topo`` (anything with ``tp`` and ``pp``);
+    ``dtype``: torch's or its name; ``source``: ``{url, files}`` of the HF checkpoint the weights
+    come from (ppo's carry their actor's along); ``extra``: what only one writer knows (shard's
+    ``ranks``, ppo's ``train_state``)."""
     return {"kind": CHECKPOINT, "head": head, "dtype": dtype if isinstance(dtype, str) else dtypes.name(dtype),
             "model_config": model_cfg.to_dict(),
             "hf_config": hf_config, "written_layout": {"tp": topo.tp, "pp": topo.pp},
@@ -237,17 +236,13 @@ def checkpoint_manifest(model_cfg: LlamaConfig, head: str, dtype, hf_config: dic
 
 
 def has_optimizer_state(manifest: dict) -> bool:
-    """Whether a checkpoint holds its optimizer state inside (``optim/``: ppo before the training
-    state moved to ``train_state/``; still read)."""
+    """Whether a checkpoint holds its optimizer state inside (``optim/``: the older layout, still read)."""
     return any(k.startswith(f"{OPTIM}/") for k in manifest["files"])
 
 
-# ---- a role's training state: published apart from its weights ----------------------------------------------
-# The weights are all that rollout and export read, and 1/7 of what ppo writes (bf16 weights: 2
-# bytes a parameter; fp32 masters and two moments: 12): ppo publishes them first, then the training
-# state, which only the next ppo reads. The checkpoint's manifest says where it is
-# (``train_state: {step, url}``, the url relative to the checkpoint, so a copied ppo output keeps
-# working); the training state's own manifest names the weights it belongs to (``checkpoint_id``).
+# ---- a role's training state: published apart from, and after, its weights (docs/formats.md) ----------------
+# The checkpoint's manifest says where it is (``train_state: {step, url}``, the url relative to the
+# checkpoint, so a copied ppo output keeps working); the state's manifest names its weights' id.
 
 
 def resolve(root: str, relative: str) -> str:

@@ -1,12 +1,9 @@
-"""What each stage reads and what names its output, declared once per stage (``declare``).
-
-A stage's declaration says which published outputs it reads (its inputs, by role), what it reads
-from outside any run (an HF folder, the prompts: the pipeline fingerprints them), where it writes,
-and its identity: its config without outputs, layout and placement (``StageConfig.identity``). Both
-views of "is this output current?" come from it: the pipeline's key of a node (pipeline/records.py:
-the identity, the ids of its inputs' outputs, the external fingerprints) and the stage's own
-``request`` (the identity and its inputs' output ids), recorded in its manifest and compared by a
-rerun (``skip_if_current``). No torch and no pyarrow: the pipeline imports it.
+"""What each stage reads and what names its output, declared once per stage (``declare``): its
+inputs by role, what it reads from outside any run (which the pipeline fingerprints), where it
+writes, and its identity (``StageConfig.identity``). Both views of "is this output current?" come
+from it: the pipeline's key of a node (pipeline/records.py) and the stage's own ``request``,
+recorded in its manifest and compared by a rerun (``skip_if_current``). No torch and no pyarrow:
+the pipeline imports it.
 """
 
 from __future__ import annotations

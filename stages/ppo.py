@@ -1,18 +1,8 @@
 """Stage ppo: one PPO iteration — update the actor and critic from a rollout and its scores.
 
-Run with tp × pp × dp processes (``llamarl stage ppo …``). ``run`` is the recipe, one named step
-a line, each saying what it does: ``_read_inputs`` (before any process group or weight),
-``_batch_terms`` (the frozen passes, rewards and advantages: docs/rl.md), ``_train`` (``ppo_epochs``
-passes of one optimizer step a mini-batch), ``_publish_outputs`` (each role's weights, then its
-training state) and ``_publish_manifest``.
-
-Training state is saved every ``save_every`` steps under ``OUT/.state``; a rerun resumes from the
-latest and ends with the same weights as an uninterrupted run (the data order depends only on
-the seed); what the interrupted run had published inside ``OUT`` (weights, training state) is
-written again, whole. Mini-batches and micro-batches depend only on the data, never on the layout.
-
-The work is in ``ppo_data`` (samples, advantages and batches), ``ppo_trainer`` (the models' passes,
-one ``Trainer`` per role) and ``ppo_state`` (the outputs and the saved state).
+Run with tp × pp × dp processes (``llamarl stage ppo …``); ``run`` is the recipe, one named step a
+line. What it writes, in which order, and how a rerun resumes to the same bytes: docs/formats.md,
+"What ppo writes, when"; the estimators and losses: docs/rl.md.
 """
 
 from __future__ import annotations
@@ -129,9 +119,8 @@ def _wanted(cfg: PPOConfig, inputs: _Inputs) -> dict[str, tuple[str, str | None]
 
 def prepare(cfg: PPOConfig) -> None:
     """Get a resident worker ready for this ppo while other stages run (cluster/worker.py
-    ``prepare``): the kernels its training compiles, compiled now (at the 135M shape on an H100,
-    seconds of a first iteration). Reads only the actor's manifest, when it is published; writes
-    nothing, joins no process group."""
+    ``prepare``): the kernels its training compiles, compiled now. Reads only the actor's manifest,
+    when it is published; writes nothing, joins no process group."""
     from llamarl.lib.model.llama import warm_training_regions
 
     manifest = publish.read_manifest(cfg.actor)

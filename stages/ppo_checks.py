@@ -1,8 +1,6 @@
-"""What ppo checks so that it never trains on, or publishes, anything non-finite: before any
-weights are read, that some optimizer step has a learning rate above 0 (``check_schedule``); before
-the first step and at every one, the terms of ``TERMS`` (``StepCheck``). Each term's flag stays on
-the device where the term lives; one all-reduce and one read a step, so every rank stops at the
-same step with the same line. What is checked, why, and what it costs: docs/rl.md, section 6.
+"""What ppo checks so that it never trains on, or publishes, anything non-finite (docs/rl.md, §6):
+that some optimizer step has a learning rate above 0 (``check_schedule``, before any weight is
+read), and the terms of ``TERMS`` before the first step and at every one (``StepCheck``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""PPO's data: the rollout joined with its scores, the groups kept by dynamic sampling, the order
-of mini-batches, micro-batches by a token budget, padding, and the advantages and importance
-weights the losses read.
+"""PPO's data: the rollout joined with its scores, and what the losses read, by sample.
 
 Tensors are in *label space*, right-padded: position t holds what concerns token t + 1 (its
-log-prob, value, advantage), so a response of a sample occupies positions
-``prompt_len - 1 … len(ids) - 2``.
+log-prob, value, advantage), so a response occupies positions ``prompt_len - 1 … len(ids) - 2``.
 """
 
 from __future__ import annotations
@@ -71,11 +68,9 @@ def load_samples(rollout: str, scores: str) -> list[Sample]:
 
 
 def dynamic_sampling(cfg: PPOConfig, samples: list[Sample], start_step: int) -> tuple[list[Sample], dict | None]:
-    """DAPO's dynamic sampling, when ``cfg.dynamic_sampling``: the samples of the prompts whose
-    scores are not all equal (a prompt of one sample counts as all equal), at most
-    ``cfg.train_groups`` of them, drawn by (seed, the actor's step) and kept in rollout order; and
-    the counts for the manifest. The choice depends only on the data and the config: a rerun trains
-    on the same samples."""
+    """DAPO's dynamic sampling (docs/rl.md §1): the samples of the prompts whose scores are not all
+    equal, at most ``cfg.train_groups`` of them drawn by (seed, the actor's step), in rollout
+    order, so a rerun trains on the same; and the counts for the manifest."""
     if not cfg.dynamic_sampling:
         return samples, None
     groups = list(dict.fromkeys(s.group for s in samples))
@@ -114,13 +109,10 @@ def mini_batch(cfg: PPOConfig, n: int, k: int) -> tuple[int, list[int]]:
 
 
 def micro_batches(indices: list[int], samples: list[Sample], budget: int) -> list[list[int]]:
-    """``indices`` packed into micro-batches of at most ``budget`` tokens each, first-fit decreasing:
-    longest first, each into the first micro-batch with room. The model packs a micro-batch's
-    sequences back to back (no padding), so its cost is its tokens, not rows × longest, and ragged
-    sequences fill budgets instead of leaving them part empty. A sequence longer than the budget is
-    a micro-batch of its own. The packing depends only on the lengths (ties in ``indices``' order),
-    each micro-batch lists its samples in ``indices``' order; the update does not depend on it but
-    for rounding (each micro-batch's loss is its share of the mini-batch's, ``Aggregation``)."""
+    """``indices`` packed into micro-batches of at most ``budget`` tokens each (a longer sequence
+    alone), first-fit decreasing, each listing its samples in ``indices``' order. The model packs a
+    micro-batch's sequences back to back, so its cost is its tokens, not rows × longest. The packing
+    depends only on the lengths; the update depends on it only by rounding."""
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(indices, key=lambda i: -len(samples[i].ids)):  # stable: ties keep their order

@@ -1,14 +1,10 @@
-"""What a ppo leaves in its process for the next ppo of the run: each role's model and optimizer as
-it published them. In a resident worker (cluster/resident.py) the next ppo runs in the same
-process, on the same ranks and layout, and starts from them instead of reading back its inputs (at
-the Llama-3.2-1B shape, 3 GB of weights and 17 GB of training state an iteration).
-
-Files stay the contract. The state is taken only when the next ppo's inputs are exactly what was
-published from it — the weights and training state of each role it trains, by their output ids —
-at the same step, layout, rank, dtypes and optimizer settings, and only where reading the files
-back gives the same numbers (fp32 parameters are their own masters: then only when the weights are
-stored in fp32 too). Every rank must hold it, or all read their files: a replaced worker holds
-nothing. A ppo that resumes a saved state, or fails, reads files as before.
+"""What a ppo leaves in its process for the next ppo of the run, in a resident worker
+(docs/cluster.md): each role's model and optimizer as it published them, which the next ppo starts
+from instead of reading back its inputs. Files stay the contract: it is taken only when the next
+ppo's inputs are exactly what was published from it (each role's weights and training state, by
+output id), at the same step, layout, rank, dtypes and optimizer settings, by every rank, and only
+where reading the files back gives the same numbers (fp32 parameters are their own masters: then
+only when the weights are stored in fp32 too).
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""ppo's metrics as JSON: its ``metrics.jsonl`` (one object per optimizer step), the steps' metrics
-in a saved state's ``done.json``, and the run's ``metrics.jsonl`` (one object per iteration,
-pipeline/metrics.py). Torch-free: the driver writes the run's.
-
-JSON has no NaN or Infinity; Python's ``json`` writes them as bare words that strict parsers
-(JavaScript's ``JSON.parse``, Go's ``encoding/json``, Rust's ``serde_json``) refuse. A metric that is
-undefined — one that does not apply, like ``value_loss`` without a critic, or a mean over no
-values — or not finite is written as ``null``, and the encoder refuses anything else that is not
-JSON.
+"""ppo's metrics as strict JSON, torch-free: its ``metrics.jsonl``, a saved state's ``done.json``
+and the run's ``metrics.jsonl`` (pipeline/metrics.py). JSON has no NaN or Infinity (strict parsers
+refuse the bare words Python's ``json`` writes), so an undefined or non-finite metric is ``null``.
 """
 
 from __future__ import annotations

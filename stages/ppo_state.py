@@ -1,9 +1,7 @@
-"""What a PPO run keeps on storage: at the end, each role's published weights (``OUT/<role>``)
-and then its published training state (``OUT/train_state/<role>``); during the run, the training
-state saved every ``save_every`` steps under ``OUT/.state`` that an interrupted run resumes from.
-
-A saved state ``OUT/.state/step-NNNNNN`` is complete once its ``done.json`` exists (written last,
-with every file's checksum and the metrics of the steps so far, so a resumed run reports every
+"""What a ppo run keeps on storage: each role's published weights and training state at the end,
+and during the run the resumable states under ``OUT/.state`` (docs/formats.md, "What ppo writes,
+when"). A saved state ``OUT/.state/step-NNNNNN`` is whole once its ``done.json`` exists: written
+last, with every file's checksum and the metrics of the steps so far (a resumed run reports every
 step).
 """
 

@@ -1,9 +1,7 @@
 """PPO's models at work: the frozen forward passes (reference log-probs, old values) and the update
-step, one ``Trainer`` per role (actor, critic).
-
-Every pass goes through the 1F1B schedule over micro-batches of packed tokens; losses are
-computed on the last pipeline stage, per micro-batch, as its share of the mini-batch mean
-(``rl.aggregate``), so gradient accumulation over micro-batches and DP ranks sums to the mean.
+step, one ``Trainer`` per role. Every pass runs the 1F1B schedule over micro-batches of packed
+tokens; each micro-batch's loss is its share of the mini-batch's (``Aggregation``), so what is
+accumulated over micro-batches and DP ranks sums to the mini-batch's mean.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The files of a prompts dataset: which they are, their version, where a row is (for messages),
-and every row read in order as a stream. Torch-free; the index that reads a few rows alone is
-prompt_index.py.
-
-A JSON line is parsed alone, by Python's json, so a value is what its line says whatever the
-lines around it say (pyarrow's reader typed a column by a block of lines: text that looks like a
-date became a timestamp) and a line may be of any length (pyarrow's could not pass its 1 MiB
-block). A blank line is no row. Parquet is read a batch at a time, only the columns asked for.
+"""The files of a prompts dataset (docs/formats.md, "Prompts"): which they are, their version, where
+a row is (for messages), and every row read in order as a stream; torch-free. A JSON line is parsed
+alone, by Python's json, so a value is what its line says whatever the lines around it say
+(pyarrow's reader types a column by a block of lines, and cannot pass a line longer than a block).
 """
 
 from __future__ import annotations

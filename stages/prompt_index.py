@@ -1,10 +1,7 @@
-"""The row index of a prompts dataset: where each row lies (JSON lines: each row's byte offset;
-Parquet: each row group's rows), so that a rollout reads only the rows it takes. Torch-free.
-
-Built once per dataset version (``Dataset.version``) and kept in an index cache folder, one whole
-file per version, trusted only when its header names this version and its arrays match their
-checksum; beside it, small *notes* keep what was found about that version (prompts.py: a whole
-dataset's check). The file and why it is so: docs/generation.md, "Which prompts a rollout reads".
+"""The row index of a prompts dataset, so that a rollout reads only the rows it takes: built once per
+dataset version and kept in an index cache folder; beside it, small *notes* keep what was found
+about that version (prompts.py: a whole dataset's check). Torch-free. The file and why it is so:
+docs/generation.md, "Which prompts a rollout reads".
 """
 
 from __future__ import annotations

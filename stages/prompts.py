@@ -1,11 +1,8 @@
-"""The prompts a rollout reads: the dataset's files, a row index kept between rollouts, the rows
-one rollout selects (``selected_rows``: a range of positions in an endless stream of seeded
-epochs), and the rules every row meets before anything is made from it (``check_rows``: each fault
-refused in one line naming the file, the line or row, and the fix).
-
-Torch-free (fsspec, numpy, pyarrow): the pipeline checks a dataset and counts its rows
-(``check_dataset``) without starting a stage. The selection and the index: docs/generation.md,
-"Which prompts a rollout reads"; the files and the rules: docs/formats.md, "Prompts".
+"""The prompts a rollout reads: the rows one rollout selects (``selected_rows``) and the rules every
+row meets before anything is made from it (``check_rows``: each fault one line naming the file, the
+line or row, and the fix). Torch-free: the pipeline checks a dataset (``check_dataset``) without
+starting a stage. The selection and the index: docs/generation.md, "Which prompts a rollout reads";
+the files and the rules: docs/formats.md, "Prompts".
 """
 
 from __future__ import annotations
@@ -22,12 +19,7 @@ import pyarrow.compute as pc
 from llamarl.lib.errors import UserError
 from llamarl.stages import prompt_index
 from llamarl.stages.prompt_files import ABSENT, Columns, Dataset, Row, iter_rows, open_dataset
-from llamarl.stages.prompt_index import Index, read_rows, row_index
-
-__all__ = ["Columns", "Checked", "Dataset", "Index", "Row", "RolloutRows", "open_dataset", "row_index",
-           "epoch_order", "selected_rows", "selection_record", "iter_rows", "read_rows", "check_rows", "check_dataset",
-           "for_rollout"]
-
+from llamarl.stages.prompt_index import read_rows, row_index
 
 # ---- the selection ----------------------------------------------------------------------------------
 

@@ -1,14 +1,10 @@
 """Stage rollout: sample responses from the actor for a prompts dataset; write Parquet parts.
 
-Run with tp × dp processes (``llamarl stage rollout ACTOR PROMPTS OUT --tp T --dp D``). Every prompt
-row is checked before anything is written (stages/prompts.py); the rows, in chunks of ``chunk_size``
-(chunk c to data-parallel group c mod dp), go through one ``Engine.stream`` a rank, read ahead and
-written behind, each chunk one part published whole, so a rerun skips the parts already there; the
-manifest comes last, its ``spans_s`` saying where the stage's time went. A response draws from its
-own random stream, keyed by (``seed``, row, sample) alone, so no layout, chunk or batch changes it.
-How and why: docs/generation.md, "The rollout stage: one stream per rank" and "Sampling"; the files:
-docs/formats.md. With ``scores`` (every reward term a rule) the rollout then publishes the score
-stage's output too (stages/scoring.py), so no score process starts.
+Run with tp × dp processes (``llamarl stage rollout ACTOR PROMPTS OUT --tp T --dp D``): chunk c of
+``chunk_size`` rows goes to data-parallel group c mod dp and becomes one part, published whole, so a
+rerun skips the parts already there. How and why: docs/generation.md, "The rollout stage: one
+stream per rank" and "Sampling"; the files: docs/formats.md. With ``scores`` (every reward term a
+rule) the rollout then publishes the score stage's output too (stages/scoring.py).
 """
 
 from __future__ import annotations
@@ -182,7 +178,7 @@ def _generate(cfg: RolloutConfig, out: str, engine: Engine, chunks, tok, kept, m
               overlap: bool, spans: _Spans, stats: dict) -> float:
     """This rank's chunks through one engine (batch invariant: a chunk's rows are the same bits
     whatever ran beside it, so a rerun that skips the published ones writes what an uninterrupted
-    run would have), read ahead and written behind (module docstring) or, without ``overlap``, one
+    run would have), read ahead and written behind (docs/generation.md) or, without ``overlap``, one
     after another; the ``writer`` publishes the parts (the decoder is its own: a tokenizer object
     is not shared across threads). Counts into ``stats``; returns the seconds it took."""
     s = cfg.sampling

@@ -1,18 +1,7 @@
-"""Stage score: reward-model scores and rule-based rewards for each rollout row.
-
-Run with tp × pp × dp processes (``llamarl stage score ROLLOUT OUT --rm RM``). Every rollout
-part becomes one scores part (the unit of resumption), data-parallel groups taking every dp-th.
-
-The reward model (``ParallelLlamaForScore``: a Llama with a one-label score head, sharded from an
-HF ``LlamaForSequenceClassification``) reads prompt + response. When its tokenizer differs from
-the actor's (by content: ``lib.tokenizer.fingerprint``), the response is decoded from the actor's
-tokens and the conversation is encoded again with the RM's tokenizer and chat template; the
-prompt is cut from the left to ``max_length``. With the same tokenizer the token ids are reused.
-Between parts the RM's parameters wait in host memory (``offload``).
-
-The total score is ``Σ weight × term`` over ``rewards`` (``rm`` or a rule of ``lib.rewards``); the
-parts, their checks and the manifest are stages/scoring.py's, which the rollout stage runs itself
-when every term is a rule (the pipeline then starts no score process). Formats: docs/formats.md.
+"""Stage score: reward-model scores and rule-based rewards for each rollout row (tp × pp × dp
+processes: ``llamarl stage score ROLLOUT OUT --rm RM``). Here, the reward model: its inputs and its
+forward; the parts, their checks and the manifest are stages/scoring.py's, which the rollout stage
+runs itself when every term is a rule. Formats: docs/formats.md, "Scores".
 """
 
 from __future__ import annotations
@@ -38,7 +27,10 @@ from llamarl.stages.scoring import RewardModel, Scoring
 
 
 def rm_inputs(rows: list[dict], actor_tok, rm_tok, max_length: int, chat_template: str = "auto") -> tuple[list[list[int]], int]:
-    """RM token ids for each rollout row, and how many rows had their prompt cut."""
+    """RM token ids for each rollout row, and how many rows had their prompt cut (from the left, to
+    ``max_length``). With the actor's tokenizer (by content: ``toklib.fingerprint``) the rollout's
+    token ids are reused; else the response is decoded from the actor's tokens and the conversation
+    encoded again with the RM's tokenizer and chat template."""
     same = toklib.fingerprint(actor_tok) == toklib.fingerprint(rm_tok)
     use_template = bool(getattr(rm_tok, "chat_template", None)) and chat_template != "never"
     out, truncated = [], 0

@@ -1,11 +1,8 @@
-"""Scoring a published rollout into a scores output: what the score stage and the rollout stage share.
-
-The score stage runs it with the reward model (``rm``); the rollout stage runs it itself, right after
-it publishes its output, when every term is a rule (``RolloutConfig.scores``, set by the pipeline).
-Either way the parts and the manifest's ``request`` are the score stage's, and a term or a total that
-ppo could not train on stops the stage before its part is written, naming the term and the row
-(docs/formats.md, "Scores"). Rules run on the rows as read back from the published rollout parts:
-the very values the score stage reads.
+"""Scoring a published rollout into a scores output: what the score stage and the rollout stage
+share (the rollout runs it itself when every term is a rule: docs/formats.md, "Scores"). Either
+way the parts and the manifest's ``request`` are the score stage's, and a term or a total that ppo
+could not train on stops the stage before its part is written, naming the term and the row. Rules
+run on the rows as read back from the published rollout parts: the very values the score stage reads.
 """
 
 from __future__ import annotations

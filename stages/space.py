@@ -1,8 +1,7 @@
-"""Room on disk before a stage writes (#26): what it will write, at most, against what its
-output's file system has free, checked first in every stage's ``run()`` so that a stage that cannot
-fit is refused in one line before it reads a weight. Only local storage is checked (an object store
-has no free space to ask). What each estimate counts and what counts as free: docs/pipeline.md,
-"Free space before a stage writes".
+"""Room on disk before a stage writes: what it will write, at most, against what its output's local
+file system has free (an object store has none to ask), checked first in every stage's ``run()`` so
+that a stage that cannot fit is refused in one line before it reads a weight. What each estimate
+counts: docs/pipeline.md, "Free space before a stage writes".
 """
 
 from __future__ import annotations

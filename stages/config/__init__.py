@@ -1,15 +1,8 @@
-"""The stages' configs: one typed, validated model per stage (pydantic), importable without torch.
-
-One module per concept: ``base`` (the kinds of field, ``Url``, ``StageConfig``), ``checkpoint``
-(shard, export), ``rollout``, ``score``, ``ppo``; here, what reads all of them. Every field is an
-input, an output, a layout count, a placement option or an ordinary option, marked once (``base``);
-what each kind means, and why a stage's identity leaves out outputs, layout and placement:
-docs/pipeline.md, "Configs are validated whole, before anything runs".
-
-Values are checked when a config is built, each error one line naming the field and the fix. A
-check across fields lives once, in the stage's model (a ``FieldsError`` naming its fields as
-``{field}``), and reads in the caller's words: ``layout.ppo.tp`` in a run spec, ``--tp`` on a
-stage's command line.
+"""The stages' configs: one typed, validated model per stage (pydantic), importable without torch;
+here, what reads all of them. The kinds of field, and why a stage's identity leaves some out:
+docs/pipeline.md, "Configs are validated whole, before anything runs". A check across fields
+lives once, in the stage's model (a ``FieldsError`` naming its fields as ``{field}``), so that it
+reads in the caller's words: ``layout.ppo.tp`` in a run spec, ``--tp`` on a command line.
 """
 
 from __future__ import annotations
@@ -20,18 +13,12 @@ from pydantic import BaseModel, ValidationInfo, create_model, model_validator
 
 from llamarl.lib.options import Strict
 
-from .base import (INPUT, INT32_MAX, LAYOUT, MAX_TIMEOUT_S, NOT_IDENTITY, OUTPUT, PLACEMENT, WIRED, Column,
-                   ComputeDtype, Count, StageConfig, StoredDtype, TrainDtype, Url, kind_of, processes)
+# What callers import from here, beside this module's own.
+from .base import INPUT, LAYOUT, WIRED, Count, StageConfig, Url, kind_of, processes
 from .checkpoint import ExportConfig, ShardConfig
 from .ppo import GROUP_ADVANTAGES, PPOConfig
-from .rollout import MIN_TEMPERATURE, PromptSelection, RolloutConfig, Sampling
+from .rollout import PromptSelection, RolloutConfig, Sampling
 from .score import RewardTerm, ScoreConfig, describe_rules
-
-__all__ = ["INPUT", "INT32_MAX", "LAYOUT", "MAX_TIMEOUT_S", "NOT_IDENTITY", "OUTPUT", "PLACEMENT", "WIRED", "Column",
-           "ComputeDtype", "Count", "StageConfig", "StoredDtype", "TrainDtype", "Url", "kind_of", "processes",
-           "ExportConfig", "ShardConfig", "GROUP_ADVANTAGES", "PPOConfig", "MIN_TEMPERATURE", "PromptSelection",
-           "RolloutConfig", "Sampling", "RewardTerm", "ScoreConfig", "describe_rules", "STAGES", "options_model",
-           "describe"]
 
 STAGES: dict[str, type[StageConfig]] = {"shard": ShardConfig, "rollout": RolloutConfig, "score": ScoreConfig,
                                          "ppo": PPOConfig, "export": ExportConfig}

@@ -50,13 +50,9 @@ class Sampling(Strict):
 
 
 class PromptSelection(Strict):
-    """Which rows of the prompts one rollout takes, as a pure function of these four numbers.
-
-    The rows form an endless stream of epochs: epoch e is a permutation of every row, drawn from
-    (``seed``, e) (the rows in file order without ``shuffle``). A rollout takes the positions
-    [``start``, ``start + count``) of that stream, so an epoch boundary inside it takes the tail of
-    one epoch and the head of the next. A row keeps its row number in the dataset as its key (its
-    prompt id without ``id_column``, and what its random streams are keyed by)."""
+    """Which rows of the prompts one rollout takes: positions [``start``, ``start + count``) of an
+    endless stream of epochs, each a permutation of every row drawn from (``seed``, epoch);
+    docs/generation.md, "Which prompts a rollout reads"."""
 
     seed: int = Field(0, description="Seed of every epoch's permutation.")
     shuffle: bool = Field(True, description="A new seeded permutation every epoch; false: the rows in file order.")
