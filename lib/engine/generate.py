@@ -1,11 +1,6 @@
-"""Generation on lib/'s CausalLM: continuous batching over a fixed set of slots, one prefill per
-prompt, static-shape decode (captured as CUDA graphs on GPU), keyed sampling on the device.
-
-``Engine.stream`` takes batches of prompts lazily, one stream of sequences for all of them;
-``generate`` is a stream of one batch. The device side (slots, prompt store, decode step) is
-``lib.engine.slots``; the draw, ``lib.engine.sampling``: each sequence's own random stream, so a
-response does not depend on ``max_batch``, DP, TP or the order sequences run in. Each piece and
-why: docs/generation.md.
+"""Generation on lib/'s CausalLM: ``Engine.stream`` takes batches of prompts lazily, one stream
+of sequences for all of them, over a fixed set of slots (``lib.engine.slots``, the device side);
+``generate`` is a stream of one batch. Each piece and why: docs/generation.md.
 """
 
 from __future__ import annotations
@@ -21,8 +16,6 @@ import torch
 from llamarl.lib.engine.sampling import SamplingParams, sequence_keys
 from llamarl.lib.engine.slots import SPAN_QUANTUM, Completion, Slots, round_up
 from llamarl.lib.model.llama import ParallelLlamaForCausalLM
-
-__all__ = ["SPAN_QUANTUM", "Batch", "Completion", "Engine", "SamplingParams", "generate"]
 
 # Batch-invariant slots are a multiple of this: CPU matmul kernels take rows in groups (of 4 on
 # AVX2), and the rows of a last, partial group are computed another way, which rounds otherwise.
@@ -51,22 +44,15 @@ def generate(model: ParallelLlamaForCausalLM, prompts: list[list[int]], params: 
 
 
 class Engine(Slots):
-    """Slots, cache and captured decode steps (``Slots``) for one model and one
-    ``SamplingParams``, and the streams that run sequences through them; reuse it across calls
-    (the stage does, chunk after chunk) to keep the cache and the graphs.
+    """``Slots`` for one model and one ``SamplingParams``, and the streams that run sequences
+    through them; reuse it across calls to keep the cache and the graphs.
 
-    ``cuda_graphs`` / ``fused`` (the sampler's per-shard pass as one Triton kernel) default to on
-    for CUDA (``fused`` where Triton is importable) and off elsewhere; ``check_every``: decode steps between host checks (a
-    finished sequence's slot idles about 1.5 windows before its next sequence starts; small
-    windows are cheap since the host runs behind the device);
+    ``cuda_graphs`` / ``fused`` (the sampler's Triton kernel) default to on for CUDA (``fused``
+    where Triton is importable); ``check_every``: decode steps between host checks;
     ``prefill_tokens``: prompt tokens per prefill forward, padded (bounds its activations and the
-    prompt store).
-
-    ``batch_invariant``: a sequence's numbers do not depend on the sequences beside it, to the
-    bit (otherwise to float rounding): every decode step runs all slots (``max_batch`` rounded up
-    to a multiple of ``ROW_GROUP``), so each matmul has the same shape whoever shares it; a
-    resumed rollout then writes the bits of an uninterrupted one (docs/generation.md, "Batch
-    invariance")."""
+    prompt store). ``batch_invariant``: every decode step runs all slots (``max_batch`` rounded up
+    to a multiple of ``ROW_GROUP``), so a sequence's numbers do not depend on the sequences beside
+    it, to the bit (docs/generation.md, "Batch invariance")."""
 
     def __init__(self, model: ParallelLlamaForCausalLM, params: SamplingParams, *, max_batch: int = 64,
                  check_every: int = 4, cuda_graphs: bool | None = None, fused: bool | None = None,
@@ -91,17 +77,11 @@ class Engine(Slots):
     def stream(self, batches: Iterable[Batch], *, seed: int = 0, samples_per_prompt: int = 1,
                on_tokens=None) -> Iterator[tuple[Batch, list[Completion]]]:
         """Complete the prompts of every batch ``samples_per_prompt`` times, all in one stream of
-        sequences: a batch's sequences are queued behind the previous batch's, and free slots take
-        the next ones whatever batch they belong to, so the slots stay full across batches. Yields
-        ``(batch, completions)`` (prompt-major, as ``generate``) as each batch's last sequence
-        finishes — in the order batches finish, which need not be the order they came in.
-
-        ``batches`` is read lazily: the next batch when fewer sequences wait than there are slots
-        (and before the first step, enough to fill them). Time spent in ``batches`` and in the
-        consumer (between a yield and the next request) is not the engine's: ``stats["busy_s"]``
-        is the rest, ``stats["source_s"]`` the time waiting for batches. The host runs one window
-        behind the device (docs/generation.md, "check"): a slot freed in window k-1 idles
-        (masked) through window k."""
+        sequences (docs/generation.md, "stream"). Yields ``(batch, completions)`` (prompt-major, as
+        ``generate``) as each batch's last sequence finishes — in the order batches finish, which
+        need not be the order they came in. Time spent in ``batches`` and in the consumer is not
+        the engine's: ``stats["busy_s"]`` is the rest, ``stats["source_s"]`` the time waiting for
+        batches."""
         if samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt={samples_per_prompt} must be >= 1")
         yield from _Stream(self, batches, seed, samples_per_prompt, on_tokens).run()

@@ -1,15 +1,8 @@
-"""The sampler's per-shard pass (``sampling._row_stats``) as one Triton kernel.
-
-One program per row, one pass over its vocabulary slice in column blocks: the hash and the Gumbel
-noise are made in registers; the best perturbed logit and its token, the maximum, the sum of
-exponentials and the winner's logit are reduced online. The hash runs on uint32 (a wrapping
-multiply keeps the low 32 bits, what ``sampling._mix``'s ``& 2^32-1`` of the int64 product
-keeps), so the uniforms are ``sampling.uniforms``' bits. Each row's pass reads that row alone, in
-a fixed order: a batch's size or company never changes a row's numbers.
-
-A kernel rather than ``torch.compile`` of the torch code: the same single pass, without dynamo's
-and inductor's seconds of start-up in every rollout process (docs/generation.md). Imported only
-where Triton is (``sampling._kernel``).
+"""The sampler's per-shard pass (``sampling._row_stats``) as one Triton kernel (why a kernel:
+docs/generation.md "Sampling"). A program per row reads that row alone, in a fixed order, so a
+batch's size or company never changes a row's numbers. The hash runs on uint32: a wrapping
+multiply keeps the low 32 bits, what ``sampling._mix``'s ``& 2^32-1`` keeps, so the uniforms are
+``sampling.uniforms``' bits. Imported only where Triton is (``sampling._kernel``).
 """
 
 import triton

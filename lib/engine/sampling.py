@@ -1,19 +1,9 @@
 """Sampling from vocab-parallel logits, each sequence drawing from its own random stream.
 
-**Keyed streams.** A response is identified by ``(seed, prompt key, sample index)``
-(``sequence_keys``); its t-th token uses uniforms that are a pure function of that key, t and the
-global vocabulary index (a counter-based hash in torch ops, not a stateful ``torch.Generator``),
-so a response does not depend on its batch, DP, TP or the order sequences run in.
-
-**Gumbel-max.** ``argmax_j (x_j + g_j)`` with Gumbel noise ``g_j = -log(-log u_j)`` draws token j
-with probability ``softmax(x)_j``, without a cumulative sum over the vocabulary; top-k / top-p set
-``x_j = -inf`` outside the kept set first. **Under TP** each shard reduces its slice to five
-numbers per row (``_row_stats``) and one all-gather of ``[tp, batch, 5]`` finishes the draw and
-the log-prob, the same on every rank; no rank gathers ``[batch, vocab]``.
-
-The log-prob returned is under ``softmax(logits / temperature)`` (temperature 1 for greedy),
-without top-k / top-p truncation: the distribution PPO trains. Why each of these holds, and the
-measurements: docs/generation.md, "Sampling".
+Keyed streams (a response's uniforms are a pure function of its key, the step and the global
+vocabulary index), Gumbel-max, and under TP five numbers per row gathered instead of the
+vocabulary: why each holds, and the measurements, docs/generation.md "Sampling". The log-prob
+returned is under ``softmax(logits / temperature)`` without top-k / top-p: the distribution PPO trains.
 """
 
 from __future__ import annotations
@@ -99,8 +89,7 @@ def _row_stats(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, lo
     """This shard's part of the draw: ``[rows, 5]`` fp64 — best perturbed logit, its global token
     id, max logit, sum of ``exp(logit - max)``, the best token's logit; logits at
     ``temperature`` (1 when greedy, then unperturbed). Tokens whose logit is below ``lo`` are not
-    drawn. Eager torch makes ~20 passes over int64 ``[rows, vocab]`` temporaries; ``_kernel`` is the
-    same arithmetic in one pass."""
+    drawn. ``_kernel`` is the same arithmetic in one pass."""
     raw = logits.float()
     greedy = temperature == 0
     x = raw if greedy else raw / temperature
@@ -151,11 +140,9 @@ def _fused_row_stats(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tens
 
 def warm_up(params: SamplingParams, vocab: int, vocab_start: int, dtype: torch.dtype, device: torch.device,
             rows: int = 16) -> None:
-    """Compile the fused per-shard pass (what ``sample(..., fused=True)`` runs) for a vocabulary
-    slice of ``vocab`` entries starting at ``vocab_start`` and logits of ``dtype``, on dummy
-    inputs, so that the engine's first draw (and its CUDA graph capture) finds it compiled. Safe in
-    a thread: the rollout stage compiles while it loads the weights. Triton keeps what it compiled
-    in its cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``): later processes load it."""
+    """Compile the fused per-shard pass for these logits on dummy inputs, so that the engine's
+    first draw (and its CUDA graph capture) finds it compiled. Safe in a thread: the rollout stage
+    compiles while it loads the weights."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the thread's current device (``set_device`` is per thread)
     with torch.no_grad():
@@ -186,13 +173,10 @@ def _unordered(o: torch.Tensor) -> torch.Tensor:
 
 
 def _nucleus_threshold(x: torch.Tensor, temperature: float, top_p: float, group: ProcessGroup | None) -> torch.Tensor:
-    """Per row, the smallest logit top-p keeps, over vocab-parallel ``x [rows, vocab / tp]``.
-
-    Token j is kept when the mass (under ``softmax(x / temperature)``) of the tokens above it is
-    below ``top_p`` (the sorted definition: the first token always stays). That mass falls as the
-    threshold rises, so the smallest kept logit is found by bisection over the 2^32 fp32 values in
-    order: 33 steps, each one pass over the slice and an all-reduce of ``[rows]`` — never a gather
-    or a global sort."""
+    """Per row, the smallest logit top-p keeps, over vocab-parallel ``x [rows, vocab / tp]``: token
+    j is kept when the mass of the tokens above it is below ``top_p``. That mass falls as the
+    threshold rises, so bisection over the 2^32 fp32 values in order finds it: 33 all-reduces of
+    ``[rows]``, never a gather or a global sort."""
     m = mappings.all_reduce(x.max(-1).values, group, dist.ReduceOp.MAX)
     p = torch.exp((x - m[:, None]) / temperature)
     p = p / mappings.all_reduce(p.sum(-1), group)[:, None]

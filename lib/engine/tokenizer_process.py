@@ -1,12 +1,5 @@
-"""The tokenizer in a process of its own, for a stage process whose start-up is Python-bound.
-
-A rollout stage process has, before its first token, more Python to run than one interpreter lock
-runs at once: its own imports, the weight load's bookkeeping, the kernels' first calls — and the
-tokenizer's load, most of it importing ``transformers`` (seconds of the lock: docs/generation.md).
-Here that happens in a child process, on another core, started before the stage's own imports;
-the stage sends it the prompts of a chunk and the responses of a part, a batch a message, and gets
-ids and texts back. The child runs ``lib.engine.tokenizer``'s code, so the ids and texts are those
-of an in-process tokenizer (``tests/test_rollout.py`` compares them).
+"""The tokenizer in a child process, so that importing ``transformers`` and loading it run on
+another core beside a rollout process's Python-bound start-up (docs/generation.md, "Start-up").
 
 The protocol: pickled ``(op, *args)`` requests on the child's stdin, ``(status, value)`` replies
 on its stdout (its ``print``s go to stderr). It exits when its stdin closes — also when the
