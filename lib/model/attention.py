@@ -1,10 +1,8 @@
-"""Causal self-attention, and the metadata that says how a batch's tokens form sequences
-(``AttentionMetadata``, as vLLM and flash-attn users know it): ``Padded`` rows with a key mask,
-``Packed`` sequences back to back (remove-padding; the backend ``attention_backend`` picks, docs/lib.md
-"Attention backends"), or generation's ``Prefill`` / ``Decode`` over a preallocated ``KVCache``.
-
+"""Causal self-attention, and the metadata that says how a batch's tokens form sequences:
+``Padded`` rows with a key mask, ``Packed`` sequences back to back (remove-padding; the backends:
+docs/lib.md, "Attention backends"), or generation's ``Prefill`` / ``Decode`` over a ``KVCache``.
 All paths take ``q [tokens, heads, head_dim]`` and ``k, v [tokens, kv_heads, head_dim]`` and
-return ``[tokens, heads, head_dim]``; they compute the same function (tested).
+compute the same function (tested).
 """
 
 from __future__ import annotations
@@ -109,13 +107,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
 
 
 def _decode_attention(q, k, v, meta: Decode, layer: int) -> torch.Tensor:
-    """Store the new keys/values, then attend each query over its own slot's cache, in place.
-
-    The query heads of one kv head are the rows of one attention problem (``[slots, kv_heads,
-    heads / kv_heads, d]`` against ``[slots, kv_heads, span, d]``: GQA without repeating keys), and
-    the keys are read where they lie — a strided view, no gather, no copy. One SDPA call with the
-    step's length mask: on CUDA a fused kernel (scores and softmax in fp32), captured in the
-    decode graph like everything else (static shapes, no host sync)."""
+    """Store the new keys/values, then attend each query over its own slot's cache where it lies
+    (a strided view: no gather, no copy). The query heads of one kv head are the rows of one
+    problem (GQA without repeating keys); one SDPA call with the step's length mask, static shapes,
+    captured in the decode graph."""
     b, heads, d = q.shape
     kc, vc = meta.cache.k[layer][:b], meta.cache.v[layer][:b]
     slots = torch.arange(b, device=q.device)
@@ -221,10 +216,8 @@ def attention_backend(device: torch.device, dtype: torch.dtype, num_tokens: int,
 
 def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, backend: str | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence. ``backend`` (None: ``attention_backend``'s
-    choice) is one of ``varlen_backend``'s, or ``sdpa_dense``: sequences of equal length as a
-    ``[seqs, heads, len, d]`` batch through SDPA (``is_causal``, GQA without repeated keys), which
-    on Hopper runs cuDNN's attention, faster than torch's varlen (FlashAttention-2) kernels
-    (docs/benchmarks.md)."""
+    choice): one of ``varlen_backend``'s, or ``sdpa_dense`` (equal-length sequences as one SDPA
+    batch: cuDNN on Hopper, faster than the varlen kernels, docs/benchmarks.md)."""
     if backend is None:
         backend = attention_backend(q.device, q.dtype, q.shape[0], cu_seqlens, max_seqlen)
     if backend == "sdpa_dense":
@@ -249,12 +242,10 @@ _direct_flash_ok = True
 
 
 def _direct_flash(q, k, v, cu_seqlens, max_seqlen) -> torch.Tensor | None:
-    """Without gradients, the kernel torch's ``varlen_attn`` runs (its flash path: no torch version
-    so far picks cuDNN there), called as the aten op itself: ``varlen_attn`` is a
-    ``torch.library.custom_op``, whose first call imports ``torch._dynamo`` (~1 s of Python a
-    process) and whose every call pays its wrapper. The same kernel on the same tensors: the same
-    bits (``tests/test_generate_gpu.py``). None (and ``varlen_attn`` from then on) if this torch's
-    aten op takes other arguments."""
+    """Without gradients, the flash kernel torch's ``varlen_attn`` runs, called as the aten op
+    itself: that custom op's first call imports ``torch._dynamo`` (~1 s a process) and every call
+    pays its wrapper. The same bits (``tests/test_generate_gpu.py``). None (and ``varlen_attn``
+    from then on) if this torch's aten op takes other arguments."""
     global _direct_flash_ok
     try:
         return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,

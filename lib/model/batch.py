@@ -1,9 +1,7 @@
-"""TokenBatch: a padded ``[batch, seqlen]`` input turned into the flat token stream lib/ computes on.
-
-With remove-padding on, only the valid tokens are kept, packed back to back (varlen attention);
-otherwise all ``batch × seqlen`` positions are kept with a key mask. Either way the model sees
-``input_ids [N]`` and ``positions [N]``, N rounded up to a multiple of TP under sequence
-parallelism. ``to_padded`` puts per-token results back into ``[batch, seqlen, ...]``.
+"""TokenBatch: a padded ``[batch, seqlen]`` input as the flat token stream lib/ computes on
+(``input_ids [N]``, ``positions [N]``), and back (``to_padded``). Remove-padding keeps only the
+valid tokens, packed (varlen attention); otherwise every position stays, with a key mask. N is
+rounded up to a multiple of TP under sequence parallelism.
 """
 
 from __future__ import annotations

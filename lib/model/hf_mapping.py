@@ -1,14 +1,12 @@
 """The one mapping between HF Llama tensors and llamarl's sharded parameters.
 
 Each local parameter of a TP rank is a concatenation of slices of HF tensors (``Slice``), e.g. a
-fused QKV shard is ``[q rows of this rank's heads; k rows; v rows]``. Loading (lib/, the shard
-stage) reads those slices; exporting writes them back. Both use ``param_slices``, so they can
-never disagree. Slices may run past the end of an HF tensor: those rows are vocabulary padding
-and read as zeros.
+fused QKV shard is ``[q rows of this rank's heads; k rows; v rows]``. Load, shard and export all
+use ``param_slices``, so they can never disagree. Slices may run past the end of an HF tensor:
+those rows are vocabulary padding and read as zeros.
 
-Our names follow HF's except the two fusions: ``self_attn.qkv_proj`` (q_proj, k_proj, v_proj)
-and ``mlp.gate_up_proj`` (gate_proj, up_proj). Heads: ``lm_head`` (CausalLM; taken from
-``model.embed_tokens`` when embeddings are tied) and ``score`` (Value and Score models, HF's
+Our names are HF's but for two fusions, ``self_attn.qkv_proj`` and ``mlp.gate_up_proj``; the
+heads are ``lm_head`` (tied: ``model.embed_tokens``) and ``score`` (Value and Score models, HF's
 ``LlamaForSequenceClassification`` with one label).
 """
 

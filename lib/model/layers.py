@@ -2,17 +2,9 @@
 
 Activations are ``[tokens, features]``. Under sequence parallelism (SP) the tokens between blocks
 are split over TP ranks; a column-parallel linear gathers them first, a row-parallel linear
-scatters them after.
-
-Why not megatron-core's ColumnParallelLinear/RowParallelLinear: they hard-wire their
-communication (the row layer always all-reduces or, under SP, reduce-scatters into a CUDA
-buffer), so SP would not run on gloo. Ours hold the same shards and call the mappings in
-``mappings.py`` explicitly: one code path for CPU and GPU.
-
-Fused elementwise work (``fusions_on``): RMSNorm, the residual add with the norm after it, rotary
-and SwiGLU each run as one ``torch.compile`` region, outside which the matmuls and the
-communication stay, so the regions are the same at every layout; each computes what its eager twin
-does (``tests/test_fusions.py``), rounding once instead of after every op. docs/training.md.
+scatters them after. megatron-core's layers hard-wire that communication on CUDA buffers; ours
+hold the same shards and call ``mappings.py`` explicitly, one code path on gloo and NCCL
+(docs/lib.md, "megatron-core"). The fused regions, the switches and what they save: docs/training.md.
 """
 
 from __future__ import annotations
@@ -81,10 +73,8 @@ def output_reduce(y: torch.Tensor, tp_group: ProcessGroup | None, sequence_paral
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; when training a lower-precision weight that has an fp32 ``main_grad`` with
-    fusions on (``wgrad_fusion_on``), its gradient is added into ``main_grad`` by the
-    weight-gradient GEMM itself and never materialised (``.grad`` stays None; the input's and the
-    bias's gradients are as usual)."""
+    """``F.linear``; where ``wgrad_target`` names a ``main_grad``, the weight's gradient is added
+    into it by the weight-gradient GEMM itself and ``.grad`` stays None."""
     if wgrad_target(weight) is not None:
         return _LinearGradIntoMain.apply(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -122,14 +112,11 @@ class _RegionLinear(torch.autograd.Function):
         return torch.ops.llamarl.linear_grad_into_main_backward(dy, x, weight, main_grad), None, None
 
 
-# Inside a compiled region the fused linear is an autograd.Function that dynamo traces: its forward
-# the plain matmul, its backward one op. main_grad enters the region as an argument (saved for
-# backward, so its version counter is checked there); the op writes into its memory through an
-# alias with a version counter of its own and declares no mutation: nothing in a graph reads
-# main_grad, and a declared one would fail that check wherever another micro-batch's backward has
-# run between this one's forward and backward (1F1B). Its output is dx, so it is never dead code.
-# A plain torch.library kernel, not a torch.library.custom_op: its dispatch costs a fraction of the
-# custom op wrapper's host time (docs/training.md), paid on every backward of every linear.
+# The region linear's backward op writes into main_grad through an alias with its own version
+# counter and declares no mutation: a declared one would fail autograd's check of the saved
+# main_grad wherever another micro-batch's backward ran in between (1F1B). Its output is dx, so
+# it is never dead code. A plain torch.library kernel, not a custom_op, for its host time
+# (docs/training.md, "The ppo stage's update").
 _OPS = torch.library.Library("llamarl", "FRAGMENT")
 _OPS.define("linear_grad_into_main_backward(Tensor dy, Tensor x, Tensor weight, Tensor main_grad) -> Tensor")
 
@@ -190,13 +177,10 @@ WGRAD_ENV = "LLAMARL_FUSED_WGRAD"
 
 
 def wgrad_fusion_on(device: torch.device, in_region: bool = False) -> bool:
-    """Whether a linear accumulates its weight gradient into ``main_grad`` in its GEMM:
-    ``LLAMARL_FUSED_WGRAD`` = ``auto`` (default: the eager linears on CUDA where ``fusions_on`` and
-    torch's mixed-dtype ``addmm`` works; not those inside the compiled layer regions, ``in_region``),
-    ``1`` (everywhere, inside the regions too; on CPU by upcasting: for tests) or ``0`` (never: the
-    bf16 gradient, added into ``main_grad`` by ``GradBuffer``'s hook). Not inside the regions by
-    default: there its host time a linear may cost more than the GPU time it saves, and its
-    measurement is open (docs/training.md)."""
+    """Whether a linear accumulates its weight gradient into ``main_grad`` in its GEMM, as
+    ``LLAMARL_FUSED_WGRAD`` says (docs/training.md): ``auto``, the eager linears on CUDA where
+    ``fusions_on`` and torch's mixed-dtype ``addmm`` works, not those inside a region (``in_region``:
+    there its host time may cost more than it saves); ``1``, everywhere; ``0``, never."""
     mode = _switch(WGRAD_ENV, "auto", ("auto", "0", "1"))
     if mode != "auto":
         return mode == "1"
@@ -299,11 +283,8 @@ FUSED_LAYERS_ENV = "LLAMARL_FUSED_LAYERS"
 
 def fused_layers_on() -> bool:
     """``LLAMARL_FUSED_LAYERS`` = ``1`` (the default): where the regions run at TP 1, a decoder
-    layer is two compiled regions with its matmuls inside (norm + qkv + rotary; output projection
-    + residual add + norm + MLP + residual add), attention eager between them: fewer calls through
-    the compiled code's host path per layer. The four linears inside fuse their gradient
-    accumulation only with ``LLAMARL_FUSED_WGRAD=1`` (``wgrad_fusion_on``). ``0``: the four small
-    regions (always at TP > 1, where the matmuls' communication stays outside the regions)."""
+    layer is two compiled regions with its matmuls inside; ``0``: the four small regions, as at
+    TP > 1 (docs/training.md)."""
     return _switch(FUSED_LAYERS_ENV, "1", ("0", "1")) == "1"
 
 

@@ -1,8 +1,4 @@
-"""The parallel Llama: one backbone, three heads.
-
-* ``ParallelLlamaForCausalLM`` — actor and reference: vocab-parallel logits ``[N, vocab / tp]``.
-* ``ParallelLlamaForValue`` — critic: a scalar per token.
-* ``ParallelLlamaForScore`` — reward model: the scalar at each sequence's last real token.
+"""The parallel Llama: one backbone, three heads (actor and reference, critic, reward model).
 
 A model object is one pipeline stage: the first holds the embedding, the last the final norm
 and head, each a contiguous range of decoder layers. ``forward(batch, hidden)`` runs the stage;
@@ -218,10 +214,9 @@ class ParallelLlama(nn.Module):
 
     def forward(self, batch: TokenBatch, hidden: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage: hidden states out of an inner stage (this rank's tokens under SP), the
-        head's per-token output out of the last. ``batch`` is a ``TokenBatch`` or any object with
-        ``input_ids``, ``positions`` and attention metadata ``meta`` (generation steps). ``rows``: only
-        these tokens go through the head (a prefill needs each prompt's last token, not a
-        ``[prompt tokens, vocab]`` block); not with sequence parallelism."""
+        head's per-token output out of the last. ``batch``: a ``TokenBatch``, or any object with
+        ``input_ids``, ``positions`` and ``meta`` (generation steps). ``rows``: only these tokens
+        go through the head (a prefill's last tokens); not with sequence parallelism."""
         hidden = self.model(batch, hidden)
         if not self.topology.is_last_stage:
             return hidden
@@ -298,12 +293,10 @@ class ParallelLlamaForCausalLM(ParallelLlama):
 
 
 def warm_training_regions(cfg: LlamaConfig, layout: ParallelLayout, dtype: torch.dtype, device) -> bool:
-    """Compile, in this process, the regions a training pass of ``cfg`` at ``layout`` runs
-    (``lib.model.layers``), with one forward and backward of a one-layer model of its shapes on a
-    few tokens: every layer shares the regions and their token dimension is symbolic, so the
-    training that follows compiles nothing more. At TP 1 (any PP: a stage's layers are the same
-    code), outside any process group; False where there is nothing to do (no regions: on the CPU,
-    or ``LLAMARL_FUSED=0``) or the layout splits layers over TP."""
+    """Compile, in this process, the regions a training pass of ``cfg`` at ``layout`` runs, with
+    one forward and backward of a one-layer model of its shapes: every layer shares the regions and
+    their token dimension is symbolic, so training compiles nothing more. False where there is
+    nothing to do (fusions off) or the layout splits layers over TP."""
     device = torch.device(device)
     if layout.tp != 1 or not fusions_on(device) or parallel.topology().tp != 1:
         return False

@@ -1,11 +1,9 @@
 """Tensor- and sequence-parallel communication as autograd functions, on plain torch.distributed.
 
 Each function names what its forward does; its backward is the dual. Activations are 2-D
-``[tokens, features]`` throughout lib/, so sequence parallelism splits dim 0.
-megatron-core ships the same mappings, but its gather/scatter paths allocate on CUDA; these run
-on gloo and NCCL alike. Every function takes the TP group it communicates over (a model's
-``tp_group``, resolved when the model was built); with a group of one rank, or None (no process
-groups), it is the identity.
+``[tokens, features]``, so sequence parallelism splits dim 0. Every function takes the TP group it
+communicates over (a model's ``tp_group``); with a group of one rank, or None, it is the identity.
+megatron-core's mappings, on gloo and NCCL alike (docs/lib.md, "megatron-core").
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Pipeline parallelism: run micro-batches through the stages with a 1F1B schedule.
 
-Hidden states go point to point between neighbouring stages (``batch_isend_irecv``, so a send
-and a receive in opposite directions never deadlock, on gloo or NCCL). Every stage gets the
-same micro-batches (token ids, positions, masks — small), so a receiver knows each activation's
-shape without a handshake: ``[tokens on this rank, hidden]``.
-
-1F1B: stage s first runs ``pp - s - 1`` forwards (warm-up), then alternates one forward with
-one backward, then drains the remaining backwards. At most ``pp - s`` micro-batches are alive
-on a stage at once, instead of all of them.
+Hidden states go point to point between neighbouring stages (``batch_isend_irecv``: a send and a
+receive in opposite directions never deadlock). Every stage gets the same micro-batches, so a
+receiver knows each activation's shape, ``[tokens on this rank, hidden]``, without a handshake.
+1F1B: stage s runs ``pp - s - 1`` forwards (warm-up), then alternates one forward with one
+backward, then drains the rest: at most ``pp - s`` micro-batches are alive on a stage at once.
 """
 
 from __future__ import annotations

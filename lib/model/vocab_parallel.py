@@ -1,17 +1,11 @@
-"""Log-probs, entropy and cross-entropy from vocab-parallel logits ``[N, vocab / tp]``.
+"""Log-probs, entropy and cross-entropy from vocab-parallel logits ``[N, vocab / tp]``: the
+softmax normaliser and the label's logit are combined with all-reduces of ``[N]`` vectors, so no
+rank holds ``[N, full vocab]``. fp32 inside, gradients in the logits' dtype. Padded vocabulary
+entries must already be at the dtype's minimum (the CausalLM head does that): they then carry zero
+probability. ``group``: the TP group of the model that made the logits (None: the current one).
 
-Each rank touches only its vocabulary slice; the softmax normaliser (max and sum of exps) and
-the label's logit are combined with all-reduces of ``[N]`` vectors, so no rank ever holds a
-``[N, full vocab]`` tensor. Computed in fp32 whatever the logits' dtype; gradients are returned
-in the logits' dtype. Padded vocabulary entries must already be at the dtype's minimum (the
-CausalLM head does that): they then carry zero probability.
-
-``group`` is the TP group the vocabulary is split over: the ``tp_group`` of the model that made
-the logits (None: the current topology's).
-
-Two implementations of the same functions: on CUDA (unless ``LLAMARL_FUSED=0``) two Triton
-kernels that never make an ``[N, vocab]`` fp32 tensor (``_Kernel``); elsewhere, and as the
-reference in ``tests/test_fusions.py``, torch ops with an fp32 softmax kept for backward (``_Eager``).
+On CUDA (unless ``LLAMARL_FUSED=0``) two Triton kernels (``_Kernel``); elsewhere, and as their
+reference, torch ops (``_Eager``): docs/training.md.
 """
 
 from __future__ import annotations
