@@ -1,8 +1,6 @@
-"""PPO arithmetic: KL estimators, token rewards, the advantage estimators (GAE, GRPO, RLOO,
-REINFORCE++ with or without a group baseline), advantage normalisation, truncated importance
-weights (per token or per sequence), the policy losses (PPO's clipped surrogate, GSPO, CISPO,
-SAPO), the value loss and their aggregation. docs/rl.md gives the formulas and which options give
-which peer's algorithm.
+"""PPO arithmetic: KL estimators, token rewards, advantage estimators, truncated importance
+weights, the policy and value losses and their aggregation (the formulas, and which options give
+which peer's algorithm: docs/rl.md).
 
 Tensors are ``[batch, response_len]`` with a 0/1 ``mask`` over real response tokens (right
 padding). Pure functions, no communication except where a ``group`` is passed for DP-global
@@ -183,13 +181,9 @@ def sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: float,
               seq: torch.Tensor | None = None, sequences: int | None = None) -> torch.Tensor:
-    """Sum of this micro-batch's share of a mini-batch loss.
-
-    ``token-mean``: Σ loss·mask / (tokens in the whole mini-batch) — ``denominator``;
-    ``seq-mean-token-mean``: Σ_seq mean_tokens(loss) / (sequences in the mini-batch);
-    ``seq-mean-token-sum-norm`` (Dr. GRPO): Σ loss·mask / (sequences in the mini-batch × a
-    constant number of tokens), so a token weighs the same whatever its response's length.
-    Summing these over micro-batches and DP ranks gives the mini-batch's loss.
+    """This micro-batch's share of a mini-batch loss in ``mode`` (docs/rl.md's table), over the
+    mini-batch's ``denominator`` (tokens, or sequences, × a constant for ``-sum-norm``): summed over
+    micro-batches and DP ranks, the mini-batch's loss.
 
     ``loss`` and ``mask`` are ``[batch, len]``, or packed tokens of any shape with ``seq`` their
     ``sequence_index`` packed alike and ``sequences`` the micro-batch's rows. The caller knows

@@ -1,14 +1,10 @@
 """Training pieces: fp32 gradient buffers and global-norm clipping (``GradBuffer``), ZeRO-1 AdamW
-on fp32 master weights (``ShardedAdamW``), the LR schedule (``lr_at``).
+on fp32 master weights (``ShardedAdamW``), the LR schedule (``lr_at``). Mixed precision as
+Megatron does it: parameters may be bf16, every number that accumulates is fp32 (gradients,
+masters, moments).
 
-Mixed precision as Megatron does it: parameters (and so activations) may be bf16, while every
-number that accumulates is fp32 — gradients summed over micro-batches and reduced over DP, the
-master weights AdamW updates, and its moments. Both classes take the topology from the model they
-are built for and resolve their process groups once, then.
-
-``ShardedAdamW`` is written here rather than taken from torch's ``ZeroRedundancyOptimizer``
-because checkpoints need to know who owns which moments: they are saved as chunks of the same
-HF-named tensors as the weights, so optimizer state, too, loads into any other layout.
+``ShardedAdamW`` rather than torch's ``ZeroRedundancyOptimizer``: its moments are saved as chunks
+of the same HF-named tensors as the weights, so optimizer state, too, loads into any other layout.
 """
 
 from __future__ import annotations
@@ -78,12 +74,10 @@ class GradBuffer:
 
     def clip(self, max_norm: float | None) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm
-        before, a 0-d fp64 tensor on the device. One fused norm over all pieces
-        (``torch._foreach_norm``, what torch's own ``clip_grad_norm_`` uses), in fp32, summed in fp64
-        with each piece's share weight: a piece several ranks hold (a replicated norm, a kv head
-        replicated over TP, the tied embedding's two copies) counts once, so it is the whole
-        model's norm at any layout. Nothing is read back to the host: the caller reads the norm
-        with the step's other checks, once (a non-finite norm leaves the gradients non-finite)."""
+        before, a 0-d fp64 tensor on the device, which the caller reads with the step's other
+        checks (a non-finite norm leaves the gradients non-finite). Each piece's square is weighted
+        by its share: a piece several ranks hold (a replicated norm, a kv head replicated over TP,
+        the tied embedding's two copies) counts once, so it is the whole model's norm at any layout."""
         if self._shares is None:
             self._shares = _share_weights(self.model, self.topo)
             # Made once: a tensor from a host list is a copy that waits for the whole backward.
