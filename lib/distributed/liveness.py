@@ -1,15 +1,11 @@
 """Which peer was lost: a heartbeat of every rank in the job's rendezvous store.
 
-When a host dies mid-stage, the survivors learn it from a collective that fails — at once when
-the dead host's kernel closed its sockets, after the collective timeout when it vanished without a
-word (power, network) — and the backends' messages ("Timed out waiting 600000ms for recv
-operation") do not say who is gone. So each rank, once its process group is up, bumps a counter
-in the rendezvous store (the TCPStore rank 0 hosts) every ``INTERVAL_S``; a rank whose collective
-failed reads the counters twice, ``2 * INTERVAL_S`` apart, and names the ranks whose counters
-stood still. Counters, not timestamps: hosts' clocks need not agree.
-
-The store lives in rank 0's process: when that host is the one lost, nothing can be read, and
-the message says so.
+When a host dies mid-stage, the survivors' failed collective ("Timed out waiting 600000ms for
+recv operation") does not say who is gone. So each rank bumps a counter in the rendezvous store
+(the TCPStore rank 0 hosts) every ``INTERVAL_S``; a rank whose collective failed reads the
+counters twice, ``2 * INTERVAL_S`` apart, and names the ranks whose counters stood still.
+Counters, not timestamps: hosts' clocks need not agree. When rank 0's host is the one lost,
+nothing can be read, and the message says so.
 """
 
 from __future__ import annotations

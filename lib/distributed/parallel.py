@@ -1,12 +1,7 @@
-"""Process groups: set up from the torchrun environment; this module is their one owner (nothing
-else in llamarl builds a group). NCCL on GPU, gloo on CPU — the same collectives are used on both.
-
-A model asks once, when it is built, and passes its ``Topology``'s groups to each function that
-communicates, so the model's code never looks a group up at call time.
-
-The grid is megatron-core's default order (tensor fastest, then data, then pipeline), and the
-groups are the ones its ``parallel_state`` builds (tests/test_parallel.py checks them against it;
-docs/lib.md says why they are built here instead).
+"""Process groups, built from the torchrun environment: this module is their one owner (nothing
+else in llamarl builds a group; how they reach a model: docs/lib.md, "Conventions"). NCCL on GPU,
+gloo on CPU. The grid is megatron-core's order (tensor fastest, then data, then pipeline) and the
+groups its ``parallel_state`` builds (tests/test_parallel.py checks them against it).
 """
 
 from __future__ import annotations
