@@ -60,9 +60,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rotary_qk(q, k, cos, sin, *, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_rotary`` to queries and keys; ``fused``: both in one compiled kernel, and only
     ``cos``/``sin`` kept for backward (rotation is linear in q and k)."""
-    if fused:
-        return compiled_region(region_rotary_qk, 0, 1, 2, 3)(q, k, cos, sin)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    rotate = compiled_region(region_rotary_qk, 0, 1, 2, 3) if fused else region_rotary_qk
+    return rotate(q, k, cos, sin)
 
 
 def region_rotary_qk(q, k, cos, sin):
