@@ -18,13 +18,10 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class Strict(BaseModel):
-    """The base of every options model — each stage's config and its parts, the options a run spec
-    sets, the executors' options: an unknown option is refused, and so is a
-    float that is not finite. YAML's ``.inf`` / ``.nan`` and JSON's ``Infinity`` / ``NaN`` parse as
-    floats, and no option means them: an infinite learning rate or KL coefficient would train every
-    weight to inf and publish it. Values are taken as the types they are written as (pydantic's
-    strict mode): ``keep_last: true`` or ``weight: false`` is no number and ``tp: "2"`` no count, where
-    the lax mode would read them as 1, 0 and 2; an integer is still a float."""
+    """The base of every options model: an unknown option is refused, and so is a float that is not
+    finite (YAML's ``.inf`` parses as one; an infinite learning rate would train every weight to
+    inf and publish it). Values are taken as the types they are written as (pydantic's strict
+    mode): ``keep_last: true`` is no number and ``tp: "2"`` no count; an integer is still a float."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 

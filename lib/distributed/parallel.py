@@ -163,12 +163,9 @@ def group_rank(group: ProcessGroup | None) -> int:
 
 
 def manual_seed(seed: int) -> torch.Generator:
-    """Seed this rank.
-
-    The default generator gets the same seed on every TP and PP rank, so replicated work (sampling
-    a token, initialising a replicated weight) agrees across the model-parallel group. The returned
-    generator is offset by the TP rank, for work that must differ between TP shards (dropout on
-    sharded activations)."""
+    """Seed this rank: the default generator alike on every TP and PP rank, so replicated work
+    agrees across the model-parallel group; the returned one offset by the TP rank, for work that
+    must differ between TP shards (dropout on sharded activations)."""
     topo = topology()
     torch.manual_seed(seed)
     gen = torch.Generator(device=device())

@@ -117,10 +117,8 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.T
 class _SumReplicatedKV(torch.autograd.Function):
     """Identity on a fused QKV weight whose k/v rows are replicated on several TP ranks (TP > kv
     heads). Backward sums the k/v gradient over the ranks that hold the same kv head, so the
-    replicas receive identical, complete gradients and stay equal through training.
-
-    Done with one all-reduce over TP into a buffer with a slot per kv head, which needs no extra
-    process group (replica groups would have to be created collectively at start-up)."""
+    replicas stay equal, with one all-reduce over TP into a buffer with a slot per kv head: no
+    replica process groups, which would have to be created collectively at start-up."""
 
     @staticmethod
     def forward(ctx, w, q_rows, kv_head, num_kv_heads, group):

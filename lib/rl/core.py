@@ -19,10 +19,8 @@ this bound."""
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "kl") -> torch.Tensor:
-    """Per-token estimate of KL(π ‖ π_ref) from log-probs of the sampled tokens.
-
-    ``kl``: log r (k1); ``abs``: |log r|; ``mse``: ½ (log r)² (k2); ``low_var_kl``: the
-    unbiased, non-negative k3 = r' − log r' − 1 with r' = π_ref / π, clamped to [-10, 10]."""
+    """Per-token estimate of KL(π ‖ π_ref) from log-probs of the sampled tokens, by ``kind``
+    (the estimators: docs/rl.md)."""
     log_ratio = logp - ref_logp
     if kind == "kl":
         return log_ratio
@@ -169,11 +167,9 @@ def _sequence_sums(x: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None
 
 def sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None = None,
                   sequences: int | None = None) -> torch.Tensor:
-    """At every masked token, the mean of ``x`` over its sequence's masked tokens; 0 elsewhere.
-
-    ``x`` and ``mask`` are ``[batch, len]``, or packed tokens with ``seq`` and ``sequences`` as in
-    ``aggregate``. A sequence lies whole in one call (ppo never splits one across micro-batches,
-    and every TP rank holds every token's log-prob), so the mean needs no communication."""
+    """At every masked token, the mean of ``x`` over its sequence's masked tokens; 0 elsewhere
+    (``seq``/``sequences`` as in ``aggregate``). A sequence lies whole in one call, so the mean
+    needs no communication."""
     sums, counts, bins = _sequence_sums(x, mask, seq, sequences)
     means = torch.cat([sums / counts.clamp(min=1), sums.new_zeros(1)])
     return means[bins].reshape(x.shape)
@@ -226,13 +222,11 @@ GSPO_MAX_LOG_RATIO = 10.0
 
 def gspo_loss(logp, old_logp, advantages, mask, clip_eps: float, clip_eps_high: float | None = None,
               seq: torch.Tensor | None = None, sequences: int | None = None):
-    """GSPO (Zheng et al., 2025, arXiv:2507.18071): PPO's clipped surrogate of the *sequence* ratio
-    s = exp(mean over the response's tokens of (log π − log π_old)), the geometric mean of its
-    token ratios, in the paper's token form: every token of the response carries
-    s_t = sg(s)·π(y_t)/sg(π(y_t)), whose value is s and whose gradient is s·∇log π(y_t). With one
-    advantage per response (GRPO's) that is GSPO's gradient exactly; with per-token advantages it
-    is GSPO-token. ``mask`` (and, for packed tokens, ``seq``/``sequences`` as in ``aggregate``)
-    tells the sequences apart. Returns the loss, where the clip took over, and the approximate KL."""
+    """GSPO (arXiv:2507.18071, docs/rl.md): PPO's clipped surrogate of the *sequence* ratio
+    s = exp(mean over the response's tokens of (log π − log π_old)) in the token form
+    s_t = sg(s)·π(y_t)/sg(π(y_t)). ``mask`` (and, for packed tokens, ``seq``/``sequences`` as in
+    ``aggregate``) tells the sequences apart. Returns the loss, where the clip took over, and the
+    approximate KL."""
     seq_log_ratio = sequence_mean((logp - old_logp).detach(), mask, seq, sequences)
     ratio = (logp - logp.detach() + seq_log_ratio).clamp(max=GSPO_MAX_LOG_RATIO).exp()
     loss, was_clipped = _clipped_surrogate(ratio, advantages, clip_eps, clip_eps_high)
@@ -240,10 +234,9 @@ def gspo_loss(logp, old_logp, advantages, mask, clip_eps: float, clip_eps_high: 
 
 
 def cispo_loss(logp, old_logp, advantages, cap: float):
-    """CISPO (MiniMax-M1, arXiv:2506.13585): −sg(min(r, C))·A·log π with r = π/π_old. The clip
-    bounds the importance weight, a constant, never the gradient: a token whose ratio is past the
-    bound still learns, weighed C. No lower bound (the paper sets ε_low large). Returns the
-    loss, where the weight was capped, and the approximate KL."""
+    """CISPO (arXiv:2506.13585, docs/rl.md): −sg(min(r, C))·A·log π with r = π/π_old: the clip
+    bounds the weight, never the gradient. Returns the loss, where the weight was capped, and the
+    approximate KL."""
     ratio = (logp - old_logp).detach().exp()
     return -ratio.clamp(max=cap) * advantages * logp, (ratio > cap).float(), old_logp - logp
 
@@ -254,11 +247,9 @@ SAPO_MAX_LOG_RATIO = 20.0
 
 
 def sapo_loss(logp, old_logp, advantages, tau_pos: float, tau_neg: float):
-    """SAPO (Gao et al., 2025, arXiv:2511.20347): −f(r)·A with the soft gate
-    f(r) = σ(τ·(r − 1))·4/τ in place of the clip, τ = ``tau_pos`` where A > 0, else ``tau_neg``.
-    Its gradient is sech²(τ(r − 1)/2)·∇r: exactly the unclipped one on-policy (r = 1), smoothly
-    smaller as r leaves 1, faster for a larger τ. Returns the loss, no clip indicator (zeros: the
-    gate never clips), and the approximate KL."""
+    """SAPO (arXiv:2511.20347, docs/rl.md): −f(r)·A with the soft gate f(r) = σ(τ·(r − 1))·4/τ in
+    place of the clip, τ = ``tau_pos`` where A > 0, else ``tau_neg``. Returns the loss, no clip
+    indicator (zeros: the gate never clips), and the approximate KL."""
     ratio = (logp - old_logp).clamp(-SAPO_MAX_LOG_RATIO, SAPO_MAX_LOG_RATIO).exp()
     tau = torch.full_like(ratio, tau_neg).masked_fill(advantages > 0, tau_pos)
     gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)

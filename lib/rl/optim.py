@@ -30,11 +30,8 @@ def _accumulate(p: torch.nn.Parameter) -> None:
 
 class GradBuffer:
     """fp32 gradients of ``model``'s parameters in one flat buffer; ``p.main_grad`` is each one's view.
-
-    fp32 parameters get ``.grad`` = that view, so autograd accumulates in place. Lower-precision
-    parameters get a hook that adds each backward's ``.grad`` into the view and frees it: micro-batch
-    accumulation happens in fp32, and a bf16 gradient lives for one backward only. The weights of
-    linears, with fusions on, skip that: their GEMM adds into the view (``lib.layers.linear``)."""
+    fp32 parameters get ``.grad`` = that view; lower-precision ones a hook that adds each backward's
+    ``.grad`` into it and frees it (or their GEMM adds into it: ``lib.model.layers.linear``)."""
 
     def __init__(self, model):
         self.model = model
