@@ -1,7 +1,6 @@
-"""The device side of generation (the whole story: ``lib.engine.generate``, docs/generation.md): a
-fixed set of slots, each a KV-cache row and a sequence's state; the prompt store that prefills
-fill and admissions copy from; the decode step, captured as a CUDA graph per shape; and the copies
-between host and device, queued so that the host never waits on the step it has just queued.
+"""The device side of generation (docs/generation.md, "The engine"): the slots, the prompt store,
+the decode step captured as a CUDA graph per shape, and host ↔ device copies queued so that the
+host never waits on the step it has just queued.
 """
 
 from __future__ import annotations
@@ -146,11 +145,9 @@ class Slots:
     # ---- the prompt store and admission ---------------------------------------------------------
 
     def store_for(self, rows: int, length: int, n: int, known: int) -> None:
-        """The prompt store (a KV cache with a row per prompt of a prefill group, until its samples
-        are admitted) for ``rows`` prompts of up to ``length`` tokens, and its ring. Called only
-        while no prompt waits in the store, so a store too small is simply replaced: by one of
-        about ``prefill_tokens`` positions (fewer rows when fewer than that many prompts are
-        ``known`` to come), at least ``rows × length``."""
+        """The prompt store for ``rows`` prompts of up to ``length`` tokens, and its ring. Called
+        only while no prompt waits in it, so a store too small is simply replaced: by one of about
+        ``prefill_tokens`` positions (fewer rows for fewer ``known`` prompts), at least ``rows × length``."""
         have = self.store.k[next(iter(self.store.k))].shape if self.store is not None else None
         if have is None or have[0] < rows or have[2] < length:
             self.store = self.ring = None

@@ -1,8 +1,5 @@
-"""Move a model's parameters to host memory between uses, and back.
-
-Host copies are pinned when CUDA is present (fast, asynchronous copies back). The parameter
-objects stay the same (only ``.data`` moves), so optimizers and hooks keep their references. On a
-CPU-only machine the same calls run and are no-ops in effect.
+"""Move a model's parameters to host memory (pinned where CUDA is) between uses, and back. Only
+``.data`` moves, so optimizers and hooks keep their references to the parameter objects.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Rule-based rewards: functions of a response (and its row) chosen by name in the score config.
-
-A rule is ``fn(response: str, row: dict, **args) -> float``. Built in: ``exact_match``,
-``contains``, ``regex``, ``length``. Any importable function works too, named as
-``package.module:function``.
+"""Rule-based rewards chosen by name in the score config: ``fn(response: str, row: dict, **args)
+-> float``, built in (``BUILTIN``) or any importable function named ``package.module:function``.
 """
 
 from __future__ import annotations
