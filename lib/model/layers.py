@@ -272,8 +272,7 @@ FUSED_ENV = "LLAMARL_FUSED"
 
 def fusions_on(device: torch.device) -> bool:
     """Whether fused kernels (these compiled regions, the Triton vocabulary kernels) run on
-    ``device``: ``LLAMARL_FUSED`` = ``auto`` (the default: on CUDA), ``1`` (everywhere; on CPU
-    through inductor's C++ code, slow to compile: for tests) or ``0`` (never: the eager reference)."""
+    ``device``: ``LLAMARL_FUSED`` = ``auto`` (on CUDA), ``1`` or ``0`` (docs/training.md)."""
     mode = _switch(FUSED_ENV, "auto", ("auto", "0", "1"))
     return mode == "1" or (mode == "auto" and device.type == "cuda")
 

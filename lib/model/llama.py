@@ -98,9 +98,8 @@ class DecoderLayer(nn.Module):
         self.mlp = ParallelMLP(cfg, tp_group, sp, dtype)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, fused: bool = False):
-        """``fused``: norms, residual add, rotary and SwiGLU as compiled regions (``lib.model.layers``);
-        at TP 1 with ``LLAMARL_FUSED_LAYERS=1`` (``fused_layers_on``), two regions with the
-        matmuls inside: everything before attention, and everything after it."""
+        """``fused``: norms, residual add, rotary and SwiGLU as compiled regions; at TP 1, where
+        ``fused_layers_on``, two regions with the matmuls inside: before attention, and after it."""
         if fused and self.self_attn.tp_group_size == 1 and fused_layers_on():
             return self._two_regions(x, cos, sin, meta)
         attn = self.self_attn(self.input_layernorm(x, fused=fused), cos, sin, meta, self.index, fused)
@@ -170,9 +169,8 @@ class ParallelLlamaModel(nn.Module):
         return self.norm(hidden, fused=fused) if self.norm is not None else hidden
 
     def use_fused(self, hidden: torch.Tensor) -> bool:
-        """Fused regions when training (autograd recording: they save less for backward; a
-        forward without gradients — reference log-probs, generation, whose decode steps are
-        captured as CUDA graphs — stays eager), where ``fused`` (None: ``LLAMARL_FUSED``) says."""
+        """Fused regions only while autograd records (they exist to save less for backward), where
+        ``fused`` (None: ``LLAMARL_FUSED``) says."""
         if not torch.is_grad_enabled():
             return False
         return fusions_on(hidden.device) if self.fused is None else self.fused

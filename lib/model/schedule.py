@@ -106,9 +106,8 @@ def forward_backward(
 
 
 def _one_f_one_b(topo: Topology, n: int, p2p, recv_spec, run_forward, run_backward) -> None:
-    """The 1F1B order of ``n`` micro-batches on this rank's stage (module docstring), given how to
-    receive one (``recv_spec(i)``), run it forward (``run_forward(i, received) -> (input, output)``)
-    and back (``run_backward(input, output, grad_out) -> grad_in``)."""
+    """The 1F1B order (module docstring) of ``n`` micro-batches on this rank's stage, run through
+    ``forward_backward``'s ``recv_spec``, ``run_forward`` and ``run_backward``."""
     first, last = topo.is_first_stage, topo.is_last_stage
     warmup = min(topo.pp - topo.pp_rank - 1, n)
     alive: deque = deque()

@@ -189,8 +189,7 @@ def _k_grad(x, lse, mean, target, g_logp, g_ent) -> torch.Tensor:
 
 class _Kernel(torch.autograd.Function):
     """``_Eager``'s outputs from the Triton kernels: forward reads the logits once (an online
-    softmax: each row's max, sum of exps and, for entropy, sum of exp·logit) and keeps nothing but
-    the logits and ``[N]`` vectors; backward reads them once more, recomputing the probabilities."""
+    softmax) and keeps them and ``[N]`` vectors; backward reads them once more."""
 
     @staticmethod
     def forward(ctx, logits, labels, group, with_entropy):
