@@ -74,9 +74,7 @@ class Slots:
         if slots <= self.slots:
             old, self.cache = self.cache, None
             self.cache = KVCache.allocate(m.model.layer_range, self.slots, max_len, *self._kv_shape, m.dtype, dev)
-            for mine, theirs in ((self.cache.k, old.k), (self.cache.v, old.v)):
-                for i, t in mine.items():
-                    t[:, :, : self.max_len] = theirs[i]
+            self.cache.copy_rows(old, slice(None), slice(None))
             self.max_len = max_len
             return
         self.cache = None  # free the old cache before the new one is allocated

@@ -46,9 +46,10 @@ class KVCache:
         return cls({i: torch.zeros(shape, dtype=dtype, device=device) for i in layers},
                    {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers})
 
-    def copy_rows(self, src_cache: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def copy_rows(self, src_cache: KVCache, src: torch.Tensor | slice, dst: torch.Tensor | slice) -> None:
         """Slot ``dst[i]`` gets the first ``src_cache``-length positions of ``src_cache``'s slot
-        ``src[i]``, every layer (a prompt prefilled once, copied to each of its samples' slots)."""
+        ``src[i]``, every layer (a prompt prefilled once, copied to each of its samples' slots;
+        ``slice(None)``: every slot, into a longer cache)."""
         for mine, theirs in ((self.k, src_cache.k), (self.v, src_cache.v)):
             for i, t in mine.items():
                 rows = theirs[i][src]
