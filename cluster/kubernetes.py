@@ -1,23 +1,10 @@
-"""Kubernetes executor: each stage an Indexed Job with a headless Service for rendezvous.
+"""Kubernetes executor: each stage an Indexed Job (a pod per node) and a headless Service that
+gives rank 0's pod the DNS name torchrun's rendezvous needs (``<job>-0.<service>``).
 
-For a stage on N nodes × G processes: ``completionMode: Indexed`` with completions = parallelism
-= N; pods are ``<job>-<index>``; a headless Service (``clusterIP: None``, selecting the job's pods)
-named in the pods' ``subdomain`` gives each a DNS name, so rank 0's node is
-``<job>-0.<service>``. Each pod runs ``torchrun --nnodes=N --node_rank=$JOB_COMPLETION_INDEX
---nproc_per_node=G --master_addr=<job>-0.<service>``. Storage is a PVC mounted at the same path
-as the run directory; ``/dev/shm`` is a memory-backed volume (the container runtime's 64 MB
-default breaks NCCL and shared-memory tensors); the pods run as a non-root user.
-
-The pods of a stage fail and restart together: one torchrun world cannot take back a single
-restarted pod (its peers have failed, or wait on a world that will not re-form), so the Job has
-``backoffLimit: 0`` and any pod failure fails it; the executor then deletes it and creates it anew,
-whole, up to ``restarts`` times, and the stage resumes from what it had published. A pod failing
-with exit status 2 (a user error, already reported) fails the stage at once, with no restart.
-
-Without ``apply`` nothing runs here: ``submit`` writes the stage's manifests as YAML to
-``manifests_dir``, numbered in submission order, and the pipeline writes every stage's, to be
-applied in that order. With it they are created through the kubernetes client and ``wait``
-follows the Job to its Complete or Failed condition.
+A stage's pods fail and restart together (``backoffLimit: 0``; ``wait`` creates the Job again,
+whole, up to ``restarts`` times): one torchrun world cannot take back a single restarted pod.
+docs/pipeline.md ("Executors") says the rest: storage, ``/dev/shm``, the pods' user, exit status 2,
+and the manifests written without ``apply``.
 """
 
 from __future__ import annotations
@@ -217,10 +204,8 @@ class KubernetesExecutor(Executor):
         return job["metadata"]["name"]
 
     def wait(self, handle: str) -> StageResult:
-        """Follow the Job to its Complete or Failed condition. A failure by the pod failure policy
-        is a stage's user error (exit status 2, reported in its pod's log); any other failure
-        replaces all the stage's pods (the Job deleted and created again, up to ``restarts``
-        times) and the stage resumes."""
+        """Follow the Job to its Complete or Failed condition; a failure other than a user error
+        (the pod failure policy's) replaces all its pods and the stage resumes."""
         if not self.options.apply:
             return StageResult(NOT_APPLIED, f"manifests written to {handle}: apply them, or set apply: true")
         restarts = 0

@@ -1,21 +1,13 @@
 """Local executor: a stage as N processes on this machine (CPU over gloo, or one per GPU over NCCL).
 
-The processes get exactly the environment torchrun gives its workers (RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so stage code cannot tell the
-difference; starting them directly keeps the output to what the stage prints and the exit status
-to the stage's own (2: a user error, reported in one line, which comes back as the result's
-error). If one process dies, the others are stopped rather than left waiting in a collective.
+The processes get exactly the environment torchrun gives its workers, so stage code cannot tell
+the difference; the result is the stage's own exit status and one-line error. If one process dies,
+the others are stopped rather than left waiting in a collective. Each process leads a process
+group of its own, in a session of its own, dies with the driver (``PARENT_ENV``) and is in the
+``registry`` while it runs: docs/pipeline.md, "Stopping a run", says why.
 
-Each process leads a process group of its own (started in a session of its own): stopping a stage stops what its processes started too (the rollout's
-tokenizer process), even after they are gone; and a signal meant for the driver (Ctrl-C in its
-terminal, SIGHUP from a closed ssh session) reaches the driver alone, which stops the stages in
-order. Each dies with the driver (``PARENT_ENV``, lib/runtime/job.py). While they run, their process ids
-and start times are in the executor's ``registry`` (the run lock), so that a later ``llamarl run``
-taking over from a driver that died finds what they left.
-
-In a ``llamarl run`` the stages run by default as calls in workers that live for the whole run
-(``resident: true``, cluster/resident.py), with everything above kept; ``resident: false`` and
-``llamarl stage`` start the processes described here for every stage.
+``llamarl run`` runs the stages in resident workers by default (cluster/resident.py);
+``resident: false`` and ``llamarl stage`` start the processes described here for every stage.
 """
 
 from __future__ import annotations
@@ -146,9 +138,7 @@ class LocalExecutor(Executor):
             self._slots_changed.notify_all()
 
     def stop_all(self) -> list[str]:
-        """The pipeline is stopping: start nothing more, kill every process group of the stages
-        this executor started that still run, and wait until none of their processes lives. The
-        names of the stages stopped."""
+        """Start nothing more; kill the process groups of every running stage and wait until they are gone."""
         with self._starting:
             self._stopping = True
             runs = list(self._runs)

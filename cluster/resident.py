@@ -1,20 +1,12 @@
-"""The local executor with resident workers (``executor: {kind: local, options: {resident: true}}``):
-one worker process per rank, started once per ``llamarl run``, runs stage after stage as calls
-(cluster/worker.py), so that a stage's start costs no process start, no imports, no CUDA context.
+"""The local executor with resident workers (``resident: true``; docs/cluster.md, "Resident
+workers"): one worker process per rank, started once per ``llamarl run``, runs stage after stage
+as calls (cluster/worker.py), so that a stage's start costs no process start, no imports, no CUDA
+context. Everything else is the local executor's (cluster/local.py).
 
-Everything else is the local executor's (cluster/local.py): torchrun's environment for each rank,
-a stage's one-line error and exit status, its stdout and stderr where the driver's go, the other
-ranks stopped ``grace_s`` after one failed, the run's registry of processes, ``stop_all``. A
-stage of N ranks runs on N idle workers, lowest slot first (with ``gpus``: the workers of the
-GPUs it takes, each worker bound to its GPU for life), so export on one process runs on the
-worker that rank 0 of ppo ran on. Each stage joins a process group of its own, on a fresh port,
-and leaves it at its end, as a stage process does: a layout of any size runs on any workers.
-
-A worker that dies (killed, or after a failure that leaves its state in doubt) is replaced when a
-stage next needs its slot; the stage it ran failed, and ``llamarl run`` again resumes it from
-files. Workers lead process groups of their own, die with the driver (``PARENT_ENV``), and are
-in the registry while they live (as ``POOL``, and the ones of a running stage under its name),
-so that a ``llamarl run`` taking over from a driver that died stops what they left.
+A stage of N ranks runs on N idle workers (``_slot_order``) and joins a process group of its own,
+on a fresh port, as a stage process does: a layout of any size runs on any workers. A dead worker
+is replaced when a stage next needs its slot. Workers are in the registry while they live (as
+``POOL``, and those of a running stage under its name).
 """
 
 from __future__ import annotations
@@ -122,9 +114,8 @@ class ResidentExecutor(LocalExecutor):
 
     def _worker(self, slot: int) -> Worker:
         """The live worker of ``slot``, started if there is none (under ``_starting``)."""
-        worker = self._workers.get(slot)
-        if worker is not None and worker.proc.poll() is None:
-            return worker
+        if self._live(slot):
+            return self._workers[slot]
         env = {**os.environ, "OMP_NUM_THREADS": str(self.options.threads_per_process), "PYTHONUNBUFFERED": "1",
                PARENT_ENV: str(os.getpid()), **self._device(slot)}
         if self._spawner is None:
@@ -220,7 +211,7 @@ class ResidentExecutor(LocalExecutor):
         if self.concurrency < 2:
             return
         for slot in range(min(self._spares, self.options.gpus or self._spares)):
-            if slot not in self._workers or self._workers[slot].proc.poll() is not None:
+            if not self._live(slot):
                 self._worker(slot).send({"warm": list(WARM)})
 
     def prepare(self, stage: str, config: Any, nprocs: int, *, name: str | None = None) -> None:

@@ -1,16 +1,9 @@
-"""Slurm executor: one submitit job per stage.
+"""Slurm executor: one submitit job per stage, one task per rank (docs/pipeline.md, "Executors").
 
-The job runs ``StageTask`` — a picklable callable — on ``nodes × tasks_per_node`` Slurm tasks,
-one per rank. Inside each task, submitit's ``TorchDistributedEnvironment`` exports the torchrun
-environment (MASTER_ADDR, RANK, WORLD_SIZE, LOCAL_RANK, …) for the whole allocation, with a
-master port the tasks agree on (``agree_on_port``), and the stage runs through the same entry
-point as a local process (``lib.job.execute``), so stage code runs unchanged across nodes. Each
-task returns a ``StageResult``: a user error comes back as data, not as exception text.
-
-Preemption and time-outs: ``StageTask.checkpoint`` asks submitit to resubmit the same task
-(submitit requeues preempted jobs, and timed-out ones up to ``max_num_timeout`` times); a job
-requeued by the cluster (``scontrol requeue``) simply starts again. Either way the stage resumes
-from what it had already published.
+Each task runs ``StageTask``: torchrun's environment (submitit's ``TorchDistributedEnvironment``,
+with a master port the tasks agree on), then the stage through a local process's entry point
+(``job.execute``), so stage code runs unchanged across nodes. A preempted, timed-out or requeued
+job starts again (``StageTask.checkpoint``) and the stage resumes from what it had published.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""A resident stage worker (``python -m llamarl.cluster.worker``): one process per rank that runs
-stage after stage as calls, started by the local executor with ``resident: true``
-(cluster/resident.py, which says what stays between stages and what does not).
+"""A resident stage worker (``python -m llamarl.cluster.worker``), started by the local executor
+with ``resident: true`` (cluster/resident.py): one process per rank, running stage after stage.
 
-Each request is one JSON line on the worker's stdin. ``{"warm": [MODULE, …]}`` imports those
-modules and answers nothing; ``{"prepare": STAGE REQUEST}`` gets ready for a stage that comes next
-(``prepare``) and answers nothing either; any other names the stage, its arguments (those of ``python -m
-llamarl.stages.STAGE``) and the environment its process would get. The worker runs it the way a
-stage process does (``job.call``: the same config parsing, process group, one-line errors and exit
-statuses) and then writes ``END STATUS`` as a line of its own on stderr, after everything the
-stage printed there: the executor reads the stage's result from the same stream as its errors, so
-it never has the status without the error line.
-
-A worker leaves after a stage that ended in anything but success or a user error (its state is
-not to be trusted), when its stdin closes (the run is over) and, like a stage process, when the
-driver dies (``PARENT_ENV``).
+Each request is one JSON line on its stdin: ``{"warm": [MODULE, …]}`` imports those modules,
+``{"prepare": REQUEST}`` gets ready for a stage that comes next; neither is answered. Any other
+names the stage, its arguments (those of ``python -m llamarl.stages.STAGE``) and the environment
+its process would get; the worker runs it as a stage process does (``job.call``), then writes
+``END STATUS`` on stderr after everything the stage printed there, so that the executor never has
+the status without the error line. A worker leaves after a stage that ended in anything but
+success or a user error (its state is not to be trusted), when its stdin closes, and with the
+driver (``PARENT_ENV``).
 """
 from __future__ import annotations
 
