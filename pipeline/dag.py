@@ -1,16 +1,9 @@
-"""The stage DAG of a run spec, and a spec checked whole.
+"""The stage DAG of a run spec (docs/pipeline.md draws it), and a spec checked whole.
 
-::
-
-    shard/actor ─┬─ iter-001/rollout ── iter-001/scores ── iter-001/ppo ─┬─ iter-002/rollout … ── export
-    shard/rm ────┘                          (rm) ──────────┘              └─ iter-001/val-rollout ── val-scores
-
-Each node is one stage run: its config built from the spec (every iteration's rollout with its own
-prompts and seed, ``pipeline/data.py``), its inputs (upstream nodes), and where it writes in the run
-directory. Validation nodes (``validation.every``, and after the last iteration) read an actor and
-feed nothing but the metrics: no training stage waits for them. ``parse_spec`` / ``load_spec``
-check a spec whole (docs/pipeline.md, "Configs are validated whole"), in one line before any stage
-starts, without importing torch.
+Each node is one stage run: its config built from the spec, its inputs (upstream nodes) and where
+it writes in the run directory. Validation nodes read an actor and feed nothing but the metrics:
+no training stage waits for them. ``load_spec`` checks a spec whole, in one line before any stage
+starts, without importing torch (docs/pipeline.md, "Configs are validated whole").
 """
 
 from __future__ import annotations
@@ -182,12 +175,10 @@ def _validation_nodes(spec: RunSpec, i: int, ppo: str) -> list[Node]:
 
 
 def may_run_beside(nodes: list[Node], shown: int = 4) -> dict[str, str]:
-    """For each stage, the stages it may run at the same time with, in words: neither needs the
-    other's output, directly or not (with max_staleness > 0: a rollout and the ppo before it; a
-    validation and every stage after it). The shards, which everything needs, are left out. At
-    most ``shown`` are named, then how many more: a validation of a long run may run beside
-    thousands. Sets of stages are bits of one integer, so a run of n stages costs n²/64 word
-    operations, not n² set lookups."""
+    """For each stage, in words, the stages that neither need its output nor make what it needs,
+    shards aside; at most ``shown`` named, then how many more (a validation of a long run may run
+    beside thousands). Sets of stages are bits of one integer: n²/64 word operations, not n² set
+    lookups."""
     bit = {n.name: 1 << i for i, n in enumerate(nodes)}
     up, down = {}, dict.fromkeys(bit, 0)
     for n in nodes:  # in DAG order: a node's inputs come first
@@ -228,11 +219,9 @@ def check_spec(spec: RunSpec) -> list[Node]:
 
 
 def check_models(spec: RunSpec) -> None:
-    """Each stage's tp and pp against the model it runs — heads, kv heads, MLP width, layers —
-    read from the ``config.json`` of the spec's actor and reward model where they exist (plain HF
-    checkpoint folders): the very check (lib/model/config.py, torch-free) a stage makes when it starts,
-    hours later. Also the rollout's (and validation's) ``max_new_tokens`` against the actor's context,
-    and their stop tokens against its vocabulary."""
+    """Each stage's tp and pp, and the sampling, against the ``config.json`` of the actor and
+    reward model where they exist (plain HF folders): the check a stage makes when it starts, hours
+    later (lib/model/config.py, torch-free)."""
     L = spec.layout
     uses_rm = any(t.name == "rm" for t in spec.score.rewards)
     models = {"actor": (spec.actor, [("shard", L.shard.tp, L.shard.pp, False), ("rollout", L.rollout.tp, 1, False),
@@ -300,9 +289,7 @@ def check_columns(spec: RunSpec) -> None:
 
 
 def parse_spec(data_, source: str) -> RunSpec:
-    """The spec in ``data_`` (read from ``source``), checked whole: its fields, the executor's
-    options, every stage's config of every iteration, the rules' columns, and the layouts against
-    the models."""
+    """The spec in ``data_`` (read from ``source``), checked whole (docs/pipeline.md lists what, in this order)."""
     spec = validate(RunSpec, data_ if data_ is not None else {}, source)
     spec._source = source
     validate_options(spec.executor.kind, spec.executor.options, Source(source, at="executor.options"))

@@ -1,20 +1,10 @@
 """``make demo``: the whole pipeline on CPU at TP=2, on tiny models it makes itself.
 
-Builds a tiny random Llama actor with its tokenizer, a tiny reward model with a *different*
-tokenizer (so scoring re-tokenizes) and a prompts file, writes a run spec, and runs
-shard → 3 × (rollout → score → ppo) → export with the local executor (2 processes per stage,
-gloo). The reward is the RM's score plus a rule the tiny actor can learn quickly (the share of
-vowels in its response), so the mean score visibly rises. Rerunning resumes: finished stages are
-skipped.
-
-    python -m llamarl.pipeline.demo                    # the above (make demo)
-    python -m llamarl.pipeline.demo --policy-loss gspo # the same with ppo's policy_loss gspo (run demo-gspo)
-    python -m llamarl.pipeline.demo --overlap          # overlapped: max_staleness 1, 2 stages at once
-    python -m llamarl.pipeline.demo --compare-overlap  # max_staleness 0 and 1, fresh runs, both walls
-
-``--overlap`` and ``--compare-overlap`` use the placement overlap needs on a small machine: every
-stage on one process (one core), two stages at once (``max_concurrent_stages: 2``), so with
-``max_staleness: 1`` a rollout runs on one core while the ppo before it trains on the other.
+A tiny random Llama actor with its tokenizer, a tiny reward model with a *different* tokenizer (so
+scoring re-tokenizes) and a prompts file, then a run spec of shard → 3 × (rollout → score → ppo) →
+export with the local executor (2 processes per stage, gloo). The reward is the RM's score plus a
+rule the tiny actor learns quickly (the share of vowels in its response), so the mean score
+visibly rises. Rerunning resumes: finished stages are skipped. ``--help`` lists the variants.
 """
 
 from __future__ import annotations
@@ -32,7 +22,8 @@ import typing
 import yaml
 
 DEMO_DIR = os.environ.get("LLAMARL_DEMO_DIR", "demo-run")
-# The overlap placement: one process a stage, two stages at once.
+# The overlap placement on a small machine: one process (one core) a stage, two stages at once, so that
+# with max_staleness 1 a rollout runs on one core while the ppo before it trains on the other.
 OVERLAP_LAYOUT = {"shard": {"tp": 1}, "rollout": {"tp": 1}, "score": {"tp": 1}, "ppo": {"tp": 1}, "export": {"procs": 1}}
 OVERLAP_EXECUTOR = {"kind": "local", "options": {"threads_per_process": 1, "max_concurrent_stages": 2}}
 

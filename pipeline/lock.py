@@ -1,14 +1,8 @@
-"""One ``llamarl run`` per run directory: a lock file on the shared storage, with a heartbeat.
-
-``RUN/pipeline/lock.json`` holds who runs the run (user, host, pid and the pid's start time, its
-pid namespace), since when, a heartbeat that a thread refreshes every ``lease_s / 4`` seconds, and
-the processes of the stages it runs on its host (``stages``: for each, the host and each process's
-pid and start time; each process leads the process group of what it starts), kept by the local
-executor as they start and end. It is created exclusively (``xb``), so of two runs started together
-one wins; the other exits at once saying who holds the run. When a holder counts as gone, and how
-its stages' processes are stopped before its lock is taken over, is docs/pipeline.md's "Stopping a
-run, and taking over from one that died". Exclusive create is atomic on local and network file
-systems (POSIX, NFS v3+); object stores without it get last-writer-wins.
+"""One ``llamarl run`` per run directory: ``RUN/pipeline/lock.json``, created exclusively (``xb``:
+atomic on local and network file systems; object stores without it get last-writer-wins), with a
+heartbeat every ``lease_s / 4``. It names its holder (user, host, pid and the pid's start time, pid
+namespace) and the processes of the stages it runs on its host, which a run taking over from a
+holder that died stops first: docs/pipeline.md, "Stopping a run, and taking over from one that died".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Running a spec: the stages in order, resumed, and what the run directory says of them (status).
+"""Running a spec: its stages in order, resumed, in the foreground or detached.
 
 Run directory (``STORAGE/NAME``)::
 
@@ -15,18 +15,8 @@ Run directory (``STORAGE/NAME``)::
     export/                     the final actor as an HF directory
     metrics.jsonl  metrics.png  per iteration: score, KL, losses, validation
 
-A stage's *key* hashes its stage config (minus where it runs) and the ids of its inputs' published
-outputs. A stage is skipped when its output is published and its record holds the same key and
-output id; otherwise its stale output is removed and it runs — and, since its output id changes,
-so does everything downstream. A stage killed half-way leaves an unpublished output that the stage
-itself resumes.
-
-The DAG is pipeline/dag.py's, the keys and the plan (what is done, what runs and why)
-pipeline/records.py's, the stages as they wait, run and end pipeline/schedule.py's, retention
-pipeline/retention.py's. A stage that reads only part of an
-input's output (rollout and export: ppo's ``actor/``, published before ppo's training state) is
-keyed by that part's id and may start as soon as it is published, while the stage making it still
-runs (``Node.reads``; with an executor that runs several stages at once).
+Which stages are done, and why the others run, is docs/pipeline.md's "Rules" (pipeline/records.py
+decides it); the stages wait, run and end in pipeline/schedule.py.
 """
 
 from __future__ import annotations
@@ -48,8 +38,6 @@ from .records import plan, read_record, write_record
 from .retention import Trash
 from .schedule import PipelineError, Schedule, after_done, now, record_end
 from .spec import RunSpec
-
-__all__ = ["PipelineError", "run_spec", "executor_for", "NodeRecorder"]
 
 
 def executor_for(spec: RunSpec) -> Executor:

@@ -1,11 +1,6 @@
-"""The run spec: one YAML file describing a whole PPO run (docs/pipeline.md, "A long run", has one
-to copy; ``llamarl stage NAME --help`` lists a stage's options).
-
-Stage options are those of each stage's config (``llamarl.stages.config``) except inputs, outputs
-and layout, which the pipeline fills in. Each stage's ``layout`` takes only the counts that stage
-uses; its processes are their product (``stages.config.processes``), the same function a stage's
-config answers with. This module holds what a spec may say; ``pipeline/dag.py``'s ``load_spec``
-checks a spec whole.
+"""The run spec: what one YAML file describing a whole PPO run may say (docs/pipeline.md, "A long
+run", has one to copy; "Configs are validated whole" says what each part takes).
+``pipeline/dag.py``'s ``load_spec`` checks a spec whole.
 """
 
 from __future__ import annotations
