@@ -32,14 +32,11 @@ def _classes(kind: str, source: str) -> tuple[type[BaseModel], Callable[..., Exe
 
 
 def _local(options, *, run_dir: str) -> Executor:
-    """The local executor: with ``resident``, its stages run in resident workers (cluster/resident.py)."""
-    if options.resident:
-        from .resident import ResidentExecutor
-
-        return ResidentExecutor(options, run_dir=run_dir)
+    """With ``resident``, the stages run in resident workers (cluster/resident.py)."""
     from .local import LocalExecutor
+    from .resident import ResidentExecutor
 
-    return LocalExecutor(options, run_dir=run_dir)
+    return (ResidentExecutor if options.resident else LocalExecutor)(options, run_dir=run_dir)
 
 
 def validate_options(kind: str, options: dict, source: str) -> BaseModel:
