@@ -11,6 +11,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
 
+from llamarl.cluster.kinds import KINDS
 from llamarl.lib.options import Source, Strict, validate
 from llamarl.stages.config import (GROUP_ADVANTAGES, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RewardTerm,
                                    RolloutConfig, Sampling, ScoreConfig, ShardConfig, StageConfig, Url, kind_of,
@@ -95,7 +96,7 @@ class Layouts(Strict):
 
 
 class ExecutorSpec(Strict):
-    kind: Literal["local", "slurm", "kubernetes"] = Field("local", description="Where stages run.")
+    kind: Literal[KINDS] = Field("local", description="Where stages run.")
     options: dict = Field(default_factory=dict, description="Options of that executor (local: threads_per_process; "
                                                             "slurm: partition, account, timeout_min, gpus_per_node, …; "
                                                             "kubernetes: image, namespace, pvc, …), see "
