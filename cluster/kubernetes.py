@@ -151,9 +151,8 @@ class KubernetesExecutor(Executor):
 
     def _pod(self, head: dict, name: str, command: list[str], env: list[dict], resources: dict,
              shm: bool = False) -> dict:
-        """A pod spec (``head``: its first fields) whose one container ``name`` runs ``command`` with
-        ``env`` and the spec's, as the non-root ``run_as_user`` without privileges, the PVC mounted
-        (and with ``shm``, a memory-backed /dev/shm), on the ``node_selector``'s nodes."""
+        """A pod spec (``head``: its first fields) of one unprivileged, non-root container ``name``
+        with the PVC mounted and, with ``shm``, a memory-backed /dev/shm."""
         o = self.options
         mounts = [{"name": "storage", "mountPath": o.mount_path}]
         volumes = [{"name": "storage", "persistentVolumeClaim": {"claimName": o.pvc}}]

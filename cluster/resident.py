@@ -202,11 +202,9 @@ class ResidentExecutor(LocalExecutor):
         return run
 
     def _start_spares(self, nprocs: int) -> None:
-        """With stages beside each other, the workers a second stage takes are started, warm, while
-        the first runs (under ``_starting``): a rollout that starts beside a ppo as soon as the
-        ppo's weights are published would otherwise begin with a worker's imports (seconds: on a
-        CPU, more than the training-state write it overlaps). Imports only: a spare takes no GPU
-        memory until a stage runs in it."""
+        """With stages beside each other, start the workers a second stage takes while the first
+        runs (under ``_starting``), importing its modules, so that it never begins with a worker's
+        imports (docs/cluster.md says why). A spare takes no GPU memory until a stage runs in it."""
         self._spares = max(self._spares, nprocs * self.concurrency)
         if self.concurrency < 2:
             return
@@ -215,11 +213,9 @@ class ResidentExecutor(LocalExecutor):
                 self._worker(slot).send({"warm": list(WARM)})
 
     def prepare(self, stage: str, config: Any, nprocs: int, *, name: str | None = None) -> None:
-        """Where the stage has something to get ready (``StageConfig.prepares``: ppo's compiled
-        kernels) and stages run beside each other, workers no stage holds get ready for it while
-        others run (cluster/worker.py ``prepare``), and it runs on them next (``_slot_order``):
-        spares first, started where none is idle. Nothing when live workers ran it or got ready
-        for it already."""
+        """With stages beside each other, idle workers (spares first, started where none is) get
+        ready for a stage that ``prepares`` while others run; it runs on them next (``_slot_order``).
+        Nothing when live workers ran it or got ready for it already."""
         if self.concurrency < 2 or not type(config).prepares:
             return
         self._spares = max(self._spares, nprocs * self.concurrency)
@@ -264,8 +260,7 @@ class ResidentExecutor(LocalExecutor):
     # ---- the end of the run ----------------------------------------------------------------------------
 
     def stop_all(self) -> list[str]:
-        """The pipeline is stopping: start nothing more, kill every worker (busy or idle) with what
-        it started, and wait until none of their processes lives. The names of the stages stopped."""
+        """Start nothing more; kill every worker, busy or idle, with what it started, and wait until they are gone."""
         with self._starting:
             self._stopping = True
             runs, workers = list(self._runs), list(self._workers.values())

@@ -72,11 +72,9 @@ def warm(modules: list[str]) -> None:
 
 
 def prepare(request: dict) -> None:
-    """Get ready for the stage of ``request``, which comes next here (``Executor.prepare``): import
-    it and, where the stage has a ``prepare(config)``, run it (ppo compiles its kernels ahead). It
-    writes no output and joins no process group: the stage's call does what it always does, only
-    sooner. A failure costs only the head start: one line says so, and the call reports whatever
-    fails again."""
+    """Get ready for the stage of ``request`` (``Executor.prepare``): import it and run its
+    ``prepare(config)`` where it has one (ppo compiles its kernels). A failure costs only the head
+    start: one line says so, and the stage's call reports whatever fails again."""
     from llamarl.lib.runtime import job
     from llamarl.stages.config import STAGES
 

@@ -81,11 +81,9 @@ def run(
 
 @contextmanager
 def stopped_by_signals():
-    """SIGTERM and SIGHUP (a closed ssh session, a deleted pod) stop a driver as Ctrl-C does:
-    ``errors.Stopped`` is raised in the main thread, whose unwinding stops every stage the driver
-    started (all of their processes), records it and releases the run's lock. A signal already
-    ignored stays ignored (``nohup``); a second one while stopping is ignored, so that it cannot
-    cut the stop short."""
+    """SIGTERM and SIGHUP stop a driver as Ctrl-C does, raising ``errors.Stopped`` in the main
+    thread (docs/pipeline.md, "Stopping a run"). A signal already ignored stays ignored (``nohup``);
+    a second one while stopping is ignored, so that it cannot cut the stop short."""
     stopping = False
 
     def stop(signum, frame):

@@ -1,9 +1,8 @@
 """Per-iteration metrics of a run: ``metrics.jsonl`` and ``metrics.png`` in the run directory.
 
 One row per finished ppo iteration: the mean score of its rollout (the policy before that
-iteration's update), the means of its per-step metrics, and — at the iterations the run validates —
-the validation of the actor it wrote (docs/pipeline.md, "A long run", names each validation metric
-and pass@k's estimator). The driver also hands the rows to TensorBoard and W&B (``pipeline/monitor.py``).
+iteration's update), the means of its per-step metrics, and the validation of the actor it wrote
+where the run validates it (docs/pipeline.md, "A long run", names each metric).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Retention: what of a finished iteration is deleted as the run goes on (the spec's ``retention``;
-docs/pipeline.md, "A long run", says what goes when). An output is deleted only when every stage
-that reads it is done — so nothing a running stage, a resumed one, a validation or the export needs
-ever goes — and through ``publish.retire``: its manifest stays, so it stays done in the records (a
-rerun does not redo it) and what was made from it keeps its key.
+docs/pipeline.md, "A long run", says what goes when and why): an output only once every stage that
+reads it is done, through ``publish.retire``, which keeps its manifest.
 """
 
 from __future__ import annotations
