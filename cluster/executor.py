@@ -1,10 +1,8 @@
 """The one interface of the executors (local, slurm, kubernetes): submit a stage, wait, report.
 
 A stage is ``llamarl.stages.<stage>`` run with its config on ``nprocs`` processes spread evenly
-over ``nodes`` machines, every process given torchrun's environment. What an executor is built
-from — its options — is a pydantic model validated when the run spec is loaded (``validate_options``),
-so a misspelt option fails before any stage; what it learns while running (jobs, counters, API
-clients) lives on the executor object and no spec can set it.
+over ``nodes`` machines, each with torchrun's environment. An executor's options are a pydantic
+model checked when the spec loads (``kinds.validate_options``; docs/pipeline.md, "Executors").
 """
 
 from __future__ import annotations

@@ -63,8 +63,7 @@ def random_hf_model(cfg, kind: str = "lm", seed: int = 0):
 
 def make_llama(path: str, *, vocab_size: int = 301, kind: str = "lm", seed: int = 0, hidden_size: int = 64,
                num_layers: int = 2, tokenizer_corpus: list[str] | None = CORPUS_A, dtype: str = "float32", **overrides):
-    """Save a random HF Llama (``kind`` lm: LlamaForCausalLM; score: LlamaForSequenceClassification,
-    one label) with a tokenizer at ``path``, its weights stored as ``dtype``; returns the model."""
+    """Save a ``random_hf_model`` with a tokenizer at ``path``, its weights stored as ``dtype``; returns it."""
     import torch
     from transformers import LlamaConfig
 
