@@ -16,6 +16,8 @@ import subprocess
 import tempfile
 import time
 
+LAUNCHED_S = 8  # a relaunch that fails shows the job running for a few seconds first (2.5 s seen, loaded)
+
 
 class SlurmError(RuntimeError):
     pass
@@ -134,15 +136,21 @@ SchedulerType=sched/backfill
         self.run(["scontrol", "release", job_id])
         self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
         # Its relaunch may fail while slurmd still tears the suspended tasks down (the spool's job
-        # script already gone): Slurm then holds it again ("launch failed requeued held"); release it.
-        until = time.monotonic() + 60
+        # script still there, or already gone): Slurm then holds it again ("launch failed requeued
+        # held"), seconds after it showed it running; release it. Done once it has stayed out of
+        # the pending state for LAUNCHED_S.
+        until, out_since = time.monotonic() + 60, None
         while time.monotonic() < until:
             row = self.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], check=False).stdout.strip()
             if not row.startswith("PENDING"):
-                break
-            if "held" in row.lower():
-                self.run(["scontrol", "release", job_id], check=False)
-                self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+                out_since = out_since or time.monotonic()
+                if time.monotonic() - out_since > LAUNCHED_S:
+                    break
+            else:
+                out_since = None
+                if "held" in row.lower():
+                    self.run(["scontrol", "release", job_id], check=False)
+                    self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
             time.sleep(0.5)
 
     def stop(self) -> None:
