@@ -11,6 +11,11 @@ and dtype, and the byte total. A smaller or renamed model fails loudly instead o
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a stage process: its imports run with the collector off (job.main turns it on)
+    import gc
+
+    gc.disable()
+
 import json
 import math
 import time

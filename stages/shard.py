@@ -8,6 +8,11 @@ files and manifest: docs/formats.md, "Sharded checkpoint".
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a stage process: its imports run with the collector off (job.main turns it on)
+    import gc
+
+    gc.disable()
+
 import json
 import os
 import re

@@ -27,6 +27,24 @@ def test_stage_and_cli_imports_stay_light():
     assert cli == "False"  # the command line loads torch only in the stage processes
 
 
+def test_a_stage_process_imports_with_the_collector_off_and_runs_with_it_on(tmp_path):
+    # shard and export import with the garbage collector off (each collection would walk all
+    # that torch made); job.main freezes what the imports made and turns it on for the work.
+    code = f"""
+import gc, runpy, sys
+from llamarl.lib.runtime import job
+stage_main = job.main
+def main(cls, _run, argv=None):  # the stage's run replaced by a probe
+    print(gc.isenabled(), flush=True)  # as the stage's imports left it
+    stage_main(cls, lambda cfg: print(gc.isenabled(), gc.get_freeze_count() > 0, flush=True), argv)
+job.main = main
+sys.argv = ["shard", "--config-json", '{{"src": "{tmp_path}/hf", "dst": "{tmp_path}/out"}}']
+runpy.run_module("llamarl.stages.shard", run_name="__main__")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
+
+
 @pytest.mark.slow
 def test_startup_bench_profiles_every_step(tmp_path):
     out = tmp_path / "startup.json"

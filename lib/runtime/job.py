@@ -208,6 +208,7 @@ def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -
     # full collection during the work (a late import on a thread makes some) walks only what the
     # stage makes: unfrozen, a shard's rank 0 stalled every thread 0.25 s on one.
     gc.freeze()
+    gc.enable()  # off while shard's and export's imports ran: each collection then walked them all
     code = call(cls, run, argv)
     # Leave without the interpreter's teardown: native threads (pyarrow's, torch's, gloo's) still
     # winding down have aborted it now and then ("terminate called…", status -6), which would turn
