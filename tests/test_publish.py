@@ -127,7 +127,9 @@ def test_tree_checksum_is_the_digest_of_its_blocks_digests(tmp_path, monkeypatch
     (tmp_path / "f").write_bytes(data)
     blocks = [xxhash.xxh3_128(data[i : i + 1000]).digest() for i in range(0, 3500, 1000)]
     want = xxhash.xxh3_128(b"".join(blocks)).hexdigest()
-    assert checksums._tree_checksum(str(tmp_path / "f"), threads=3, read_bytes=300) == want
+    assert checksums._tree_checksum(str(tmp_path / "f"), threads=3, read_bytes=300) == want  # mapped
+    publish.write_bytes("memory://llamarl-test-tree/f", data)
+    assert checksums._tree_checksum("memory://llamarl-test-tree/f", threads=3, read_bytes=300) == want  # read
     entry = publish.file_entry(str(tmp_path / "f"), publish.TREE)
     assert entry == {"bytes": 3500, publish.TREE: want}
     publish.verify(str(tmp_path), {"f": entry})  # verifies as any other entry
