@@ -10,7 +10,8 @@ Llama-3.2-1B shape, bf16, random weights. Measures, on one machine:
   * loading the sharded checkpoint into lib/'s model on the GPU (``checkpoint.load_model``).
 Each ``--repeat`` times, save_pretrained, shard and export interleaved (medians reported, every run
 kept, and each command against the save_pretrained just before it; the first lib/ load pays CUDA's
-and the reader's first-use costs). Checks the export is bit-identical to the HF source. Prints one JSON object and writes it to
+and the reader's first-use costs), each after ``sync``: a command that starts while the one before
+it still has GBs of dirty pages to write back is held to the disk's speed (the kernel's dirty limit). Checks the export is bit-identical to the HF source. Prints one JSON object and writes it to
 bench/results/shard_export-<device>-<date>.json (``--out`` elsewhere).
 """
 
@@ -87,6 +88,7 @@ def main():
         target = hf_dir if i == 0 else f"{hf_dir}{i}"
         if dev == "cuda":
             torch.cuda.synchronize()
+        os.sync()  # each measurement starts with no dirty pages of the one before it to write back
         t = time.perf_counter()
         model.save_pretrained(target)
         saves.append(time.perf_counter() - t)
@@ -94,6 +96,7 @@ def main():
             shutil.rmtree(target)
         for stage, src, dst, flag in stages:
             dst = dst if i == 0 else f"{dst}.{i}"
+            os.sync()
             runs[stage].append(timed_cli("stage", stage, src, dst, flag, str(args.procs))[:2])
             if i:
                 shutil.rmtree(dst)
