@@ -116,6 +116,14 @@ SchedulerType=sched/backfill
             raise SlurmError(f"{argv}: {res.stderr.strip()}{self.logs()}")
         return res
 
+    def cancel_all(self, timeout_s: float = 60) -> None:
+        """Cancel every job and wait until the queue is empty: what a failed test left (a job held
+        after a requeue) would otherwise hold up the tests after it."""
+        self.run(["scancel", "--user", "root"], check=False)
+        deadline = time.monotonic() + timeout_s
+        while self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
+
     def suspend(self, job_id: str) -> None:
         """Stop a running job's tasks where they are, so it cannot finish while a test looks at it."""
         self.run(["scontrol", "suspend", job_id])

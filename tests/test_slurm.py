@@ -37,6 +37,14 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
+@pytest.fixture(autouse=True)
+def _queue_emptied(request):
+    """The module's tests share one cluster: whatever a test leaves queued is cancelled after it."""
+    yield
+    if "cluster" in request.fixturenames:
+        request.getfixturevalue("cluster").cancel_all()
+
+
 def test_tasks_agree_on_a_master_port_free_on_the_master(tmp_path):
     # The port submitit would take (seeded by the job id) busy on the master node: the tasks
     # must agree on another, free one.
