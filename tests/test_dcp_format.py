@@ -180,6 +180,15 @@ def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, 
     assert len([f for f in flat if f is not None]) == (2 if direct else 0)
 
 
+def test_a_tensor_of_no_elements_reads_as_one(tmp_path):
+    url = str(tmp_path / "c")
+    checkpoint.save({"empty": torch.zeros(0, 4), "w": torch.ones(2, 4)}, url, threads=1)
+    md = checkpoint.read_metadata(url)
+    assert checkpoint.mapped(url, md, "empty") is None  # nothing to map: read
+    assert export._tensor(url, md, "empty", torch.float32).shape == (0, 4)
+    assert torch.equal(export._tensor(url, md, "w", torch.float32), torch.ones(2, 4))
+
+
 def test_weights_read_into_targets_of_another_dtype_are_converted_exactly(tmp_path):
     # fp32 masters from bf16 weights: rows of bytes into the stored dtype, then converted; a
     # region of columns and a stored item strided in its last dimension (DCP's writer) too.

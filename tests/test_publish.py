@@ -122,17 +122,22 @@ def test_memory_filesystem_writes_are_hashed_too():
 def test_tree_checksum_is_the_digest_of_its_blocks_digests(tmp_path, monkeypatch):
     import xxhash
 
-    monkeypatch.setattr(checksums, "TREE_BLOCK", 1000)
-    data = os.urandom(3500)
+    monkeypatch.setattr(checksums, "TREE_BLOCK", 10000)
+    monkeypatch.setattr(checksums, "_BLOCK", 4096)  # mapped a window at a time: several a block
+    data = os.urandom(35000)
     (tmp_path / "f").write_bytes(data)
-    blocks = [xxhash.xxh3_128(data[i : i + 1000]).digest() for i in range(0, 3500, 1000)]
+    blocks = [xxhash.xxh3_128(data[i : i + 10000]).digest() for i in range(0, 35000, 10000)]
     want = xxhash.xxh3_128(b"".join(blocks)).hexdigest()
     assert checksums._tree_checksum(str(tmp_path / "f"), threads=3, read_bytes=300) == want  # mapped
     publish.write_bytes("memory://llamarl-test-tree/f", data)
     assert checksums._tree_checksum("memory://llamarl-test-tree/f", threads=3, read_bytes=300) == want  # read
+    # A caching wrapper's paths are not this machine's (fsspec's local_file says they are).
+    assert checksums._tree_checksum("simplecache::memory://llamarl-test-tree/f", threads=1) == want
+    assert checksums.checksum("simplecache::memory://llamarl-test-tree/f") == xxhash.xxh3_128(data).hexdigest()
+    assert checksums.checksum(str(tmp_path / "f")) == xxhash.xxh3_128(data).hexdigest()  # mapped, in windows
     entry = publish.file_entry(str(tmp_path / "f"), publish.TREE)
-    assert entry == {"bytes": 3500, publish.TREE: want}
+    assert entry == {"bytes": 35000, publish.TREE: want}
     publish.verify(str(tmp_path), {"f": entry})  # verifies as any other entry
     (tmp_path / "f").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(publish.PublishError, match="does not match its xxh3_128_tree checksum"):
-        publish.verify(str(tmp_path), {"f": {**entry, "bytes": 3500}})
+        publish.verify(str(tmp_path), {"f": {**entry, "bytes": 35000}})

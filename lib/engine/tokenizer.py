@@ -17,8 +17,10 @@ from llamarl.lib.errors import UserError
 @functools.cache
 def _local_dir(url: str) -> str:
     """``url`` itself when local, else a local copy (transformers reads local files only)."""
+    from fsspec.implementations.local import LocalFileSystem
+
     fs, path = fsspec.core.url_to_fs(url)
-    if getattr(fs, "local_file", False):
+    if isinstance(fs, LocalFileSystem):  # not ``local_file``: caching wrappers (simplecache::) set it too
         return path
     local = tempfile.mkdtemp(prefix="llamarl-tok-")
     fs.get(fs.ls(path, detail=False), f"{local}/")

@@ -320,14 +320,14 @@ def mapped(url: str, md, fqn: str) -> torch.Tensor | None:
 
     fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
     stored = md.state_dict_metadata.get(fqn)
-    if not getattr(fs, "local_file", False) or stored is None or len(getattr(stored, "chunks", ())) != 1:
+    if not ranges.is_local(fs) or stored is None or len(getattr(stored, "chunks", ())) != 1:
         return None
     info = md.storage_data[MetadataIndex(fqn, stored.chunks[0].offsets)]
     path = f"{root}/{info.relative_path}"
     item = _header(fs, path, info.offset, info.offset + info.length) if not info.transform_descriptors else None
     size = tuple(stored.size)
     if (item is None or item.dtype != stored.properties.dtype or item.size != size or not size
-            or list(item.stride) != _row_major(size)):
+            or list(item.stride) != _row_major(size) or not stored.size.numel()):
         return None
     begin = info.offset + item.begin
     return ranges.mapped(fs, path, begin, begin + stored.size.numel() * item.dtype.itemsize, item.dtype).view(size)

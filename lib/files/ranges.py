@@ -80,14 +80,22 @@ class ShortRead(OSError):
     """A file ended before the bytes asked for: it changed while being read."""
 
 
+def is_local(fs) -> bool:
+    """Whether ``fs``'s paths are paths of this machine's file system. Not fsspec's ``local_file``:
+    its caching wrappers (``simplecache::``) set it too, for files that ``open`` copies locally."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
 def mapped(fs, path: str, begin: int, end: int, dtype: torch.dtype) -> torch.Tensor | None:
     """Bytes ``begin:end`` of a local file as a 1-D tensor of ``dtype`` over the page cache (a
     copy-on-write mapping: a write to the tensor never reaches the file, and the mapping goes with
-    the tensor); None on other file systems. Nothing is copied, and no fresh memory is faulted in:
+    the tensor); None on other file systems, or for no bytes. Nothing is copied, and no fresh memory is faulted in:
     the kernel zeroes every new page, which costs more than reading the bytes into it (15 % of a
     shard's CPU time in a VM). ``ShortRead`` where the file ends before ``end``; a file cut short
     while mapped stops the process (SIGBUS), as any mapped file does."""
-    if not getattr(fs, "local_file", False):
+    if not is_local(fs) or end <= begin:
         return None
     fd = os.open(fs._strip_protocol(path), os.O_RDONLY)
     try:
@@ -103,7 +111,7 @@ def mapped(fs, path: str, begin: int, end: int, dtype: torch.dtype) -> torch.Ten
 def read_into(fs, path: str, begin: int, view: memoryview) -> None:
     """Bytes ``begin:begin+len(view)`` of a file into ``view`` (local files: ``preadv``, no
     intermediate copy; others: one range request). ``ShortRead`` where the file ends before."""
-    if getattr(fs, "local_file", False):
+    if is_local(fs):
         fd = os.open(fs._strip_protocol(path), os.O_RDONLY)
         try:
             done = 0

@@ -24,7 +24,7 @@ import torch
 
 from llamarl.lib import dtypes
 from llamarl.lib.files import publish
-from llamarl.lib.files.ranges import ShortRead, empty, mapped, read_into
+from llamarl.lib.files.ranges import ShortRead, empty, is_local, mapped, read_into
 from llamarl.lib.dtypes import SAFETENSORS_CODES as CODES  # a header's "BF16" → torch's "bfloat16"
 from llamarl.lib.errors import UserError
 
@@ -184,7 +184,7 @@ def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None, 
         return memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
 
     fs, path = fsspec.core.url_to_fs(url)
-    if threads > 1 and getattr(fs, "local_file", False):
+    if threads > 1 and is_local(fs):
         return _write_local_parallel(fs, path, head, order, offsets, len(head) + offset, fetch, threads)
     with publish.open_write(url) as f, ThreadPoolExecutor(max(1, threads)) as pool:
         f.write(head)
