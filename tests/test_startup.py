@@ -27,6 +27,16 @@ def test_stage_and_cli_imports_stay_light():
     assert cli == "False"  # the command line loads torch only in the stage processes
 
 
+def test_the_driver_hashes_a_local_file_without_torch(tmp_path):
+    # `llamarl run` checksums the prompts: hashing in place must not pull torch into the driver.
+    (tmp_path / "f").write_bytes(b"x" * 5000)
+    code = ("import sys; from llamarl.lib.files import checksums; "
+            f"checksums.checksum({str(tmp_path / 'f')!r}); checksums.checksum({str(tmp_path / 'f')!r}, checksums.TREE); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "False"
+
+
 def test_a_stage_process_imports_with_the_collector_off_and_runs_with_it_on(tmp_path):
     # shard and export import with the garbage collector off (each collection would walk all
     # that torch made); job.main freezes what the imports made and turns it on for the work.

@@ -12,15 +12,14 @@ import tempfile
 import fsspec
 
 from llamarl.lib.errors import UserError
+from llamarl.lib.files.checksums import is_local
 
 
 @functools.cache
 def _local_dir(url: str) -> str:
     """``url`` itself when local, else a local copy (transformers reads local files only)."""
-    from fsspec.implementations.local import LocalFileSystem
-
     fs, path = fsspec.core.url_to_fs(url)
-    if isinstance(fs, LocalFileSystem):  # not ``local_file``: caching wrappers (simplecache::) set it too
+    if is_local(fs):
         return path
     local = tempfile.mkdtemp(prefix="llamarl-tok-")
     fs.get(fs.ls(path, detail=False), f"{local}/")

@@ -23,6 +23,7 @@ import fsspec
 import torch
 from llamarl.lib.distributed import collectives
 from llamarl.lib.files import dcp_format, ranges
+from llamarl.lib.files.checksums import is_local
 from llamarl.lib.files.dcp_format import METADATA, read_metadata  # noqa: F401 — part of this module's interface
 from llamarl.lib.model import hf_mapping
 
@@ -320,7 +321,7 @@ def mapped(url: str, md, fqn: str) -> torch.Tensor | None:
 
     fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
     stored = md.state_dict_metadata.get(fqn)
-    if not ranges.is_local(fs) or stored is None or len(getattr(stored, "chunks", ())) != 1:
+    if not is_local(fs) or stored is None or len(getattr(stored, "chunks", ())) != 1:
         return None
     info = md.storage_data[MetadataIndex(fqn, stored.chunks[0].offsets)]
     path = f"{root}/{info.relative_path}"

@@ -8,6 +8,7 @@ import hashlib
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+
 import fsspec
 
 from llamarl.lib.errors import UserError
@@ -37,13 +38,19 @@ def hasher(algorithm: str = CHECKSUM):
     return hashlib.new(algorithm)
 
 
+def is_local(fs) -> bool:
+    """Whether ``fs``'s paths are paths of this machine's file system. Not fsspec's ``local_file``:
+    its caching wrappers (``simplecache::``) set it too, for files that ``open`` copies locally."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
 def _hash_in_place(h, fs, path: str, start: int, length: int) -> bool:
     """Hash bytes ``start:start+length`` of a local file over its page cache, mapped a window at a
     time (a mapped page counts in the process's memory until it is unmapped); False where the file
     is not local or ends before (its reader says so). 2.5× faster than reading: a read copies every
     byte once more. A file cut short while mapped stops the process (SIGBUS), as any mapped file does."""
-    from llamarl.lib.files.ranges import is_local
-
     if not is_local(fs) or length <= 0:
         return False
     with open(fs._strip_protocol(path), "rb") as f:

@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from llamarl.lib.files.checksums import is_local
+
 
 class Sparse(io.RawIOBase):
     """An item of which only the first and last bytes were read (enough for its zip directory,
@@ -80,21 +82,13 @@ class ShortRead(OSError):
     """A file ended before the bytes asked for: it changed while being read."""
 
 
-def is_local(fs) -> bool:
-    """Whether ``fs``'s paths are paths of this machine's file system. Not fsspec's ``local_file``:
-    its caching wrappers (``simplecache::``) set it too, for files that ``open`` copies locally."""
-    from fsspec.implementations.local import LocalFileSystem
-
-    return isinstance(fs, LocalFileSystem)
-
-
 def mapped(fs, path: str, begin: int, end: int, dtype: torch.dtype) -> torch.Tensor | None:
     """Bytes ``begin:end`` of a local file as a 1-D tensor of ``dtype`` over the page cache (a
     copy-on-write mapping: a write to the tensor never reaches the file, and the mapping goes with
-    the tensor); None on other file systems, or for no bytes. Nothing is copied, and no fresh memory is faulted in:
-    the kernel zeroes every new page, which costs more than reading the bytes into it (15 % of a
-    shard's CPU time in a VM). ``ShortRead`` where the file ends before ``end``; a file cut short
-    while mapped stops the process (SIGBUS), as any mapped file does."""
+    the tensor); None on other file systems, or for no bytes. Nothing is copied, and no fresh
+    memory is faulted in: the kernel zeroes every new page, which costs more than reading the
+    bytes into it (15 % of a shard's CPU time in a VM). ``ShortRead`` where the file ends before
+    ``end``; a file cut short while mapped stops the process (SIGBUS), as any mapped file does."""
     if not is_local(fs) or end <= begin:
         return None
     fd = os.open(fs._strip_protocol(path), os.O_RDONLY)

@@ -24,7 +24,8 @@ import torch
 
 from llamarl.lib import dtypes
 from llamarl.lib.files import publish
-from llamarl.lib.files.ranges import ShortRead, empty, is_local, mapped, read_into
+from llamarl.lib.files.checksums import is_local
+from llamarl.lib.files.ranges import ShortRead, empty, mapped, read_into
 from llamarl.lib.dtypes import SAFETENSORS_CODES as CODES  # a header's "BF16" → torch's "bfloat16"
 from llamarl.lib.errors import UserError
 
@@ -77,7 +78,7 @@ class SafetensorsFile:
         straight into its memory by a range read, which several threads may do at once (an fsspec
         file object is one position, and memory:// hands every opener the same one)."""
         try:
-            if end > begin and (view := mapped(self.fs, self.path, begin, end, dtype)) is not None:
+            if (view := mapped(self.fs, self.path, begin, end, dtype)) is not None:
                 return view.view(shape)
             out = empty(shape, dtype)
             if end > begin:
