@@ -269,7 +269,7 @@ def build_ppo(hf_cfg, case, lengths, micro_batch_tokens, dev):
 def ppo_scopes(step):
     """``record_function`` scopes around the ppo trainer's pieces, for a profile: instance and module
     attributes swapped for wrappers of the same callables, put back after."""
-    import llamarl.lib.rl as rl
+    from llamarl.lib.rl import core as rl
     import llamarl.stages.ppo_trainer as pt
 
     info = getattr(step, "ppo", None)

@@ -46,3 +46,18 @@ def test_train_step_bench_tp2_sp_on_cpu(tmp_path):
     lib = _check(_run(tmp_path, "--tp", "2", "--sp"), 2, 1, True, 1)
     assert "pp_bubble_1f1b" not in lib
     assert sorted(r["tp_rank"] for r in lib["ranks"]) == [0, 1]
+
+
+def test_the_ppo_update_profiles_through_its_scopes_on_cpu(tmp_path):
+    """``--ppo --profile`` wraps the trainer's pieces in ``record_function`` scopes by their names:
+    a renamed function fails the variant (recorded, not raised), which this test sees."""
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_step.py"), "--small", "--ppo",
+                        "--ppo-cases", "ppo", "--skip-hf", "--steps", "2", "--profile", str(tmp_path),
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for name in ("llamarl", "ppo"):
+        assert "error" not in res[name], res[name].get("traceback")
+        assert "rl loss (fwd)" in res[name]["profile"]["ms"]
+    assert res["ratio_ppo_over_llamarl"] > 0
