@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from llamarl.lib.files import checkpoint, dcp_format, outputs, publish, ranges
+from llamarl.lib.files import checkpoint, outputs, publish, ranges
 from llamarl.lib import dtypes
 from llamarl.lib.model import hf_mapping
 from llamarl.lib.runtime import job
@@ -71,41 +71,40 @@ class _Unreadable(Exception):
     """The checkpoint's files do not hold what its metadata says (a failure to read, never to write)."""
 
 
-def _tensor(url: str, md, name: str, dtype: torch.dtype) -> torch.Tensor:
+def _tensor(url: str, index: dict, name: str, dtype: torch.dtype) -> torch.Tensor:
     """Tensor ``name`` of the checkpoint, whole, as ``dtype``."""
-    stored = md.state_dict_metadata[name]
+    stored = index[name]
     try:
-        t = checkpoint.mapped(url, md, name)  # a tensor stored whole in a local file: its pages
+        t = checkpoint.mapped(url, index, name)  # a tensor stored whole in a local file: its pages
         if t is None:
-            t = ranges.empty(tuple(stored.size), stored.properties.dtype)
-            checkpoint.read({name: t}, url, md)
+            t = ranges.empty(stored.size, stored.dtype)
+            checkpoint.read({name: t}, url, index)
     except Exception as e:  # whatever reading met: a file gone, cut short, or not DCP's
         raise _Unreadable(f"{name}: {type(e).__name__}: {e}") from e
     return t.to(dtype)
 
 
-def _metadata(src: str, shapes: dict[str, tuple], dtype: str):
-    """The checkpoint's DCP metadata, checked against its manifest: every tensor of the model, with
+def _index(src: str, shapes: dict[str, tuple], dtype: str) -> dict:
+    """The checkpoint's index (``checkpoint.read_index``), checked against its manifest: every tensor of the model, with
     its shape and the manifest's dtype."""
     try:
-        md = checkpoint.read_metadata(f"{src}/{contract.MODEL}")
+        stored = checkpoint.read_index(f"{src}/{contract.MODEL}")
     except Exception as e:  # noqa: BLE001 — a .metadata damaged anyhow
         raise _Unreadable(f"{contract.MODEL}/{checkpoint.METADATA}: {type(e).__name__}: {e}") from e
-    stored = md.state_dict_metadata
     missing = [n for n in shapes if n not in stored]
     if missing:
         raise _Unreadable(f"it lacks {len(missing)} tensors of its model (first: {missing[0]})")
     for n, shape in shapes.items():
-        if tuple(stored[n].size) != tuple(shape) or dtypes.name(stored[n].properties.dtype) != dtype:
-            raise _Unreadable(f"{n} is stored as {dtypes.name(stored[n].properties.dtype)} {list(stored[n].size)}, "
+        if stored[n].size != tuple(shape) or dtypes.name(stored[n].dtype) != dtype:
+            raise _Unreadable(f"{n} is stored as {dtypes.name(stored[n].dtype)} {list(stored[n].size)}, "
                               f"its manifest says {dtype} {list(shape)}")
-    return md
+    return stored
 
 
-def _write(url: str, model_url: str, md, names: list[str], shapes: dict, dtype: torch.dtype) -> dict:
+def _write(url: str, model_url: str, index: dict, names: list[str], shapes: dict, dtype: torch.dtype) -> dict:
     """One safetensors file of the tensors ``names``, each read whole when its turn comes; its
     manifest entry. ``_Unreadable`` for the input, ``OSError`` for the output's storage."""
-    tensors = {n: Deferred(dtype, tuple(shapes[n]), lambda n=n: _tensor(model_url, md, n, dtype)) for n in names}
+    tensors = {n: Deferred(dtype, tuple(shapes[n]), lambda n=n: _tensor(model_url, index, n, dtype)) for n in names}
     try:
         return write_file(url, tensors, metadata={"format": "pt"}, threads=THREADS)
     except OSError as e:  # reading raises _Unreadable: this is the output's storage
@@ -113,7 +112,6 @@ def _write(url: str, model_url: str, md, names: list[str], shapes: dict, dtype: 
 
 
 def run(cfg: ExportConfig) -> None:
-    dcp_format.start_metadata_import()  # every rank reads .metadata: DCP's import beside the start-up
     space.check(cfg)
     src, dst = cfg.src.rstrip("/"), cfg.dst.rstrip("/")
     manifest = publish.require_published(src, kind=contract.CHECKPOINT)
@@ -142,9 +140,9 @@ def run(cfg: ExportConfig) -> None:
     names = file_names(len(groups))
     written, failure = {}, None
     try:
-        md = _metadata(src, shapes, src_dtype)
+        index = _index(src, shapes, src_dtype)
         for i in range(rank, len(groups), world):  # rank k writes files k, k + world, …
-            written[names[i]] = _write(f"{dst}/{names[i]}", f"{src}/{contract.MODEL}", md, groups[i], shapes,
+            written[names[i]] = _write(f"{dst}/{names[i]}", f"{src}/{contract.MODEL}", index, groups[i], shapes,
                                        dtypes.torch_dtype(out_dtype))
     except (_Unreadable, OSError) as e:
         failure = (("user", None, f"rank {rank}: {src}: {e}; the checkpoint is damaged: reshard it")

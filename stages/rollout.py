@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from llamarl.lib.model import attention
 from llamarl.lib.runtime import background, job
-from llamarl.lib.files import checkpoint, dcp_format, outputs, publish
+from llamarl.lib.files import checkpoint, outputs, publish
 from llamarl.lib import dtypes
 from llamarl.lib.distributed import collectives, parallel
 from llamarl.lib.engine import sampling
@@ -60,7 +60,6 @@ _IMPORTED = time.time()
 def run(cfg: RolloutConfig, overlap: bool = True) -> None:
     """``overlap=False`` (for tests and measurements): chunk after chunk, each drained, with its
     tokenizing and writing in between — the same parts, byte for byte."""
-    dcp_format.start_metadata_import()  # the actor's .metadata is read: DCP's import beside the start-up
     space.check(cfg)
     spans = _Spans()
     actor, out = cfg.actor.rstrip("/"), cfg.out.rstrip("/")

@@ -6,15 +6,21 @@
 - a failure on one rank raises on every rank as its kind (a user error, a full disk, a bug);
 - a checkpoint written before the writer moved onto torch (tests/data/ckpt-db68fda) still loads
   and exports bit for bit;
-- whole tensors (what export reads) come back from chunks of our writer and of DCP's.
+- whole tensors (what export reads) come back from chunks of our writer and of DCP's;
+- ``.metadata`` is read into the same index as DCP's own classes give, without importing DCP, and
+  through DCP where it holds anything else.
 """
 
 from __future__ import annotations
 
 import errno
+import fractions
 import io
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -126,8 +132,8 @@ def test_a_checkpoint_written_before_the_one_runtime_loads_and_exports(pool2, tm
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(os.path.join(OLD, "checkpoint"), ckpt)
     source = load_file(os.path.join(OLD, "hf-source", "model.safetensors"))
-    md = checkpoint.read_metadata(f"{ckpt}/model")
-    whole = {n: torch.zeros(tuple(md.state_dict_metadata[n].size), dtype=torch.bfloat16) for n in source}
+    index = checkpoint.read_index(f"{ckpt}/model")
+    whole = {n: torch.zeros(index[n].size, dtype=torch.bfloat16) for n in source}
     checkpoint.load(whole, f"{ckpt}/model")
     assert all(torch.equal(whole[n], source[n]) for n in source)
     pool2.run(export.run, ExportConfig(src=ckpt, dst=str(tmp_path / "out")))
@@ -146,8 +152,8 @@ def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, 
     flat, mapped = [], []
     real_mapped = checkpoint.mapped
 
-    def spy(url, md, name):
-        t = real_mapped(url, md, name)
+    def spy(url, index, name):
+        t = real_mapped(url, index, name)
         if t is not None:
             mapped.append((os.path.basename(url), name))
         return t
@@ -169,9 +175,9 @@ def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, 
     dcp.save({"rows": full["rows"], "cols": full["cols"].t().contiguous().t(), "vec": full["vec"]},
              storage_writer=dcp.FileSystemWriter(theirs, thread_count=2))
     for url in (ours, theirs):
-        md = checkpoint.read_metadata(url)
+        index = checkpoint.read_index(url)
         for name, t in full.items():
-            got = export._tensor(url, md, name, t.dtype)
+            got = export._tensor(url, index, name, t.dtype)
             assert got.dtype == t.dtype and torch.equal(got, t), (url, name)
     # A tensor stored whole in one plain item is its file's pages, mapped: vec (of both), rows
     # (DCP's one chunk); not DCP's strided item of cols. Read in place: the 2 chunks of our rows;
@@ -183,10 +189,10 @@ def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, 
 def test_a_tensor_of_no_elements_reads_as_one(tmp_path):
     url = str(tmp_path / "c")
     checkpoint.save({"empty": torch.zeros(0, 4), "w": torch.ones(2, 4)}, url, threads=1)
-    md = checkpoint.read_metadata(url)
-    assert checkpoint.mapped(url, md, "empty") is None  # nothing to map: read
-    assert export._tensor(url, md, "empty", torch.float32).shape == (0, 4)
-    assert torch.equal(export._tensor(url, md, "w", torch.float32), torch.ones(2, 4))
+    index = checkpoint.read_index(url)
+    assert checkpoint.mapped(url, index, "empty") is None  # nothing to map: read
+    assert export._tensor(url, index, "empty", torch.float32).shape == (0, 4)
+    assert torch.equal(export._tensor(url, index, "w", torch.float32), torch.ones(2, 4))
 
 
 def test_weights_read_into_targets_of_another_dtype_are_converted_exactly(tmp_path):
@@ -204,3 +210,45 @@ def test_weights_read_into_targets_of_another_dtype_are_converted_exactly(tmp_pa
         checkpoint.load(got, url)
         assert torch.equal(got["w"], w.float()), url
         assert torch.equal(got["cols"].pieces[(0, 10)], cols[:, 10:25].float()), url
+
+
+def _three_writers(tmp_path) -> list[str]:
+    """Checkpoints of our writer (chunks split by rows), DCP's own (a non-tensor entry too) and the
+    torch-free writer's (tests/data/ckpt-db68fda)."""
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.randn(12, 10).to(torch.bfloat16)
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    checkpoint.save({"w": checkpoint.Chunks((12, 10), {(0, 0): w[:4], (4, 0): w[4:]}), "v": torch.ones(3)}, ours,
+                    threads=2)
+    dcp.save({"w": w, "v": torch.ones(3, dtype=torch.int64), "step": 7},
+             storage_writer=dcp.FileSystemWriter(theirs, thread_count=2))
+    return [ours, theirs, os.path.join(OLD, "checkpoint", "model")]
+
+
+def test_the_index_reads_metadata_as_dcp_does_without_importing_it(tmp_path):
+    urls = _three_writers(tmp_path)
+    for url in urls:
+        index = dcp_format.read_index(url)
+        assert index == dcp_format._index(dcp_format.read_metadata(url)), url
+        assert index and all(isinstance(s.dtype, torch.dtype) and s.chunks for s in index.values())
+    assert [len(c.chunks) for c in (dcp_format.read_index(urls[0])["w"], dcp_format.read_index(urls[1])["w"])] == [2, 1]
+    assert "step" not in dcp_format.read_index(urls[1])  # not a tensor
+    # DCP's import costs half a second of a stage's start-up: reading the index does not pay it.
+    code = ("import sys; from llamarl.lib.files import dcp_format; "
+            f"[dcp_format.read_index(u) for u in {urls!r}]; print(sorted(m for m in sys.modules "
+            "if m.startswith('torch.distributed.checkpoint') or m.startswith('torch.distributed.tensor')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_a_metadata_holding_other_classes_is_read_through_dcp(tmp_path):
+    # Another torch's .metadata may pickle classes the records do not know: DCP's own unpickler
+    # reads it (here: a Fraction in the planner's data), and the index is the same.
+    url = _three_writers(tmp_path)[0]
+    md = dcp_format.read_metadata(url)
+    md.planner_data = {"extra": fractions.Fraction(1, 3)}
+    (tmp_path / "ours" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(pickle.UnpicklingError, match="fractions.Fraction"):
+        dcp_format._Records(io.BytesIO(pickle.dumps(md))).load()
+    assert dcp_format.read_index(url) == dcp_format._index(md)

@@ -13,6 +13,7 @@ this module's own (``_read`` says how): straight into the targets, without ``tor
 from __future__ import annotations
 
 import io
+import math
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ import torch
 from llamarl.lib.distributed import collectives
 from llamarl.lib.files import dcp_format, ranges
 from llamarl.lib.files.checksums import is_local
-from llamarl.lib.files.dcp_format import METADATA, read_metadata  # noqa: F401 — part of this module's interface
+from llamarl.lib.files.dcp_format import METADATA, read_index, read_metadata  # noqa: F401 — part of this module's interface
 from llamarl.lib.model import hf_mapping
 
 
@@ -119,15 +120,11 @@ class _Read:
     target: torch.Tensor
 
 
-def _plan(state: dict, md, url: str) -> list[_Read]:
-    # DCP's own key of a chunk's storage (imported already: ``md`` is made of DCP's classes). Looked
-    # up per chunk: export plans one tensor at a time, against every chunk of the checkpoint.
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
+def _plan(state: dict, index: dict[str, dcp_format.Stored], url: str) -> list[_Read]:
     reads = []
     for fqn, (size, pieces) in _pieces(state).items():
-        stored = md.state_dict_metadata.get(fqn)
-        if stored is None or not hasattr(stored, "chunks"):
+        stored = index.get(fqn)
+        if stored is None:
             raise KeyError(f"{url}: the checkpoint has no tensor {fqn}")
         if tuple(stored.size) != tuple(size):
             raise ValueError(f"{url}: {fqn} is stored with shape {list(stored.size)}, asked for {list(size)}")
@@ -138,15 +135,14 @@ def _plan(state: dict, md, url: str) -> list[_Read]:
                 hi = [min(a + n, b + m) for a, n, b, m in zip(off, target.shape, chunk.offsets, chunk.sizes)]
                 if any(h <= low for low, h in zip(lo, hi)):
                     continue
-                info = md.storage_data[MetadataIndex(fqn, chunk.offsets)]
-                if info.transform_descriptors:
+                if chunk.transforms:
                     raise ValueError(f"{url}: {fqn} was written with DCP stream extensions "
-                                     f"{info.transform_descriptors}; llamarl reads plain DCP checkpoints")
+                                     f"{chunk.transforms}; llamarl reads plain DCP checkpoints")
                 lengths = tuple(h - low for low, h in zip(lo, hi))
                 view = target
                 for d, (low, n) in enumerate(zip(lo, lengths)):
                     view = view.narrow(d, low - off[d], n)
-                reads.append(_Read(info.relative_path, info.offset, info.offset + info.length,
+                reads.append(_Read(chunk.file, chunk.begin, chunk.end,
                                    tuple(low - c for low, c in zip(lo, chunk.offsets)), lengths, view))
                 covered += int(torch.Size(lengths).numel())
             if covered != target.numel():
@@ -313,35 +309,33 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def mapped(url: str, md, fqn: str) -> torch.Tensor | None:
+def mapped(url: str, index: dict[str, dcp_format.Stored], fqn: str) -> torch.Tensor | None:
     """Tensor ``fqn`` of a checkpoint on a local file system, whole, as a view of its file's page
     cache (``ranges.mapped``: no copy), where it is stored as one plain contiguous chunk; None
-    otherwise (``read`` it). ``md``: the checkpoint's ``read_metadata``."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
+    otherwise (``read`` it). ``index``: the checkpoint's ``read_index``."""
     fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
-    stored = md.state_dict_metadata.get(fqn)
-    if not is_local(fs) or stored is None or len(getattr(stored, "chunks", ())) != 1:
+    stored = index.get(fqn)
+    if not is_local(fs) or stored is None or len(stored.chunks) != 1:
         return None
-    info = md.storage_data[MetadataIndex(fqn, stored.chunks[0].offsets)]
-    path = f"{root}/{info.relative_path}"
-    item = _header(fs, path, info.offset, info.offset + info.length) if not info.transform_descriptors else None
-    size = tuple(stored.size)
-    if (item is None or item.dtype != stored.properties.dtype or item.size != size or not size
-            or list(item.stride) != _row_major(size) or not stored.size.numel()):
+    chunk = stored.chunks[0]
+    path = f"{root}/{chunk.file}"
+    item = _header(fs, path, chunk.begin, chunk.end) if not chunk.transforms else None
+    size, numel = stored.size, math.prod(stored.size)
+    if (item is None or item.dtype != stored.dtype or item.size != size or not size
+            or list(item.stride) != _row_major(size) or not numel):
         return None
-    begin = info.offset + item.begin
-    return ranges.mapped(fs, path, begin, begin + stored.size.numel() * item.dtype.itemsize, item.dtype).view(size)
+    begin = chunk.begin + item.begin
+    return ranges.mapped(fs, path, begin, begin + numel * item.dtype.itemsize, item.dtype).view(size)
 
 
-def read(state: dict, url: str, md=None) -> None:
+def read(state: dict, url: str, index: dict[str, dcp_format.Stored] | None = None) -> None:
     """Fill the tensors/chunks of ``state`` in place from the checkpoint at ``url`` (written at any
-    layout: each piece is read from the chunks it overlaps), on this rank alone. ``md``: the
-    checkpoint's ``read_metadata``, when the caller has it. A missing tensor or a shape that
+    layout: each piece is read from the chunks it overlaps), on this rank alone. ``index``: the
+    checkpoint's ``read_index``, when the caller has it. A missing tensor or a shape that
     differs is a ``KeyError`` / ``ValueError``; a damaged item fails in its reader."""
     url = url.rstrip("/")
     with torch.no_grad():
-        _read(url, _plan(state, md if md is not None else read_metadata(url), url), BLOCK_BYTES, READ_THREADS)
+        _read(url, _plan(state, index if index is not None else read_index(url), url), BLOCK_BYTES, READ_THREADS)
 
 
 def load(state: dict, url: str) -> None:

@@ -272,10 +272,105 @@ def _all_tensors(plans: list[tuple]) -> dict[str, tuple]:
 
 
 def read_metadata(url: str):
-    """The checkpoint's DCP ``Metadata``: ``state_dict_metadata`` (every stored tensor's ``size``,
-    ``properties.dtype`` and ``chunks``) and ``storage_data`` (where each chunk lies)."""
+    """The checkpoint's DCP ``Metadata``, as DCP's own classes (importing DCP): what DCP's ``load``
+    reads. llamarl's readers take ``read_index``."""
     fs, path = fsspec.core.url_to_fs(url.rstrip("/"))
     return pickle.loads(fs.cat_file(f"{path}/{METADATA}"))
+
+
+class Chunk(NamedTuple):
+    """A stored chunk of a tensor, and the byte range of its item."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str  # relative to the checkpoint's folder
+    begin: int
+    end: int
+    transforms: tuple  # DCP's stream extensions (compression…): llamarl reads plain items only
+
+
+class Stored(NamedTuple):
+    """A stored tensor: its whole size and dtype, and its chunks."""
+
+    size: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[Chunk, ...]
+
+
+def read_index(url: str) -> dict[str, Stored]:
+    """Every tensor of the checkpoint at ``url``, from its ``.metadata``, without importing DCP
+    (half a second of DTensor and sympy, on the critical path of export and of every load):
+    DCP's metadata classes are plain records of fields, so they are read as such (``_Records``).
+    A ``.metadata`` holding anything else (another torch's classes) is read by DCP's own classes."""
+    fs, path = fsspec.core.url_to_fs(url.rstrip("/"))
+    data = fs.cat_file(f"{path}/{METADATA}")
+    try:
+        return _index(_Records(io.BytesIO(data)).load())
+    except Exception:  # noqa: BLE001 — not the records read here: DCP says what it is, or what is wrong
+        return _index(pickle.loads(data))
+
+
+def _index(md) -> dict[str, Stored]:
+    """``read_index``'s answer from DCP's ``Metadata`` or its records (the same field names).
+    Entries without chunks (bytes) are not tensors and are left out."""
+    # A bytes entry's key has no offset (a field left at its default is not pickled).
+    where = {(k.fqn, tuple(getattr(k, "offset", None) or ())): v for k, v in md.storage_data.items()}
+    out = {}
+    for fqn, t in md.state_dict_metadata.items():
+        if not hasattr(t, "chunks"):
+            continue
+        chunks = []
+        for c in t.chunks:
+            info = where[(fqn, tuple(c.offsets))]
+            begin = int(info.offset)
+            chunks.append(Chunk(tuple(map(int, c.offsets)), tuple(map(int, c.sizes)), str(info.relative_path),
+                                begin, begin + int(info.length), tuple(getattr(info, "transform_descriptors", None) or ())))
+        if not isinstance(t.properties.dtype, torch.dtype):
+            raise TypeError(f"{fqn}: dtype {t.properties.dtype!r}")
+        out[fqn] = Stored(tuple(map(int, t.size)), t.properties.dtype, tuple(chunks))
+    return out
+
+
+class _Record:
+    """An object of one of DCP's metadata classes, as the fields it was pickled with."""
+
+    def __init__(self, *args):  # an enum member: pickled as a call with its value
+        self.args = args
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2:  # a class with __slots__: (dict, slots)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        self.__dict__.update(state)
+
+
+class _Properties(_Record):
+    """``TensorProperties``, pickled as the tuple (dtype, layout, requires_grad, memory format,
+    pin_memory)."""
+
+    def __setstate__(self, state):
+        self.dtype = state[0]
+
+
+_DCP_RECORDS = {("torch.distributed.checkpoint.metadata", "TensorProperties"): _Properties,
+                **{("torch.distributed.checkpoint.metadata", n): _Record
+                   for n in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                             "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _Record}
+
+
+class _Records(pickle.Unpickler):
+    """``.metadata`` with DCP's classes as ``_Record``s; besides them only the plain values DCP
+    pickles (torch's dtypes, sizes and layouts, paths); anything else is refused."""
+
+    def find_class(self, module, name):
+        if (module, name) in _DCP_RECORDS:
+            return _DCP_RECORDS[(module, name)]
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if (module, name) in {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                              ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}:
+            return getattr(importlib.import_module(module), name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
 
 
 class StoredTensor(NamedTuple):

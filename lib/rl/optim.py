@@ -220,7 +220,7 @@ class ShardedAdamW:
         checkpoint's ``optim`` DCP folder ``url`` (None: fresh moments); masters from ``url`` when it
         has them, else from the model checkpoint ``model_url`` at its stored precision, else from
         the parameters."""
-        stored = checkpoint.read_metadata(url).state_dict_metadata if url else {}
+        stored = checkpoint.read_index(url) if url else {}
         wanted = list(MOMENTS) if url else []
         if self.separate_masters:
             if any(k.endswith(".master") for k in stored):
