@@ -219,7 +219,7 @@ def build_ppo(hf_cfg, case, lengths, micro_batch_tokens, dev):
     from llamarl.stages import contract
     from llamarl.stages.config import PPOConfig
     from llamarl.stages.ppo_data import Sample, advantages, check_groups, mini_batch
-    from llamarl.stages.ppo_trainer import Trainer, train_step
+    from llamarl.stages.ppo_trainer import StepBatches, Trainer, train_step
 
     n = len(lengths)
     cfg = PPOConfig(rollout="memory://bench/rollout", scores="memory://bench/scores", actor="memory://bench/actor",
@@ -248,11 +248,13 @@ def build_ppo(hf_cfg, case, lengths, micro_batch_tokens, dev):
     ref_logp = {i: [x - 0.01 for x in s.rollout_logp] for i, s in enumerate(samples)}
     data = advantages(cfg, samples, ref_logp, None, dev)
     counter, metrics, losses = [0], [], []
+    batches = StepBatches(cfg, actor, samples, data, dev)
 
-    def step():
+    def step():  # as stages/ppo.py's loop: the next step's micro-batches built before this one's wait
         k = counter[0]
         _, batch_idx = mini_batch(cfg, len(samples), k)
-        m = train_step(cfg, trainers, samples, data, batch_idx, k, dev)
+        m = train_step(cfg, trainers, samples, data, batch_idx, k, dev, batches=batches,
+                       next_idx=mini_batch(cfg, len(samples), k + 1)[1])
         counter[0] += 1
         metrics.append(m)
         losses.append(torch.tensor(m["policy_loss"]))

@@ -44,7 +44,7 @@ from llamarl.stages.ppo_state import (
     save_weights,
     verify_train_state,
 )
-from llamarl.stages.ppo_trainer import (Trainer, frozen_logprobs, gather_dp, reference_source, token_outputs,
+from llamarl.stages.ppo_trainer import (StepBatches, Trainer, frozen_logprobs, gather_dp, reference_source, token_outputs,
                                         train_step)
 
 
@@ -248,12 +248,15 @@ def _train(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[str, Traine
     clock.lap("load")
     store_dtype = dtypes.torch_dtype(inputs.actor["dtype"])
     dev, update_tokens = parallel.device(), 0
+    batches = StepBatches(cfg, trainers[contract.ACTOR].model, inputs.samples, data, dev)
     for k in range(done, inputs.steps):
         epoch, batch_idx = mini_batch(cfg, len(inputs.samples), k)
+        next_idx = mini_batch(cfg, len(inputs.samples), k + 1)[1] if k + 1 < inputs.steps else None
         step = inputs.start_step + k
         _test_hook(f"step {step + 1}", trainers)
         t0 = time.perf_counter()
-        m = train_step(cfg, trainers, inputs.samples, data, batch_idx, step, dev, inputs.agg_norm, check)
+        m = train_step(cfg, trainers, inputs.samples, data, batch_idx, step, dev, inputs.agg_norm, check, batches,
+                       next_idx)
         m.update(step=step + 1, epoch=epoch, seconds=time.perf_counter() - t0)
         update_tokens += m["tokens"]
         metrics.append(m)

@@ -230,26 +230,52 @@ def policy_terms(cfg: PPOConfig, logp: torch.Tensor, x: dict) -> tuple[torch.Ten
     return rl.policy_loss(logp, old, adv, cfg.clip_eps, cfg.dual_clip, cfg.clip_eps_high)
 
 
+class StepBatches:
+    """Each optimizer step's micro-batches, built one step ahead: ``ahead`` builds the next step's
+    on the host (and queues their copies) while the device still runs this one, so the device does
+    not wait for the host between steps."""
+
+    def __init__(self, cfg: PPOConfig, actor, samples: list[Sample], data: dict | None, dev):
+        self.cfg, self.actor, self.samples, self.data, self.dev = cfg, actor, samples, data, dev
+        self.keys = [k for k in ("old_logp", "ref_logp", "adv", "values", "returns") if data and k in data]
+        self.keys += ["tis"] if cfg.uses_tis() else []
+        self._held: tuple[list[int], tuple] | None = None
+
+    def ahead(self, batch_idx: list[int]) -> None:
+        self._held = (batch_idx, self._build(batch_idx))
+
+    def get(self, batch_idx: list[int]) -> tuple[list[list[int]], list[TokenBatch], list[dict]]:
+        """This rank's sample groups of the mini-batch ``batch_idx``, their micro-batches and extras."""
+        held, self._held = self._held, None
+        return held[1] if held is not None and held[0] == batch_idx else self._build(batch_idx)
+
+    def _build(self, batch_idx: list[int]) -> tuple:
+        topo = self.actor.topology
+        groups = micro_batches(batch_idx[topo.dp_rank :: topo.dp], self.samples, self.cfg.micro_batch_tokens)
+        return (groups, *_step_batches(self.actor, self.samples, groups, self.data, self.keys, self.dev))
+
+
 def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sample], data: dict | None,
-               batch_idx: list[int], step: int, dev, agg_norm: int | None = None, check: StepCheck | None = None) -> dict:
+               batch_idx: list[int], step: int, dev, agg_norm: int | None = None, check: StepCheck | None = None,
+               batches: StepBatches | None = None, next_idx: list[int] | None = None) -> dict:
     """One optimizer step of every role on the mini-batch ``batch_idx``; its metrics (the losses on
     the last pipeline stage only, where ``data`` — ``ppo_data.advantages`` — lives). ``agg_norm``:
     the constant of ``loss_agg`` seq-mean-token-sum-norm. Collective: the step's losses, gradient
     norms and masters are checked (``check``, by default one that knows no stored dtype) and a
     non-finite one stops every rank with a ``UserError``. The host waits for the device once, in
-    that check; nothing per micro-batch."""
+    that check; nothing per micro-batch. ``batches``: the run's ``StepBatches``, which build the
+    next step's (``next_idx``) before that wait."""
     check = check if check is not None else StepCheck(cfg, [s.score for s in samples], dev)
     actor = trainers[contract.ACTOR].model
     topo = actor.topology
-    groups = micro_batches(batch_idx[topo.dp_rank :: topo.dp], samples, cfg.micro_batch_tokens)
+    batches = batches if batches is not None else StepBatches(cfg, actor, samples, data, dev)
+    groups, micro, extras = batches.get(batch_idx)
     agg = Aggregation(cfg.loss_agg, [samples[i].response_len for i in batch_idx], agg_norm)
     weighed = cfg.uses_tis()
     tokens = agg.tokens
     # Metric sums stay on the device (a host read per micro-batch would stall the GPU); read once a step.
     sums = {k: torch.zeros((), dtype=torch.float64, device=dev)
             for k in ("policy_loss", "entropy", "approx_kl", "clip_fraction", "value_loss")}
-    keys = [k for k in ("old_logp", "ref_logp", "adv", "values", "returns") if data and k in data]
-    batches, extras = _step_batches(actor, samples, groups, data, keys + (["tis"] if weighed else []), dev)
 
     def actor_loss(out, x):
         logp, entropy = vocab_parallel.log_probs_and_entropy(_scaled(out, cfg.temperature), x["labels"],
@@ -279,7 +305,7 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
 
     metrics, reads = {}, {}
     for name, t in trainers.items():
-        norm, metrics[f"{name}_lr"] = t.update(batches, actor_loss if name == contract.ACTOR else critic_loss,
+        norm, metrics[f"{name}_lr"] = t.update(micro, actor_loss if name == contract.ACTOR else critic_loss,
                                                extras, step)
         reads[f"{name}_grad_norm"] = norm
         check.watch(f"{name} grad norm", norm)
@@ -295,6 +321,8 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
         reads.update(zip(sums, reduced))
         if weighed:
             reads.update(tis_reads(data, batch_idx))
+    if next_idx is not None:
+        batches.ahead(next_idx)
     check.verify(f"optimizer step {step + 1}")  # the step's one wait for the device
     metrics.update(zip(reads, torch.stack([x.double() for x in reads.values()]).tolist()))
 

@@ -101,3 +101,44 @@ def test_the_update_does_not_depend_on_the_packing(pool1, case):
         assert (other["weights"] - one["weights"]).abs().max() < 1e-3 * 1e-2
         for k in ("policy_loss", "entropy", "approx_kl", "clip_fraction", "actor_grad_norm"):
             assert other["metrics"][k] == pytest.approx(one["metrics"][k], rel=1e-6, abs=1e-9), k
+
+
+def _two_steps(ahead: bool) -> dict:
+    """Two ppo optimizer steps of a tiny fp32 actor, each step's micro-batches built one step ahead
+    (as stages/ppo.py runs them) or when the step starts; the weights, metrics and builds."""
+    import tiny
+    from llamarl.lib.distributed import parallel
+    from llamarl.lib.model.config import ParallelLayout
+    from llamarl.lib.model.llama import ParallelLlamaForCausalLM
+    from llamarl.stages.config import PPOConfig
+    from llamarl.stages.ppo_data import advantages, mini_batch
+    from llamarl.stages.ppo_trainer import StepBatches, Trainer, train_step
+
+    cfg = PPOConfig(rollout="r", scores="s", actor="a", out="o", advantage="grpo", use_kl_loss=True, kl_coef=0.1,
+                    mini_batch_size=4, micro_batch_tokens=30, actor_lr=1e-3, dtype="fp32")
+    parallel.init(1, 1)
+    hf = tiny.hf_model()
+    model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout())
+    model.load_hf_state_dict(hf.state_dict())
+    g = torch.Generator().manual_seed(4)
+    samples = [Sample(torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist(), 2,
+                      (-2 * torch.rand(n - 2, generator=g)).tolist(), float(i % 3), str(i // 2))
+               for i, n in enumerate([5, 17, 9, 30, 12, 7, 22, 14])]
+    data = advantages(cfg, samples, {i: s.rollout_logp for i, s in enumerate(samples)}, None, "cpu")
+    trainer = Trainer(model, cfg.actor_lr, cfg, None, None, 0)
+    batches, built = StepBatches(cfg, model, samples, data, "cpu"), []
+    build = batches._build
+    batches._build = lambda idx: built.append(idx) or build(idx)
+    metrics = [train_step(cfg, {"actor": trainer}, samples, data, mini_batch(cfg, 8, k)[1], k, "cpu", None, None,
+                          batches, mini_batch(cfg, 8, k + 1)[1] if ahead and k == 0 else None) for k in range(2)]
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    parallel.destroy_model_parallel()
+    return {"weights": weights, "metrics": metrics, "built": built, "steps": [mini_batch(cfg, 8, k)[1] for k in (0, 1)]}
+
+
+def test_micro_batches_built_a_step_ahead_update_the_same(pool1):
+    # stages/ppo.py builds step k+1's micro-batches before it waits for step k: the same update,
+    # bit for bit, and each step's micro-batches built once.
+    ahead, plain = pool1.run(_two_steps, True)[0], pool1.run(_two_steps, False)[0]
+    assert torch.equal(ahead["weights"], plain["weights"]) and ahead["metrics"] == plain["metrics"]
+    assert ahead["built"] == plain["built"] == ahead["steps"]
