@@ -134,3 +134,56 @@ def test_groups_are_megatron_cores(pool4, tp, pp):
     # Our own groups (no megatron-core import at stage start) in megatron-core's rank order.
     for ours, theirs in pool4.run(_groups_ours_and_megatrons, tp, pp):
         assert ours == theirs
+
+
+_JOIN = """
+import os, sys, time
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK=sys.argv[1], WORLD_SIZE="3")
+from llamarl.lib.distributed import parallel
+if sys.argv[1] == "0":
+    time.sleep(1.5)  # the others try to join first
+t = time.time()
+parallel.init(1, 1, backend="gloo", timeout_s=60)
+print(sys.argv[1], t, time.time(), flush=True)
+parallel.shutdown()
+"""
+
+
+def test_ranks_that_try_to_join_before_rank_0_listens_join_as_soon_as_it_does():
+    # torch's store client backs off between tries (up to about a second): ranks that arrive
+    # before rank 0 must not add that wait to every multi-process stage's start-up.
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, "-c", _JOIN, str(r), port], stdout=subprocess.PIPE, text=True)
+             for r in range(3)]
+    out = {int(line.split()[0]): [float(x) for x in line.split()[1:]]
+           for p in procs for line in [p.communicate(timeout=120)[0].strip()]}
+    assert all(p.returncode == 0 for p in procs)
+    called_by_0 = out[0][0]
+    joined = max(done for _, done in out.values())
+    print(f"joined {joined - called_by_0:.3f} s after rank 0 called")
+    assert joined - called_by_0 < 0.3
+
+
+def test_a_rank_whose_rank_0_never_listens_stops_after_the_timeout_naming_the_rendezvous(monkeypatch):
+    import socket
+    import time
+
+    from llamarl.lib.runtime import job
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])  # nobody listens on it
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    monkeypatch.setenv("RANK", "1")
+    started = time.monotonic()
+    with pytest.raises(Exception) as e:
+        parallel._await_store(1.0)
+    assert 1.0 <= time.monotonic() - started < 2.0  # once the timeout, not the store's own wait after it
+    assert job._lost_peer(e.value) and "did not all join the rendezvous" in job._peer_error(e.value)
