@@ -140,8 +140,16 @@ _JOIN = """
 import os, sys, time
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK=sys.argv[1], WORLD_SIZE="3")
 from llamarl.lib.distributed import parallel
+ready = os.path.join(sys.argv[3], "ready-")
 if sys.argv[1] == "0":
-    time.sleep(1.5)  # the others try to join first
+    # The others are trying to join first, however long their imports took (a loaded machine
+    # skews them by seconds): the time measured is the join's alone.
+    deadline = time.time() + 60
+    while not all(os.path.exists(ready + r) for r in "12") and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(1.5)
+else:
+    open(ready + sys.argv[1], "w").close()
 t = time.time()
 parallel.init(1, 1, backend="gloo", timeout_s=60)
 print(sys.argv[1], t, time.time(), flush=True)
@@ -149,7 +157,7 @@ parallel.shutdown()
 """
 
 
-def test_ranks_that_try_to_join_before_rank_0_listens_join_as_soon_as_it_does():
+def test_ranks_that_try_to_join_before_rank_0_listens_join_as_soon_as_it_does(tmp_path):
     # torch's store client backs off between tries (up to about a second): ranks that arrive
     # before rank 0 must not add that wait to every multi-process stage's start-up.
     import socket
@@ -159,8 +167,8 @@ def test_ranks_that_try_to_join_before_rank_0_listens_join_as_soon_as_it_does():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    procs = [subprocess.Popen([sys.executable, "-c", _JOIN, str(r), port], stdout=subprocess.PIPE, text=True)
-             for r in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", _JOIN, str(r), port, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True) for r in range(3)]
     out = {int(line.split()[0]): [float(x) for x in line.split()[1:]]
            for p in procs for line in [p.communicate(timeout=120)[0].strip()]}
     assert all(p.returncode == 0 for p in procs)
