@@ -88,6 +88,8 @@ def _await_store(timeout_s: float) -> None:
         try:
             socket.create_connection((addr, int(port)), timeout=1).close()
             return
+        except socket.gaierror:
+            time.sleep(0.5)  # a name not (yet) resolvable: the resolver is asked twice a second
         except OSError:
             time.sleep(0.01)
     raise dist.DistStoreError(f"rank 0's store at {addr}:{port} accepted no connection within {timeout_s} s")

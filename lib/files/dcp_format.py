@@ -360,7 +360,9 @@ _DCP_RECORDS = {("torch.distributed.checkpoint.metadata", "TensorProperties"): _
 
 class _Records(pickle.Unpickler):
     """``.metadata`` with DCP's classes as ``_Record``s; besides them only the plain values DCP
-    pickles (torch's dtypes, sizes and layouts, paths); anything else is refused."""
+    pickles (torch's dtypes, sizes and layouts, paths); anything else is refused here and read by
+    DCP's own unpickler. Not a sandbox: ``.metadata`` is trusted input (DCP itself unpickles it),
+    as every file of a published checkpoint is."""
 
     def find_class(self, module, name):
         if (module, name) in _DCP_RECORDS:
