@@ -71,10 +71,14 @@ class _Unreadable(Exception):
     """The checkpoint's files do not hold what its metadata says (a failure to read, never to write)."""
 
 
-def _tensor(url: str, index: dict, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """Tensor ``name`` of the checkpoint, whole, as ``dtype``."""
+def _tensor(url: str, index: dict, name: str, dtype: torch.dtype):
+    """Tensor ``name`` of the checkpoint as ``dtype``: whole, or, stored in row chunks that are
+    plain items of local files and not converted, those chunks' pages as its rows (``Deferred``'s
+    pieces: written as stored, never copied into one tensor first)."""
     stored = index[name]
     try:
+        if dtype == stored.dtype and (rows := _mapped_rows(url, stored)) is not None:
+            return rows
         t = checkpoint.mapped(url, index, name)  # a tensor stored whole in a local file: its pages
         if t is None:
             t = ranges.empty(stored.size, stored.dtype)
@@ -82,6 +86,21 @@ def _tensor(url: str, index: dict, name: str, dtype: torch.dtype) -> torch.Tenso
     except Exception as e:  # whatever reading met: a file gone, cut short, or not DCP's
         raise _Unreadable(f"{name}: {type(e).__name__}: {e}") from e
     return t.to(dtype)
+
+
+def _mapped_rows(url: str, stored) -> list[tuple[int, torch.Tensor]] | None:
+    """(first row, mapped chunk) of a tensor stored as several chunks of whole rows (split over
+    TP by rows) that follow each other; None for any other tensor, or a chunk that cannot be mapped."""
+    chunks = sorted(stored.chunks, key=lambda c: c.offsets)
+    first = 0
+    for c in chunks:
+        if not c.offsets or c.offsets[0] != first or any(c.offsets[1:]) or c.sizes[1:] != stored.size[1:]:
+            return None
+        first += c.sizes[0]
+    if len(chunks) < 2 or first != stored.size[0]:
+        return None
+    rows = [(c.offsets[0], checkpoint.mapped_chunk(url, c, stored.dtype)) for c in chunks]
+    return None if any(t is None for _, t in rows) else rows
 
 
 def _index(src: str, shapes: dict[str, tuple], dtype: str) -> dict:

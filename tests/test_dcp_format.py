@@ -142,11 +142,17 @@ def test_a_checkpoint_written_before_the_one_runtime_loads_and_exports(pool2, tm
     assert publish.read_manifest(str(tmp_path / "out"))["kind"] == "hf_export"
 
 
+def _whole(got) -> torch.Tensor:
+    """``export._tensor``'s answer as one tensor: it may be the tensor's rows in pieces."""
+    return torch.cat([t for _, t in got]) if isinstance(got, list) else got
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["ranges", "rows-read-in-place"])
 def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, direct):
-    # What export reads: whole tensors from chunks split by rows (read straight into place when
-    # their items are large: every item here, with direct) or by columns (copied), written by
-    # lib/ or by DCP's own writer (strided items included).
+    # What export reads: whole tensors from chunks split by rows (their items mapped and written
+    # as they are: export's pieces) or by columns (copied), written by lib/ or by DCP's own writer
+    # (strided items included); and, read into one tensor, rows read straight into place when
+    # their items are large (every item here, with direct).
     import torch.distributed.checkpoint as dcp
 
     flat, mapped = [], []
@@ -174,16 +180,24 @@ def test_whole_tensors_read_from_chunks_of_either_writer(tmp_path, monkeypatch, 
     theirs = str(tmp_path / "theirs")
     dcp.save({"rows": full["rows"], "cols": full["cols"].t().contiguous().t(), "vec": full["vec"]},
              storage_writer=dcp.FileSystemWriter(theirs, thread_count=2))
+    pieces = []
     for url in (ours, theirs):
         index = checkpoint.read_index(url)
         for name, t in full.items():
             got = export._tensor(url, index, name, t.dtype)
-            assert got.dtype == t.dtype and torch.equal(got, t), (url, name)
+            if isinstance(got, list):
+                pieces.append((os.path.basename(url), name, [first for first, _ in got]))
+            assert _whole(got).dtype == t.dtype and torch.equal(_whole(got), t), (url, name)
+        assert torch.equal(_whole(export._tensor(url, index, "rows", torch.float32)), full["rows"].float())
     # A tensor stored whole in one plain item is its file's pages, mapped: vec (of both), rows
-    # (DCP's one chunk); not DCP's strided item of cols. Read in place: the 2 chunks of our rows;
-    # not the columns of ours.
-    assert sorted(mapped) == [("ours", "vec"), ("theirs", "rows"), ("theirs", "vec")], mapped
-    assert len([f for f in flat if f is not None]) == (2 if direct else 0)
+    # (DCP's one chunk); not DCP's strided item of cols. Our rows' two chunks are mapped as its
+    # rows (converted to another dtype, they are read); the columns of ours are read.
+    assert sorted(set(mapped)) == [("ours", "vec"), ("theirs", "rows"), ("theirs", "vec")], mapped
+    assert pieces == [("ours", "rows", [0, 32])], pieces
+    rows = torch.empty(96, 40, dtype=torch.bfloat16)
+    flat.clear()
+    checkpoint.read({"rows": rows}, ours)
+    assert torch.equal(rows, full["rows"]) and len([f for f in flat if f is not None]) == (2 if direct else 0)
 
 
 def test_a_tensor_of_no_elements_reads_as_one(tmp_path):
@@ -191,8 +205,8 @@ def test_a_tensor_of_no_elements_reads_as_one(tmp_path):
     checkpoint.save({"empty": torch.zeros(0, 4), "w": torch.ones(2, 4)}, url, threads=1)
     index = checkpoint.read_index(url)
     assert checkpoint.mapped(url, index, "empty") is None  # nothing to map: read
-    assert export._tensor(url, index, "empty", torch.float32).shape == (0, 4)
-    assert torch.equal(export._tensor(url, index, "w", torch.float32), torch.ones(2, 4))
+    assert _whole(export._tensor(url, index, "empty", torch.float32)).shape == (0, 4)
+    assert torch.equal(_whole(export._tensor(url, index, "w", torch.float32)), torch.ones(2, 4))
 
 
 def test_weights_read_into_targets_of_another_dtype_are_converted_exactly(tmp_path):

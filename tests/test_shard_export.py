@@ -488,9 +488,21 @@ def test_safetensors_written_by_threads_at_offsets_is_the_same_file(tmp_path):
     assert data == st_save(tensors)
     assert publish.TREE in a and "xxh3_128" in b and "xxh3_128" in c
     publish.verify(str(tmp_path), {"a.safetensors": a, "b.safetensors": b})
+    # A tensor given as its rows in pieces (export's row chunks) writes the same bytes, both ways.
+    rows = {**lazy, "t6": Deferred(torch.float32, (23, 9), lambda: [(0, tensors["t6"][:10]), (10, tensors["t6"][10:])])}
+    assert write_file(str(tmp_path / "e.safetensors"), rows, threads=4)["bytes"] == len(data)
+    assert (tmp_path / "e.safetensors").read_bytes() == data
+    write_file("memory://llamarl-test/e.safetensors", rows, threads=1)
+    assert fsspec.filesystem("memory").cat("/llamarl-test/e.safetensors") == data
     wrong = {**lazy, "t3": Deferred(torch.float32, (1, 1), lambda: tensors["t3"])}
     with pytest.raises(ValueError, match="t3 came as torch.float32"):
         write_file(str(tmp_path / "d.safetensors"), wrong, threads=4)
+    gap = {**lazy, "t6": Deferred(torch.float32, (23, 9), lambda: [(0, tensors["t6"][:10]), (12, tensors["t6"][12:])])}
+    with pytest.raises(ValueError, match="t6's rows from 12"):
+        write_file(str(tmp_path / "d.safetensors"), gap, threads=4)
+    short = {**lazy, "t6": Deferred(torch.float32, (23, 9), lambda: [(0, tensors["t6"][:10])])}
+    with pytest.raises(ValueError, match="t6 came as 10 rows, planned as 23"):
+        write_file(str(tmp_path / "d.safetensors"), short, threads=4)
     assert not (tmp_path / "d.safetensors").exists()
 
 

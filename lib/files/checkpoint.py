@@ -313,15 +313,22 @@ def mapped(url: str, index: dict[str, dcp_format.Stored], fqn: str) -> torch.Ten
     """Tensor ``fqn`` of a checkpoint on a local file system, whole, as a view of its file's page
     cache (``ranges.mapped``: no copy), where it is stored as one plain contiguous chunk; None
     otherwise (``read`` it). ``index``: the checkpoint's ``read_index``."""
-    fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
     stored = index.get(fqn)
-    if not is_local(fs) or stored is None or len(stored.chunks) != 1:
+    if stored is None or len(stored.chunks) != 1:
         return None
-    chunk = stored.chunks[0]
+    return mapped_chunk(url, stored.chunks[0], stored.dtype)
+
+
+def mapped_chunk(url: str, chunk: dcp_format.Chunk, dtype: torch.dtype) -> torch.Tensor | None:
+    """One stored chunk (of ``chunk.sizes``) of a checkpoint on a local file system, as a view of
+    its file's pages, where its item is a plain contiguous tensor of ``dtype``; None otherwise."""
+    fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
+    if not is_local(fs) or chunk.transforms:
+        return None
     path = f"{root}/{chunk.file}"
-    item = _header(fs, path, chunk.begin, chunk.end) if not chunk.transforms else None
-    size, numel = stored.size, math.prod(stored.size)
-    if (item is None or item.dtype != stored.dtype or item.size != size or not size
+    item = _header(fs, path, chunk.begin, chunk.end)
+    size, numel = chunk.sizes, math.prod(chunk.sizes)
+    if (item is None or item.dtype != dtype or item.size != size or not size
             or list(item.stride) != _row_major(size) or not numel):
         return None
     begin = chunk.begin + item.begin

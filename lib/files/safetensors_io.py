@@ -145,11 +145,13 @@ class SafetensorsCheckpoint:
 @dataclass(frozen=True)
 class Deferred:
     """A tensor to write whose bytes are fetched when its turn comes (``get()``): a file's
-    header needs only dtypes and shapes, so a writer need not hold the whole file in memory."""
+    header needs only dtypes and shapes, so a writer need not hold the whole file in memory.
+    ``get`` returns the tensor, or its rows in pieces that tile it in order: ``[(first row,
+    tensor of those rows), …]`` (chunks of a checkpoint, written as they are stored)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-    get: Callable[[], torch.Tensor]
+    get: Callable[[], torch.Tensor | list[tuple[int, torch.Tensor]]]
 
 
 def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None, threads: int = 1) -> dict:
@@ -177,12 +179,11 @@ def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None, 
     head = json.dumps(header, separators=(",", ":")).encode()
     head = struct.pack("<Q", len(head) + (-len(head) % 8)) + head + b" " * (-len(head) % 8)
 
-    def fetch(name: str) -> memoryview:
+    def fetch(name: str) -> list[tuple[int, memoryview]]:
+        """The tensor's bytes as (offset in them, bytes) pieces, in order."""
         t = tensors[name].get() if isinstance(tensors[name], Deferred) else tensors[name]
-        if (t.dtype, tuple(t.shape)) != specs[name][:2]:
-            raise ValueError(f"{url}: {name} came as {t.dtype} {list(t.shape)}, planned as "
-                             f"{specs[name][0]} {list(specs[name][1])}")
-        return memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        return [(at, memoryview(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
+                for at, p in _pieces(url, name, t, *specs[name])]
 
     fs, path = fsspec.core.url_to_fs(url)
     if threads > 1 and is_local(fs):
@@ -194,11 +195,29 @@ def write_file(url: str, tensors: dict, metadata: dict[str, str] | None = None, 
             for later in order[i : i + max(1, threads)]:  # fetched ahead of the one written
                 if later not in ahead:
                     ahead[later] = pool.submit(fetch, later)
-            data = ahead.pop(name).result()
-            if len(data):
-                f.write(data)
-            del data
+            for _, data in ahead.pop(name).result():
+                if len(data):
+                    f.write(data)
+            data = None  # its memory goes before the next tensor's is fetched
     return f.entry()
+
+
+def _pieces(url: str, name: str, t, dtype: torch.dtype, shape: tuple, nbytes: int) -> list[tuple[int, torch.Tensor]]:
+    """``t`` (a tensor, or its rows in pieces) as (byte offset, tensor) pieces, checked against
+    the planned dtype and shape: the pieces' rows follow each other and make up the whole."""
+    if not isinstance(t, list):
+        if (t.dtype, tuple(t.shape)) != (dtype, shape):
+            raise ValueError(f"{url}: {name} came as {t.dtype} {list(t.shape)}, planned as {dtype} {list(shape)}")
+        return [(0, t)]
+    row_bytes, rows = (nbytes // shape[0] if shape and shape[0] else 0), 0
+    for first, p in t:
+        if p.dtype != dtype or not shape or tuple(p.shape[1:]) != shape[1:] or first != rows:
+            raise ValueError(f"{url}: {name}'s rows from {first} came as {p.dtype} {list(p.shape)}, planned "
+                             f"as rows from {rows} of {dtype} {list(shape)}")
+        rows += p.shape[0]
+    if rows != shape[0]:
+        raise ValueError(f"{url}: {name} came as {rows} rows, planned as {shape[0]}")
+    return [(first * row_bytes, p) for first, p in t]
 
 
 def _write_local_parallel(fs, path: str, head: bytes, order: list[str], offsets: dict, size: int, fetch,
@@ -211,8 +230,8 @@ def _write_local_parallel(fs, path: str, head: bytes, order: list[str], offsets:
         _pwrite(fd, memoryview(head), 0)
 
         def put(name: str) -> None:
-            data = fetch(name)
-            _pwrite(fd, data, len(head) + offsets[name])
+            for at, data in fetch(name):
+                _pwrite(fd, data, len(head) + offsets[name] + at)
 
         with ThreadPoolExecutor(threads) as pool:
             for done in [pool.submit(put, n) for n in order]:
