@@ -104,8 +104,8 @@ def _mapped_rows(url: str, stored) -> list[tuple[int, torch.Tensor]] | None:
 
 
 def _index(src: str, shapes: dict[str, tuple], dtype: str) -> dict:
-    """The checkpoint's index (``checkpoint.read_index``), checked against its manifest: every tensor of the model, with
-    its shape and the manifest's dtype."""
+    """The checkpoint's index (``checkpoint.read_index``), checked against its manifest: every
+    tensor of the model, with its shape and the manifest's dtype."""
     try:
         stored = checkpoint.read_index(f"{src}/{contract.MODEL}")
     except Exception as e:  # noqa: BLE001 — a .metadata damaged anyhow
@@ -121,8 +121,8 @@ def _index(src: str, shapes: dict[str, tuple], dtype: str) -> dict:
 
 
 def _write(url: str, model_url: str, index: dict, names: list[str], shapes: dict, dtype: torch.dtype) -> dict:
-    """One safetensors file of the tensors ``names``, each read whole when its turn comes; its
-    manifest entry. ``_Unreadable`` for the input, ``OSError`` for the output's storage."""
+    """One safetensors file of the tensors ``names``, each read (``_tensor``) when its turn comes;
+    its manifest entry. ``_Unreadable`` for the input, ``OSError`` for the output's storage."""
     tensors = {n: Deferred(dtype, tuple(shapes[n]), lambda n=n: _tensor(model_url, index, n, dtype)) for n in names}
     try:
         return write_file(url, tensors, metadata={"format": "pt"}, threads=THREADS)

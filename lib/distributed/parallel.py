@@ -77,9 +77,9 @@ def device() -> torch.device:
 
 def _await_store(timeout_s: float) -> None:
     """Rank > 0: wait until rank 0's store (``MASTER_ADDR:MASTER_PORT``) accepts a connection,
-    trying every 10 ms. torch's store client backs off between its own tries, so a rank that tried
-    before rank 0 listened joined up to 0.8 s after it could have (export with 4 processes: 0.3-0.5 s
-    of a 2.8 s command). After ``timeout_s``, the rendezvous's own error (``job`` names it)."""
+    trying every 10 ms. torch's store client backs off between its own tries, so a rank that tries
+    before rank 0 listens would join up to a second or more after it could (0.3-0.5 s of export's
+    2.8 s with 4 processes on the H100). After ``timeout_s``, the rendezvous's error (``job`` names it)."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if int(os.environ.get("RANK", 0)) == 0 or not addr or not port:
         return

@@ -322,9 +322,9 @@ def _index(md) -> dict[str, Stored]:
         chunks = []
         for c in t.chunks:
             info = where[(fqn, tuple(c.offsets))]
-            begin = int(info.offset)
+            begin, transforms = int(info.offset), tuple(getattr(info, "transform_descriptors", None) or ())
             chunks.append(Chunk(tuple(map(int, c.offsets)), tuple(map(int, c.sizes)), str(info.relative_path),
-                                begin, begin + int(info.length), tuple(getattr(info, "transform_descriptors", None) or ())))
+                                begin, begin + int(info.length), transforms))
         if not isinstance(t.properties.dtype, torch.dtype):
             raise TypeError(f"{fqn}: dtype {t.properties.dtype!r}")
         out[fqn] = Stored(tuple(map(int, t.size)), t.properties.dtype, tuple(chunks))
