@@ -165,7 +165,6 @@ def test_wgrad_fusion_only_where_asked(monkeypatch):
     w.main_grad = torch.zeros(4, 3)
     monkeypatch.setenv(layers.WGRAD_ENV, "auto")
     assert not layers.wgrad_fusion_on(torch.device("cpu"))  # auto: CUDA only
-    assert not layers.wgrad_fusion_on(torch.device("cuda"), in_region=True)  # auto: not in the layer regions
     assert layers.linear(x, w).grad_fn.name() != "_LinearGradIntoMainBackward"
     monkeypatch.setenv(layers.WGRAD_ENV, "1")
     assert layers.linear(x, w).grad_fn.name() == "_LinearGradIntoMainBackward"

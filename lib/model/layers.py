@@ -80,11 +80,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def wgrad_target(weight: torch.Tensor, in_region: bool = False) -> torch.Tensor | None:
-    """The fp32 ``main_grad`` a linear's weight-gradient GEMM should add into (see ``linear``), or
-    None. ``in_region``: for a linear inside a compiled region (``region_linear``)."""
+def wgrad_target(weight: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 ``main_grad`` a linear's weight-gradient GEMM should add into (see ``linear`` and
+    ``region_linear``), or None."""
     if (torch.is_grad_enabled() and weight.requires_grad and weight.dtype != torch.float32
-            and getattr(weight, "main_grad", None) is not None and wgrad_fusion_on(weight.device, in_region)):
+            and getattr(weight, "main_grad", None) is not None and wgrad_fusion_on(weight.device)):
         return weight.main_grad
     return None
 
@@ -176,15 +176,15 @@ def accumulate_wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor)
 WGRAD_ENV = "LLAMARL_FUSED_WGRAD"
 
 
-def wgrad_fusion_on(device: torch.device, in_region: bool = False) -> bool:
+def wgrad_fusion_on(device: torch.device) -> bool:
     """Whether a linear accumulates its weight gradient into ``main_grad`` in its GEMM, as
-    ``LLAMARL_FUSED_WGRAD`` says (docs/training.md): ``auto``, the eager linears on CUDA where
-    ``fusions_on`` and torch's mixed-dtype ``addmm`` works, not those inside a region (``in_region``:
-    there its host time may cost more than it saves); ``1``, everywhere; ``0``, never."""
+    ``LLAMARL_FUSED_WGRAD`` says (docs/training.md): ``auto``, on CUDA where ``fusions_on`` and
+    torch's mixed-dtype ``addmm`` works; ``1``, everywhere (on CPU by upcasting, for tests); ``0``,
+    never."""
     mode = _switch(WGRAD_ENV, "auto", ("auto", "0", "1"))
     if mode != "auto":
         return mode == "1"
-    return not in_region and device.type == "cuda" and fusions_on(device) and _fp32_addmm_works(device.index)
+    return device.type == "cuda" and fusions_on(device) and _fp32_addmm_works(device.index)
 
 
 @functools.cache

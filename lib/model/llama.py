@@ -111,14 +111,14 @@ class DecoderLayer(nn.Module):
         eps = self.input_layernorm.eps
         qkv, o, gate_up, down = a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
         # Each linear's fp32 main_grad goes in as an argument where its gradient is fused into it
-        # (LLAMARL_FUSED_WGRAD=1 only: see lib.model.layers.wgrad_fusion_on).
+        # (lib.model.layers.wgrad_fusion_on).
         q, k, v = compiled_region(_attention_in, 0, 5, 6)(
-            x, self.input_layernorm.weight, qkv.weight, qkv.bias, wgrad_target(qkv.weight, True), cos, sin, eps,
+            x, self.input_layernorm.weight, qkv.weight, qkv.bias, wgrad_target(qkv.weight), cos, sin, eps,
             a.heads, a.kv_heads, a.head_dim)
         out = attention(q, k, v, meta, self.index).reshape(-1, a.q_rows)
         return compiled_region(_attention_out_and_mlp, 0, 1)(
             out, x, self.post_attention_layernorm.weight,
-            *(t for lin in (o, gate_up, down) for t in (lin.weight, lin.bias, wgrad_target(lin.weight, True))), eps)
+            *(t for lin in (o, gate_up, down) for t in (lin.weight, lin.bias, wgrad_target(lin.weight))), eps)
 
 
 def _attention_in(x, norm_w, qkv_w, qkv_b, qkv_g, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
