@@ -216,6 +216,7 @@ def build_ppo(hf_cfg, case, lengths, micro_batch_tokens, dev):
     from llamarl.lib.distributed import parallel
     from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype
     from llamarl.lib.model.llama import ParallelLlamaForCausalLM
+    from llamarl.lib.runtime import job
     from llamarl.stages import contract
     from llamarl.stages.config import PPOConfig
     from llamarl.stages.ppo_data import Sample, advantages, check_groups, mini_batch
@@ -255,6 +256,8 @@ def build_ppo(hf_cfg, case, lengths, micro_batch_tokens, dev):
         _, batch_idx = mini_batch(cfg, len(samples), k)
         m = train_step(cfg, trainers, samples, data, batch_idx, k, dev, batches=batches,
                        next_idx=mini_batch(cfg, len(samples), k + 1)[1])
+        if counter[0] == 0:
+            job.freeze_heap()  # as stages/ppo.py after its first step
         counter[0] += 1
         metrics.append(m)
         losses.append(torch.tensor(m["policy_loss"]))

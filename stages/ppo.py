@@ -258,6 +258,8 @@ def _train(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[str, Traine
         m = train_step(cfg, trainers, inputs.samples, data, batch_idx, step, dev, inputs.agg_norm, check, batches,
                        next_idx)
         m.update(step=step + 1, epoch=epoch, seconds=time.perf_counter() - t0)
+        if k == done:
+            job.freeze_heap()  # the first step compiled the update's graphs
         update_tokens += m["tokens"]
         metrics.append(m)
         if cfg.save_every and (k + 1) % cfg.save_every == 0 and k + 1 < inputs.steps:

@@ -197,6 +197,18 @@ def _peer_error(e: BaseException) -> str:
     return (f"{me}: {who} ({text}); the stage stopped, nothing unfinished is published: rerun it to resume")
 
 
+def freeze_heap() -> None:
+    """Collect, then keep what is left out of the collector's sight (``gc.freeze``): for what a
+    warm-up made that lives as long as the process (compiled graphs, kernels' caches). A full
+    collection walks every tracked object; after torch.compile's warm-up that stalls the host
+    tens of ms, which a GPU waiting on the next kernel launch spends idle (ppo's update on an
+    H100: ragged micro-batches 0.35-0.39 s a step with the collector as it is, 0.33 s without)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def main(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> None:
     """A stage process's ``__main__``: ``call``, then its exit status (``EXIT_USER_ERROR``,
     ``EXIT_PEER_LOST``, or 0)."""
