@@ -157,5 +157,29 @@ def test_varlen_attention_without_gradients_computes_what_torchs_op_computes():
     with torch.no_grad():
         direct = attention.varlen_attention(q, k, v, cu, 400, backend="torch_varlen")
     assert attention._direct_flash_ok
-    through_op = attention.varlen_attention(q.requires_grad_(), k, v, cu, 400, backend="torch_varlen")
-    assert torch.equal(direct, through_op.detach())
+    fn, has_gqa = attention._torch_varlen()
+    kv = (k, v) if has_gqa else (attention.repeat_kv(k, 4), attention.repeat_kv(v, 4))
+    through_op = fn(q, *kv, cu, cu, 400, 400, window_size=(-1, 0), **({"enable_gqa": True} if has_gqa else {}))
+    assert torch.equal(direct, through_op)
+
+
+def test_varlen_attention_with_gradients_computes_what_torchs_op_computes():
+    # Training calls the flash kernels' aten ops too (GQA in the kernel: keys and values are not
+    # repeated): the output bits of torch's varlen_attn, gradients within bf16 rounding of its.
+    from llamarl.lib.model import attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(700, 32, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(700, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for _ in range(2))
+    dout = torch.randn(700, 32, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = torch.tensor([0, 5, 300, 700], dtype=torch.int32, device="cuda")
+    out = attention.varlen_attention(q, k, v, cu, 400, backend="torch_varlen")
+    assert out.grad_fn.name() == "_FlashVarlenBackward"
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    fn, has_gqa = attention._torch_varlen()
+    kv = (k, v) if has_gqa else (attention.repeat_kv(k, 4), attention.repeat_kv(v, 4))
+    ref = fn(q, *kv, cu, cu, 400, 400, window_size=(-1, 0), **({"enable_gqa": True} if has_gqa else {}))
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    assert torch.equal(out, ref)
+    for name, a, b in zip("qkv", grads, ref_grads):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-2 * b.abs().max(), name

@@ -226,14 +226,14 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, backend
     if backend == "flash_attn":
         return _flash_attn_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
     if backend == "torch_varlen":
+        if _direct_flash_ok:
+            out = _direct_flash(q, k, v, cu_seqlens, max_seqlen)
+            if out is not None:
+                return out
         fn, has_gqa = _torch_varlen()
         if not has_gqa:
             rep = q.shape[1] // k.shape[1]  # torch 2.11's varlen_attn has no GQA
             k, v = repeat_kv(k, rep), repeat_kv(v, rep)
-        if not torch.is_grad_enabled() and _direct_flash_ok:
-            out = _direct_flash(q, k, v, cu_seqlens, max_seqlen)
-            if out is not None:
-                return out
         gqa = {"enable_gqa": True} if has_gqa else {}
         return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), **gqa)
     return _sdpa_per_sequence(q, k, v, cu_seqlens)
@@ -243,17 +243,42 @@ _direct_flash_ok = True
 
 
 def _direct_flash(q, k, v, cu_seqlens, max_seqlen) -> torch.Tensor | None:
-    """Without gradients, the flash kernel torch's ``varlen_attn`` runs, called as the aten op
-    itself: that custom op's first call imports ``torch._dynamo`` (~1 s a process) and every call
-    pays its wrapper. The same bits (``tests/test_generate_gpu.py``). None (and ``varlen_attn``
-    from then on) if this torch's aten op takes other arguments."""
+    """The flash kernels torch's ``varlen_attn`` runs, called as the aten ops themselves
+    (``_FlashVarlen``): that custom op's Python wrapper costs host time on every call (about a
+    tenth of a ms, forward and backward; ragged ppo updates are host-bound), its first call
+    imports ``torch._dynamo`` (~1 s a process), and torch 2.11's has no GQA (keys and values
+    repeated to every query head, and summed back in backward). The same bits
+    (``tests/test_generate_gpu.py``). None (and ``varlen_attn`` from then on) if this torch's aten
+    ops take other arguments."""
     global _direct_flash_ok
     try:
-        return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
-                                                       True, False, window_size_left=-1, window_size_right=0)[0]
+        return _FlashVarlen.apply(q, k, v, cu_seqlens, max_seqlen)
     except (AttributeError, TypeError, RuntimeError):
         _direct_flash_ok = False
         return None
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Causal attention within packed sequences: torch's flash forward and backward aten ops, as
+    ``varlen_attn`` calls them (no dropout; GQA in the kernel)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen):
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False,
+            window_size_left=-1, window_size_right=0)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed, offset)
+        ctx.max_seqlen = max_seqlen
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens, seed, offset = ctx.saved_tensors
+        n = ctx.max_seqlen
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, n, n, 0.0, True, seed, offset,
+            window_size_left=-1, window_size_right=0)
+        return dq, dk, dv, None, None
 
 
 def _sdpa_dense(q, k, v, seqs: int, seqlen: int) -> torch.Tensor:
