@@ -71,14 +71,6 @@ def _actor_only(node: str) -> dict[str, str]:
     return {} if node == "shard/actor" else {node: "actor"}
 
 
-def validated_iterations(spec: RunSpec) -> list[int]:
-    """The iterations after which the run validates: every ``every``-th, and the last."""
-    if spec.validation is None:
-        return []
-    every = spec.validation.every
-    return sorted({i for i in range(every, spec.iterations + 1, every)} | {spec.iterations})
-
-
 def build_dag(spec: RunSpec) -> list[Node]:
     """The stages of ``spec`` in an order that respects their dependencies (validation right
     after the ppo it validates: first in line when there is room for it)."""
@@ -90,7 +82,6 @@ def build_dag(spec: RunSpec) -> list[Node]:
     nodes = [Node(name, "shard", f"{run}/{name}", [], L.shard,
                   cfg(ShardConfig, {}, "shard", src=src, dst=f"{run}/{name}", tp=L.shard.tp, pp=L.shard.pp))
              for name, src in (("shard/actor", spec.actor), ("shard/rm", spec.reward_model)) if src]
-    validated = set(validated_iterations(spec))
     actor, critic = "shard/actor", None
     trained = ["shard/actor"]  # trained[k]: the actor after k ppo updates
     for i in range(1, spec.iterations + 1):
@@ -112,7 +103,7 @@ def build_dag(spec: RunSpec) -> list[Node]:
                           cfg(PPOConfig, spec.ppo, "ppo", rollout=f"{run}/{ro}", scores=f"{run}/{sc}",
                               actor=actor_dir(run, actor), reference=f"{run}/shard/actor", critic=critic_dir,
                               out=f"{run}/{po}", tp=L.ppo.tp, pp=L.ppo.pp, dp=L.ppo.dp, **stale), iteration=i))
-        if i in validated:
+        if spec.validation and (i % spec.validation.every == 0 or i == spec.iterations):
             nodes += _validation_nodes(spec, i, po)
         # GRPO trains no critic: the next iteration starts its own only if it needs one.
         actor, critic = po, (po if spec.ppo.advantage == "gae" else None)
