@@ -54,11 +54,6 @@ class Node:
         """What the stage reads and what names its output, as the stage itself declares it."""
         return declare(self.make_config())
 
-    @property
-    def external(self) -> tuple[str, ...]:
-        """What it reads from outside the run (an HF folder, the prompts)."""
-        return self.declared.external
-
 
 def actor_dir(run: str, node: str) -> str:
     """The actor weights a node's output holds: the shard itself, or a ppo's ``actor/``."""
