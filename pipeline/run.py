@@ -35,8 +35,8 @@ from .lock import RunLock
 from .metrics import update_metrics
 from .monitor import Monitor
 from .records import plan, read_record, write_record
-from .retention import Trash
-from .schedule import PipelineError, Schedule, after_done, now, record_end
+from .retention import Trash, retire_done
+from .schedule import PipelineError, Schedule, now, record_end, update_metrics_after
 from .spec import RunSpec
 
 
@@ -120,10 +120,11 @@ class NodeRecorder:
     def ended(self, result) -> None:
         node, nodes, spec = self._node()
         by_name = {n.name: n for n in nodes}
-        if record_end(spec, node, by_name, result):
+        if record_end(spec, node, by_name, result):  # then what retention lets go of, and the run's metrics
+            retire_done(spec, nodes, by_name)
             monitor = Monitor(spec)
             try:
-                after_done(spec, node, nodes, by_name, monitor, print)
+                update_metrics_after(spec, node, monitor)
             finally:
                 monitor.close()
 

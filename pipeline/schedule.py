@@ -52,13 +52,6 @@ def record_done(spec: RunSpec, n: Node, by_name: dict[str, Node], key: str | Non
                  external=fingerprints(n), finished=now(), error=None, **extra)
 
 
-def after_done(spec: RunSpec, n: Node, nodes: list[Node], by_name: dict[str, Node], monitor: Monitor,
-                echo, trash: Trash | None = None) -> None:
-    """What follows a stage's end: whatever retention now lets go of, and the run's metrics."""
-    retire_done(spec, nodes, by_name, echo, trash)
-    update_metrics_after(spec, n, monitor)
-
-
 def update_metrics_after(spec: RunSpec, n: Node, monitor: Monitor) -> None:
     """The run's metrics, to its sinks and its plot, when ``n``'s end changed them."""
     if n.stage == "ppo" or (n.role == VALIDATE and n.stage == "score"):
