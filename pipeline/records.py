@@ -155,9 +155,7 @@ def retired_parts(url: str) -> list[str]:
     path = path.rstrip("/")
     if not fs.exists(path):
         return []
-    markers = list(fs.glob(f"{path}/**/{publish.RETIRED}", maxdepth=3))
-    if fs.exists(f"{path}/{publish.RETIRED}"):
-        markers.append(f"{path}/{publish.RETIRED}")
+    markers = fs.glob(f"{path}/**/{publish.RETIRED}", maxdepth=3)  # ``**`` matches no folder too: url's own
     return sorted({m.rstrip("/")[len(path):].strip("/").removesuffix(publish.RETIRED).strip("/") for m in markers})
 
 
