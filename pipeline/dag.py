@@ -117,7 +117,7 @@ def _rollout_options(spec: RunSpec, iteration: int) -> dict:
 
 
 def _selection(spec: RunSpec, iteration: int) -> dict:
-    select = data.iteration_selection(spec.seed, spec.shuffle is not False, spec.prompts_per_iteration, iteration)
+    select = data.iteration_selection(spec, iteration)
     if select is None:
         return {}
     return {"select": select.model_dump(), "index_cache": data.prompts_index(spec.run_dir)}
