@@ -4,8 +4,8 @@ foreground loop and ``--detach``) share."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from datetime import datetime, timezone
 
 import fsspec
 
@@ -28,8 +28,7 @@ class PipelineError(UserError):
 
 def now() -> str:
     """UTC to the millisecond: a stage that ran beside another for under a second still overlaps it."""
-    t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def record_end(spec: RunSpec, n: Node, by_name: dict[str, Node], result, key: str | None = None) -> bool:
