@@ -54,11 +54,6 @@ class Node:
         """What the stage reads and what names its output, as the stage itself declares it."""
         return declare(self.make_config())
 
-    @property
-    def external(self) -> tuple[str, ...]:
-        """What it reads from outside the run (an HF folder, the prompts)."""
-        return self.declared.external
-
 
 def actor_dir(run: str, node: str) -> str:
     """The actor weights a node's output holds: the shard itself, or a ppo's ``actor/``."""
@@ -69,14 +64,6 @@ def _actor_only(node: str) -> dict[str, str]:
     """A ppo's actor/ is published before its training state: a stage that reads only the weights
     (rollout, export, validation) need not wait for the rest."""
     return {} if node == "shard/actor" else {node: "actor"}
-
-
-def validated_iterations(spec: RunSpec) -> list[int]:
-    """The iterations after which the run validates: every ``every``-th, and the last."""
-    if spec.validation is None:
-        return []
-    every = spec.validation.every
-    return sorted({i for i in range(every, spec.iterations + 1, every)} | {spec.iterations})
 
 
 def build_dag(spec: RunSpec) -> list[Node]:
@@ -90,7 +77,6 @@ def build_dag(spec: RunSpec) -> list[Node]:
     nodes = [Node(name, "shard", f"{run}/{name}", [], L.shard,
                   cfg(ShardConfig, {}, "shard", src=src, dst=f"{run}/{name}", tp=L.shard.tp, pp=L.shard.pp))
              for name, src in (("shard/actor", spec.actor), ("shard/rm", spec.reward_model)) if src]
-    validated = set(validated_iterations(spec))
     actor, critic = "shard/actor", None
     trained = ["shard/actor"]  # trained[k]: the actor after k ppo updates
     for i in range(1, spec.iterations + 1):
@@ -112,7 +98,7 @@ def build_dag(spec: RunSpec) -> list[Node]:
                           cfg(PPOConfig, spec.ppo, "ppo", rollout=f"{run}/{ro}", scores=f"{run}/{sc}",
                               actor=actor_dir(run, actor), reference=f"{run}/shard/actor", critic=critic_dir,
                               out=f"{run}/{po}", tp=L.ppo.tp, pp=L.ppo.pp, dp=L.ppo.dp, **stale), iteration=i))
-        if i in validated:
+        if spec.validation and (i % spec.validation.every == 0 or i == spec.iterations):
             nodes += _validation_nodes(spec, i, po)
         # GRPO trains no critic: the next iteration starts its own only if it needs one.
         actor, critic = po, (po if spec.ppo.advantage == "gae" else None)
@@ -131,7 +117,7 @@ def _rollout_options(spec: RunSpec, iteration: int) -> dict:
 
 
 def _selection(spec: RunSpec, iteration: int) -> dict:
-    select = data.iteration_selection(spec.seed, spec.shuffle is not False, spec.prompts_per_iteration, iteration)
+    select = data.iteration_selection(spec, iteration)
     if select is None:
         return {}
     return {"select": select.model_dump(), "index_cache": data.prompts_index(spec.run_dir)}

@@ -10,6 +10,8 @@ import hashlib
 
 from llamarl.stages.config import PromptSelection
 
+from .spec import RunSpec
+
 
 def _derived(*parts: object) -> int:
     """A non-negative 63-bit seed from ``parts`` (stable across Python versions and platforms)."""
@@ -33,12 +35,12 @@ def prompts_index(run_dir: str) -> str:
     return f"{run_dir}/pipeline/prompts-index"
 
 
-def iteration_selection(run_seed: int, shuffle: bool, per_iteration: int | None,
-                        iteration: int) -> PromptSelection | None:
+def iteration_selection(spec: RunSpec, iteration: int) -> PromptSelection | None:
     """The rows iteration ``iteration`` (from 1) takes; None: every row (no prompts_per_iteration)."""
-    if per_iteration is None:
+    if (count := spec.prompts_per_iteration) is None:
         return None
-    return PromptSelection(seed=run_seed, shuffle=shuffle, start=(iteration - 1) * per_iteration, count=per_iteration)
+    return PromptSelection(seed=spec.seed, shuffle=spec.shuffle is not False,  # null: shuffled
+                           start=(iteration - 1) * count, count=count)
 
 
 def describe_position(select: PromptSelection, rows: int) -> str:

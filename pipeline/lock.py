@@ -214,7 +214,6 @@ def _pid_namespace() -> int | None:
 
 
 def _pids(stages: dict) -> dict[str, list[int]]:
-    """The pids recorded for each stage."""
     return {name: [g[0] for g in entry.get("procs", [])] for name, entry in stages.items()}
 
 
@@ -229,7 +228,6 @@ def _listing(pids: dict[str, list[int]]) -> str:
 
 
 def _kill_command(stages: dict) -> str:
-    """The command that stops these stages' process groups."""
     return "kill -KILL -- " + " ".join(f"-{pid}" for pids in _pids(stages).values() for pid in pids)
 
 

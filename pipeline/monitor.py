@@ -1,10 +1,7 @@
-"""The run's metrics rows, also to TensorBoard and W&B (the spec's ``metrics:``), from the driver.
-
-Each sink gets the same rows as ``metrics.jsonl``, one point per iteration, named by ``tag``. A row
-grows after it is first written (its validation ends later) and a `llamarl run` can stop and
-resume, so what each sink holds is recorded (``pipeline/monitor.json``): a point is written once,
-again only if its value changed, and a resumed run goes on in the same TensorBoard folder and W&B run.
-"""
+"""The run's metrics rows, also to TensorBoard and W&B (the spec's ``metrics:``), from the driver:
+docs/pipeline.md, "A long run", Monitoring. A row grows after it is first written (its validation
+ends later), hence ``pipeline/monitor.json``: what each sink holds, so a point is sent again only
+when its value changed."""
 
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ def fingerprint(url: str, checksums: bool = False) -> str:
 
 def fingerprints(node: Node) -> dict[str, str]:
     # Prompts (read by rollout) are hashed whole; model folders by names, sizes and times.
-    return {url: fingerprint(url, checksums=node.stage == "rollout") for url in node.external}
+    return {url: fingerprint(url, checksums=node.stage == "rollout") for url in node.declared.external}
 
 
 def input_url(node: Node, name: str, by_name: dict[str, Node]) -> str:
@@ -139,7 +139,7 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
         return False, "its output is missing"
     if record.get("key") != key:
         now = fingerprints(node)
-        changed = [url for url in node.external if (record.get("external") or {}).get(url) != now[url]]
+        changed = [url for url in node.declared.external if (record.get("external") or {}).get(url) != now[url]]
         if changed:
             return False, f"{changed[0]} changed since it ran"
         return False, "its config or inputs changed"
@@ -155,9 +155,7 @@ def retired_parts(url: str) -> list[str]:
     path = path.rstrip("/")
     if not fs.exists(path):
         return []
-    markers = list(fs.glob(f"{path}/**/{publish.RETIRED}", maxdepth=3))
-    if fs.exists(f"{path}/{publish.RETIRED}"):
-        markers.append(f"{path}/{publish.RETIRED}")
+    markers = fs.glob(f"{path}/**/{publish.RETIRED}", maxdepth=3)  # ``**`` matches no folder too: url's own
     return sorted({m.rstrip("/")[len(path):].strip("/").removesuffix(publish.RETIRED).strip("/") for m in markers})
 
 

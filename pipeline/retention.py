@@ -36,12 +36,6 @@ def _why(spec: RunSpec) -> str:
     return "retention " + ", ".join(kept)
 
 
-def ppo_parts(ppo_out: str) -> list[str]:
-    """The sub-outputs a published ppo output holds (``actor``, ``critic``, ``train_state/actor``, …)."""
-    manifest = publish.read_manifest(ppo_out) or {}
-    return sorted(manifest.get("outputs", {}))
-
-
 class Trash:
     """Where retention moves what it deletes while ``llamarl run`` runs (local storage only), emptied
     by a thread of its own: deleting a training state's GBs takes seconds that the next stage need
@@ -115,7 +109,8 @@ def retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo
             if n.iteration > newest - r.keep_last or not all_read(n):
                 continue
             kept_actor = r.keep_every and n.iteration % r.keep_every == 0
-            goes += [f"{n.out}/{part}" for part in ppo_parts(n.out) if not (kept_actor and part == "actor")]
+            parts = (publish.read_manifest(n.out) or {}).get("outputs", {})  # actor, critic, train_state/actor, …
+            goes += [f"{n.out}/{part}" for part in sorted(parts) if not (kept_actor and part == "actor")]
     if not r.keep_samples:
         for n in nodes:
             if n.stage not in ("rollout", "score") or not all_read(n):

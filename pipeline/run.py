@@ -35,8 +35,8 @@ from .lock import RunLock
 from .metrics import update_metrics
 from .monitor import Monitor
 from .records import plan, read_record, write_record
-from .retention import Trash
-from .schedule import PipelineError, Schedule, after_done, now, record_end
+from .retention import Trash, retire_done
+from .schedule import PipelineError, Schedule, now, record_end, update_metrics_after
 from .spec import RunSpec
 
 
@@ -80,6 +80,10 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
                                     f"{' …' if len(in_flight) > 3 else ''}; follow them with `llamarl status {run}`, "
                                     f"or cancel them (scancel) before running it again")
             check_prompts(spec, record=True)
+            if detach and executor.detach is None:
+                raise PipelineError(f"{spec.source}: --detach needs a cluster executor (slurm or kubernetes); the "
+                                    f"{spec.executor.kind} executor runs in the foreground")
+            publish.write_bytes(f"{run}/pipeline/spec.yaml", spec.to_yaml().encode())
             if detach:
                 return _submit_nodes(spec, nodes, by_name, executor, echo)
             return _run_nodes(spec, nodes, by_name, executor, echo)
@@ -120,10 +124,11 @@ class NodeRecorder:
     def ended(self, result) -> None:
         node, nodes, spec = self._node()
         by_name = {n.name: n for n in nodes}
-        if record_end(spec, node, by_name, result):
+        if record_end(spec, node, by_name, result):  # then what retention lets go of, and the run's metrics
+            retire_done(spec, nodes, by_name)
             monitor = Monitor(spec)
             try:
-                after_done(spec, node, nodes, by_name, monitor, print)
+                update_metrics_after(spec, node, monitor)
             finally:
                 monitor.close()
 
@@ -134,10 +139,6 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
     inputs (Slurm: ``--dependency=afterok``), or start the executor's in-cluster driver; return
     without waiting."""
     run = spec.run_dir
-    if executor.detach is None:
-        raise PipelineError(f"{spec.source}: --detach needs a cluster executor (slurm or kubernetes); the "
-                            f"{spec.executor.kind} executor runs in the foreground")
-    publish.write_bytes(f"{run}/pipeline/spec.yaml", spec.to_yaml().encode())
     if executor.detach == "driver":
         # A driver job runs this same resumable `llamarl run` inside the cluster.
         where = executor.start_driver(f"{run}/pipeline/spec.yaml", spec.name)
@@ -164,7 +165,6 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
 
 def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], executor: Executor,
                echo) -> list[tuple[str, str]]:
-    publish.write_bytes(f"{spec.run_dir}/pipeline/spec.yaml", spec.to_yaml().encode())
     if not executor.launches:
         # Nothing runs here: every stage is written, and applying them in order runs the pipeline.
         report = []

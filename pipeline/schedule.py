@@ -4,8 +4,8 @@ foreground loop and ``--detach``) share."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from datetime import datetime, timezone
 
 import fsspec
 
@@ -28,8 +28,7 @@ class PipelineError(UserError):
 
 def now() -> str:
     """UTC to the millisecond: a stage that ran beside another for under a second still overlaps it."""
-    t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def record_end(spec: RunSpec, n: Node, by_name: dict[str, Node], result, key: str | None = None) -> bool:
@@ -50,13 +49,6 @@ def record_done(spec: RunSpec, n: Node, by_name: dict[str, Node], key: str | Non
         extra["metrics"] = validation_metrics(n.out, spec.validation.pass_threshold)
     write_record(spec.run_dir, n, status="done", key=key or node_key(n, by_name), output_id=published_id(n.out),
                  external=fingerprints(n), finished=now(), error=None, **extra)
-
-
-def after_done(spec: RunSpec, n: Node, nodes: list[Node], by_name: dict[str, Node], monitor: Monitor,
-                echo, trash: Trash | None = None) -> None:
-    """What follows a stage's end: whatever retention now lets go of, and the run's metrics."""
-    retire_done(spec, nodes, by_name, echo, trash)
-    update_metrics_after(spec, n, monitor)
 
 
 def update_metrics_after(spec: RunSpec, n: Node, monitor: Monitor) -> None:

@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, fi
 
 from llamarl.cluster.kinds import KINDS
 from llamarl.lib.options import Source, Strict, validate
-from llamarl.stages.config import (GROUP_ADVANTAGES, INPUT, LAYOUT, Count, ExportConfig, PPOConfig, RewardTerm,
-                                   RolloutConfig, Sampling, ScoreConfig, ShardConfig, StageConfig, Url, kind_of,
+from llamarl.stages.config import (GROUP_ADVANTAGES, INPUT, LAYOUT, STAGES, Count, ExportConfig, PPOConfig,
+                                   RewardTerm, RolloutConfig, Sampling, ScoreConfig, StageConfig, Url, kind_of,
                                    options_model, processes)
 
 def _no_seed(data):
@@ -78,21 +78,10 @@ def layout_model(cls: type[StageConfig]) -> type[StageLayout]:
                         __doc__=f"The layout of the {cls.__name__.removesuffix('Config').lower()} stage.", **counts)
 
 
-ShardLayout = layout_model(ShardConfig)
-RolloutLayout = layout_model(RolloutConfig)
-ScoreLayout = layout_model(ScoreConfig)
-PPOLayout = layout_model(PPOConfig)
-ExportLayout = layout_model(ExportConfig)
-
-
-class Layouts(Strict):
-    """The spec's ``layout:``, one entry per stage, each taking only the counts its stage uses."""
-
-    shard: ShardLayout = Field(default_factory=ShardLayout)
-    rollout: RolloutLayout = Field(default_factory=RolloutLayout)
-    score: ScoreLayout = Field(default_factory=ScoreLayout)
-    ppo: PPOLayout = Field(default_factory=PPOLayout)
-    export: ExportLayout = Field(default_factory=ExportLayout)
+Layouts = create_model("Layouts", __base__=Strict,
+                       __doc__="The spec's ``layout:``, one entry per stage with only the counts its stage uses.",
+                       **{stage: (layout, Field(default_factory=layout))
+                          for stage, layout in zip(STAGES, map(layout_model, STAGES.values()))})
 
 
 class ExecutorSpec(Strict):

@@ -49,9 +49,7 @@ def status(run: str) -> list[tuple[str, str, str]]:
         if n.stage == "rollout" and spec.max_staleness and n.role != VALIDATE:
             why += f"; samples {n.inputs[0]}'s actor"
         if n.stage == "rollout" and n.role != VALIDATE and rows_in_prompts and spec.prompts_per_iteration:
-            select = data.iteration_selection(spec.seed, spec.shuffle is not False, spec.prompts_per_iteration,
-                                              n.iteration)
-            why += f"; {data.describe_position(select, rows_in_prompts)}"
+            why += f"; {data.describe_position(data.iteration_selection(spec, n.iteration), rows_in_prompts)}"
         gone = retained(n)
         if gone:
             why += f"; {gone}"

@@ -337,10 +337,11 @@ def test_the_pipeline_and_the_stage_read_one_declaration(tmp_path):
 
     spec = parse_spec(_spec(tmp_path, validation={"prompts": str(tmp_path / "val.jsonl")}), "spec.yaml")
     nodes = {n.name: n for n in check_spec(spec)}
-    assert nodes["shard/actor"].external == (spec.actor,) and nodes["shard/rm"].external == (spec.reward_model,)
-    assert nodes["iter-001/rollout"].external == (spec.prompts,)
-    assert nodes["iter-002/val-rollout"].external == (str(tmp_path / "val.jsonl"),)
-    assert all(not nodes[n].external for n in ("iter-001/scores", "iter-001/ppo", "export"))
+    assert nodes["shard/actor"].declared.external == (spec.actor,)
+    assert nodes["shard/rm"].declared.external == (spec.reward_model,)
+    assert nodes["iter-001/rollout"].declared.external == (spec.prompts,)
+    assert nodes["iter-002/val-rollout"].declared.external == (str(tmp_path / "val.jsonl"),)
+    assert all(not nodes[n].declared.external for n in ("iter-001/scores", "iter-001/ppo", "export"))
     ppo = nodes["iter-002/ppo"]
     declared = declare(ppo.make_config())
     assert declared.identity == ppo.make_config().identity() == ppo.declared.identity
