@@ -9,6 +9,7 @@ Stages import this module and ``stages.config``, never each other.
 from __future__ import annotations
 
 import io
+import operator
 import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ def rollout_table(columns: dict[str, list], keep: dict[str, list], metadata: dic
 SCORE = "score"
 RM_ID = "rm_id"
 KEY = (PROMPT_ID, SAMPLE_INDEX)  # joins a scores row with its rollout row
+row_key = operator.itemgetter(*KEY)  # a row's KEY values, as a tuple
 
 
 def term_column(term: str) -> str:

@@ -42,9 +42,7 @@ def load_samples(rollout: str, scores: str) -> list[Sample]:
         raise UserError(f"{scores} scores another rollout (id {scored}) than {rollout} (id {publish.output_id(rollout)}); "
                         "score this rollout first")
 
-    def key(row: dict) -> tuple:
-        return tuple(row[k] for k in contract.KEY)
-
+    key = contract.row_key
     by_key = {key(r): r for r in contract.read_rows(scores, scores_m)}
     samples = []
     for r in contract.read_rows(rollout, rollout_m):

@@ -149,7 +149,7 @@ def _check_inputs(cfg: ScoreConfig, rollout: str, parts: list[str], refs) -> Non
             raise UserError(f"{rollout}/{contract.PARTS}/{p}: missing column(s) {', '.join(missing)}; "
                             "score reads rollout outputs")
         for k in contract.read_part(rollout, p, columns=list(contract.KEY)).to_pylist():
-            key = (k[contract.PROMPT_ID], k[contract.SAMPLE_INDEX])
+            key = contract.row_key(k)
             if key in seen:
                 raise UserError(f"{rollout}: key {key} appears twice; the rollout is inconsistent, rerun it")
             seen.add(key)
@@ -163,7 +163,7 @@ def rule_scores(term: RewardTerm, fn, rows: list[dict], refs, where: str) -> tup
     raised, read a column the row lacks, or returned no number)."""
     out = []
     for row in rows:
-        key = (row[contract.PROMPT_ID], row[contract.SAMPLE_INDEX])
+        key = contract.row_key(row)
         try:
             value = fn(row.get(contract.RESPONSE) or "", {**(refs or {}).get(row[contract.PROMPT_ID], {}), **row}, **term.args)
         except KeyError as e:
@@ -187,7 +187,7 @@ def unfit(rows: list[dict], columns: dict[str, list[float]], terms: list[RewardT
         return "the reward model ('rm')" if t.name == "rm" else f"rule {t.name!r}"
 
     for j, row in enumerate(rows):
-        key = (row[contract.PROMPT_ID], row[contract.SAMPLE_INDEX])
+        key = contract.row_key(row)
         for t in terms:
             if not abs(columns[t.name][j]) <= FLOAT32_MAX:
                 return (f"{who(t)} scored {key} {columns[t.name][j]!r}: a score must be a finite number that "
