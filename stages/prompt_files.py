@@ -151,26 +151,25 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 _JSON = json.JSONDecoder(object_pairs_hook=_unique_keys)  # built once: json.loads(s, hook) builds one per call
 
 
-def _decode(text: bytes, names: list[str]) -> dict:
-    """The values of ``names`` in a JSON line (absent ones left out), or a ``ValueError`` saying
-    what is wrong and the fix."""
+def row_values(ds: Dataset, number: int, place: tuple[int, int], text: bytes, names: list[str]) -> dict:
+    """The values of ``names`` in the JSON line ``text`` of row ``number`` at ``place`` (absent ones
+    left out), or a one-line ``UserError`` naming the row, what is wrong and the fix."""
     try:
-        s = text.decode("utf-8")
+        obj = _JSON.decode(text.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8 (byte {e.start} of the line); save the file as UTF-8") from None
-    try:
-        obj = _JSON.decode(s)
+        why = f"not UTF-8 (byte {e.start} of the line); save the file as UTF-8"
     except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno}); fix the line or remove it") from None
+        why = f"not valid JSON ({e.msg} at column {e.colno}); fix the line or remove it"
     except _KeyTwice as e:
-        raise ValueError(f"gives {e.args[0]!r} twice in one object, and which value is meant is not said; keep "
-                         "one") from None
+        why = f"gives {e.args[0]!r} twice in one object, and which value is meant is not said; keep one"
     except RecursionError:
-        raise ValueError("JSON nested too deeply to read; flatten the line") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"a JSON {type(obj).__name__}, not an object; give each row as one object "
-                         '{"prompt": ...} on its own line') from None
-    return {n: obj[n] for n in names if n in obj}
+        why = "JSON nested too deeply to read; flatten the line"
+    else:
+        if isinstance(obj, dict):
+            return {n: obj[n] for n in names if n in obj}
+        why = (f"a JSON {type(obj).__name__}, not an object; give each row as one object "
+               '{"prompt": ...} on its own line')
+    raise UserError(f"{ds.where(number, place)}: {why}")
 
 
 def open_parquet(ds: Dataset, f: int, fh) -> pq.ParquetFile:
@@ -261,10 +260,3 @@ def iter_rows(ds: Dataset, columns: Columns) -> Iterator[Row]:
         for offset, text in jsonl_lines(ds, f):
             yield number, (f, offset), row_values(ds, number, (f, offset), text, names)
             number += 1
-
-
-def row_values(ds: Dataset, number: int, place: tuple[int, int], text: bytes, names: list[str]) -> dict:
-    try:
-        return _decode(text, names)
-    except ValueError as e:
-        raise UserError(f"{ds.where(number, place)}: {e}") from None
