@@ -186,18 +186,19 @@ def parquet_groups(ds: Dataset, f: int) -> list[int]:
     return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
 
-def parquet_pylist(ds: Dataset, f: int, first: int, table, first_number: int) -> list[dict]:
-    """A Parquet batch's rows as dicts; a value Python cannot decode (text that is not UTF-8)
-    named by its row."""
+def parquet_pylist(ds: Dataset, f: int, table, places, file_start: int) -> list[dict]:
+    """A table of Parquet file ``f``'s rows as dicts (row i: row ``places[i]`` of the file, row
+    ``file_start + places[i]`` of the dataset); a value Python cannot decode (text that is not
+    UTF-8) named by its row."""
     try:
         return table.to_pylist()
     except UnicodeDecodeError:
-        for i in range(table.num_rows):
+        for i, at in enumerate(map(int, places)):
             for name in table.column_names:
                 try:
                     table.slice(i, 1).column(name).to_pylist()
                 except UnicodeDecodeError:
-                    raise UserError(f"{ds.where(first_number + i, (f, first + i))}: {name!r} is not valid "
+                    raise UserError(f"{ds.where(file_start + at, (f, at))}: {name!r} is not valid "
                                     "UTF-8 text; write the file's text as UTF-8") from None
         raise
 
@@ -215,7 +216,7 @@ def _parquet_rows(ds: Dataset, f: int, names: list[str], first_number: int) -> I
                                 "replace the file") from None
             if batch is None:
                 return
-            for row in parquet_pylist(ds, f, at, batch, first_number + at):
+            for row in parquet_pylist(ds, f, batch, range(at, at + batch.num_rows), first_number):
                 yield at, row
                 at += 1
 
