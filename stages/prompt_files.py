@@ -134,17 +134,14 @@ def jsonl_lines(ds: Dataset, f: int) -> Iterator[tuple[int, bytes]]:
             offset += len(line)
 
 
-class _KeyTwice(ValueError):
-    pass
-
-
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     """An object's keys, each once: Python's json keeps the last of a repeated key, silently, and
     which value the line means is not said."""
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen = set()
-        raise _KeyTwice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"gives {twice!r} twice in one object, and which value is meant is not said; keep one")
     return obj
 
 
@@ -160,10 +157,10 @@ def row_values(ds: Dataset, number: int, place: tuple[int, int], text: bytes, na
         why = f"not UTF-8 (byte {e.start} of the line); save the file as UTF-8"
     except json.JSONDecodeError as e:
         why = f"not valid JSON ({e.msg} at column {e.colno}); fix the line or remove it"
-    except _KeyTwice as e:
-        why = f"gives {e.args[0]!r} twice in one object, and which value is meant is not said; keep one"
     except RecursionError:
         why = "JSON nested too deeply to read; flatten the line"
+    except ValueError as e:  # a repeated key (_unique_keys), an integer of more digits than int() takes
+        why = str(e)
     else:
         if isinstance(obj, dict):
             return {n: obj[n] for n in names if n in obj}
