@@ -130,7 +130,6 @@ def _score(cfg: RolloutConfig, topo) -> None:
         return
     scoring, error = None, None
     try:
-        space.check(cfg.scores)
         scoring = Scoring.open(cfg.scores)
     except UserError as e:
         error = str(e)

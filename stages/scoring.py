@@ -19,7 +19,7 @@ from llamarl.lib.distributed import collectives
 from llamarl.lib.errors import UserError
 from llamarl.lib.files import outputs, publish
 from llamarl.lib.rl import core as rl, rewards
-from llamarl.stages import contract, identity
+from llamarl.stages import contract, identity, space
 from llamarl.stages.config import RewardTerm, ScoreConfig
 
 # The rollout columns score reads (rules may read more: the response, kept columns).
@@ -49,8 +49,9 @@ class Scoring:
 
     @classmethod
     def open(cls, cfg: ScoreConfig) -> Scoring:
-        """Every input checked before anything is written (the rollout's files verified; columns,
-        keys and references of every part): a ``UserError`` otherwise."""
+        """Every input, and room for the output (``space.check``), checked before anything is written
+        (the rollout's files verified; columns, keys and references of every part): a ``UserError`` otherwise."""
+        space.check(cfg)
         opened, rollout = time.time(), cfg.rollout.rstrip("/")
         manifest = publish.require_verified(rollout, contract.ROLLOUT, f"{contract.PARTS}/")
         parts = contract.manifest_parts(manifest)
