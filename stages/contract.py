@@ -159,7 +159,6 @@ def manifest_parts(manifest: dict) -> list[str]:
 
 
 def part_entries(root: str, names: list[str]) -> dict[str, dict[str, Any]]:
-    """The manifest's ``files`` entries of these parts."""
     return {f"{PARTS}/{n}": publish.file_entry(f"{root}/{PARTS}/{n}") for n in names}
 
 
@@ -220,7 +219,6 @@ def require_checkpoint(url: str, head: str, role: str) -> dict:
 
 
 def hf_side_files(manifest: dict) -> list[str]:
-    """The names under ``hf/`` of a published checkpoint."""
     return sorted(k.removeprefix(f"{HF}/") for k in manifest["files"] if k.startswith(f"{HF}/"))
 
 
