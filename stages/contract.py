@@ -9,6 +9,7 @@ Stages import this module and ``stages.config``, never each other.
 from __future__ import annotations
 
 import io
+import operator
 import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ def rollout_table(columns: dict[str, list], keep: dict[str, list], metadata: dic
 SCORE = "score"
 RM_ID = "rm_id"
 KEY = (PROMPT_ID, SAMPLE_INDEX)  # joins a scores row with its rollout row
+row_key = operator.itemgetter(*KEY)  # a row's KEY values, as a tuple
 
 
 def term_column(term: str) -> str:
@@ -157,7 +159,6 @@ def manifest_parts(manifest: dict) -> list[str]:
 
 
 def part_entries(root: str, names: list[str]) -> dict[str, dict[str, Any]]:
-    """The manifest's ``files`` entries of these parts."""
     return {f"{PARTS}/{n}": publish.file_entry(f"{root}/{PARTS}/{n}") for n in names}
 
 
@@ -218,7 +219,6 @@ def require_checkpoint(url: str, head: str, role: str) -> dict:
 
 
 def hf_side_files(manifest: dict) -> list[str]:
-    """The names under ``hf/`` of a published checkpoint."""
     return sorted(k.removeprefix(f"{HF}/") for k in manifest["files"] if k.startswith(f"{HF}/"))
 
 

@@ -36,7 +36,6 @@ class Declared:
 
 
 def declare(cfg: StageConfig) -> Declared:
-    """The declaration of the stage ``cfg`` configures."""
     c, identity = cfg, cfg.identity()
     if isinstance(c, ShardConfig):
         return Declared(contract.CHECKPOINT, c.dst, identity, external=(c.src,))

@@ -42,9 +42,7 @@ def load_samples(rollout: str, scores: str) -> list[Sample]:
         raise UserError(f"{scores} scores another rollout (id {scored}) than {rollout} (id {publish.output_id(rollout)}); "
                         "score this rollout first")
 
-    def key(row: dict) -> tuple:
-        return tuple(row[k] for k in contract.KEY)
-
+    key = contract.row_key
     by_key = {key(r): r for r in contract.read_rows(scores, scores_m)}
     samples = []
     for r in contract.read_rows(rollout, rollout_m):
@@ -146,10 +144,7 @@ def padded(samples: list[Sample], device) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def response_mask(samples: list[Sample], width: int, device) -> torch.Tensor:
-    resp = torch.zeros(len(samples), width)
-    for b, s in enumerate(samples):
-        resp[b, s.prompt_len - 1 : len(s.ids) - 1] = 1
-    return resp.to(device)
+    return label_space(samples, [[1.0] * s.response_len for s in samples], width, device)
 
 
 def label_space(samples: list[Sample], values: list[list[float]], width: int, device) -> torch.Tensor:

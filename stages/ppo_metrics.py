@@ -27,7 +27,6 @@ def dumps(value: Any) -> str:
 
 
 def json_lines(rows: list[dict]) -> bytes:
-    """``rows`` as JSON Lines, one object a line."""
     return "".join(dumps(r) + "\n" for r in rows).encode()
 
 

@@ -134,43 +134,39 @@ def jsonl_lines(ds: Dataset, f: int) -> Iterator[tuple[int, bytes]]:
             offset += len(line)
 
 
-class _KeyTwice(ValueError):
-    pass
-
-
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     """An object's keys, each once: Python's json keeps the last of a repeated key, silently, and
     which value the line means is not said."""
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen = set()
-        raise _KeyTwice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"gives {twice!r} twice in one object, and which value is meant is not said; keep one")
     return obj
 
 
 _JSON = json.JSONDecoder(object_pairs_hook=_unique_keys)  # built once: json.loads(s, hook) builds one per call
 
 
-def _decode(text: bytes, names: list[str]) -> dict:
-    """The values of ``names`` in a JSON line (absent ones left out), or a ``ValueError`` saying
-    what is wrong and the fix."""
+def row_values(ds: Dataset, number: int, place: tuple[int, int], text: bytes, names: list[str]) -> dict:
+    """The values of ``names`` in the JSON line ``text`` of row ``number`` at ``place`` (absent ones
+    left out), or a one-line ``UserError`` naming the row, what is wrong and the fix."""
     try:
-        s = text.decode("utf-8")
+        obj = _JSON.decode(text.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8 (byte {e.start} of the line); save the file as UTF-8") from None
-    try:
-        obj = _JSON.decode(s)
+        why = f"not UTF-8 (byte {e.start} of the line); save the file as UTF-8"
     except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno}); fix the line or remove it") from None
-    except _KeyTwice as e:
-        raise ValueError(f"gives {e.args[0]!r} twice in one object, and which value is meant is not said; keep "
-                         "one") from None
+        why = f"not valid JSON ({e.msg} at column {e.colno}); fix the line or remove it"
     except RecursionError:
-        raise ValueError("JSON nested too deeply to read; flatten the line") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"a JSON {type(obj).__name__}, not an object; give each row as one object "
-                         '{"prompt": ...} on its own line') from None
-    return {n: obj[n] for n in names if n in obj}
+        why = "JSON nested too deeply to read; flatten the line"
+    except ValueError as e:  # a repeated key (_unique_keys), an integer of more digits than int() takes
+        why = str(e)
+    else:
+        if isinstance(obj, dict):
+            return {n: obj[n] for n in names if n in obj}
+        why = (f"a JSON {type(obj).__name__}, not an object; give each row as one object "
+               '{"prompt": ...} on its own line')
+    raise UserError(f"{ds.where(number, place)}: {why}")
 
 
 def open_parquet(ds: Dataset, f: int, fh) -> pq.ParquetFile:
@@ -187,18 +183,19 @@ def parquet_groups(ds: Dataset, f: int) -> list[int]:
     return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
 
-def parquet_pylist(ds: Dataset, f: int, first: int, table, first_number: int) -> list[dict]:
-    """A Parquet batch's rows as dicts; a value Python cannot decode (text that is not UTF-8)
-    named by its row."""
+def parquet_pylist(ds: Dataset, f: int, table, places, file_start: int) -> list[dict]:
+    """A table of Parquet file ``f``'s rows as dicts (row i: row ``places[i]`` of the file, row
+    ``file_start + places[i]`` of the dataset); a value Python cannot decode (text that is not
+    UTF-8) named by its row."""
     try:
         return table.to_pylist()
     except UnicodeDecodeError:
-        for i in range(table.num_rows):
+        for i, at in enumerate(map(int, places)):
             for name in table.column_names:
                 try:
                     table.slice(i, 1).column(name).to_pylist()
                 except UnicodeDecodeError:
-                    raise UserError(f"{ds.where(first_number + i, (f, first + i))}: {name!r} is not valid "
+                    raise UserError(f"{ds.where(file_start + at, (f, at))}: {name!r} is not valid "
                                     "UTF-8 text; write the file's text as UTF-8") from None
         raise
 
@@ -216,7 +213,7 @@ def _parquet_rows(ds: Dataset, f: int, names: list[str], first_number: int) -> I
                                 "replace the file") from None
             if batch is None:
                 return
-            for row in parquet_pylist(ds, f, at, batch, first_number + at):
+            for row in parquet_pylist(ds, f, batch, range(at, at + batch.num_rows), first_number):
                 yield at, row
                 at += 1
 
@@ -261,10 +258,3 @@ def iter_rows(ds: Dataset, columns: Columns) -> Iterator[Row]:
         for offset, text in jsonl_lines(ds, f):
             yield number, (f, offset), row_values(ds, number, (f, offset), text, names)
             number += 1
-
-
-def row_values(ds: Dataset, number: int, place: tuple[int, int], text: bytes, names: list[str]) -> dict:
-    try:
-        return _decode(text, names)
-    except ValueError as e:
-        raise UserError(f"{ds.where(number, place)}: {e}") from None

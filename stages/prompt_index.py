@@ -188,13 +188,13 @@ def read_rows(ds: Dataset, index: Index, rows: np.ndarray, columns: Columns) -> 
     out: list = [None] * len(rows)
     for f in np.unique(file_of):
         at = np.flatnonzero(file_of == f)
-        for i, row in zip(at, read(ds, index, int(f), rows[at], rows[at] - starts[f], names)):
+        for i, row in zip(at, read(ds, index, int(f), rows[at], names)):
             out[i] = row
     return out
 
 
-def _jsonl_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local: np.ndarray, names) -> list[Row]:
-    """Rows ``numbers`` (``local`` in file ``f``) of a JSON lines dataset: each from its offset to
+def _jsonl_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, names) -> list[Row]:
+    """Rows ``numbers`` (in file ``f``) of a JSON lines dataset: each from its offset to
     the next row's (or the file's end), read together (``cat_ranges``: concurrent on object stores)."""
     begin = index.offsets[numbers]
     last = numbers + 1 >= index.file_starts[f + 1]  # a file's last row runs to its end
@@ -209,9 +209,11 @@ def _jsonl_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local: n
     return rows
 
 
-def _parquet_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local: np.ndarray, names) -> list[Row]:
-    """Rows ``numbers`` (``local`` in file ``f``) of a Parquet dataset: each row group holding some
-    read once, its ``names`` columns only."""
+def _parquet_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, names) -> list[Row]:
+    """Rows ``numbers`` (in file ``f``) of a Parquet dataset: each row group holding some read once,
+    its ``names`` columns only."""
+    file_start = int(index.file_starts[f])
+    local = numbers - file_start
     first_group = int(index.file_groups[:f].sum())
     group_starts = np.concatenate(([0], np.cumsum(index.group_rows[first_group:first_group + index.file_groups[f]])))
     group_of = np.searchsorted(group_starts, local, side="right") - 1
@@ -225,11 +227,6 @@ def _parquet_read(ds: Dataset, index: Index, f: int, numbers: np.ndarray, local:
             except (pa.ArrowException, OSError) as e:
                 raise UserError(f"{ds.name(f)}: row group {g} cannot be read ({str(e).splitlines()[0]}); replace "
                                 "the file") from None
-            try:
-                values = table.to_pylist()
-            except UnicodeDecodeError:
-                values = [parquet_pylist(ds, f, int(local[i]), table.slice(j, 1), int(numbers[i]))[0]
-                          for j, i in enumerate(at)]
-            for i, v in zip(at, values):
+            for i, v in zip(at, parquet_pylist(ds, f, table, local[at], file_start)):
                 rows[i] = (int(numbers[i]), (f, int(local[i])), v)
     return rows

@@ -130,7 +130,6 @@ def _score(cfg: RolloutConfig, topo) -> None:
         return
     scoring, error = None, None
     try:
-        space.check(cfg.scores)
         scoring = Scoring.open(cfg.scores)
     except UserError as e:
         error = str(e)
@@ -273,12 +272,9 @@ class _Spans:
         self.steps.append((step, time.time()))
 
     def seconds(self) -> dict[str, float]:
-        out, last = {}, self.t0
-        for name, t in self.steps:
-            out[name] = round(t - last, 3)
-            last = t
-        out["total"] = round(last - self.t0, 3)
-        return out
+        times = [self.t0] + [t for _, t in self.steps]
+        steps = {name: round(t - before, 3) for (name, t), before in zip(self.steps, times)}
+        return steps | {"total": round(times[-1] - self.t0, 3)}
 
 
 def _chunks(reading: prompts.RolloutRows, cfg: RolloutConfig, mine, done: set[str], tok, room: int, stats: dict):

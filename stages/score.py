@@ -18,7 +18,7 @@ from llamarl.lib.model import schedule
 from llamarl.lib.engine import tokenizer as toklib
 from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype
 from llamarl.lib.model.offload import ParamOffload
-from llamarl.stages import contract, space
+from llamarl.stages import contract
 from llamarl.stages.config import ScoreConfig
 from llamarl.stages.scoring import RewardModel, Scoring
 
@@ -123,7 +123,6 @@ def _reward_model(cfg: ScoreConfig, manifest: dict, actor: str, dtype) -> Reward
 
 
 def run(cfg: ScoreConfig) -> None:
-    space.check(cfg)
     scoring = Scoring.open(cfg)
     rm_manifest = None
     if cfg.uses_rm():

@@ -19,7 +19,7 @@ from llamarl.lib.distributed import collectives
 from llamarl.lib.errors import UserError
 from llamarl.lib.files import outputs, publish
 from llamarl.lib.rl import core as rl, rewards
-from llamarl.stages import contract, identity
+from llamarl.stages import contract, identity, space
 from llamarl.stages.config import RewardTerm, ScoreConfig
 
 # The rollout columns score reads (rules may read more: the response, kept columns).
@@ -49,8 +49,9 @@ class Scoring:
 
     @classmethod
     def open(cls, cfg: ScoreConfig) -> Scoring:
-        """Every input checked before anything is written (the rollout's files verified; columns,
-        keys and references of every part): a ``UserError`` otherwise."""
+        """Every input, and room for the output (``space.check``), checked before anything is written
+        (the rollout's files verified; columns, keys and references of every part): a ``UserError`` otherwise."""
+        space.check(cfg)
         opened, rollout = time.time(), cfg.rollout.rstrip("/")
         manifest = publish.require_verified(rollout, contract.ROLLOUT, f"{contract.PARTS}/")
         parts = contract.manifest_parts(manifest)
@@ -149,7 +150,7 @@ def _check_inputs(cfg: ScoreConfig, rollout: str, parts: list[str], refs) -> Non
             raise UserError(f"{rollout}/{contract.PARTS}/{p}: missing column(s) {', '.join(missing)}; "
                             "score reads rollout outputs")
         for k in contract.read_part(rollout, p, columns=list(contract.KEY)).to_pylist():
-            key = (k[contract.PROMPT_ID], k[contract.SAMPLE_INDEX])
+            key = contract.row_key(k)
             if key in seen:
                 raise UserError(f"{rollout}: key {key} appears twice; the rollout is inconsistent, rerun it")
             seen.add(key)
@@ -163,7 +164,7 @@ def rule_scores(term: RewardTerm, fn, rows: list[dict], refs, where: str) -> tup
     raised, read a column the row lacks, or returned no number)."""
     out = []
     for row in rows:
-        key = (row[contract.PROMPT_ID], row[contract.SAMPLE_INDEX])
+        key = contract.row_key(row)
         try:
             value = fn(row.get(contract.RESPONSE) or "", {**(refs or {}).get(row[contract.PROMPT_ID], {}), **row}, **term.args)
         except KeyError as e:
@@ -187,7 +188,7 @@ def unfit(rows: list[dict], columns: dict[str, list[float]], terms: list[RewardT
         return "the reward model ('rm')" if t.name == "rm" else f"rule {t.name!r}"
 
     for j, row in enumerate(rows):
-        key = (row[contract.PROMPT_ID], row[contract.SAMPLE_INDEX])
+        key = contract.row_key(row)
         for t in terms:
             if not abs(columns[t.name][j]) <= FLOAT32_MAX:
                 return (f"{who(t)} scored {key} {columns[t.name][j]!r}: a score must be a finite number that "

@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import fsspec
 
@@ -49,7 +50,7 @@ def check(cfg: StageConfig) -> None:
         need = _ESTIMATES[type(cfg)](cfg, path)
     except (UserError, OSError, KeyError, ValueError):
         return  # an input it cannot read: the stage's own checks say so, in their words
-    where = _existing(path)
+    where = next(str(p) for p in (Path(path), *Path(path).parents) if os.path.exists(p))  # where its bytes go
     free = shutil.disk_usage(where).free + _being_deleted(where)
     if need.bytes > free + need.cleared:
         cleared = f" (and {size(need.cleared)} it clears first)" if need.cleared else ""
@@ -163,13 +164,6 @@ def _being_deleted(where: str) -> int:
         return _du(trash) if trash and os.stat(trash).st_dev == os.stat(where).st_dev else 0
     except OSError:  # emptied meanwhile
         return 0
-
-
-def _existing(path: str) -> str:
-    """``path``, or its nearest folder that exists: where its bytes will go."""
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
 
 
 def _du(path: str, keep: tuple[str, ...] = ()) -> int:

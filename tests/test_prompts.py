@@ -309,6 +309,9 @@ BAD_JSONL = [  # (name, the second line of the file, what the one line says afte
     ("message-key-twice", b'{"prompt": [{"role": "user", "content": "a", "content": "b"}], "id": "b", "answer": "x"}\n',
      "gives 'content' twice in one object"),
     ("null-message", _row(prompt=[None]), "'prompt' message 0 is null, not a message {role, content}"),
+    # an integer longer than Python's int() takes: json's ValueError, not a JSONDecodeError
+    ("huge-integer", b'{"prompt": "a", "id": 1' + b"0" * 5000 + b', "answer": "x"}\n',
+     "Exceeds the limit (4300 digits) for integer string conversion"),
 ]
 
 
