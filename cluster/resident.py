@@ -2,11 +2,6 @@
 workers"): one worker process per rank, started once per ``llamarl run``, runs stage after stage
 as calls (cluster/worker.py), so that a stage's start costs no process start, no imports, no CUDA
 context. Everything else is the local executor's (cluster/local.py).
-
-A stage of N ranks runs on N idle workers (``_slot_order``) and joins a process group of its own,
-on a fresh port, as a stage process does: a layout of any size runs on any workers. A dead worker
-is replaced when a stage next needs its slot. Workers are in the registry while they live (as
-``POOL``, and those of a running stage under its name).
 """
 
 from __future__ import annotations
