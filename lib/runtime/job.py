@@ -18,6 +18,7 @@ import re
 import socket
 import sys
 import time
+from contextlib import suppress
 from typing import Any, Callable, TypeVar
 
 from llamarl.lib.distributed import collectives
@@ -129,11 +130,8 @@ def call(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None, *
         if sampler is not None:
             sampler.stop()
     if not result.ok and os.environ.get(EXIT_STATUS_ENV):
-        try:
-            with open(os.environ[EXIT_STATUS_ENV], "a") as f:
-                f.write(f"{result.code} {' '.join(result.error.split())}\n")
-        except OSError:
-            pass  # the status still reaches the launcher, as 1
+        with suppress(OSError), open(os.environ[EXIT_STATUS_ENV], "a") as f:  # unwritable: the launcher sees 1
+            f.write(f"{result.code} {' '.join(result.error.split())}\n")
     return result.code
 
 
