@@ -11,23 +11,9 @@ import json
 import random
 import socket
 import sys
-from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-
-from llamarl.lib.errors import UserError
-
-
-@dataclass(frozen=True)
-class StageResult:
-    code: int
-    """The stage's exit status: 0, ``EXIT_USER_ERROR`` (a user error, in ``error``), or another failure."""
-    error: str | None = None
-    """Why it failed, in one line (the stage's own ``error: …`` where it reported one); None when ok."""
-
-    @property
-    def ok(self) -> bool:
-        return self.code == 0
+from llamarl.lib.errors import StageResult, UserError
 
 
 class ProcessRegistry(Protocol):

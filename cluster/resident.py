@@ -2,11 +2,6 @@
 workers"): one worker process per rank, started once per ``llamarl run``, runs stage after stage
 as calls (cluster/worker.py), so that a stage's start costs no process start, no imports, no CUDA
 context. Everything else is the local executor's (cluster/local.py).
-
-A stage of N ranks runs on N idle workers (``_slot_order``) and joins a process group of its own,
-on a fresh port, as a stage process does: a layout of any size runs on any workers. A dead worker
-is replaced when a stage next needs its slot. Workers are in the registry while they live (as
-``POOL``, and those of a running stage under its name).
 """
 
 from __future__ import annotations
@@ -18,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +51,9 @@ class Worker:
         return self.proc.pid, self.start
 
     def send(self, request: dict) -> None:
-        try:
+        with suppress(BrokenPipeError, ValueError):  # it died: its exit status is the rank's
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-        except (BrokenPipeError, ValueError):  # it died: its exit status is the rank's
-            pass
 
     def read(self) -> None:
         """Pass the worker's stderr through to the stage it serves; ``END`` lines are its results."""
@@ -274,16 +268,12 @@ class ResidentExecutor(LocalExecutor):
         with self._starting:
             workers = list(self._workers.values())
         for worker in workers:
-            try:
+            with suppress(OSError):
                 worker.proc.stdin.close()
-            except OSError:
-                pass
         deadline = time.monotonic() + QUIT_WAIT_S
         for worker in workers:
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         self._kill(workers)
         with self._starting:
             spawner, self._spawner = self._spawner, None

@@ -85,13 +85,12 @@ class StageTask:
         if recorder is not None:
             recorder.started(str(task.job_id))
         try:
-            failure = job.execute(STAGES[self.stage], module.run, ["--config-json", json.dumps(self.config)])
+            result = job.execute(STAGES[self.stage], module.run, ["--config-json", json.dumps(self.config)])
         except Exception as e:  # a bug: its traceback goes to the job's log, its one line to the record
             if recorder is not None:
                 first = (str(e).strip().splitlines() or [""])[0][:200]
                 recorder.ended(StageResult(1, f"{type(e).__name__}: {first} (log: {task.paths.stderr})"))
             raise
-        result = StageResult(failure.code, failure.error) if failure is not None else StageResult(0)
         if recorder is not None:
             recorder.ended(result)
         if self.recorder is not None and not result.ok:

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import suppress
 
 END = "\x1fllamarl-worker-end"
 """Starts the line a worker writes on stderr when a stage's call has ended: ``END STATUS``."""
@@ -61,10 +62,8 @@ def warm(modules: list[str]) -> None:
     import importlib
 
     for name in modules:
-        try:
+        with suppress(Exception):  # the call reports it
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the call reports it
-            pass
     # What the imports made lives as long as the worker: the collection at the end of every call
     # (``serve``) need not walk it again (a tenth to a fifth of a second a call, on the critical path).
     gc.collect()

@@ -1,6 +1,8 @@
 """The base of every error a user can fix. Stage entry points print these as one line naming the
 file and the fix, and exit with status ``EXIT_USER_ERROR`` (2); anything else is a bug and keeps its traceback."""
 
+from dataclasses import dataclass
+
 
 class UserError(Exception):
     pass
@@ -19,6 +21,21 @@ EXIT_STATUS_ENV = "LLAMARL_EXIT_STATUS_FILE"
 in a Kubernetes pod exits 1 whatever its workers did — to a file where each failed process
 appends ``STATUS ERROR``, so that the launcher can exit with the stage's own status (a user error
 must fail the stage at once, not be retried)."""
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """How a stage ended, in one process (``job.execute``) or in all (an executor's ``wait``)."""
+
+    code: int
+    """The stage's exit status: 0, ``EXIT_USER_ERROR`` (a user error, in ``error``), or another failure."""
+    error: str | None = None
+    """Why it failed, in one line (the stage's own ``error: …`` where it reported one); None when ok."""
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
 
 PARENT_ENV = "LLAMARL_PARENT_PID"
 """Set by the local executor to its own pid for the stage processes it starts: each dies with it

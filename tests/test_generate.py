@@ -11,7 +11,7 @@ from distpool import interpreter_pool, triton_available
 from llamarl.lib.distributed import parallel
 from llamarl.lib.model import vocab_parallel
 from llamarl.lib.model.config import ParallelLayout
-from llamarl.lib.engine.generate import SamplingParams, generate
+from llamarl.lib.engine.generate import Engine, SamplingParams
 from llamarl.lib.engine.sampling import sample, sequence_keys
 from llamarl.lib.model.llama import ParallelLlamaForCausalLM
 
@@ -30,7 +30,7 @@ def _model(tp):
 def greedy_vs_hf(tp, max_batch, samples):
     hf, model = _model(tp)
     params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(EOS,))
-    ours = generate(model, PROMPTS, params, max_batch=max_batch, samples_per_prompt=samples)
+    ours = Engine(model, params, max_batch=max_batch).generate(PROMPTS, samples_per_prompt=samples)
     mismatches = []
     for i, c in enumerate(ours):
         p = PROMPTS[i // samples]
@@ -55,7 +55,7 @@ def test_greedy_matches_hf_generate(pool2, tp, max_batch, samples):
 def logprobs_vs_teacher_forcing(tp, seed):
     _, model = _model(tp)
     params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_token_ids=(EOS,))
-    completions = generate(model, PROMPTS, params, seed=seed)
+    completions = Engine(model, params).generate(PROMPTS, seed=seed)
     worst = 0.0
     for p, c in zip(PROMPTS, completions):
         seq = torch.tensor([p + c.tokens])
@@ -134,7 +134,7 @@ def widest_logits_in_generate() -> tuple[int, int]:
     _, model = _model(1)
     prompts = [list(range(3, 3 + n)) for n in (40, 25, 33)]  # 98 prompt tokens, 3 sequences
     with _ShapeRecorder() as rec:
-        generate(model, prompts, SamplingParams(temperature=0, max_new_tokens=2))
+        Engine(model, SamplingParams(temperature=0, max_new_tokens=2)).generate(prompts)
     vocab = model.lm_head.weight.shape[0]  # this rank's (padded) vocabulary
     assert vocab not in (model.cfg.hidden_size, 2 * model.cfg.intermediate_size)  # unambiguous widths
     # (the head weight's transpose [hidden, vocab] is not a logits block)
@@ -156,8 +156,8 @@ def responses(tp, max_batch, check_every=16, prefill_tokens=16384):
     _, model = _model(tp)
     prompts = [[5, 17, 33, 9], [101, 7], [44, 45, 46, 47, 48, 49, 50, 51, 52], [200], [9, 8, 7, 6, 5, 4], [77, 78]]
     params = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=STOPS)
-    out = generate(model, prompts, params, seed=5, keys=[10 * i for i in range(len(prompts))], samples_per_prompt=3,
-                   max_batch=max_batch, check_every=check_every, prefill_tokens=prefill_tokens)
+    engine = Engine(model, params, max_batch=max_batch, check_every=check_every, prefill_tokens=prefill_tokens)
+    out = engine.generate(prompts, seed=5, keys=[10 * i for i in range(len(prompts))], samples_per_prompt=3)
     return [(c.tokens, c.logprobs, c.finish_reason) for c in out]
 
 
@@ -369,7 +369,7 @@ def full_vocab_tensors_in_tp2_generate():
 
     _, model = _model(2)
     with _ShapeRecorder() as rec:
-        generate(model, PROMPTS, SamplingParams(temperature=0.8, top_k=7, max_new_tokens=3), samples_per_prompt=2)
+        Engine(model, SamplingParams(temperature=0.8, top_k=7, max_new_tokens=3)).generate(PROMPTS, samples_per_prompt=2)
     vocab, padded, local = model.cfg.vocab_size, model.lm_head.weight.shape[0] * 2, model.lm_head.weight.shape[0]
     # (a [vocab] table of stop flags is not a block of logits: only tensors with rows count)
     return [s for _, s in rec.shapes if len(s) > 1 and (vocab in s or padded in s)], any(local in s for _, s in rec.shapes)

@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import suppress
 
 import torch.distributed as dist
 
@@ -35,13 +36,11 @@ class _Heartbeat(threading.Thread):
             ip = socket.gethostbyname(host)
         except OSError:
             ip = "?"
-        try:
+        with suppress(Exception):  # the store is gone (rank 0's host lost, or the job ending): nothing to beat into
             self.store.set(f"who/{self.rank}", f"{host} ({ip})")
             while not self.stopped.is_set():
                 self.store.add(f"beat/{self.rank}", 1)
                 self.stopped.wait(INTERVAL_S)
-        except Exception:  # the store is gone (rank 0's host lost, or the job ending): nothing to beat into
-            pass
 
 
 def start() -> None:

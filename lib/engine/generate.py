@@ -1,6 +1,6 @@
 """Generation on lib/'s CausalLM: ``Engine.stream`` takes batches of prompts lazily, one stream
 of sequences for all of them, over a fixed set of slots (``lib.engine.slots``, the device side);
-``generate`` is a stream of one batch. Each piece and why: docs/generation.md.
+``Engine.generate`` is a stream of one batch. Each piece and why: docs/generation.md.
 """
 
 from __future__ import annotations
@@ -32,17 +32,6 @@ class Batch:
     tag: Any = None
 
 
-@torch.no_grad()
-def generate(model: ParallelLlamaForCausalLM, prompts: list[list[int]], params: SamplingParams, *, seed: int = 0,
-             keys: list[int] | None = None, samples_per_prompt: int = 1, max_batch: int = 64, on_tokens=None,
-             **engine_options) -> list[Completion]:
-    """Complete every prompt (a list of token ids) ``samples_per_prompt`` times; completions come
-    prompt-major (prompt i's samples at ``i * samples_per_prompt + k``). ``keys``: one integer per
-    prompt naming its random streams (default: its index); ``on_tokens(n)`` reports progress."""
-    engine = Engine(model, params, max_batch=max_batch, **engine_options)
-    return engine.generate(prompts, seed=seed, keys=keys, samples_per_prompt=samples_per_prompt, on_tokens=on_tokens)
-
-
 class Engine(Slots):
     """``Slots`` for one model and one ``SamplingParams``, and the streams that run sequences
     through them; reuse it across calls to keep the cache and the graphs.
@@ -68,7 +57,10 @@ class Engine(Slots):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, seed: int = 0, keys: list[int] | None = None,
                  samples_per_prompt: int = 1, on_tokens=None) -> list[Completion]:
-        """As the module function ``generate``: one batch through ``stream``."""
+        """Complete every prompt (a list of token ids) ``samples_per_prompt`` times, as one batch
+        through ``stream``; completions come prompt-major (prompt i's samples at
+        ``i * samples_per_prompt + k``). ``keys``: one integer per prompt naming its random streams
+        (default: its index); ``on_tokens(n)`` reports progress."""
         batch = Batch(prompts, list(range(len(prompts))) if keys is None else list(keys))
         ((_, out),) = self.stream([batch], seed=seed, samples_per_prompt=samples_per_prompt, on_tokens=on_tokens)
         return out

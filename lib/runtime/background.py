@@ -1,10 +1,8 @@
 """Work beside the caller, in a thread: an iterator read ahead of its consumer (``Ahead``), a
 function applied behind its producer (``Behind``), each a bounded queue away, and one call started
-now whose result is taken later (``Soon``). A stage overlaps its host work with the device this
-way: rollout loads its tokenizer and compiles its sampler while it loads the weights, reads and
-tokenizes the next chunks ahead and decodes and publishes the last ones behind while the engine
-generates. Failures reach the caller, at the item where they happened; nothing waits forever on a
-thread that has failed."""
+now whose result is taken later (``Soon``); how rollout overlaps its host work with the device
+through them: docs/generation.md. Failures reach the caller, at the item where they happened;
+nothing waits forever on a thread that has failed."""
 
 from __future__ import annotations
 
@@ -111,8 +109,7 @@ class Behind:
 
 class Soon:
     """``fn(*args)`` started now in a thread of its own; ``result()`` waits for it and returns its
-    value or raises its exception, in the caller. A stage starts slow independent steps this way
-    (loading the tokenizer, compiling the sampler) while it does the rest of its start-up."""
+    value or raises its exception, in the caller."""
 
     def __init__(self, fn, *args, name: str = "soon"):
         self._value, self._error, self.seconds = None, None, None

@@ -18,7 +18,7 @@ import re
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from contextlib import suppress
 from typing import Any, Callable, TypeVar
 
 from llamarl.lib.distributed import collectives
@@ -27,6 +27,7 @@ from llamarl.lib.errors import (
     EXIT_STATUS_ENV,
     EXIT_USER_ERROR,
     PARENT_ENV,
+    StageResult,
     UserError,
     chain,
     disk_full,
@@ -69,18 +70,12 @@ def load_config(cls, argv):
     parser.error("give --config or --config-json")
 
 
-@dataclass(frozen=True)
-class Failure:
-    code: int  # EXIT_USER_ERROR or EXIT_PEER_LOST
-    error: str  # one line
-
-
-def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> Failure | None:
-    """Load the stage's config from ``argv`` and run it in this process (one rank); a ``Failure``
-    for a user error (printed by rank 0 as ``error: …``), a write to a full file system (one line
-    naming the path, as a user error) or a lost peer (printed by every rank that saw it), None
-    when done. Bugs keep their traceback. The process group is gone afterwards, either way. The
-    one path into a stage: ``main`` for processes, ``cluster.slurm``'s tasks."""
+def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None) -> StageResult:
+    """Load the stage's config from ``argv`` and run it in this process (one rank); its result: a
+    user error (printed by rank 0 as ``error: …``), a write to a full file system (one line naming
+    the path, as a user error), a lost peer (printed by every rank that saw it), or success. Bugs
+    keep their traceback. The process group is gone afterwards, either way. The one path into a
+    stage: ``main`` for processes, ``cluster.slurm``'s tasks."""
     global _output
     _marks.clear()
     mark("imported")
@@ -96,18 +91,18 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
             # same line, which the local executor shows once).
             if os.environ.get("RANK", "0") == "0" or not isinstance(e, UserError):
                 print(f"error: {one_line(full)}", file=sys.stderr, flush=True)
-            return Failure(EXIT_USER_ERROR, full)
+            return StageResult(EXIT_USER_ERROR, full)
         if isinstance(e, UserError):
             # Errors reach every rank alike (config checks run everywhere; later ones go through
             # `check`), so rank 0 alone reports.
             if os.environ.get("RANK", "0") == "0":
                 print(f"error: {one_line(str(e))}", file=sys.stderr, flush=True)
-            return Failure(EXIT_USER_ERROR, str(e))
+            return StageResult(EXIT_USER_ERROR, str(e))
         if not _lost_peer(e):
             raise
         error = _peer_error(e)
         print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
-        return Failure(EXIT_PEER_LOST, error)
+        return StageResult(EXIT_PEER_LOST, error)
     finally:
         mark("end")
         if (liveness := sys.modules.get("llamarl.lib.distributed.liveness")) is not None:  # torch.distributed's stages
@@ -116,7 +111,7 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
             parallel.shutdown()  # its groups and layout too: a resident worker runs another stage next
         collectives.leave()
         _write_profile()
-    return None
+    return StageResult(0)
 
 
 def call(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None, *, started: float | None = None) -> int:
@@ -130,19 +125,14 @@ def call(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None, *
     outputs.start_stage(started)
     sampler = from_env()  # LLAMARL_STACKS_DIR: every thread's stacks, sampled (lib/runtime/stack_sampler.py)
     try:
-        failure = execute(cls, run, argv)
+        result = execute(cls, run, argv)
     finally:
         if sampler is not None:
             sampler.stop()
-    if failure is None:
-        return 0
-    if os.environ.get(EXIT_STATUS_ENV):
-        try:
-            with open(os.environ[EXIT_STATUS_ENV], "a") as f:
-                f.write(f"{failure.code} {' '.join(failure.error.split())}\n")
-        except OSError:
-            pass  # the status still reaches the launcher, as 1
-    return failure.code
+    if not result.ok and os.environ.get(EXIT_STATUS_ENV):
+        with suppress(OSError), open(os.environ[EXIT_STATUS_ENV], "a") as f:  # unwritable: the launcher sees 1
+            f.write(f"{result.code} {' '.join(result.error.split())}\n")
+    return result.code
 
 
 _output: str | None = None
