@@ -221,6 +221,24 @@ def test_grad_buffer_with_wgrad_fusion_matches_the_hook_path():
     assert grad_buffer_fused_vs_hook() < 1e-2
 
 
+def test_embedding_adds_its_tokens_rows_into_main_grad(monkeypatch):
+    # With the fusion on, the embedding's backward adds each token's gradient, in fp32, into its
+    # row of main_grad (a repeated token's summed) and writes no dense .grad: the rows no token
+    # touches keep what they held.
+    monkeypatch.setenv(layers.WGRAD_ENV, "1")
+    emb = layers.VocabParallelEmbedding(10, 4, tp_group=None, sequence_parallel=False, dtype=torch.bfloat16)
+    torch.nn.init.normal_(emb.weight)
+    emb.weight.main_grad = torch.ones(10, 4)
+    ids = torch.tensor([[1, 3, 1], [7, 1, 0]])
+    dy = torch.randn(2, 3, 4, dtype=torch.bfloat16)
+    out = emb(ids)
+    assert torch.equal(out, emb.weight.detach()[ids])
+    out.backward(dy)
+    assert emb.weight.grad is None
+    expected = torch.ones(10, 4).index_add_(0, ids.flatten(), dy.reshape(-1, 4).float())
+    torch.testing.assert_close(emb.weight.main_grad, expected, rtol=0, atol=1e-6)
+
+
 def test_wgrad_fusion_inside_the_fused_layer_regions():
     # LLAMARL_FUSED_LAYERS=1 with LLAMARL_FUSED_WGRAD=1: the linears inside the compiled regions
     # add into main_grad in their backward (lib.layers._RegionLinear, traced into the region; its

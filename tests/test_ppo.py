@@ -272,6 +272,37 @@ def _ppo_counting_frozen_passes(cfg_json: dict, source: str | None = None) -> di
     return counts
 
 
+def _ppo_recording_heap_freezes(cfg_json: dict) -> list[str]:
+    """``ppo.run`` with its step points and its heap freezes (with gc's frozen count) recorded in order."""
+    import gc
+
+    events, hook, freeze = [], ppo._test_hook, ppo.job.freeze_heap
+
+    def hooked(point, trainers=None):
+        events.append(point)
+        hook(point, trainers)
+
+    def recorded():
+        freeze()
+        events.append(f"froze {gc.get_freeze_count()}")
+
+    ppo._test_hook, ppo.job.freeze_heap = hooked, recorded
+    try:
+        ppo.run(PPOConfig(**cfg_json))
+    finally:
+        ppo._test_hook, ppo.job.freeze_heap = hook, freeze
+    return events
+
+
+def test_the_heap_is_frozen_once_after_the_first_step(pool1, iteration, tmp_path):
+    # The first optimizer step compiles the update's graphs (on a GPU); right after it ppo collects
+    # and freezes the heap, once, so that full collections mid-update walk none of it.
+    [events] = pool1.run(_ppo_recording_heap_freezes, _cfg(iteration, tmp_path / "run").to_json())
+    froze = [e for e in events if e.startswith("froze ")]
+    assert len(froze) == 1 and int(froze[0].split()[1]) > 0, events
+    assert events.index("step 1") < events.index(froze[0]) == events.index("step 2") - 1, events
+
+
 @pytest.mark.parametrize("old_logp", ["rollout", "actor"])
 def test_iteration_one_runs_no_reference_forward(pool1, iteration, tmp_path, old_logp):
     # Iteration 1: the reference is the actor that sampled the rollout (their ids agree). With π_old
