@@ -246,6 +246,45 @@ def test_wgrad_fusion_inside_the_fused_layer_regions():
     assert grad_buffer_fused_vs_hook(fused=True, fused_layers="1") < 1e-2
 
 
+_REGIONS_ONCE = """
+import json, torch, tiny
+from torch._dynamo.utils import counters
+from llamarl.lib.distributed import parallel
+from llamarl.lib.model.llama import ParallelLlamaForCausalLM
+from llamarl.lib.model.config import ParallelLayout
+from llamarl.lib.rl import optim
+parallel.init(1, 1)
+hf = tiny.hf_model()
+model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(), dtype=torch.bfloat16, fused=True)
+optim.GradBuffer(model)
+ids, mask, pos = tiny.batch("right", seed=0, lengths=(5, 9, 3))
+model(model.make_batch(ids, mask, pos)).float().sum().backward()
+print(json.dumps(dict(counters["aot_autograd"])))
+"""
+
+
+@pytest.mark.slow
+def test_the_fused_layer_regions_are_cached_across_processes(tmp_path):
+    # The regions with the gradient fusion inside trace an autograd.Function (_RegionLinear), which
+    # AOTAutograd's cache refuses unless told (compiled_region tells it): a second process then
+    # loads the regions' graphs instead of tracing them again.
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "LLAMARL_FUSED": "1", layers.WGRAD_ENV: "1",
+           layers.FUSED_LAYERS_ENV: "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _REGIONS_ONCE], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert not cold.get("autograd_cache_bypass") and cold.get("autograd_cache_saved", 0) >= 2, cold
+    assert not warm.get("autograd_cache_bypass") and warm.get("autograd_cache_hit", 0) >= 2, warm
+
+
 def wgrad_fusion_under_1f1b(micro_batches=4) -> float:
     """PP 2, fused layers: main_grad with wgrad fusion against the hook path after a 1F1B pass (a
     micro-batch's backward runs between the next one's forward and backward)."""
