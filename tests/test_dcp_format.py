@@ -1,4 +1,4 @@
-"""DCP's files: the one writer (lib/files/dcp_format.py) and the one item parser, against torch's own.
+"""DCP's files: the one writer (lib/files/dcp_format.py) and the one reader of their layout (lib/files/dcp_index.py), against torch's own.
 
 - items are ``torch.save``'s archives, and the parser finds the tensor in any of them;
 - a checkpoint written again from the same tensors is the same bytes, ``.metadata`` too;
@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llamarl.lib.files import checkpoint, dcp_format, publish, ranges
+from llamarl.lib.files import checkpoint, dcp_format, dcp_index, publish, ranges
 from llamarl.lib.errors import UserError
 from llamarl.stages import export
 from llamarl.stages.config import ExportConfig
@@ -42,13 +42,13 @@ def test_the_parser_finds_the_tensor_of_any_torch_save_archive(dtype, shape):
         buf = io.BytesIO()
         torch.save(saved, buf)
         raw = buf.getvalue()
-        stored = dcp_format.parse_item(ranges.MemoryFile(memoryview(raw)), start=0)
+        stored = dcp_index.parse_item(ranges.MemoryFile(memoryview(raw)), start=0)
         assert stored is not None and stored.dtype == dtype and stored.size == tuple(saved.shape)
         assert stored.begin % 64 == 0  # torch aligns its records
         span = sum((n - 1) * s for n, s in zip(stored.size, stored.stride)) + 1 if saved.numel() else 0
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)[stored.begin : stored.begin + span * dtype.itemsize]
         assert torch.equal(data.view(dtype).as_strided(stored.size, stored.stride), saved)
-    assert dcp_format.parse_item(ranges.MemoryFile(memoryview(b"not a zip at all")), start=0) is None
+    assert dcp_index.parse_item(ranges.MemoryFile(memoryview(b"not a zip at all")), start=0) is None
 
 
 def test_a_checkpoint_written_again_is_the_same_bytes(tmp_path):
@@ -79,7 +79,7 @@ def test_items_leave_their_crc_32_at_0_on_every_writer_thread(tmp_path):
     assert torch.serialization.get_crc32_options()
     checkpoint.save(state, str(tmp_path / "a"), threads=3)
     assert torch.serialization.get_crc32_options()
-    md = dcp_format.read_metadata(str(tmp_path / "a"))
+    md = dcp_index.read_metadata(str(tmp_path / "a"))
     assert len({info.relative_path for info in md.storage_data.values()}) == 3
     for info in md.storage_data.values():
         with open(tmp_path / "a" / info.relative_path, "rb") as f:
@@ -243,14 +243,14 @@ def _three_writers(tmp_path) -> list[str]:
 def test_the_index_reads_metadata_as_dcp_does_without_importing_it(tmp_path):
     urls = _three_writers(tmp_path)
     for url in urls:
-        index = dcp_format.read_index(url)
-        assert index == dcp_format._index(dcp_format.read_metadata(url)), url
+        index = dcp_index.read_index(url)
+        assert index == dcp_index._index(dcp_index.read_metadata(url)), url
         assert index and all(isinstance(s.dtype, torch.dtype) and s.chunks for s in index.values())
-    assert [len(c.chunks) for c in (dcp_format.read_index(urls[0])["w"], dcp_format.read_index(urls[1])["w"])] == [2, 1]
-    assert "step" not in dcp_format.read_index(urls[1])  # not a tensor
+    assert [len(c.chunks) for c in (dcp_index.read_index(urls[0])["w"], dcp_index.read_index(urls[1])["w"])] == [2, 1]
+    assert "step" not in dcp_index.read_index(urls[1])  # not a tensor
     # DCP's import costs half a second of a stage's start-up: reading the index does not pay it.
-    code = ("import sys; from llamarl.lib.files import dcp_format; "
-            f"[dcp_format.read_index(u) for u in {urls!r}]; print(sorted(m for m in sys.modules "
+    code = ("import sys; from llamarl.lib.files import dcp_index; "
+            f"[dcp_index.read_index(u) for u in {urls!r}]; print(sorted(m for m in sys.modules "
             "if m.startswith('torch.distributed.checkpoint') or m.startswith('torch.distributed.tensor')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
@@ -260,9 +260,9 @@ def test_a_metadata_holding_other_classes_is_read_through_dcp(tmp_path):
     # Another torch's .metadata may pickle classes the records do not know: DCP's own unpickler
     # reads it (here: a Fraction in the planner's data), and the index is the same.
     url = _three_writers(tmp_path)[0]
-    md = dcp_format.read_metadata(url)
+    md = dcp_index.read_metadata(url)
     md.planner_data = {"extra": fractions.Fraction(1, 3)}
     (tmp_path / "ours" / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(pickle.UnpicklingError, match="fractions.Fraction"):
-        dcp_format._Records(io.BytesIO(pickle.dumps(md))).load()
-    assert dcp_format.read_index(url) == dcp_format._index(md)
+        dcp_index._Records(io.BytesIO(pickle.dumps(md))).load()
+    assert dcp_index.read_index(url) == dcp_index._index(md)

@@ -23,9 +23,10 @@ from typing import NamedTuple
 import fsspec
 import torch
 from llamarl.lib.distributed import collectives
-from llamarl.lib.files import dcp_format, ranges
+from llamarl.lib.files import dcp_format, dcp_index, ranges
 from llamarl.lib.files.checksums import is_local
-from llamarl.lib.files.dcp_format import METADATA, read_index, read_metadata  # noqa: F401 — part of this module's interface
+from llamarl.lib.files.dcp_format import METADATA  # noqa: F401 — part of this module's interface
+from llamarl.lib.files.dcp_index import read_index, read_metadata  # noqa: F401 — part of this module's interface
 from llamarl.lib.model import hf_mapping
 
 
@@ -120,7 +121,7 @@ class _Read:
     target: torch.Tensor
 
 
-def _plan(state: dict, index: dict[str, dcp_format.Stored], url: str) -> list[_Read]:
+def _plan(state: dict, index: dict[str, dcp_index.Stored], url: str) -> list[_Read]:
     reads = []
     for fqn, (size, pieces) in _pieces(state).items():
         stored = index.get(fqn)
@@ -151,7 +152,7 @@ def _plan(state: dict, index: dict[str, dcp_format.Stored], url: str) -> list[_R
     return reads
 
 
-def _copy_stored(target: torch.Tensor, buf: torch.Tensor, stored: dcp_format.StoredTensor, offsets, lengths,
+def _copy_stored(target: torch.Tensor, buf: torch.Tensor, stored: dcp_index.StoredTensor, offsets, lengths,
                  non_blocking: bool) -> None:
     """Copy the region ``offsets``/``lengths`` of a stored tensor lying in the uint8 ``buf`` into
     ``target``: as bytes where both have unit last stride (any alignment, no temporary), otherwise
@@ -203,13 +204,13 @@ _DIRECT_BYTES = 1 << 20  # items this large are read straight into their target 
 _EDGE_BYTES = 64 << 10  # of such an item, what is read first: its zip directory, pickle, data offset
 
 
-def _header(fs, path: str, begin: int, end: int) -> dcp_format.StoredTensor | None:
+def _header(fs, path: str, begin: int, end: int) -> dcp_index.StoredTensor | None:
     """Where the tensor of a large item (bytes ``begin:end``) lies, from its first and last bytes only."""
     n = end - begin
     head, tail = bytearray(min(n, _EDGE_BYTES)), bytearray(min(n, _EDGE_BYTES))
     ranges.read_into(fs, path, begin, memoryview(head))
     ranges.read_into(fs, path, end - len(tail), memoryview(tail))
-    return dcp_format.parse_item(ranges.Sparse(bytes(head), bytes(tail), n))
+    return dcp_index.parse_item(ranges.Sparse(bytes(head), bytes(tail), n))
 
 
 def _row_major(size) -> list[int]:
@@ -220,7 +221,7 @@ def _row_major(size) -> list[int]:
     return strides
 
 
-def _flat_span(r: _Read, stored: dcp_format.StoredTensor | None) -> tuple[int, int] | None:
+def _flat_span(r: _Read, stored: dcp_index.StoredTensor | None) -> tuple[int, int] | None:
     """(file offset, bytes) of what ``r`` reads when it is one run of bytes that maps 1:1 onto a
     contiguous target of the same dtype (whole chunks, or rows of them: a layout read as written,
     or split along dim 0); None otherwise."""
@@ -241,7 +242,7 @@ def _copy_range(buf: torch.Tensor, begin: int, rs: list[_Read], pin: bool) -> No
     """Copy each of ``rs`` out of ``buf``, the bytes of its file from ``begin`` on."""
     view = memoryview(buf.numpy()).cast("B")
     for r in rs:
-        stored = dcp_format.parse_item(ranges.MemoryFile(view[r.begin - begin : r.end - begin]), r.begin - begin)
+        stored = dcp_index.parse_item(ranges.MemoryFile(view[r.begin - begin : r.end - begin]), r.begin - begin)
         if stored is not None:
             _copy_stored(r.target, buf, stored, r.offsets, r.lengths, non_blocking=pin and r.target.is_cuda)
             continue
@@ -309,7 +310,7 @@ def _read(url: str, reads: list[_Read], block_bytes: int, threads: int) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def mapped(url: str, index: dict[str, dcp_format.Stored], fqn: str) -> torch.Tensor | None:
+def mapped(url: str, index: dict[str, dcp_index.Stored], fqn: str) -> torch.Tensor | None:
     """Tensor ``fqn`` of a checkpoint on a local file system, whole, as a view of its file's page
     cache (``ranges.mapped``: no copy), where it is stored as one plain contiguous chunk; None
     otherwise (``read`` it). ``index``: the checkpoint's ``read_index``."""
@@ -319,7 +320,7 @@ def mapped(url: str, index: dict[str, dcp_format.Stored], fqn: str) -> torch.Ten
     return mapped_chunk(url, stored.chunks[0], stored.dtype)
 
 
-def mapped_chunk(url: str, chunk: dcp_format.Chunk, dtype: torch.dtype) -> torch.Tensor | None:
+def mapped_chunk(url: str, chunk: dcp_index.Chunk, dtype: torch.dtype) -> torch.Tensor | None:
     """One stored chunk (of ``chunk.sizes``) of a checkpoint on a local file system, as a view of
     its file's pages, where its item is a plain contiguous tensor of ``dtype``; None otherwise."""
     fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
@@ -335,7 +336,7 @@ def mapped_chunk(url: str, chunk: dcp_format.Chunk, dtype: torch.dtype) -> torch
     return ranges.mapped(fs, path, begin, begin + numel * item.dtype.itemsize, item.dtype).view(size)
 
 
-def read(state: dict, url: str, index: dict[str, dcp_format.Stored] | None = None) -> None:
+def read(state: dict, url: str, index: dict[str, dcp_index.Stored] | None = None) -> None:
     """Fill the tensors/chunks of ``state`` in place from the checkpoint at ``url`` (written at any
     layout: each piece is read from the chunks it overlaps), on this rank alone. ``index``: the
     checkpoint's ``read_index``, when the caller has it. A missing tensor or a shape that
