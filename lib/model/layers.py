@@ -341,7 +341,7 @@ def compiled_region(fn, *token_args: int):
     arguments ``token_args``) is symbolic from the first call, so micro-batches of any length
     reuse one kernel; every layer shares it (weights are arguments, not guarded by identity)."""
     # The layer regions trace _RegionLinear, an autograd.Function, which AOTAutograd's cache
-    # refuses by default: every process would trace the regions' joint graphs again (+3 s a
+    # refuses by default: every process would trace the regions' joint graphs again (+2-3 s a
     # process on the 2-core dev CPU, warm cache). Safe for it: its backward is one registered op,
     # called by name, and the graph it traces is the cache key.
     import torch._functorch.config as aot_config
