@@ -774,7 +774,9 @@ def bf16_run(iteration, pool1, tmp_path_factory):
 def test_bf16_keeps_fp32_state_and_the_stored_dtype(bf16_run, reference_run, iteration):
     m = publish.require_published(str(bf16_run / "actor"), "checkpoint")
     assert m["dtype"] == "float32"  # the toy actor is stored in fp32: so is the update
-    meta = checkpoint.read_metadata(str(bf16_run / "train_state" / "actor" / "optim")).state_dict_metadata
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(bf16_run / "train_state" / "actor" / "optim")).read_metadata().state_dict_metadata
     masters = [k for k in meta if k.endswith(".master")]
     assert masters and all(meta[k].properties.dtype == torch.float32 for k in meta)
     assert publish.require_published(str(bf16_run), "ppo")["summary"]["dtype"] == "bfloat16"

@@ -424,7 +424,7 @@ def test_files_are_dcp_s_format_both_ways(pool2, tmp_path):
     checkpoint.load({"w": checkpoint.Chunks((12, 10), {(0, 0): w[:, :3], (0, 3): w[:, 3:]}),
                      "kv": checkpoint.Chunks((6, 4), {(2, 0): kv[2:]})}, theirs)
     assert torch.equal(w, full["w"]) and torch.equal(kv[2:], full["kv"][2:]) and not kv[:2].any()
-    md = checkpoint.read_metadata(theirs)
+    md = dcp.FileSystemReader(theirs).read_metadata()
     assert tuple(md.state_dict_metadata["w"].size) == (12, 10)
     assert md.state_dict_metadata["w"].properties.dtype == torch.bfloat16
     # The same state saved by both writers: the same metadata, field for field (bar the save id).

@@ -26,7 +26,7 @@ from llamarl.lib.distributed import collectives
 from llamarl.lib.files import dcp_format, dcp_index, ranges
 from llamarl.lib.files.checksums import is_local
 from llamarl.lib.files.dcp_format import METADATA  # noqa: F401 — part of this module's interface
-from llamarl.lib.files.dcp_index import read_index, read_metadata  # noqa: F401 — part of this module's interface
+from llamarl.lib.files.dcp_index import read_index  # noqa: F401 — part of this module's interface
 from llamarl.lib.model import hf_mapping
 
 

@@ -18,13 +18,6 @@ import torch
 from llamarl.lib.files.dcp_format import METADATA
 
 
-def read_metadata(url: str):
-    """The checkpoint's DCP ``Metadata``, as DCP's own classes (importing DCP): what DCP's ``load``
-    reads. llamarl's readers take ``read_index``."""
-    fs, path = fsspec.core.url_to_fs(url.rstrip("/"))
-    return pickle.loads(fs.cat_file(f"{path}/{METADATA}"))
-
-
 class Chunk(NamedTuple):
     """A stored chunk of a tensor, and the byte range of its item."""
 
