@@ -443,6 +443,29 @@ def test_dense_attention_only_for_several_sequences_and_a_bounded_set_of_shapes(
     assert attention.attention_backend(torch.device("cuda"), torch.bfloat16, 27, ragged, 7) == "torch_varlen"
 
 
+def test_direct_flash_falls_back_for_other_ops_not_for_out_of_memory(monkeypatch):
+    # _direct_flash gives way to torch's varlen_attn, for the rest of the process, where this
+    # torch's flash aten ops cannot be called as it calls them (here, on CPU: no kernel). An
+    # out-of-memory error says nothing of that: it propagates, and the direct path stays (caught,
+    # it would switch the process, a resident worker's later stages too, to the other kernels'
+    # gradients for good, the retry allocating more). Runs the CUDA branch's logic on CPU.
+    fallback = []
+    monkeypatch.setattr(attention, "_torch_varlen", lambda: (lambda q, *a, **kw: fallback.append(1) or q, True))
+    q, k, v, cu = _attention_inputs(2, 5, "cpu", torch.bfloat16)
+    monkeypatch.setattr(attention, "_direct_flash_ok", True)
+    assert attention.varlen_attention(q, k, v, cu, 5, backend="torch_varlen") is q and fallback == [1]
+    assert not attention._direct_flash_ok
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(attention, "_direct_flash_ok", True)
+    monkeypatch.setattr(attention._FlashVarlen, "apply", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        attention.varlen_attention(q, k, v, cu, 5, backend="torch_varlen")
+    assert attention._direct_flash_ok and fallback == [1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_dense_attention_on_cuda_as_close_to_fp32_as_varlen():
