@@ -275,7 +275,7 @@ def embedding_grad_fused_vs_hook(tp=1, pp=1, sp=False, tie=False, fused=False) -
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_embedding_grad_fusion_matches_the_hook_path(monkeypatch, tie):
+def test_embedding_grad_fusion_matches_the_hook_path(tie):
     # TP 1, the embedding alone or tied to the head: its own rows and the head's GEMM both add
     # into the one main_grad, each once.
     errs = embedding_grad_fused_vs_hook(tie=tie)
