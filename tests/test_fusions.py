@@ -239,6 +239,66 @@ def test_embedding_adds_its_tokens_rows_into_main_grad(monkeypatch):
     torch.testing.assert_close(emb.weight.main_grad, expected, rtol=0, atol=1e-6)
 
 
+def embedding_grad_fused_vs_hook(tp=1, pp=1, sp=False, tie=False, fused=False) -> dict[str, float]:
+    """A bf16 model's ``main_grad`` (GradBuffer's, reduced as a step reduces it) after two
+    micro-batches through the pipeline schedule, the gradient fusion on against off: per parameter
+    the relative difference. The embedding's rows are split over TP (each rank masks the ids
+    outside its slice), its output scattered over tokens under SP, its weight shared with the head
+    at PP 1 or its copy's gradient summed over the first and last stage at PP 2 (``tie``)."""
+    from llamarl.lib.model import schedule
+
+    parallel.init(tp, pp)
+    hf = tiny.hf_model(num_hidden_layers=2 * pp, tie_word_embeddings=tie)
+    out = {}
+    for mode in ("0", "1"):
+        os.environ[layers.WGRAD_ENV] = mode
+        try:
+            model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(tp=tp, pp=pp, sequence_parallel=sp),
+                                             dtype=torch.bfloat16, fused=fused)
+            model.load_hf_state_dict(hf.state_dict())
+            grads = optim.GradBuffer(model)
+            batches, labels = [], []
+            for i, side in enumerate(("left", "right")):
+                ids, mask, pos = tiny.batch(side, seed=i, lengths=(7, 12, 3) if i else (5, 9, 16, 2))
+                batches.append(model.make_batch(ids, mask, pos))
+                labels.append(batches[-1].flat(torch.roll(ids, -1, 1)))
+            schedule.forward_backward(model, batches, lambda lg, lb: vocab_parallel.log_probs(lg, lb).sum(), labels)
+            grads.reduce()
+        finally:
+            os.environ.pop(layers.WGRAD_ENV)
+        assert all(p.grad is None for p in grads.params if p.dtype != torch.float32)
+        out[mode] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    parallel.destroy_model_parallel()
+    a, b = out["0"], out["1"]
+    assert all(a[n].abs().max() > 0 for n in a)
+    return {n: ((a[n] - b[n]).norm() / a[n].norm()).item() for n in a}
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_embedding_grad_fusion_matches_the_hook_path(tie):
+    # TP 1, the embedding alone or tied to the head: its own rows and the head's GEMM both add
+    # into the one main_grad, each once.
+    errs = embedding_grad_fused_vs_hook(tie=tie)
+    assert max(errs.values()) < 1e-2, errs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True])
+def test_embedding_grad_fusion_matches_the_hook_path_tp2(pool2, sp):
+    # Vocab-parallel rows (ids outside a rank's slice add nothing, not even into row 0), under SP
+    # the embedding's output scattered over tokens, tied to the head.
+    for errs in pool2.run(embedding_grad_fused_vs_hook, 2, 1, sp, True):
+        assert max(errs.values()) < 1e-2, errs
+
+
+@pytest.mark.slow
+def test_embedding_grad_fusion_matches_the_hook_path_pp2_tied(pool2):
+    # PP 2 with tied embeddings: the first stage's embedding and the last stage's head copy each
+    # add into their own main_grad, summed over the embedding group by GradBuffer.reduce.
+    for errs in pool2.run(embedding_grad_fused_vs_hook, 1, 2, False, True):
+        assert max(errs.values()) < 1e-2, errs
+
+
 def test_wgrad_fusion_inside_the_fused_layer_regions():
     # LLAMARL_FUSED_LAYERS=1 with LLAMARL_FUSED_WGRAD=1: the linears inside the compiled regions
     # add into main_grad in their backward (lib.layers._RegionLinear, traced into the region; its
@@ -381,6 +441,29 @@ def test_dense_attention_only_for_several_sequences_and_a_bounded_set_of_shapes(
     assert choose(2, 2048) == "sdpa_dense"  # a shape seen keeps its plan
     ragged = torch.tensor([0, 7, 14, 20, 27])
     assert attention.attention_backend(torch.device("cuda"), torch.bfloat16, 27, ragged, 7) == "torch_varlen"
+
+
+def test_direct_flash_falls_back_for_other_ops_not_for_out_of_memory(monkeypatch):
+    # _direct_flash gives way to torch's varlen_attn, for the rest of the process, where this
+    # torch's flash aten ops cannot be called as it calls them (here, on CPU: no kernel). An
+    # out-of-memory error says nothing of that: it propagates, and the direct path stays (caught,
+    # it would switch the process, a resident worker's later stages too, to the other kernels'
+    # gradients for good, the retry allocating more). Runs the CUDA branch's logic on CPU.
+    fallback = []
+    monkeypatch.setattr(attention, "_torch_varlen", lambda: (lambda q, *a, **kw: fallback.append(1) or q, True))
+    q, k, v, cu = _attention_inputs(2, 5, "cpu", torch.bfloat16)
+    monkeypatch.setattr(attention, "_direct_flash_ok", True)
+    assert attention.varlen_attention(q, k, v, cu, 5, backend="torch_varlen") is q and fallback == [1]
+    assert not attention._direct_flash_ok
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(attention, "_direct_flash_ok", True)
+    monkeypatch.setattr(attention._FlashVarlen, "apply", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        attention.varlen_attention(q, k, v, cu, 5, backend="torch_varlen")
+    assert attention._direct_flash_ok and fallback == [1]
 
 
 @pytest.mark.gpu

@@ -1118,3 +1118,45 @@ def test_a_non_finite_step_stops_every_rank_at_that_step(pool2, iteration, tmp_p
     lines = pool2.run(_ppo_until_it_fails, _cfg(iteration, out, **layout), "step 2:lr=inf")
     assert lines[0] == lines[1] and lines[0].startswith("ppo optimizer step 2: actor masters not finite"), lines
     assert publish.read_manifest(str(out)) is None and not (out / "actor").exists() and not (out / "metrics.jsonl").exists()
+
+
+def _ppo_leaves_behind(cfg_json: dict, freeze: bool) -> list[str]:
+    """``ppo.run`` in this process, as a resident worker runs it (``cluster/worker.py``: the
+    stage, then a full collection), with nothing kept for a next ppo: which of the trainers'
+    models and optimizers are still alive after it. ``freeze``: the stage's heap freeze as it is,
+    else a no-op."""
+    import gc
+    import weakref
+
+    from llamarl.stages import ppo_kept
+
+    refs, hook, real = {}, ppo._test_hook, ppo.job.freeze_heap
+
+    def hooked(point, trainers=None):
+        if trainers and not refs:
+            for name, t in trainers.items():
+                refs[f"{name} model"], refs[f"{name} optimizer"] = weakref.ref(t.model), weakref.ref(t.opt)
+        hook(point, trainers)
+
+    ppo._test_hook = hooked
+    if not freeze:
+        ppo.job.freeze_heap = lambda: None
+    try:
+        ppo.run(PPOConfig(**cfg_json))
+    finally:
+        ppo._test_hook, ppo.job.freeze_heap = hook, real
+        ppo_kept._kept = None  # let go, as a next ppo's take does when it cannot use them
+    gc.collect()
+    return sorted(name for name, r in refs.items() if r() is not None)
+
+
+@pytest.mark.slow
+def test_a_resident_worker_gets_back_what_ppo_built(pool1, iteration, tmp_path):
+    # A resident worker runs many ppo stages in one process and frees what each built with a full
+    # collection after it (cluster/worker.py, serve). ppo's heap freeze after its first step hides
+    # every object alive then (models, optimizers, the data) from the collector for good: whatever
+    # of it sits in a reference cycle would outlive the stage, its device memory with it.
+    [no_freeze] = pool1.run(_ppo_leaves_behind, _cfg(iteration, tmp_path / "a").to_json(), False)
+    assert no_freeze == [], no_freeze  # the check can see a leak only if the stage leaves none itself
+    [frozen] = pool1.run(_ppo_leaves_behind, _cfg(iteration, tmp_path / "b").to_json(), True)
+    assert frozen == [], f"alive after the stage and a full collection: {frozen}"

@@ -253,6 +253,8 @@ def _direct_flash(q, k, v, cu_seqlens, max_seqlen) -> torch.Tensor | None:
     global _direct_flash_ok
     try:
         return _FlashVarlen.apply(q, k, v, cu_seqlens, max_seqlen)
+    except torch.OutOfMemoryError:  # a RuntimeError, but no sign of other ops: the direct path stays
+        raise
     except (AttributeError, TypeError, RuntimeError):
         _direct_flash_ok = False
         return None
