@@ -453,7 +453,8 @@ def test_direct_flash_falls_back_for_other_ops_not_for_out_of_memory(monkeypatch
     monkeypatch.setattr(attention, "_torch_varlen", lambda: (lambda q, *a, **kw: fallback.append(1) or q, True))
     q, k, v, cu = _attention_inputs(2, 5, "cpu", torch.bfloat16)
     monkeypatch.setattr(attention, "_direct_flash_ok", True)
-    assert attention.varlen_attention(q, k, v, cu, 5, backend="torch_varlen") is q and fallback == [1]
+    with pytest.warns(UserWarning, match="varlen_attn from now on"):
+        assert attention.varlen_attention(q, k, v, cu, 5, backend="torch_varlen") is q and fallback == [1]
     assert not attention._direct_flash_ok
 
     def out_of_memory(*args):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -255,8 +256,10 @@ def _direct_flash(q, k, v, cu_seqlens, max_seqlen) -> torch.Tensor | None:
         return _FlashVarlen.apply(q, k, v, cu_seqlens, max_seqlen)
     except torch.OutOfMemoryError:  # a RuntimeError, but no sign of other ops: the direct path stays
         raise
-    except (AttributeError, TypeError, RuntimeError):
+    except (AttributeError, TypeError, RuntimeError) as e:
         _direct_flash_ok = False
+        warnings.warn(f"torch's flash aten ops refused llamarl's call ({type(e).__name__}: {e}); varlen attention "
+                      "goes through torch.nn.attention.varlen.varlen_attn from now on (slower on the host)")
         return None
 
 
