@@ -65,7 +65,7 @@ class ParallelAttention(nn.Module):
             w = mappings.sum_replicated_kv_grad(w, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
             if b is not None:
                 b = mappings.sum_replicated_kv_grad(b, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
-        qkv = linear(self.qkv_proj.gather_input(x), w, b)
+        qkv = linear(column_input(x, self.tp_group, self.qkv_proj.sequence_parallel), w, b)
         q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         q, k = rotary_qk(q.reshape(-1, self.heads, self.head_dim), k.reshape(-1, self.kv_heads, self.head_dim),
                          cos, sin, fused=fused)
