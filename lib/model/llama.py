@@ -62,9 +62,9 @@ class ParallelAttention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata, layer: int, fused: bool = False):
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
         if self.kv_replicas > 1:
-            w = mappings.sum_replicated_kv_grad(w, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
+            w = mappings.SumReplicatedKV.apply(w, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
             if b is not None:
-                b = mappings.sum_replicated_kv_grad(b, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
+                b = mappings.SumReplicatedKV.apply(b, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
         qkv = linear(column_input(x, self.tp_group, self.qkv_proj.sequence_parallel), w, b)
         q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         q, k = rotary_qk(q.reshape(-1, self.heads, self.head_dim), k.reshape(-1, self.kv_heads, self.head_dim),
