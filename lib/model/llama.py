@@ -36,7 +36,7 @@ from llamarl.lib.model.layers import (
     swiglu,
     wgrad_target,
 )
-from llamarl.lib.model.rotary import RotaryEmbedding, region_rotary_qk, rotary_qk
+from llamarl.lib.model.rotary import region_rotary_qk, rope_cos_sin, rope_inv_freq, rotary_qk
 from llamarl.lib.distributed.parallel import Topology, group_rank, group_size
 
 
@@ -156,13 +156,13 @@ class ParallelLlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, tp_group, sp, dtype) for i in self.layer_range})
         self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp_group=tp_group, sequence_parallel=sp, dtype=dtype)
                      if topo.is_last_stage else None)
-        self.rotary = RotaryEmbedding(cfg)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, batch: TokenBatch, hidden: torch.Tensor | None) -> torch.Tensor:
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(batch.input_ids)
         # Attention sees all N tokens (SP gathers them inside qkv_proj), so RoPE covers all N.
-        cos, sin = self.rotary(batch.positions, hidden.dtype)
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, hidden.dtype)
         fused = self.use_fused(hidden)
         for layer in self.layers.values():
             hidden = layer(hidden, cos, sin, batch.meta, fused)
