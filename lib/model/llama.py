@@ -163,21 +163,16 @@ class ParallelLlamaModel(nn.Module):
             hidden = self.embed_tokens(batch.input_ids)
         # Attention sees all N tokens (SP gathers them inside qkv_proj), so RoPE covers all N.
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, hidden.dtype)
-        fused = self.use_fused(hidden)
+        # Fused regions only while autograd records (they exist to save less for backward), where
+        # ``fused`` (None: ``LLAMARL_FUSED``) says.
+        fused = torch.is_grad_enabled() and (fusions_on(hidden.device) if self.fused is None else self.fused)
         for layer in self.layers.values():
             hidden = layer(hidden, cos, sin, batch.meta, fused)
         return self.norm(hidden, fused=fused) if self.norm is not None else hidden
 
-    def use_fused(self, hidden: torch.Tensor) -> bool:
-        """Fused regions only while autograd records (they exist to save less for backward), where
-        ``fused`` (None: ``LLAMARL_FUSED``) says."""
-        if not torch.is_grad_enabled():
-            return False
-        return fusions_on(hidden.device) if self.fused is None else self.fused
-
 
 class ParallelLlama(nn.Module):
-    """Base of the three models: backbone plus (on the last stage) a head (``fused``: ``use_fused``)."""
+    """Base of the three models: backbone plus (on the last stage) a head (``fused``: ``ParallelLlamaModel.forward``)."""
 
     hf_head = "lm"  # which HF head the weights come from: lm (LlamaForCausalLM) | score
 
