@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from llamarl.lib.dtypes import torch_dtype
@@ -65,7 +65,6 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def q_size(self) -> int:
@@ -110,7 +109,6 @@ class LlamaConfig:
             raise fail(f"pretraining_tp={d['pretraining_tp']} is not supported; set it to 1 (it only "
                        "changes how HF splits matmuls, not the weights)")
 
-        known = {f.name for f in dataclasses.fields(cls)}
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -129,7 +127,6 @@ class LlamaConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
-            extra={k: v for k, v in d.items() if k not in known},
         )
 
     @classmethod
@@ -150,13 +147,11 @@ class LlamaConfig:
                 **{_HF_NAMES.get(name, name): value for name, value in self.to_dict().items()}}
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("extra")
-        return d
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LlamaConfig:
-        return cls(**{k: v for k, v in d.items() if k != "extra"})
+        return cls(**d)
 
 
 def _read_rope(d: dict, fail) -> tuple[float, dict | None]:

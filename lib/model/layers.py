@@ -40,10 +40,7 @@ class ColumnParallelLinear(_ParallelLinear):
     slice of the tokens (gathered first)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.gather_input(x), self.weight, self.bias)
-
-    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
-        return column_input(x, self.tp_group, self.sequence_parallel)
+        return linear(column_input(x, self.tp_group, self.sequence_parallel), self.weight, self.bias)
 
 
 def column_input(x: torch.Tensor, tp_group: ProcessGroup | None, sequence_parallel: bool) -> torch.Tensor:

@@ -36,7 +36,7 @@ from llamarl.lib.model.layers import (
     swiglu,
     wgrad_target,
 )
-from llamarl.lib.model.rotary import RotaryEmbedding, region_rotary_qk, rotary_qk
+from llamarl.lib.model.rotary import region_rotary_qk, rope_cos_sin, rope_inv_freq, rotary_qk
 from llamarl.lib.distributed.parallel import Topology, group_rank, group_size
 
 
@@ -62,10 +62,10 @@ class ParallelAttention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata, layer: int, fused: bool = False):
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
         if self.kv_replicas > 1:
-            w = mappings.sum_replicated_kv_grad(w, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
+            w = mappings.SumReplicatedKV.apply(w, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
             if b is not None:
-                b = mappings.sum_replicated_kv_grad(b, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
-        qkv = linear(self.qkv_proj.gather_input(x), w, b)
+                b = mappings.SumReplicatedKV.apply(b, self.q_rows, self.kv_head, self.num_kv_heads, self.tp_group)
+        qkv = linear(column_input(x, self.tp_group, self.qkv_proj.sequence_parallel), w, b)
         q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         q, k = rotary_qk(q.reshape(-1, self.heads, self.head_dim), k.reshape(-1, self.kv_heads, self.head_dim),
                          cos, sin, fused=fused)
@@ -156,28 +156,23 @@ class ParallelLlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, tp_group, sp, dtype) for i in self.layer_range})
         self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp_group=tp_group, sequence_parallel=sp, dtype=dtype)
                      if topo.is_last_stage else None)
-        self.rotary = RotaryEmbedding(cfg)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, batch: TokenBatch, hidden: torch.Tensor | None) -> torch.Tensor:
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(batch.input_ids)
         # Attention sees all N tokens (SP gathers them inside qkv_proj), so RoPE covers all N.
-        cos, sin = self.rotary(batch.positions, hidden.dtype)
-        fused = self.use_fused(hidden)
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, hidden.dtype)
+        # Fused regions only while autograd records (they exist to save less for backward), where
+        # ``fused`` (None: ``LLAMARL_FUSED``) says.
+        fused = torch.is_grad_enabled() and (fusions_on(hidden.device) if self.fused is None else self.fused)
         for layer in self.layers.values():
             hidden = layer(hidden, cos, sin, batch.meta, fused)
         return self.norm(hidden, fused=fused) if self.norm is not None else hidden
 
-    def use_fused(self, hidden: torch.Tensor) -> bool:
-        """Fused regions only while autograd records (they exist to save less for backward), where
-        ``fused`` (None: ``LLAMARL_FUSED``) says."""
-        if not torch.is_grad_enabled():
-            return False
-        return fusions_on(hidden.device) if self.fused is None else self.fused
-
 
 class ParallelLlama(nn.Module):
-    """Base of the three models: backbone plus (on the last stage) a head (``fused``: ``use_fused``)."""
+    """Base of the three models: backbone plus (on the last stage) a head (``fused``: ``ParallelLlamaModel.forward``)."""
 
     hf_head = "lm"  # which HF head the weights come from: lm (LlamaForCausalLM) | score
 

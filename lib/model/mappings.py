@@ -114,7 +114,7 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.T
     return _ReduceScatterToSP.apply(x, group) if group_size(group) > 1 else x
 
 
-class _SumReplicatedKV(torch.autograd.Function):
+class SumReplicatedKV(torch.autograd.Function):
     """Identity on a fused QKV weight whose k/v rows are replicated on several TP ranks (TP > kv
     heads). Backward sums the k/v gradient over the ranks that hold the same kv head, so the
     replicas stay equal, with one all-reduce over TP into a buffer with a slot per kv head: no
@@ -133,8 +133,3 @@ class _SumReplicatedKV(torch.autograd.Function):
         buf[kv_head] = kv
         dist.all_reduce(buf, group=group)
         return torch.cat([g[:q_rows], buf[kv_head]]), None, None, None, None
-
-
-def sum_replicated_kv_grad(w: torch.Tensor, q_rows: int, kv_head: int, num_kv_heads: int,
-                           group: ProcessGroup) -> torch.Tensor:
-    return _SumReplicatedKV.apply(w, q_rows, kv_head, num_kv_heads, group)

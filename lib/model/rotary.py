@@ -7,29 +7,22 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
-
 from llamarl.lib.model.config import LlamaConfig
 from llamarl.lib.model.layers import compiled_region
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE ``cos``/``sin`` for given positions, with ``rope_theta`` and Llama-3 / linear scaling.
-
-    Positions come from the data (not restarted per packed sequence), so left padding and packed
-    sequences get the positions the checkpoint was trained with."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE ``cos``/``sin`` for given positions (``inv_freq``: ``rope_inv_freq``'s). Positions come
+    from the data (not restarted per packed sequence), so left padding and packed sequences get
+    the positions the checkpoint was trained with."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies, with ``rope_theta`` and Llama-3 / linear scaling."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling

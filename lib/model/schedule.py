@@ -91,14 +91,12 @@ def forward_backward(
             torch.autograd.backward(out, grad_out)
         return x.grad if x is not None else None
 
-    if forward_only or topo.pp == 1:
+    if forward_only:
         for i in range(n):
             recv, _ = p2p(recv_prev=None if first else recv_spec(i))
-            x, out = run_forward(i, recv)
+            _, out = run_forward(i, recv)
             if not last:
-                p2p(send_next=out.detach() if not forward_only else out)
-            elif not forward_only:
-                run_backward(x, out, None)
+                p2p(send_next=out)
         return results
 
     _one_f_one_b(topo, n, p2p, recv_spec, run_forward, run_backward)
