@@ -212,17 +212,14 @@ def _buckets(pieces: list[Piece], n: int) -> list[list[Piece]]:
     return [b for b in buckets if b]
 
 
-_DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"  # imported by ``_metadata``
-
-
 @functools.cache  # once a process
 def start_metadata_import() -> None:
     """Import DCP's classes for ``.metadata`` on a thread. The import takes about half a second
     (DTensor, sympy): a stage that writes ``.metadata`` (its rank 0) or reads it starts it as early
     as it can, so that it runs beside the stage's start-up, waits and writes rather than before
     ``.metadata``."""
-    threading.Thread(target=importlib.import_module, args=(_DCP_FILESYSTEM,), name="llamarl-dcp-import",
-                     daemon=True).start()
+    threading.Thread(target=importlib.import_module, args=("torch.distributed.checkpoint.filesystem",),
+                     name="llamarl-dcp-import", daemon=True).start()  # what ``_metadata`` imports
 
 
 def save(pieces: list[Piece], url: str, threads: int = 4) -> None:
