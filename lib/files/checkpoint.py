@@ -1,13 +1,9 @@
-"""Sharded checkpoints in torch.distributed.checkpoint's (DCP) format, at any fsspec URL.
+"""Sharded checkpoints in torch.distributed.checkpoint's (DCP) format, at any fsspec URL: the
+HF-named, HF-shaped tensors, each rank writing the chunks it owns (``hf_mapping.param_slices``), so
+that a job at any TP×PP layout loads its own pieces (docs/formats.md "Sharded checkpoint").
 
-What is stored is layout-free: the *HF-named, HF-shaped* tensors (``q_proj``, ``k_proj``, ...,
-unpadded vocabulary), each rank writing the pieces it owns as chunks with their offsets
-(``hf_mapping.param_slices`` says which). A job at any other TP×PP layout loads by asking for its
-own pieces, read from the overlapping chunks. No conversion step, and the fused QKV / gate_up and
-vocabulary padding of a layout never reach the files.
-
-The files are DCP's, written by lib/files/dcp_format.py (which says why not by DCP). Reading is
-this module's own (``_read`` says how): straight into the targets, without ``torch.load``'s copy.
+The files are written by lib/files/dcp_format.py. Reading is this module's own (``_read`` says how):
+straight into the targets, without ``torch.load``'s copy.
 """
 
 from __future__ import annotations
