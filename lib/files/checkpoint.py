@@ -1,13 +1,9 @@
-"""Sharded checkpoints in torch.distributed.checkpoint's (DCP) format, at any fsspec URL.
+"""Sharded checkpoints in torch.distributed.checkpoint's (DCP) format, at any fsspec URL: the
+HF-named, HF-shaped tensors, each rank writing the chunks it owns (``hf_mapping.param_slices``), so
+that a job at any TP×PP layout loads its own pieces (docs/formats.md "Sharded checkpoint").
 
-What is stored is layout-free: the *HF-named, HF-shaped* tensors (``q_proj``, ``k_proj``, ...,
-unpadded vocabulary), each rank writing the pieces it owns as chunks with their offsets
-(``hf_mapping.param_slices`` says which). A job at any other TP×PP layout loads by asking for its
-own pieces, read from the overlapping chunks. No conversion step, and the fused QKV / gate_up and
-vocabulary padding of a layout never reach the files.
-
-The files are DCP's, written by lib/files/dcp_format.py (which says why not by DCP). Reading is
-this module's own (``_read`` says how): straight into the targets, without ``torch.load``'s copy.
+The files are written by lib/files/dcp_format.py. Reading is this module's own (``_read`` says how):
+straight into the targets, without ``torch.load``'s copy.
 """
 
 from __future__ import annotations
@@ -213,14 +209,6 @@ def _header(fs, path: str, begin: int, end: int) -> dcp_index.StoredTensor | Non
     return dcp_index.parse_item(ranges.Sparse(bytes(head), bytes(tail), n))
 
 
-def _row_major(size) -> list[int]:
-    """The strides of a contiguous tensor of ``size``."""
-    strides = [1] * len(size)
-    for d in range(len(size) - 2, -1, -1):
-        strides[d] = strides[d + 1] * size[d + 1]
-    return strides
-
-
 def _flat_span(r: _Read, stored: dcp_index.StoredTensor | None) -> tuple[int, int] | None:
     """(file offset, bytes) of what ``r`` reads when it is one run of bytes that maps 1:1 onto a
     contiguous target of the same dtype (whole chunks, or rows of them: a layout read as written,
@@ -231,8 +219,8 @@ def _flat_span(r: _Read, stored: dcp_index.StoredTensor | None) -> tuple[int, in
     t = r.target
     if dtype != t.dtype or not t.is_contiguous() or not size:
         return None
-    contiguous = _row_major(size)
-    if list(stride) != contiguous or any(r.offsets[1:]) or tuple(r.lengths[1:]) != tuple(size[1:]):
+    contiguous = torch.empty(size, device="meta").stride()  # torch's strides, as torch.save writes them
+    if tuple(stride) != contiguous or any(r.offsets[1:]) or tuple(r.lengths[1:]) != tuple(size[1:]):
         return None
     row = t.element_size() * contiguous[0]
     return r.begin + begin + r.offsets[0] * row, r.lengths[0] * row
@@ -330,7 +318,7 @@ def mapped_chunk(url: str, chunk: dcp_index.Chunk, dtype: torch.dtype) -> torch.
     item = _header(fs, path, chunk.begin, chunk.end)
     size, numel = chunk.sizes, math.prod(chunk.sizes)
     if (item is None or item.dtype != dtype or item.size != size or not size
-            or list(item.stride) != _row_major(size) or not numel):
+            or item.stride != torch.empty(size, device="meta").stride() or not numel):
         return None
     begin = chunk.begin + item.begin
     return ranges.mapped(fs, path, begin, begin + numel * item.dtype.itemsize, item.dtype).view(size)

@@ -68,19 +68,29 @@ def _hash_in_place(h, fs, path: str, start: int, length: int) -> bool:
     return True
 
 
+def _hash_range(h, fs, path: str, start: int, length: int, read_bytes: int, url: str) -> None:
+    """Hash bytes ``start:start+length`` of a file into ``h``: in place where it is local, else read
+    ``read_bytes`` at a time (what a reader holds)."""
+    if _hash_in_place(h, fs, path, start, length):
+        return
+    buf = memoryview(bytearray(read_bytes))
+    with fs.open(path, "rb") as f:
+        f.seek(start)
+        while length:
+            n = f.readinto(buf[: min(read_bytes, length)])
+            if not n:
+                raise UserError(f"{url}: short read; the file changed while being hashed")
+            h.update(buf[:n])
+            length -= n
+
+
 def checksum(url: str, algorithm: str = CHECKSUM) -> str:
     """The checksum of a whole file, read again."""
     if algorithm == TREE:
         return _tree_checksum(url)
     h = hasher(algorithm)
     fs, path = fsspec.core.url_to_fs(url)
-    if _hash_in_place(h, fs, path, 0, fs.size(path)):
-        return h.hexdigest()
-    buf = bytearray(_BLOCK)
-    view = memoryview(buf)
-    with fs.open(path, "rb") as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
+    _hash_range(h, fs, path, 0, fs.size(path), _BLOCK, url)
     return h.hexdigest()
 
 
@@ -94,18 +104,7 @@ def _tree_checksum(url: str, threads: int = 4, read_bytes: int = 4 << 20) -> str
 
     def block(start: int) -> bytes:
         h = xxhash.xxh3_128()
-        if _hash_in_place(h, fs, path, start, min(TREE_BLOCK, size - start)):
-            return h.digest()
-        buf = bytearray(read_bytes)
-        with fs.open(path, "rb") as f:
-            f.seek(start)
-            left = min(TREE_BLOCK, size - start)
-            while left:
-                n = f.readinto(memoryview(buf)[: min(read_bytes, left)])
-                if not n:
-                    raise UserError(f"{url}: short read; the file changed while being hashed")
-                h.update(memoryview(buf)[:n])
-                left -= n
+        _hash_range(h, fs, path, start, min(TREE_BLOCK, size - start), read_bytes, url)
         return h.digest()
 
     with ThreadPoolExecutor(max(1, threads)) as pool:

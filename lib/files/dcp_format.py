@@ -1,24 +1,13 @@
-"""torch.distributed.checkpoint's (DCP) files and ``.metadata``: the one writer (reading where
-their tensors lie: lib/files/dcp_index.py).
+"""torch.distributed.checkpoint's (DCP) files and ``.metadata``: the one writer. The format, and
+why its items and ``.metadata`` are written as they are: docs/formats.md "Sharded checkpoint";
+where their tensors lie: lib/files/dcp_index.py.
 
-A DCP checkpoint is a directory: ``__<rank>_<i>.distcp`` files, each a run of items — one
-``torch.save`` archive per chunk of a tensor, back to back — and ``.metadata``, the pickle of DCP's
-``Metadata`` (every tensor's size, dtype and chunks, and the byte range of each chunk). DCP's own
-``load`` reads what is written here, and lib/files/checkpoint.py reads what DCP writes.
-
-The writer is ours rather than ``torch.distributed.checkpoint.save`` for what DCP does not do:
-
-* a chunk held by several ranks (kv heads replicated over TP, DP copies: no DTensor says "rows
-  128:192 of k_proj, also on rank 3") is written once, by the holder with the fewest bytes (``assign``);
-* every file is hashed as it is written (``publish.open_write``): the manifest costs no second read;
-* a chunk's bytes are fetched when it is written (``Piece.get``, on a writer thread): shard never
-  holds its whole share, and a GPU tensor is copied out beside the other writes;
-* ``.metadata``'s save id is the items' digest, not a random one: a checkpoint written again from
-  the same tensors is the same bytes, every file of it (a killed ppo's rerun ends bit-identical).
-
-Items are ``torch.save``'s archives with their records' CRC-32 left 0 (torch's
-``set_crc32_options``, set by each writer thread: torch keeps it per thread): the manifest's
-checksum covers every byte, and ``torch.load`` checks no CRC.
+Ours rather than ``torch.distributed.checkpoint.save`` for what DCP does not do: a chunk held by
+several ranks (no DTensor says "rows 128:192 of k_proj, also on rank 3") is written once
+(``assign``); every file is hashed as written (``publish.open_write``); a chunk's bytes are fetched
+when it is written (``Piece.get``, on a writer thread: shard never holds its whole share); the save
+id is the items' digest, so a rerun writes the same bytes. Items' CRC-32 is left 0 by torch's
+``set_crc32_options``, which torch keeps per thread: each writer thread sets it.
 """
 
 from __future__ import annotations
@@ -212,17 +201,14 @@ def _buckets(pieces: list[Piece], n: int) -> list[list[Piece]]:
     return [b for b in buckets if b]
 
 
-_DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"  # imported by ``_metadata``
-
-
 @functools.cache  # once a process
 def start_metadata_import() -> None:
     """Import DCP's classes for ``.metadata`` on a thread. The import takes about half a second
     (DTensor, sympy): a stage that writes ``.metadata`` (its rank 0) or reads it starts it as early
     as it can, so that it runs beside the stage's start-up, waits and writes rather than before
     ``.metadata``."""
-    threading.Thread(target=importlib.import_module, args=(_DCP_FILESYSTEM,), name="llamarl-dcp-import",
-                     daemon=True).start()
+    threading.Thread(target=importlib.import_module, args=("torch.distributed.checkpoint.filesystem",),
+                     name="llamarl-dcp-import", daemon=True).start()  # what ``_metadata`` imports
 
 
 def save(pieces: list[Piece], url: str, threads: int = 4) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from threading import Thread
 
 from llamarl.lib.distributed.collectives import (
     all_gather_object,
@@ -66,9 +68,6 @@ def start_verify(root: str, manifest: dict, prefix: str = ""):
     """``verify_input``'s share of this rank, on a thread: a future of this rank's error (None when
     its files are whole). Not collective: the caller agrees on the result (``check``) before it
     publishes anything made from the input — a stage that reads while its input is verified."""
-    from concurrent.futures import Future
-    from threading import Thread
-
     from llamarl.lib.files import publish
 
     names = sorted(k for k in manifest["files"] if k.startswith(prefix))
@@ -101,7 +100,10 @@ def file_entries(root: str, names: list[str]) -> dict:
     rest = [n for n in names if n not in known]
     if not rest:
         return {n: known[n] for n in names}
-    mine = {k: v for p in all_gather_object(publish.file_entries(root, rest[rank::world])) for k, v in p.items()}
+    share = rest[rank::world]
+    with ThreadPoolExecutor(max(1, min(publish.THREADS, len(share)))) as pool:  # several files at a time
+        entries = dict(zip(share, pool.map(lambda n: publish.file_entry(f"{root}/{n}"), share)))
+    mine = {k: v for p in all_gather_object(entries) for k, v in p.items()}
     return {n: known.get(n) or mine[n] for n in names}
 
 

@@ -148,14 +148,6 @@ def file_entry(url: str, algorithm: str = CHECKSUM) -> dict[str, Any]:
     return {"bytes": fs.size(path), algorithm: checksum(url, algorithm)}
 
 
-def file_entries(root: str, names: list[str]) -> dict[str, dict[str, Any]]:
-    """``file_entry`` of each ``root/name``, up to ``THREADS`` files at a time."""
-    if not names:
-        return {}
-    with ThreadPoolExecutor(min(THREADS, len(names))) as pool:
-        return dict(zip(names, pool.map(lambda n: file_entry(f"{root}/{n}"), names)))
-
-
 def write_bytes(url: str, data: bytes) -> dict[str, Any]:
     """Write a whole file at any fsspec URL, creating its folder (local filesystems need it);
     returns its manifest entry."""

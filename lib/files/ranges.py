@@ -1,8 +1,6 @@
-"""Byte ranges of files read into memory without an intermediate copy: ``mapped`` (a local file's
-page cache, as a tensor), ``read_into`` a buffer (``preadv`` on local files, a range request
-elsewhere) such as one from ``empty``; ``MemoryFile``
-and ``Sparse``, read-only files over bytes already read (what torch's zip reader is given);
-``read_staged``, which reads blocks bound for a GPU through a few pinned buffers.
+"""Byte ranges of files read into memory without an intermediate copy: mapped (local files), read
+into a given buffer, or read through pinned buffers bound for a GPU; and read-only files over bytes
+already read (what torch's zip reader is given).
 """
 
 from __future__ import annotations

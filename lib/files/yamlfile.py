@@ -73,7 +73,11 @@ def _sound(data, source: str) -> None:
     while stack:
         at, value, done = stack.pop()
         if isinstance(value, str):
-            _encodes(value, at, source)
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise UserError(f"{source}: {_where(at)}: holds a lone surrogate ({value[e.start]!r}), which no file or "
+                                "terminal can hold (UTF-8 cannot encode it); write the character itself") from None
         if not isinstance(value, (dict, list)):
             continue
         children = [*value.keys(), *value.values()] if isinstance(value, dict) else value
@@ -97,14 +101,6 @@ def _sound(data, source: str) -> None:
 
 
 MAX_VALUES = 100_000  # a spec holds hundreds
-
-
-def _encodes(text: str, at: tuple, source: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise UserError(f"{source}: {_where(at)}: holds a lone surrogate ({text[e.start]!r}), which no file or terminal "
-                        "can hold (UTF-8 cannot encode it); write the character itself") from None
 
 
 def _where(at: tuple) -> str:
