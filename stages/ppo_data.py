@@ -144,7 +144,12 @@ def padded(samples: list[Sample], device) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def response_mask(samples: list[Sample], width: int, device) -> torch.Tensor:
-    return label_space(samples, [[1.0] * s.response_len for s in samples], width, device)
+    """1 at each response token's label position, [B, width]. Built for every micro-batch: a slice
+    filled per sample, not ``label_space``'s tensor made from a list of values."""
+    resp = torch.zeros(len(samples), width)
+    for b, s in enumerate(samples):
+        resp[b, s.prompt_len - 1 : len(s.ids) - 1] = 1
+    return resp.to(device)
 
 
 def label_space(samples: list[Sample], values: list[list[float]], width: int, device) -> torch.Tensor:
