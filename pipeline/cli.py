@@ -54,16 +54,16 @@ def run(
             report = run_spec(loaded, dry_run=dry_run, show_launch=show_launch, detach=detach and not dry_run,
                               echo=lambda m: _say(console, m, markup=False, wrap=True))
     except UserError as e:
-        _error(console, str(e))
+        _error(str(e))
         raise typer.Exit(EXIT_USER_ERROR)
     except Stopped as e:
         stages = f": stopped {', '.join(e.stages)}, every process of each" if e.stages else ""
-        _error(console, f"llamarl run got {e.name}{stages}; rerun `llamarl run {spec}` to resume")
+        _error(f"llamarl run got {e.name}{stages}; rerun `llamarl run {spec}` to resume")
         _leave(e.exit_status)
     except OSError as e:  # the driver's own writes (records, the spec's copy) to a full run directory
         if (words := disk_full(e)) is None:
             raise
-        _error(console, disk_full_error(e.filename or (loaded.run_dir if loaded else spec), words))
+        _error(disk_full_error(e.filename or (loaded.run_dir if loaded else spec), words))
         raise typer.Exit(EXIT_USER_ERROR)
     if dry_run:
         table = Table(title=Text(f"{loaded.run_dir} (dry run)"))
@@ -110,12 +110,13 @@ def _say(console, text, markup: bool = True, wrap: bool = False) -> None:
         console.print(text, highlight=False, markup=markup, soft_wrap=not wrap)
 
 
-def _error(console, message: str) -> None:
-    """``error: MESSAGE`` in one line, the message as written: never read as rich markup (a path may
-    hold ``[/x]``), its control characters escaped (``errors.one_line``)."""
+def _error(message: str) -> None:
+    """``error: MESSAGE`` in one line on stderr, as a stage's error is, the message as written: never
+    read as rich markup (a path may hold ``[/x]``), its control characters escaped (``errors.one_line``)."""
+    from rich.console import Console
     from rich.text import Text
 
-    _say(console, Text.assemble(("error:", "red"), " ", one_line(message)))
+    _say(Console(stderr=True), Text.assemble(("error:", "red"), " ", one_line(message)))
 
 
 def _leave(status: int) -> None:
@@ -167,7 +168,7 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
     try:
         rows = status(run)
     except UserError as e:
-        _error(console, str(e))
+        _error(str(e))
         raise typer.Exit(EXIT_USER_ERROR)
     colors = {"done": "green", "failed": "red", "running": "yellow", "stale": "yellow"}
     table = Table(title=Text(run))

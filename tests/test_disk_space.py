@@ -181,7 +181,7 @@ def test_a_full_disk_in_a_run_is_the_records_error_and_a_rerun_completes(finishe
     r = _cli("run", spec)
     assert r.returncode == EXIT_USER_ERROR and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
     error = f"{export}: no space left on device; {FIX}, then rerun: what was published is kept"
-    assert r.stdout.strip().splitlines()[-1] == (f"error: stage export failed ({error}); fix it and rerun `llamarl "
+    assert r.stderr.strip().splitlines()[-1] == (f"error: stage export failed ({error}); fix it and rerun `llamarl "
                                                  f"run` — finished stages are kept")
     assert json.load(open(os.path.join(run, "pipeline", "export.json")))["error"] == error
     status = _cli("status", run)
@@ -243,7 +243,7 @@ def test_a_run_whose_storage_cannot_hold_a_stage_says_so_in_one_line_and_in_stat
     spec = _spec(tmp_path, "cramped", storage)
     r = _cli("run", spec)
     assert r.returncode == EXIT_USER_ERROR, r.stdout + r.stderr
-    last = r.stdout.strip().splitlines()[-1]
+    last = r.stderr.strip().splitlines()[-1]
     assert re.fullmatch(rf"error: stage shard/actor failed \({re.escape(str(storage))}/cramped/shard/actor: shard needs "
                         rf"[\d.]+ MB there \(weights [\d.]+ kB\), but its file system has [\d.]+ [kM]B free; free space, "
                         rf"or set .*\); fix it and rerun `llamarl run` — finished stages are kept", last), last

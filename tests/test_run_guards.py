@@ -58,7 +58,7 @@ def test_llamarl_run_exits_at_once_when_the_run_is_held(tmp_path):
         r = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(tmp_path / "spec.yaml")],
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
-    out = " ".join(r.stdout.split())
+    out = " ".join(r.stderr.split())
     assert "this run is being run by" in out and f"pid {os.getpid()}" in out
     assert not (tmp_path / "held" / "pipeline" / "spec.yaml").exists()
 
