@@ -116,6 +116,8 @@ def _error(message: str) -> None:
     from rich.console import Console
     from rich.text import Text
 
+    with suppress(OSError):  # what was said before it comes before it, where both streams meet
+        sys.stdout.flush()
     _say(Console(stderr=True), Text.assemble(("error:", "red"), " ", one_line(message)))
 
 

@@ -124,7 +124,7 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
     out_id = published_id(node.out)
     key = node_key(node, by_name)
     if record is None:
-        return False, "not started"
+        return False, "not run before"
     if record.get("status") in ("failed", "stopped"):
         return False, f"{record['status']}: {record.get('error')}"
     if record.get("status") == "running":

@@ -16,6 +16,7 @@ from llamarl.lib.runtime.background import Behind
 from .dag import VALIDATE, Node, early_parts
 from .metrics import update_metrics, validation_metrics
 from .monitor import Monitor
+from .progress import Progress
 from .records import (assess, fingerprints, input_url, must_redo, node_key, published_current, published_id,
                       write_record)
 from .retention import Trash, retire_done
@@ -108,6 +109,7 @@ class Schedule:
         self.metrics = Behind(lambda n: update_metrics_after(spec, n, self.monitor), depth=8, background=True,
                               name="metrics")
         self.trash: Trash | None = None  # while stages run here (``_run_nodes``)
+        self.progress = Progress(spec.iterations, echo)
 
     def skipped(self, n: Node, will_run: set[str]) -> tuple[bool, str]:
         """(is ``n`` done, why), given the stages before it that ``will_run``; a done stage is
@@ -197,6 +199,8 @@ class Schedule:
         deletions (moved to the trash, emptied beside) come before the start, for the started
         stage's free-space check; the run's metrics after, behind (``metrics``)."""
         done = self.collect(ended)
+        for n in done:
+            self.progress.ended(n, self.finished, self.by_name)
         if done:
             retire_done(self.spec, self.nodes, self.by_name, self.echo, self.trash)
         self.start_ready(pool)

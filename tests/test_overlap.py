@@ -292,7 +292,7 @@ def test_the_demo_with_two_stages_at_once_starts_rollout_k_plus_1_before_ppo_k_e
     assert records["export"]["started"] < records["iter-002.ppo"]["finished"], records
     assert records["iter-002.ppo"]["started"] >= records["iter-001.ppo"]["finished"]
     said = " ".join(proc.stdout.split())  # the console wraps long lines
-    assert ("[iter-002/rollout] running rollout on 2 process(es): not started; iter-001/ppo/actor published "
+    assert ("[iter-002/rollout] running rollout on 2 process(es): not run before; iter-001/ppo/actor published "
             "(beside iter-001/ppo)") in said, proc.stdout
     sampled = publish.read_manifest(os.path.join(run_dir, "iter-002", "rollout"))["request"]["actor_id"]
     assert sampled == publish.output_id(os.path.join(run_dir, "iter-001", "ppo", "actor"))

@@ -119,7 +119,7 @@ def test_bad_spec_is_a_one_line_error(tmp_path):
     bad.write_text("name: x\nstorage: /tmp\nactor: a\nprompts: p\nitertions: 3\n")
     proc = _cli("run", str(bad))
     assert proc.returncode == 2
-    assert "bad.yaml: itertions: unknown option; valid options: name, storage" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    assert "bad.yaml: itertions: unknown option; valid options: name, storage" in proc.stderr and "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_killed_at_a_random_point_then_rerun_gives_the_same_export(demo_run, tmp_path):

@@ -182,7 +182,7 @@ def test_detached_run_chains_the_dag_cancels_after_a_failure_and_a_rerun_submits
     assert proc.stdout.count("submitted as job") == 8, proc.stdout
     rerun = subprocess.run([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(spec)], env=env,
                            capture_output=True, text=True, timeout=120)
-    assert rerun.returncode == 2 and "still queued or running" in rerun.stdout, rerun.stdout  # no second copy
+    assert rerun.returncode == 2 and "still queued or running" in rerun.stderr, rerun.stdout + rerun.stderr  # no second copy
     # The login side is gone: only Slurm moves the run on.
     _wait_until_queue_empty(cluster, 600)
     st = _status(env, run_dir)
