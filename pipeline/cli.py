@@ -158,13 +158,15 @@ def _cell(value) -> str:
 
 
 @app.command("status")
-def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME).")):
+def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)."),
+               every: bool = typer.Option(False, "--all", help="A row for every stage: a long run otherwise "
+                                                               "folds its runs of done or pending stages.")):
     """Show the run's stages: done / running / failed / pending, and why."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    from llamarl.pipeline.status import status
+    from llamarl.pipeline.status import folded, status, summary
 
     console = Console()
     try:
@@ -176,9 +178,10 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
     table = Table(title=Text(run))
     for col in ("stage", "state", "why"):
         table.add_column(col)
-    for name, state, why in rows:
+    for name, state, why in rows if every else folded(rows):
         table.add_row(Text(name), Text(state, style=colors.get(state, "white")), Text(why))
     console.print(table)
+    console.print(summary(rows), highlight=False, markup=False)
     from llamarl.pipeline.lock import RunLock
 
     holder = RunLock(run).holder()

@@ -60,6 +60,43 @@ def status(run: str) -> list[tuple[str, str, str]]:
     return rows
 
 
+FULL_ROWS = 40
+"""A run of at most this many stages is shown whole; a longer one folds its runs of done or pending
+stages (a 200-iteration run has 1,400 stages: the ones that say something are the few between)."""
+
+
+def folded(rows: list[tuple[str, str, str]], keep: int = 3) -> list[tuple[str, str, str]]:
+    """``status``'s rows with every run of more than ``keep`` consecutive done, or pending, stages
+    as one row (``iter-001/rollout … iter-036/ppo``, ``done``, how many): what is running, failed,
+    stopped or stale stays a row of its own. Short runs (``FULL_ROWS``) come back whole."""
+    if len(rows) <= FULL_ROWS:
+        return rows
+    out, i = [], 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and rows[j][1] == rows[i][1]:
+            j += 1
+        if rows[i][1] in ("done", "pending") and j - i > keep:
+            whys = {why for _, _, why in rows[i:j]}
+            why = f"{j - i} stages" + (f", each {whys.pop()}" if len(whys) == 1 else "")
+            out.append((f"{rows[i][0]} … {rows[j - 1][0]}", rows[i][1], why))
+        else:
+            out.extend(rows[i:j])
+        i = j
+    return out
+
+
+def summary(rows: list[tuple[str, str, str]]) -> str:
+    """One line: how many iterations are trained, and the stages that run or failed."""
+    ppo = [state for name, state, _ in rows if name.startswith("iter-") and name.endswith("/ppo")]
+    line = f"{ppo.count('done')} of {len(ppo)} iterations trained" if ppo else f"{len(rows)} stages"
+    for state in ("running", "submitted", "failed", "stopped", "stale", "lost", "cancelled"):
+        named = [name for name, s, _ in rows if s == state]
+        if named:
+            line += f"; {state}: {', '.join(named[:3])}" + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+    return line
+
+
 def _ran_beside(name: str, records: dict[str, dict]) -> list[str]:
     """The stages whose last run overlapped ``name``'s in time, from their records."""
     mine = records[name]

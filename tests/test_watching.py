@@ -1,8 +1,10 @@
-"""``llamarl run``'s progress line: the iteration of how many, and the time the rest takes at the
-pace of the iterations this run trained."""
+"""What a long run says of itself: ``llamarl run``'s progress line (the iteration of how many, and
+the time the rest takes at the pace of the iterations this run trained) and ``llamarl status``'s
+folded table with its summary line."""
 
 from llamarl.pipeline.dag import TRAIN, VALIDATE, Node
 from llamarl.pipeline.progress import Progress, duration
+from llamarl.pipeline.status import FULL_ROWS, folded, summary
 
 
 def _node(name: str, stage: str, iteration: int, role: str = TRAIN) -> Node:
@@ -49,3 +51,35 @@ def test_the_pace_is_that_of_the_newest_iterations_and_the_last_says_nothing_is_
     assert said[6] == "[progress] iteration 7 of 8 trained (10s after the one before); 1 to go, about 10s at 10s " \
                       "an iteration"
     assert said[-1] == "[progress] iteration 8 of 8 trained (10s after the one before)"
+
+
+def _rows(iterations: int, trained: int, running: str | None = None) -> list[tuple[str, str, str]]:
+    rows = [("shard/actor", "done", "done T")]
+    for i in range(1, iterations + 1):
+        for stage in ("rollout", "scores", "ppo"):
+            name = f"iter-{i:03d}/{stage}"
+            state = "done" if i <= trained else "running" if name == running else "pending"
+            rows.append((name, state, "done T" if state == "done" else "not run before"))
+    return rows + [("export", "pending", "not run before")]
+
+
+def test_a_long_runs_status_folds_its_runs_of_done_and_pending_stages_and_keeps_the_rest():
+    rows = _rows(200, 36, running="iter-037/rollout")
+    rows[10] = (rows[10][0], "stale", "its config or inputs changed")  # iter-004/rollout
+    assert folded(rows) == [
+        ("shard/actor … iter-003/ppo", "done", "10 stages, each done T"),
+        ("iter-004/rollout", "stale", "its config or inputs changed"),
+        ("iter-004/scores … iter-036/ppo", "done", "98 stages, each done T"),
+        ("iter-037/rollout", "running", "not run before"),
+        ("iter-037/scores … export", "pending", "492 stages, each not run before"),
+    ]
+    assert summary(rows) == "36 of 200 iterations trained; running: iter-037/rollout; stale: iter-004/rollout"
+
+
+def test_a_short_run_or_a_short_stretch_is_shown_whole():
+    short = _rows(3, 1)
+    assert len(short) <= FULL_ROWS and folded(short) == short
+    rows = _rows(20, 19)
+    rows[-2] = ("iter-020/ppo", "failed", "failed: boom")  # runs of at most three stages stay rows
+    assert folded(rows) == [("shard/actor … iter-019/ppo", "done", "58 stages, each done T"), *rows[-4:]]
+    assert summary(rows) == "19 of 20 iterations trained; failed: iter-020/ppo"
