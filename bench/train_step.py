@@ -289,7 +289,7 @@ def ppo_scopes(step):
         return inner
 
     t, actor = info["trainer"], info["actor"]
-    swaps = [(t.grads, "zero", "ppo.grads"), (t.grads, "clip", "ppo.grads"), (t.grads, "reduce", "ppo.grads"),
+    swaps = [(t.grads, "zero", "ppo.grads"), (t.grads, "clip_factor", "ppo.grads"), (t.grads, "reduce", "ppo.grads"),
              (t.opt, "step", "ppo.opt_step"), (actor, "make_batch", "ppo.batches"), (pt, "padded", "ppo.batches"),
              (rl, "policy_loss", "ppo.rl_loss"), (rl, "kl_estimate", "ppo.rl_loss"), (rl, "aggregate", "ppo.rl_loss")]
     saved = []
@@ -426,9 +426,9 @@ def categorize(kernel: str, cat: str, stack: list[str]) -> str:
         return "batches (padding, to device)"
     if "accumulategrad" in ops:
         return "grad accumulate into fp32"
-    if "ppo.grads" in ops:
+    if "ppo.grads" in ops or ("ppo.opt_step" in ops and "multiplies" in k):  # the clip's factor: in the step
         return "grad zero, norm, clip"
-    if "ppo.opt_step" in ops and "optimizer.step" not in ops:
+    if "ppo.opt_step" in ops and "optimizer.step" not in ops and "adam" not in k:  # adam: the one-pass step
         return "masters -> bf16 weights"
     if "ppo.rl_loss" in ops:
         return "rl loss (fwd)"

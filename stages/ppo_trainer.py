@@ -50,9 +50,9 @@ class Trainer:
         self.grads.zero()
         schedule.forward_backward(self.model, batches, loss_fn, extras)
         self.grads.reduce()
-        grad_norm = self.grads.clip(cfg.grad_clip)
+        grad_norm, clip = self.grads.clip_factor(cfg.grad_clip)
         self.opt.lr = optim.lr_at(step, self.lr, cfg.warmup_steps, cfg.total_steps, cfg.lr_decay)
-        self.opt.step()
+        self.opt.step(clip)
         return grad_norm, self.opt.lr
 
     def save_weights(self, root: str, store_dtype: torch.dtype) -> None:

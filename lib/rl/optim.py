@@ -18,6 +18,7 @@ from llamarl.lib.files import checkpoint
 from llamarl.lib.model import hf_mapping
 from llamarl.lib.distributed import parallel
 from llamarl.lib.model.layers import own_version
+from llamarl.lib.rl import adamw_kernel
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -69,10 +70,11 @@ class GradBuffer:
         if tied is not None:
             dist.all_reduce(tied.main_grad, group=self.embedding_group)
 
-    def clip(self, max_norm: float | None) -> torch.Tensor:
-        """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm
-        before, a 0-d fp64 tensor on the device, which the caller reads with the step's other
-        checks (a non-finite norm leaves the gradients non-finite). Each piece's square is weighted
+    def clip_factor(self, max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the gradients' global L2 norm, the factor that brings it to at most ``max_norm``; None
+        without ``max_norm``), both on the device, unread: the norm a 0-d fp64 tensor the caller
+        reads with the step's other checks (a non-finite norm leaves the gradients non-finite), the
+        factor a 0-d fp32 one that ``ShardedAdamW.step`` applies. Each piece's square is weighted
         by its share: a piece several ranks hold (a replicated norm, a kv head replicated over TP,
         the tied embedding's two copies) counts once, so it is the whole model's norm at any layout."""
         if self._shares is None:
@@ -88,11 +90,15 @@ class GradBuffer:
         if self.model_parallel_group is not None:
             dist.all_reduce(total, group=self.model_parallel_group)
         norm = total.sqrt()
-        if max_norm is not None:
-            # As clip_grad_norm_: a factor clamped to 1 (multiplying by exactly 1 changes nothing),
-            # so that no host branch has to read the norm.
-            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
-            torch._foreach_mul_([p.main_grad for p in self.model.parameters()], scale)
+        # As clip_grad_norm_: a factor clamped to 1 (multiplying by exactly 1 changes nothing), so
+        # that no host branch has to read the norm.
+        return norm, None if max_norm is None else (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+
+    def clip(self, max_norm: float | None) -> torch.Tensor:
+        """The gradients scaled in place by ``clip_factor``; the norm before."""
+        norm, factor = self.clip_factor(max_norm)
+        if factor is not None:
+            torch._foreach_mul_([p.main_grad for p in self.model.parameters()], factor)
         return norm
 
 
@@ -142,11 +148,16 @@ class ShardedAdamW:
         masters = list(self.master.values()) or [torch.zeros(1, requires_grad=True)]
         self.device = named[0][1].device
         # The fused kernel on CUDA (one launch for all tensors); the per-tensor loop on CPU, where
-        # the tests compare layouts at 1e-5 and need the reference arithmetic.
+        # the tests compare layouts at 1e-5 and need the reference arithmetic. ``one_pass``: the
+        # whole step in one pass over memory (lib/rl/adamw_kernel.py); ``inner`` then only holds
+        # the moments, and ``steps`` counts the steps its bias corrections are of.
         self.fused = self.device.type == "cuda"
+        self.one_pass = adamw_kernel.wanted(self.device) and {p.dtype for _, p in named} <= {torch.bfloat16, torch.float32}
         kernel = {"fused": True} if self.fused else {"foreach": False}
         self.inner = torch.optim.AdamW(masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel)
         self.names = {m: n for n, m in self.master.items()}
+        self.steps = 0
+        self._largest: torch.Tensor | None = None  # of the masters, as the last one-pass step found it
 
     @property
     def lr(self) -> float:
@@ -168,18 +179,43 @@ class ShardedAdamW:
         masters = list(self.master.values())
         if not masters:
             return torch.zeros((), device=self.device)
+        if self._largest is not None:
+            return self._largest  # inf, not NaN, where one is NaN: as large as can be
         with torch.no_grad():  # fp32 parameters are their own masters: no graph to record
             return torch.stack(torch._foreach_norm(masters, ord=math.inf)).max()
 
-    def step(self) -> None:
-        for n, m in self.master.items():
-            m.grad = self.params[n].main_grad
-        self.inner.step()
-        self._write_back()
+    def step(self, factor: torch.Tensor | None = None) -> None:
+        """One AdamW step of this rank's masters from their ``main_grad``, times ``factor`` (the
+        clip, ``GradBuffer.clip_factor``) first; the parameters from the masters, on every DP rank."""
+        grads = {n: self.params[n].main_grad for n in self.master}
+        self.steps += 1
+        if self.one_pass and self.master:
+            self._one_pass(grads, factor)
+        else:
+            if factor is not None:
+                torch._foreach_mul_(list(grads.values()), factor)
+            for n, m in self.master.items():
+                m.grad = grads[n]
+            self.inner.step()
+            self._write_back()
         if self.dp_group is not None:
             ranks = dist.get_process_group_ranks(self.dp_group)
             for n, p in self.params.items():
                 dist.broadcast(p.data, src=ranks[self.owner[n]], group=self.dp_group)
+
+    def _one_pass(self, grads: dict[str, torch.Tensor], factor: torch.Tensor | None) -> None:
+        group = self.inner.param_groups[0]
+        states = [self.inner.state[m] for m in self.master.values()]
+        for st, m in zip(states, self.master.values()):
+            if not st:  # fresh moments, as torch's step makes them
+                st.update(step=torch.zeros((), device=self.device), exp_avg=torch.zeros_like(m),
+                          exp_avg_sq=torch.zeros_like(m))
+        if self._largest is None:
+            self._largest = torch.zeros((), device=self.device)
+        adamw_kernel.step(list(self.master.values()), list(grads.values()), [st["exp_avg"] for st in states],
+                          [st["exp_avg_sq"] for st in states],
+                          [self.params[n] if self.separate_masters else None for n in self.master], factor,
+                          self._largest, self.steps, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
     def _write_back(self) -> None:
         """The masters into the model's parameters (rounded to their dtype)."""
@@ -233,6 +269,7 @@ class ShardedAdamW:
                         m.copy_(self.params[n])
         targets = {k: self.master if k == "master" else {n: torch.zeros_like(m) for n, m in self.master.items()}
                    for k in wanted}
+        self.steps, self._largest = (step if url else 0), None  # fresh moments: bias corrections from step 1
         if url:
             checkpoint.load(self._state_of(targets), url)
             for n, m in self.master.items():
