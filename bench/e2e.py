@@ -505,9 +505,10 @@ def _stage_throughput(node: str, out: str, m: dict | None, st: dict, world: int)
                 steps = [json.loads(line) for line in f if line.strip()]
         except OSError:
             pass
-        loop = sum(s.get("seconds", 0.0) for s in steps)
-        kl = [s["kl"] for s in steps if "kl" in s]
         summary = m.get("summary", {})
+        # Each step's wall time: the summary's (older results: metrics.jsonl's per-step "seconds").
+        loop = sum(summary.get("step_seconds") or [s.get("seconds", 0.0) for s in steps])
+        kl = [s["kl"] for s in steps if "kl" in s]
         st.update(trained_tokens=trained, optimizer_steps=len(steps), tok_s_wall=_rate(trained, wall),
                   tok_s_work=_rate(trained, work), tok_s_per_gpu_wall=_rate(trained / world, wall),
                   tok_s_per_gpu_work=_rate(trained / world, work), update_loop_s=round(loop, 2) if steps else None, update_tok_s=_rate(trained, loop),

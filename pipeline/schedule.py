@@ -18,8 +18,8 @@ from .metrics import update_metrics, validation_metrics
 from .monitor import Monitor
 from .progress import Progress
 from .records import (assess, fingerprints, input_url, must_redo, node_key, published_current, published_id,
-                      write_record)
-from .retention import Trash, retire_done
+                      retired_parts, write_record)
+from .retention import Trash, keep_ids, manifests, retire_done
 from .spec import RunSpec
 
 
@@ -58,14 +58,19 @@ def update_metrics_after(spec: RunSpec, n: Node, monitor: Monitor) -> None:
         monitor.update(update_metrics(spec.run_dir, spec.iterations))
 
 
+def _made(n: Node) -> list[str]:
+    """What ``n``'s stage publishes: its output, and a rollout's rules' scores (RolloutConfig.scores)."""
+    scores = n.make_config().scores if n.stage == "rollout" else None
+    return [n.out] + ([scores.out] if scores is not None else [])
+
+
 def _remove_stale(n: Node, parts: set[str] = frozenset()) -> None:
     """Before ``n`` runs: its published output, whose config or inputs changed, removed; or, when
     it is unfinished, the ``parts`` of it that other stages read early (a killed run of ``n``
     published them): the stage writes them again, and nothing may start from the old ones."""
-    # A rollout's rules' scores (RolloutConfig.scores) are made from the rollout that runs again:
-    # stale, and the rollout that publishes the new ones would refuse to overwrite them.
-    scores = n.make_config().scores if n.stage == "rollout" else None
-    stale = [scores.out] if scores is not None else []
+    # A rollout's rules' scores are made from the rollout that runs again: stale, and the rollout
+    # that publishes the new ones would refuse to overwrite them.
+    stale = _made(n)[1:]
     stale += [n.out] if published_id(n.out) is not None else [f"{n.out}/{part}" for part in parts]
     for url in stale:
         if published_id(url) is not None:
@@ -109,6 +114,7 @@ class Schedule:
         self.metrics = Behind(lambda n: update_metrics_after(spec, n, self.monitor), depth=8, background=True,
                               name="metrics")
         self.trash: Trash | None = None  # while stages run here (``_run_nodes``)
+        self.rebuilt: dict[str, dict] = {}  # a node retention deleted, made again: the manifests it had, by output
         self.progress = Progress(spec.iterations, echo)
 
     def skipped(self, n: Node, will_run: set[str]) -> tuple[bool, str]:
@@ -119,7 +125,8 @@ class Schedule:
         redo = n.name in self.redo  # retention deleted its output, and a stage that runs needs it
         done, why = (False, self.redo[n.name]) if redo else assess(self.spec.run_dir, n, self.by_name, will_run)
         fresh = not any(i in will_run for i in n.inputs)  # else what it was made from is about to change
-        if not done and fresh and not redo and published_current(n):
+        whole = not redo or not retired_parts(n.out)  # a stage of this run made it again (a rollout its scores)
+        if not done and fresh and whole and published_current(n):
             record_done(self.spec, n, self.by_name)
             self.report.append((n.name, "done: " + _made_by(n, self.by_name)))
             self.echo(f"[{n.name}] done: {_made_by(n, self.by_name)}")
@@ -128,8 +135,15 @@ class Schedule:
             self.report.append((n.name, "skipped (done)"))
             self.echo(f"[{n.name}] done, skipped")
         else:
+            if redo:
+                self.rebuilt[n.name] = {url: manifests(url) for url in _made(n)}
             _remove_stale(n, self.early.get(n.name, set()))
         return done, why
+
+    def remaking(self) -> frozenset[str]:
+        """The stages this run makes again, retention having deleted what a stage that runs needs,
+        that have not ended yet."""
+        return frozenset(self.redo) - self.finished
 
     def ready(self, n: Node) -> bool:
         # A part of a running input is this run's: the input's stale parts were removed when it started.
@@ -155,7 +169,7 @@ class Schedule:
             if done:
                 self.finished.add(n.name)
                 if why == MADE_ELSEWHERE:
-                    retire_done(self.spec, self.nodes, self.by_name, self.echo, self.trash)
+                    retire_done(self.spec, self.nodes, self.by_name, self.echo, self.trash, self.remaking())
                     self.metrics.put(n)
                 continue
             early_from = [input_url(n, i, self.by_name)[len(run) + 1 :] for i in n.inputs if i not in self.finished]
@@ -202,7 +216,7 @@ class Schedule:
         for n in done:
             self.progress.ended(n, self.finished, self.by_name)
         if done:
-            retire_done(self.spec, self.nodes, self.by_name, self.echo, self.trash)
+            retire_done(self.spec, self.nodes, self.by_name, self.echo, self.trash, self.remaking())
         self.start_ready(pool)
         for n in done:
             self.metrics.put(n)
@@ -212,6 +226,9 @@ class Schedule:
         done = []
         for future in ended:
             n, result = self.running.pop(future), future.result()
+            rebuilt = self.rebuilt.pop(n.name, {})
+            if result.ok and {url: keep_ids(url, before) for url, before in rebuilt.items()}.get(n.out):
+                self.echo(f"[{n.name}] made again as it was: it keeps its id, and what was made from it stays done")
             if record_end(self.spec, n, self.by_name, result, self.keys.get(n.name)):
                 self.finished.add(n.name)
                 self.report.append((n.name, "ran"))

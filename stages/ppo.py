@@ -257,7 +257,8 @@ def _train(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[str, Traine
         t0 = time.perf_counter()
         m = train_step(cfg, trainers, inputs.samples, data, batch_idx, step, dev, inputs.agg_norm, check, batches,
                        next_idx)
-        m.update(step=step + 1, epoch=epoch, seconds=time.perf_counter() - t0)
+        m.update(step=step + 1, epoch=epoch)
+        clock.steps.append(time.perf_counter() - t0)
         if k == done:
             job.freeze_heap()  # the first step compiled the update's graphs
         update_tokens += m["tokens"]
@@ -291,7 +292,7 @@ def _publish_outputs(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[s
 
 
 def _summary(cfg: PPOConfig, inputs: _Inputs, dtype, update_tokens: int, clock: _Clock, tis: list | None) -> dict:
-    return {"steps": inputs.steps, "seconds": clock.laps, "dtype": dtypes.name(dtype),
+    return {"steps": inputs.steps, "seconds": clock.laps, "step_seconds": clock.steps, "dtype": dtypes.name(dtype),
             # Tokens through the actor's forward and backward, over all DP ranks.
             "update_tokens": update_tokens, "update_tokens_per_s": update_tokens / max(clock.laps["update"], 1e-9),
             # The rollout's, over every sample (dynamic sampling may train on fewer).
@@ -325,10 +326,12 @@ def _publish_manifest(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[
 
 
 class _Clock:
-    """Wall time per phase (summed when a phase recurs), for the summary."""
+    """Wall time per phase (summed when a phase recurs) and of each optimizer step this process
+    ran, for the summary: measured, so not in ``metrics.jsonl``, whose bytes a rerun makes again."""
 
     def __init__(self):
         self.laps: dict[str, float] = {}
+        self.steps: list[float] = []
         self._t = time.perf_counter()
 
     def lap(self, phase: str) -> None:

@@ -155,6 +155,30 @@ def test_a_rerun_runs_nothing_and_more_iterations_run_only_the_new_ones(long_run
         [False, True, False, True, False, True, True]
 
 
+def test_a_new_validation_of_a_deleted_actor_makes_only_that_iteration_again(long_run):
+    """Validating every 3 iterations rather than 2 validates iteration 3, whose actor retention
+    deleted: iterations 1–3 are made again from what is on disk (the shard), to the same bytes, so
+    each keeps its output id, and no later iteration runs again (the run is the 7 of the test above)."""
+    from llamarl.pipeline.dag import build_dag
+    from llamarl.pipeline.records import read_record
+
+    root, data, spec, executor, _ = long_run
+    every3 = data | {"iterations": ITERATIONS + 1, "retention": data["retention"] | {"keep_samples": False},
+                     "validation": data["validation"] | {"every": 3}}
+    spec3 = load_spec(_write(root, every3, "every3.yaml"))
+    training = [n for n in build_dag(spec3) if n.role != "validate"]
+    ids = {n.name: read_record(spec.run_dir, n)["output_id"] for n in training}
+    said = []
+    executor.ran.clear()
+    run_spec(spec3, echo=said.append, executor=executor)
+    assert executor.ran == ["iter-001/rollout", "iter-001/ppo", "iter-002/rollout", "iter-002/ppo",
+                            "iter-003/rollout", "iter-003/ppo", "iter-003/val-rollout"], executor.ran
+    assert {n.name: read_record(spec.run_dir, n)["output_id"] for n in training} == ids
+    assert "[iter-003/ppo] made again as it was: it keeps its id, and what was made from it stays done" in said
+    rows = [json.loads(line) for line in open(f"{spec.run_dir}/metrics.jsonl")]
+    assert [r["iteration"] for r in rows if "val_score" in r] == [2, 3, 4, 6, 7]  # 2 and 4 measured those actors
+
+
 def test_a_changed_config_redoes_what_retention_deleted_back_to_what_is_on_disk(long_run, tmp_path):
     root, data, _, _, _ = long_run
     changed = load_spec(_write(root, data | {"ppo": data["ppo"] | {"actor_lr": 0.02}}, "changed.yaml"))

@@ -62,10 +62,9 @@ def toy_run(tmp_path_factory):
 
 
 def published(run: str) -> dict:
-    """Every file each manifest of ``run`` publishes, by path: its size and checksum — except two
-    kinds that hold what differs between any two runs: a rollout part names the actor's output id
-    (its manifest's, made afresh by each run), compared row by row with its other metadata; ppo's
-    metrics say how many seconds each step took, compared without them."""
+    """Every file each manifest of ``run`` publishes, by path: its size and checksum — except a
+    rollout part, which names the actor's output id (its manifest's, made afresh by each run):
+    compared row by row with its other metadata."""
     import pyarrow.parquet as pq
 
     found = {}
@@ -79,8 +78,6 @@ def published(run: str) -> dict:
                 table = pq.read_table(path)
                 meta = {k: v for k, v in (table.schema.metadata or {}).items() if not k.endswith(b"_id")}
                 entry = (table.to_pylist(), meta)
-            elif name == "metrics.jsonl":
-                entry = [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in open(path)]
             found[os.path.relpath(path, run)] = entry
     return found
 
