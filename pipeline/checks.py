@@ -39,7 +39,10 @@ def check_prompts(spec: RunSpec, record: bool) -> int:
     if spec.prompts_per_iteration is None:
         return rows
     before, now = recorded(spec), fingerprint(spec.prompts, checksums=True)
-    if before is not None and (before["prompts"], before["fingerprint"]) != (spec.prompts, now):
+    # A run an older llamarl recorded hashed the prompts' modification times too.
+    same = before is not None and before["prompts"] == spec.prompts and (
+        before["fingerprint"] == now or before["fingerprint"] == fingerprint(spec.prompts, checksums=True, timed=True))
+    if before is not None and not same:
         raise UserError(f"{spec.prompts}: the prompts changed since this run first took rows of them "
                         f"({before['prompts']}, {before['rows']} rows, fingerprint {before['fingerprint']}); its "
                         f"iterations would mix two datasets: restore them, or start a new run (another name)")

@@ -67,11 +67,12 @@ def one_look():
         _checksummed = outer
 
 
-def fingerprint(url: str, checksums: bool = False) -> str:
-    """A content id of a file or folder outside the run: every file's name, size and modification
-    time, and with ``checksums`` its checksum too (prompts; an HF checkpoint is not hashed on
-    every `llamarl run`). Replacing or editing an input in place changes it (touching one without a
-    change may too: a needless rerun, never a stale result)."""
+def fingerprint(url: str, checksums: bool = False, timed: bool = False) -> str:
+    """A content id of a file or folder outside the run: every file's name and size, and its
+    modification time or, with ``checksums``, its checksum (prompts; an HF checkpoint is not hashed
+    on every `llamarl run`). Replacing or editing an input in place changes it; touching or copying
+    the prompts without a change does not (an HF folder's times make a needless rerun, never a
+    stale result). ``timed``: the times too, as the records of an older llamarl hold them."""
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.exists(path):
         return "missing"
@@ -83,14 +84,14 @@ def fingerprint(url: str, checksums: bool = False) -> str:
     seen = {} if _checksummed is None else _checksummed  # outside ``one_look``, nothing is kept
     memo = f"{url}\0{json.dumps(listing)}"
     if memo not in seen:
-        entries = [[*e, publish.checksum(fs.unstrip_protocol(path + e[0]))] for e in listing]
-        seen[memo] = hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
-    return seen[memo]
+        seen[memo] = [publish.checksum(fs.unstrip_protocol(path + e[0])) for e in listing]
+    entries = [[*e, c] if timed else [e[0], e[1], c] for e, c in zip(listing, seen[memo])]
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
 
 
-def fingerprints(node: Node) -> dict[str, str]:
+def fingerprints(node: Node, timed: bool = False) -> dict[str, str]:
     # Prompts (read by rollout) are hashed whole; model folders by names, sizes and times.
-    return {url: fingerprint(url, checksums=node.stage == "rollout") for url in node.declared.external}
+    return {url: fingerprint(url, checksums=node.stage == "rollout", timed=timed) for url in node.declared.external}
 
 
 def input_url(node: Node, name: str, by_name: dict[str, Node]) -> str:
@@ -99,10 +100,11 @@ def input_url(node: Node, name: str, by_name: dict[str, Node]) -> str:
     return f"{by_name[name].out}/{sub}" if sub else by_name[name].out
 
 
-def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
+def node_key(node: Node, by_name: dict[str, Node], timed: bool = False) -> str | None:
     """The node's key, or None while an input is not published yet: its config (where it runs
     aside), the output ids of what it reads of its inputs (a part's own id where it reads a part),
-    and the fingerprints of its inputs from outside the run."""
+    and the fingerprints of its inputs from outside the run (``timed``: as an older llamarl's records
+    hold them, the prompts' modification times hashed too)."""
     config = node.declared.identity
     inputs = {}
     for name in node.inputs:
@@ -110,7 +112,7 @@ def node_key(node: Node, by_name: dict[str, Node]) -> str | None:
         inputs[part] = published_id(input_url(node, name, by_name))
         if inputs[part] is None:
             return None
-    external = fingerprints(node)
+    external = fingerprints(node, timed)
     body = json.dumps({"stage": node.stage, "config": config, "inputs": inputs, "external": external},
                       sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
@@ -137,9 +139,11 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
         return False, f"{unfinished} is unfinished: its {node.reads[unfinished]}/ will be written again"
     if out_id is None:
         return False, "its output is missing"
-    if record.get("key") != key:
-        now = fingerprints(node)
-        changed = [url for url in node.declared.external if (record.get("external") or {}).get(url) != now[url]]
+    # An older llamarl's record of a rollout: its key hashed the prompts' modification times too.
+    if record.get("key") != key and not (node.stage == "rollout" and record.get("key") == node_key(node, by_name, True)):
+        ran = record.get("external") or {}
+        now = [fingerprints(node)] + ([fingerprints(node, timed=True)] if node.stage == "rollout" else [])
+        changed = [url for url in node.declared.external if all(ran.get(url) != f[url] for f in now)]
         if changed:
             return False, f"{changed[0]} changed since it ran"
         return False, "its config or inputs changed"

@@ -201,6 +201,41 @@ def test_a_changed_prompts_file_is_refused(long_run):
         open(root / "train.jsonl", "w").write("\n".join(lines) + "\n")
 
 
+def test_prompts_touched_or_copied_again_are_the_same_prompts(long_run):
+    """The prompts' bytes are what the run takes: a new modification time (a copy without -p, a
+    checkout) refuses nothing and reruns no rollout; nor do an older llamarl's records, whose
+    fingerprints of the prompts hashed their modification times too."""
+    from llamarl.pipeline import records
+    from llamarl.pipeline.dag import build_dag
+
+    root, _, spec, executor, _ = long_run
+    every3 = load_spec(str(root / "every3.yaml"))  # the run as the tests above left it
+    prompts = root / "train.jsonl"
+    os.utime(prompts, (time.time() + 100, time.time() + 100))
+    executor.ran.clear()
+    report = run_spec(every3, echo=lambda m: None, executor=executor)
+    assert executor.ran == [] and all(what == "skipped (done)" for _, what in report), report
+    # As an older llamarl wrote them: the recorded dataset's and every rollout's fingerprint timed.
+    by_name = {n.name: n for n in build_dag(every3)}
+    recorded = json.loads((root / "runs" / "long" / "pipeline" / "prompts.json").read_text())
+    recorded["fingerprint"] = records.fingerprint(str(prompts), checksums=True, timed=True)
+    publish.write_bytes(f"{every3.run_dir}/pipeline/prompts.json", json.dumps(recorded).encode())
+    for n in by_name.values():
+        if n.stage == "rollout":
+            records.write_record(every3.run_dir, n, key=records.node_key(n, by_name, timed=True),
+                                 external=records.fingerprints(n, timed=True))
+    report = run_spec(every3, echo=lambda m: None, executor=executor)
+    assert executor.ran == [] and all(what == "skipped (done)" for _, what in report), report
+    with open(prompts, "a") as f:  # a changed byte is a changed dataset, whatever the records' age
+        f.write(json.dumps({"id": "extra", "prompt": "one more"}) + "\n")
+    try:
+        with pytest.raises(Exception, match="the prompts changed since this run first took rows of them"):
+            run_spec(every3, dry_run=True, echo=lambda m: None)
+    finally:
+        lines = prompts.read_text().splitlines()[:-1]
+        prompts.write_text("\n".join(lines) + "\n")
+
+
 def test_killed_at_a_random_point_then_rerun_gives_the_same_bytes(long_run, tmp_path):
     """The same spec as `llamarl run` processes, killed with everything it started, then run again."""
     root, data, _, _, made = long_run
