@@ -36,13 +36,21 @@ def published_id(url: str) -> str | None:
     return publish.output_id(url) if publish.read_manifest(url) is not None else None
 
 
+def changed_part(url: str) -> str | None:
+    """A part of the published output ``url`` (a ppo's ``actor/``, ``train_state/actor``, …) that is
+    no longer the one its manifest names — deleted, say, as a damaged checkpoint's error says to —
+    or None when every one is."""
+    parts = (publish.read_manifest(url) or {}).get("outputs", {})
+    return next((p for p, pid in parts.items() if published_id(f"{url}/{p}") != pid), None)
+
+
 def published_current(n: Node) -> bool:
     """Whether ``n``'s output is published whole with the request the driver computes for it: the
     stage would find it current and do nothing (``identity.skip_if_current``), so no process need
     start. Only a stage whose request holds no facts that only it knows (score, ppo, export) can
     match; a rollout's or a shard's never does."""
     manifest = publish.read_manifest(n.out)
-    if manifest is None or "request" not in manifest or publish.retired(n.out) is not None:
+    if manifest is None or "request" not in manifest or publish.retired(n.out) is not None or changed_part(n.out):
         return False
     try:
         return manifest["request"] == n.declared.request()
@@ -139,6 +147,9 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
         return False, f"{unfinished} is unfinished: its {node.reads[unfinished]}/ will be written again"
     if out_id is None:
         return False, "its output is missing"
+    part = changed_part(node.out)
+    if part is not None:
+        return False, f"its {part}/ is missing, or not the one it published"
     # An older llamarl's record of a rollout: its key hashed the prompts' modification times too.
     if record.get("key") != key and not (node.stage == "rollout" and record.get("key") == node_key(node, by_name, True)):
         ran = record.get("external") or {}

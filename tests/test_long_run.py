@@ -191,30 +191,38 @@ def test_a_changed_config_redoes_what_retention_deleted_back_to_what_is_on_disk(
 
 def test_a_changed_prompts_file_is_refused(long_run):
     root, data, _, _, _ = long_run
+    before = (root / "train.jsonl").read_bytes()
     with open(root / "train.jsonl", "a") as f:
         f.write(json.dumps({"id": "extra", "prompt": "one more"}) + "\n")
     try:
         with pytest.raises(Exception, match="the prompts changed since this run first took rows of them"):
             run_spec(load_spec(str(root / "spec.yaml")), dry_run=True, echo=lambda m: None)
     finally:
-        lines = open(root / "train.jsonl").read().splitlines()[:-1]
-        open(root / "train.jsonl", "w").write("\n".join(lines) + "\n")
+        (root / "train.jsonl").write_bytes(before)
 
 
 def test_prompts_touched_or_copied_again_are_the_same_prompts(long_run):
     """The prompts' bytes are what the run takes: a new modification time (a copy without -p, a
-    checkout) refuses nothing and reruns no rollout; nor do an older llamarl's records, whose
-    fingerprints of the prompts hashed their modification times too."""
+    checkout) refuses nothing and reruns no rollout, a changed byte is refused; an older llamarl's
+    records, whose fingerprints of the prompts hashed their modification times too, still match."""
     from llamarl.pipeline import records
     from llamarl.pipeline.dag import build_dag
 
     root, _, spec, executor, _ = long_run
     every3 = load_spec(str(root / "every3.yaml"))  # the run as the tests above left it
     prompts = root / "train.jsonl"
+    before = prompts.read_bytes()
     os.utime(prompts, (time.time() + 100, time.time() + 100))
     executor.ran.clear()
     report = run_spec(every3, echo=lambda m: None, executor=executor)
     assert executor.ran == [] and all(what == "skipped (done)" for _, what in report), report
+    with open(prompts, "a") as f:
+        f.write(json.dumps({"id": "extra", "prompt": "one more"}) + "\n")
+    try:
+        with pytest.raises(Exception, match="the prompts changed since this run first took rows of them"):
+            run_spec(every3, dry_run=True, echo=lambda m: None)
+    finally:
+        prompts.write_bytes(before)
     # As an older llamarl wrote them: the recorded dataset's and every rollout's fingerprint timed.
     by_name = {n.name: n for n in build_dag(every3)}
     recorded = json.loads((root / "runs" / "long" / "pipeline" / "prompts.json").read_text())
@@ -226,14 +234,6 @@ def test_prompts_touched_or_copied_again_are_the_same_prompts(long_run):
                                  external=records.fingerprints(n, timed=True))
     report = run_spec(every3, echo=lambda m: None, executor=executor)
     assert executor.ran == [] and all(what == "skipped (done)" for _, what in report), report
-    with open(prompts, "a") as f:  # a changed byte is a changed dataset, whatever the records' age
-        f.write(json.dumps({"id": "extra", "prompt": "one more"}) + "\n")
-    try:
-        with pytest.raises(Exception, match="the prompts changed since this run first took rows of them"):
-            run_spec(every3, dry_run=True, echo=lambda m: None)
-    finally:
-        lines = prompts.read_text().splitlines()[:-1]
-        prompts.write_text("\n".join(lines) + "\n")
 
 
 def test_killed_at_a_random_point_then_rerun_gives_the_same_bytes(long_run, tmp_path):

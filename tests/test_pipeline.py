@@ -96,6 +96,26 @@ def test_flipping_placement_options_reruns_nothing(demo_run, tmp_path):
     assert _records(run_dir) == before
 
 
+def test_a_ppo_missing_a_part_is_not_done(demo_run, tmp_path):
+    """A damaged checkpoint's error says "delete …/iter-002/ppo/actor and rerun the stage that
+    wrote it": with its actor/ gone, that ppo is neither done nor found made elsewhere."""
+    from llamarl.pipeline.dag import build_dag
+    from llamarl.pipeline.records import plan, published_current
+
+    spec, run_dir, _ = demo_run
+    nodes = build_dag(load_spec(spec))
+    by_name = {n.name: n for n in nodes}
+    actor = os.path.join(run_dir, "iter-002", "ppo", "actor")
+    os.rename(actor, tmp_path / "actor")
+    try:
+        assert plan(run_dir, nodes, by_name)["iter-002/ppo"] == (False, "its actor/ is missing, or not the one it "
+                                                                        "published")
+        assert not published_current(by_name["iter-002/ppo"])
+    finally:
+        os.rename(tmp_path / "actor", actor)
+    assert plan(run_dir, nodes, by_name)["iter-002/ppo"][0] and published_current(by_name["iter-002/ppo"])
+
+
 def test_status_and_dry_run_after_a_config_change(demo_run, tmp_path):
     spec, run_dir, _ = demo_run
     status = _cli("status", run_dir)
