@@ -50,26 +50,31 @@ def check_prompts(spec: RunSpec, record: bool) -> int:
         raise UserError(f"{spec.source}: prompts_per_iteration={spec.prompts_per_iteration} is more than the "
                         f"{rows} prompts in {spec.prompts}; lower it to at most {rows}")
     if record and before is None:
-        publish.write_bytes(f"{spec.run_dir}/pipeline/prompts.json",
+        publish.replace(f"{spec.run_dir}/pipeline/prompts.json",
                             json.dumps({"prompts": spec.prompts, "fingerprint": now, "rows": rows}).encode())
     return rows
 
 
 def check_storage(spec: RunSpec) -> None:
-    """The run directory can live where the spec puts it: ``storage`` is no file and, on a local
-    file system, a folder this user may write to (or may create). A one-line error naming it
+    """The run directory can live where the spec puts it, and so can its TensorBoard folder."""
+    check_folder(spec.run_dir, spec.source, "storage", " (the run lives in STORAGE/NAME)")
+    if spec.metrics.tensorboard is not None:
+        check_folder(spec.metrics.tensorboard, spec.source, "metrics.tensorboard")
+
+
+def check_folder(url: str, source: str, field: str, note: str = "") -> None:
+    """A folder that can be made at ``url`` (the spec's ``field``): no file on its way and, on a
+    local file system, one this user may write to (or may create). A one-line error naming it
     otherwise. (An object store is not probed: that would mean writing to it.)"""
-    fs, run = fsspec.core.url_to_fs(spec.run_dir)
-    where = f"{spec.source}: storage"
-    parts = run.rstrip("/").split("/")
+    fs, folder = fsspec.core.url_to_fs(url)
+    parts = folder.rstrip("/").split("/")
     existing = next((p for p in ("/".join(parts[:i]) or "/" for i in range(len(parts), 0, -1)) if fs.exists(p)), None)
     if existing is not None and not fs.isdir(existing):
-        raise UserError(f"{where}: {existing} is a file, not a folder; point storage at a folder (the run lives "
-                        f"in STORAGE/NAME)")
+        raise UserError(f"{source}: {field}: {existing} is a file, not a folder; point {field} at a folder{note}")
     if "file" not in fs.protocol or existing is None:
         return
-    for folder in dict.fromkeys(p for p in (existing, run, f"{run}/pipeline") if os.path.isdir(p)):
-        if not os.access(folder, os.W_OK | os.X_OK):
-            why = "read-only file system" if os.statvfs(folder).f_flag & os.ST_RDONLY else "permission denied"
-            raise UserError(f"{where}: cannot write to {folder} ({why}); point storage at a folder you can write to")
-
+    for path in dict.fromkeys(p for p in (existing, folder, f"{folder}/pipeline") if os.path.isdir(p)):
+        if not os.access(path, os.W_OK | os.X_OK):
+            why = "read-only file system" if os.statvfs(path).f_flag & os.ST_RDONLY else "permission denied"
+            raise UserError(f"{source}: {field}: cannot write to {path} ({why}); point {field} at a folder you can "
+                            f"write to")

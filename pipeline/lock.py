@@ -19,6 +19,7 @@ import fsspec
 
 from llamarl.cluster.local import STOP_WAIT_S, kill_groups, process_start, survivors, wait_gone
 from llamarl.lib.errors import UserError
+from llamarl.lib.files import publish
 
 
 class RunLocked(UserError):
@@ -171,10 +172,8 @@ class RunLock:
         """The lock as it stands now, replacing the file whole. A write that fails (a full disk)
         leaves the last one in place and is tried again by the next heartbeat: the stage whose
         write failed too reports it."""
-        tmp = f"{self.path}.{self.me['pid']}.tmp"
         with suppress(OSError):
-            self.fs.pipe_file(tmp, self._body())
-            self.fs.mv(tmp, self.path)
+            publish.replace(self.url, self._body())
 
     def _beat(self) -> None:
         """Every ``lease_s / 4``, and at once when woken: a stage ended, or one started on processes

@@ -66,9 +66,9 @@ def iteration_metrics(run: str, iterations: int) -> list[dict]:
 
 def update_metrics(run: str, iterations: int) -> list[dict]:
     rows = iteration_metrics(run, iterations)
-    publish.write_bytes(f"{run}/metrics.jsonl", json_lines(rows))
+    publish.replace(f"{run}/metrics.jsonl", json_lines(rows))
     if rows:
-        publish.write_bytes(f"{run}/metrics.png", plot(rows))
+        publish.replace(f"{run}/metrics.png", plot(rows))
     return rows
 
 

@@ -5,16 +5,20 @@ when its value changed."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import math
+import os
 import re
 import uuid
+from contextlib import suppress
 
 import fsspec
 
 from llamarl.lib.files import publish
-from llamarl.lib.errors import UserError
+from llamarl.lib.files.checksums import is_local
+from llamarl.lib.errors import UserError, disk_full, unreadable
 
 from .spec import MetricsSpec, RunSpec
 
@@ -38,15 +42,19 @@ def points(rows: list[dict]) -> dict[str, dict[int, float]]:
 
 
 def check_installed(metrics: MetricsSpec, source: str) -> None:
-    """A spec naming a sink whose package is missing is refused in one line, before anything runs."""
+    """A spec naming a sink whose package is missing is refused in one line, before anything runs
+    (found, not imported: tensorboardX imports torch, seconds of a spec's check)."""
     for field, package in (("tensorboard", "tensorboardX"), ("wandb", "wandb")):
-        if getattr(metrics, field) is None:
-            continue
-        try:
-            __import__(package)
-        except ImportError:
+        if getattr(metrics, field) is not None and importlib.util.find_spec(package) is None:
             raise UserError(f"{source}: metrics.{field} needs the {package} package, which is not installed; "
-                            f"pip install {package}, or remove it") from None
+                            f"pip install {package}, or remove it")
+
+
+def _changed_from(sent: dict, new: dict[str, dict[int, float]]) -> int | None:
+    """The first iteration of which a point ``sent`` holds has another value now (the iteration ran
+    again), or None."""
+    return min((i for name, series in new.items() for i, v in series.items() if sent.get(f"{name}@{i}", v) != v),
+               default=None)
 
 
 def _unsent(sent: dict, new: dict[str, dict[int, float]]) -> list[tuple[int, str, float]]:
@@ -56,6 +64,14 @@ def _unsent(sent: dict, new: dict[str, dict[int, float]]) -> list[tuple[int, str
                     if sent.get(f"{name}@{i}") != v)
     sent.update((f"{name}@{i}", v) for i, name, v in unsent)
     return unsent
+
+
+def _has_events(folder: str) -> bool:
+    """Whether ``folder`` holds TensorBoard event files (on an object store: whether it exists)."""
+    fs, path = fsspec.core.url_to_fs(folder)
+    if not fs.exists(path):
+        return False
+    return not is_local(fs) or any(n.startswith("events.out.tfevents") for n in os.listdir(path))
 
 
 class Monitor:
@@ -74,29 +90,64 @@ class Monitor:
         if not self.active:
             return
         fs, path = fsspec.core.url_to_fs(self.state_url)
-        state = json.loads(fs.cat_file(path)) if fs.exists(path) else {}
+        try:
+            state = json.loads(fs.cat_file(path)) if fs.exists(path) else {}
+        except (UnicodeDecodeError, ValueError):  # damaged: every sink is sent everything again
+            state = {}
         new = points(rows)
         if self.metrics.tensorboard is not None:
-            unsent = _unsent(state.setdefault("tensorboard", {}), new)
-            for i, name, value in unsent:
-                self._tensorboard().add_scalar(name, value, i)
-            if unsent:
-                self._tb.flush()
+            state["tensorboard"] = self._to_tensorboard(state.get("tensorboard"), new)
         if self.metrics.wandb is not None:
             logged = state.setdefault("wandb", {"id": None, "points": {}})
             run = self._wandb_run(logged)
             for i, found in itertools.groupby(_unsent(logged["points"], new), key=lambda p: p[0]):
                 run.log({"iteration": i, **{name: value for _, name, value in found}})
-        publish.write_bytes(self.state_url, json.dumps(state, indent=1, sort_keys=True).encode())
+        publish.replace(self.state_url, json.dumps(state, indent=1, sort_keys=True).encode())
 
-    def _tensorboard(self):
+    def _to_tensorboard(self, held: dict | None, new: dict[str, dict[int, float]]) -> dict:
+        """Send what the folder lacks; what it holds afterwards (``{"dir", "points"}``). A folder the
+        run has not written (another ``metrics.tensorboard``, or emptied) gets every point; a point
+        whose iteration ran again makes TensorBoard forget that iteration and the ones after it
+        (``purge_step``), which are sent again: one value a step, as ``metrics.jsonl`` has it."""
+        folder = self.metrics.tensorboard
+        if held is not None and "points" not in held:  # as an older llamarl kept it: the points alone
+            held = {"dir": folder, "points": held}
+        sent = held["points"] if held is not None and held.get("dir") == folder and _has_events(folder) else {}
+        purge = _changed_from(sent, new)
+        if purge is None and not sent and _has_events(folder):
+            purge = min((i for series in new.values() for i in series), default=None)  # not ours: from the first
+        if purge is not None:
+            sent = {k: v for k, v in sent.items() if int(k.rpartition("@")[2]) < purge}
+            self._close_tensorboard()
+        unsent = _unsent(sent, new)
+        try:
+            if unsent:
+                writer = self._tensorboard(purge)
+                for i, name, value in unsent:
+                    writer.add_scalar(name, value, i)
+                writer.flush()
+        except OSError as e:
+            why = disk_full(e) or unreadable(e)
+            raise UserError(f"metrics.tensorboard {folder}: cannot write there ({why}); free space there or point it "
+                            f"at another folder, then rerun `llamarl run`: what is trained is kept, and the folder "
+                            f"gets every point") from None
+        return {"dir": folder, "points": sent}
+
+    def _tensorboard(self, purge: int | None):
         if self._tb is None:
             from tensorboardX import SummaryWriter
 
             # A file of its own (TensorBoard reads every file of the folder): two drivers started
             # within a second would otherwise write to the same name.
-            self._tb = SummaryWriter(self.metrics.tensorboard, filename_suffix=f".{uuid.uuid4().hex[:8]}")
+            self._tb = SummaryWriter(self.metrics.tensorboard, filename_suffix=f".{uuid.uuid4().hex[:8]}",
+                                     purge_step=purge)
         return self._tb
+
+    def _close_tensorboard(self) -> None:
+        if self._tb is not None:
+            writer, self._tb = self._tb, None
+            with suppress(OSError):  # every point is flushed as sent: a failure there was raised then
+                writer.close()
 
     def _wandb_run(self, logged: dict):
         if self._wandb is None:
@@ -120,9 +171,7 @@ class Monitor:
         return path
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        self._close_tensorboard()
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import fsspec
 
+from llamarl.lib.errors import UserError
 from llamarl.lib.files import publish
 
 from .dag import Node
@@ -21,14 +22,25 @@ def _record_url(run: str, name: str) -> str:
 
 
 def read_record(run: str, node: Node | str) -> dict | None:
-    """The record of ``node`` (or of the node of that name), None before it first ran."""
-    fs, path = fsspec.core.url_to_fs(_record_url(run, node if isinstance(node, str) else node.name))
-    return json.loads(fs.cat_file(path)) if fs.exists(path) else None
+    """The record of ``node`` (or of the node of that name), None before it first ran; one that
+    is not a record (damaged outside the run: records are replaced whole) is a one-line error."""
+    url = _record_url(run, node if isinstance(node, str) else node.name)
+    fs, path = fsspec.core.url_to_fs(url)
+    if not fs.exists(path):
+        return None
+    try:
+        record = json.loads(fs.cat_file(path))
+    except (UnicodeDecodeError, ValueError):
+        record = None
+    if not isinstance(record, dict):
+        raise UserError(f"{url}: damaged, not a stage's record; delete it and rerun `llamarl run` (that stage then "
+                        f"runs again)")
+    return record
 
 
 def write_record(run: str, node: Node, **fields) -> dict:
     record = {**(read_record(run, node) or {}), **fields}
-    publish.write_bytes(_record_url(run, node.name), json.dumps(record, indent=1).encode())
+    publish.replace(_record_url(run, node.name), json.dumps(record, indent=1).encode())
     return record
 
 

@@ -83,7 +83,7 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
             if detach and executor.detach is None:
                 raise PipelineError(f"{spec.source}: --detach needs a cluster executor (slurm or kubernetes); the "
                                     f"{spec.executor.kind} executor runs in the foreground")
-            publish.write_bytes(f"{run}/pipeline/spec.yaml", spec.to_yaml().encode())
+            publish.replace(f"{run}/pipeline/spec.yaml", spec.to_yaml().encode())
             if detach:
                 return _submit_nodes(spec, nodes, by_name, executor, echo)
             return _run_nodes(spec, nodes, by_name, executor, echo)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import uuid
 from dataclasses import dataclass
 
 import fsspec
@@ -18,6 +17,7 @@ import pyarrow as pa
 import xxhash
 
 from llamarl.lib.errors import UserError
+from llamarl.lib.files import publish
 from llamarl.stages.prompt_files import (BLOCK, JSONL, Columns, Dataset, Row, line_text, open_parquet, parquet_groups,
                                          parquet_pylist, require_columns, row_values)
 
@@ -159,15 +159,10 @@ def _read(folder: str, name: str) -> bytes | None:
 
 
 def _write(folder: str, name: str, data: bytes) -> None:
-    """``data`` as ``folder/name``, whole or not at all: written under a name of its own, then
-    renamed. The cache only saves work: a folder that cannot hold it is said once, not fatal."""
-    fs, root = fsspec.core.url_to_fs(folder)
-    root = root.rstrip("/")
-    tmp = f"{root}/.{name}.{uuid.uuid4().hex}.tmp"
+    """``data`` as ``folder/name``, whole or not at all. The cache only saves work: a folder that
+    cannot hold it is said once, not fatal."""
     try:
-        fs.makedirs(root, exist_ok=True)
-        fs.pipe_file(tmp, data)
-        fs.mv(tmp, f"{root}/{name}")
+        publish.replace(f"{folder.rstrip('/')}/{name}", data)
     except OSError as e:
         print(f"warning: {folder}: cannot keep the prompts' index there ({e}); each rollout makes it again",
               file=sys.stderr, flush=True)

@@ -299,3 +299,39 @@ def test_the_errors_writers_raise_on_a_full_disk_are_recognised(tmpfs, write):
     assert disk_full(raised.value) == "no space left on device", repr(raised.value)
     job.writes_to(str(disk))
     assert job._disk_full(raised.value).startswith(f"{disk}: no space left on device; ")
+
+
+def test_a_replaced_file_is_whole_before_or_after_even_on_a_full_disk(tmpfs):
+    """What the driver keeps (records, the run's metrics, the lock) is replaced whole
+    (``publish.replace``): a write that cannot fit leaves the old file and names the file; on a
+    disk with no room for a file beside it, one that fits the old file's own blocks goes there."""
+    from llamarl.lib.files import publish
+
+    disk = tmpfs("replace", size="64k", nr_inodes=6)
+    record = disk / "iter-001.ppo.json"
+    publish.replace(str(record), b'{"status": "running"}')
+    with open(disk / "filler", "wb") as f:  # the rest of the bytes taken
+        with pytest.raises(OSError):
+            f.write(b"x" * (1 << 20))
+    with pytest.raises(OSError, match="No space left on device") as e:
+        publish.replace(str(record), b"y" * 8192)  # more than its page: cannot go in place
+    assert e.value.filename == str(record) and record.read_bytes() == b'{"status": "running"}'
+    assert sorted(os.listdir(disk)) == ["filler", "iter-001.ppo.json"]  # no temporary file left
+    publish.replace(str(record), b'{"status": "failed", "error": "no space"}')  # in its own page
+    assert record.read_bytes() == b'{"status": "failed", "error": "no space"}'
+
+
+def test_a_damaged_record_is_one_line_naming_it_and_the_fix(finished):
+    spec, run, nodes = finished
+    record = os.path.join(run, "pipeline", "iter-001.ppo.json")
+    before = open(record, "rb").read()
+    try:
+        open(record, "wb").write(before[: len(before) // 2])
+        for command in (["run", spec, "--dry-run"], ["status", run], ["run", spec]):
+            r = _cli(*command)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == EXIT_USER_ERROR and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+            assert lines[-1] == f"error: {record}: damaged, not a stage's record; delete it and rerun `llamarl " \
+                                f"run` (that stage then runs again)", (command, r.stderr)
+    finally:
+        open(record, "wb").write(before)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import struct
 import sys
 import time
@@ -45,16 +46,47 @@ def test_tensorboard_gets_each_point_once_and_a_changed_one_again(tmp_path):
     again.update(grown)
     again.close()
     assert _scalars(tmp_path / "tb")["train/mean_score"] == [(1, 0.25), (2, 0.5), (3, 0.625)]
-    # Iteration 1 ran again (another value): its new point is sent, after the others.
+    # Iteration 1 ran again (another value): TensorBoard forgets iteration 1 on (purge_step) and
+    # is sent every point from there again, so each step has one value, as metrics.jsonl has it.
     rerun = Monitor(spec)
     rerun.update([grown[0] | {"mean_score": 0.3}] + grown[1:])
     rerun.close()
     scalars = _scalars(tmp_path / "tb")
-    # (files within one second read in any order)
-    assert sorted(scalars["train/mean_score"]) == [(1, 0.25), (1, 0.3), (2, 0.5), (3, 0.625)]
+    assert scalars["train/mean_score"] == [(1, 0.3), (2, 0.5), (3, 0.625)]
     assert scalars["val/score"] == [(2, 0.75)] and scalars["val/pass_at_1"] == [(2, 0.5)]
     assert scalars["train/kl"] == [(2, 0.01)]  # no point for a metric that is null
-    assert _events(tmp_path / "tb") == 3 + 2 + 3 + 1  # every point once, the changed one again
+    # Every point once (mean_score, kl and steps: 5; then 3), then again from the changed one on (8).
+    assert _events(tmp_path / "tb") == 5 + 3 + 8
+
+
+def test_a_new_or_emptied_tensorboard_folder_gets_every_point(tmp_path):
+    grown = [ROWS[0], ROWS[1] | {"val_score": 0.75}]
+    for folder in ("tb", "moved"):
+        monitor = Monitor(_spec(tmp_path, tensorboard=str(tmp_path / folder)))
+        monitor.update(grown)
+        monitor.close()
+        assert _scalars(tmp_path / folder)["train/mean_score"] == [(1, 0.25), (2, 0.5)], folder
+    for path in glob.glob(str(tmp_path / "moved" / "*")):  # emptied, to start its plots afresh
+        os.remove(path)
+    monitor = Monitor(_spec(tmp_path, tensorboard=str(tmp_path / "moved")))
+    monitor.update(grown + [{"iteration": 3, "mean_score": 0.625}])
+    monitor.close()
+    assert _scalars(tmp_path / "moved")["train/mean_score"] == [(1, 0.25), (2, 0.5), (3, 0.625)]
+    assert _scalars(tmp_path / "moved")["val/score"] == [(2, 0.75)]
+
+
+def test_a_tensorboard_folder_that_cannot_be_written_is_one_line(tmp_path):
+    from llamarl.pipeline.checks import check_storage
+
+    (tmp_path / "file").write_text("not a folder")
+    spec = _spec(tmp_path, tensorboard=str(tmp_path / "file" / "tb"))
+    with pytest.raises(UserError, match=f"metrics.tensorboard: {tmp_path / 'file'} is a file, not a folder; point "
+                                        f"metrics.tensorboard at a folder$"):
+        check_storage(spec)
+    monitor = Monitor(spec)  # found only now (the spec's check was not made): one line, not a traceback
+    with pytest.raises(UserError, match=f"^metrics.tensorboard {tmp_path / 'file' / 'tb'}: cannot write there"):
+        monitor.update(ROWS)
+    monitor.close()
 
 
 def _events(folder) -> int:

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Callable, Iterator
 
 import fsspec
 
-from llamarl.lib.errors import UserError
-from llamarl.lib.files.checksums import ALGORITHMS, CHECKSUM, TREE, checksum, hasher  # noqa: F401 (TREE: for callers)
+from llamarl.lib.errors import UserError, disk_full
+from llamarl.lib.files.checksums import ALGORITHMS, CHECKSUM, TREE, checksum, hasher, is_local  # noqa: F401 (TREE: for callers)
 
 MANIFEST = "llamarl.json"
 INCOMPLETE = ".llamarl-incomplete"
@@ -154,6 +155,33 @@ def write_bytes(url: str, data: bytes) -> dict[str, Any]:
     with open_write(url) as f:
         f.write(data)
     return f.entry()
+
+
+def replace(url: str, data: bytes) -> None:
+    """``data`` as the whole file at ``url`` (its folder created), in place of what was there,
+    whole or not at all: written under a name of its own beside it, then renamed. On a file system
+    too full for that name (no space, no inodes), a local file that already holds as many bytes is
+    overwritten where it lies: its own blocks, so no write can fail half-way. Any other failure
+    leaves the file as it was, and raises."""
+    fs, path = _fs(url)
+    folder, _, name = path.rpartition("/")
+    tmp = f"{folder}/.{name}.{uuid.uuid4().hex[:12]}.tmp"
+    fs.makedirs(folder, exist_ok=True)
+    try:
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, path)
+    except BaseException as e:
+        with suppress(OSError):
+            if fs.exists(tmp):
+                fs.rm(tmp)
+        if disk_full(e) and is_local(fs) and os.path.exists(path) and os.stat(path).st_blocks * 512 >= len(data):
+            with open(path, "r+b") as f:
+                f.write(data)
+                f.truncate()
+            return
+        if isinstance(e, OSError) and e.errno is not None:
+            raise OSError(e.errno, e.strerror, url) from e  # the file's name, not its temporary one's
+        raise
 
 
 def read_manifest(root: str) -> dict | None:
