@@ -78,7 +78,8 @@ class StepCheck:
         lr = f"{role}_lr={base_lr:g}" + (f", now {used:g}" if used != base_lr else "")
         if term == "log-probs":
             return ("a log-prob of -inf or nan: the rollout's recorded response_logprobs, a response token the "
-                    f"reference gives probability 0, or logits / temperature overflowing (temperature={cfg.temperature:g})")
+                    f"reference gives probability 0, logits / temperature overflowing (temperature={cfg.temperature:g}), "
+                    "or weights of the actor or reference that are not finite")
         if term == f"{role} masters":
             return f"the learning rate ({lr}); lower it"
         if term in ("advantages", "returns"):

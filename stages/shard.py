@@ -101,8 +101,19 @@ def _pieces(weights: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, topo: T
             off[s.dim], shape[s.dim] = s.start, stop - s.start
             pieces[(s.hf_name, tuple(off))] = dcp_format.Piece(
                 s.hf_name, size, tuple(off), tuple(shape), dtype,
-                lambda s=s, stop=stop: weights.read(s.hf_name, s.dim, s.start, stop).to(dtype))
+                lambda s=s, stop=stop: _finite(weights, s.hf_name, weights.read(s.hf_name, s.dim, s.start, stop).to(dtype)))
     return list(pieces.values())
+
+
+def _finite(weights: SafetensorsCheckpoint, name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``, a slice of ``name`` as it is stored, if every value is finite: nothing non-finite is
+    published (docs/rl.md §6), and a NaN in an actor's weights shows up far from its cause (a
+    rollout of padding, then a ppo whose log-probs are NaN)."""
+    if not torch.isfinite(t).all():
+        raise UserError(f"{weights.root}/{weights.where[name]}: {name} holds values that are not finite as "
+                        f"{dtypes.name(t.dtype)} (NaN, ±inf, or beyond its range); the checkpoint is damaged, or its "
+                        "training diverged: shard another one (or another --dtype)")
+    return t
 
 
 def run(cfg: ShardConfig) -> None:

@@ -216,6 +216,25 @@ def test_config_that_does_not_match_weights(tmp_path):
         shard.run(ShardConfig(src=str(src), dst=str(tmp_path / "c")))
 
 
+@pytest.mark.parametrize("dtype,bad", [(None, float("nan")), (None, float("-inf")), ("fp16", 1e6)],
+                         ids=["nan", "inf", "beyond-fp16"])
+def test_weights_that_are_not_finite_are_refused_naming_the_file_and_the_tensor(tmp_path, dtype, bad):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "hf"
+    _hf_dir(str(src))
+    (path,) = [f for f in os.listdir(src) if f.endswith(".safetensors")]
+    state = load_file(str(src / path))
+    state["model.layers.1.mlp.down_proj.weight"][3, 5] = bad
+    save_file(state, str(src / path), metadata={"format": "pt"})
+    as_ = "float16" if dtype else "float32"
+    with pytest.raises(UserError, match=rf"^{src}/{path}: model.layers.1.mlp.down_proj.weight holds values that are "
+                                        rf"not finite as {as_} \(NaN, ±inf, or beyond its range\); the checkpoint is "
+                                        rf"damaged, or its training diverged: shard another one \(or another --dtype\)$"):
+        shard.run(ShardConfig(src=str(src), dst=str(tmp_path / "c"), dtype=dtype))
+    assert publish.read_manifest(str(tmp_path / "c")) is None
+
+
 def test_tensors_the_config_does_not_imply_are_refused_not_dropped(tmp_path):
     src = tmp_path / "hf"
     _hf_dir(str(src))  # 3 layers
