@@ -55,6 +55,28 @@ def check_prompts(spec: RunSpec, record: bool) -> int:
     return rows
 
 
+def check_lr_schedule(spec: RunSpec, rows: int) -> None:
+    """With ``ppo.lr_decay`` linear or cosine (to 0 at ``total_steps``), the run's last iteration
+    still trains: each takes ``ppo_epochs × ⌈samples / mini_batch_size⌉`` optimizer steps of its
+    rollout's ``rows × samples_per_prompt`` samples (fewer only where a response is empty, or
+    with dynamic sampling, which this leaves to ppo), so iteration k starts at (k − 1) times that.
+    Refused in one line naming ``ppo.total_steps`` before anything runs: ppo itself would refuse
+    only when iteration k starts, hours in — and a new ``total_steps`` reschedules every step."""
+    ppo = spec.ppo
+    if ppo.lr_decay == "constant" or ppo.dynamic_sampling:
+        return
+    samples = (spec.prompts_per_iteration or rows) * spec.rollout.sampling.samples_per_prompt
+    steps = ppo.ppo_epochs * -(-samples // ppo.mini_batch_size)
+    if (spec.iterations - 1) * steps < ppo.total_steps:
+        return
+    dead = -(-ppo.total_steps // steps) + 1  # the first iteration whose every step comes at or after it
+    which = f"iteration {dead}" if dead == spec.iterations else f"iterations {dead}–{spec.iterations}"
+    raise UserError(f"{spec.source}: ppo.total_steps={ppo.total_steps}: lr_decay {ppo.lr_decay!r} brings the learning "
+                    f"rate to 0 at that optimizer step, but each iteration takes {steps} ({ppo.ppo_epochs} epoch(s) of "
+                    f"{samples} samples in mini-batches of {ppo.mini_batch_size}), so {which} would train nothing; set "
+                    f"ppo.total_steps to {spec.iterations * steps} (the run's steps), or ppo.lr_decay: constant")
+
+
 def check_storage(spec: RunSpec) -> None:
     """The run directory can live where the spec puts it, and so can its TensorBoard folder."""
     check_folder(spec.run_dir, spec.source, "storage", " (the run lives in STORAGE/NAME)")

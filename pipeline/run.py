@@ -29,7 +29,7 @@ from llamarl.cluster.kinds import make_executor
 from llamarl.lib.errors import check_stop
 from llamarl.lib.files import publish
 
-from .checks import check_prompts, check_storage
+from .checks import check_lr_schedule, check_prompts, check_storage
 from .dag import Node, build_dag, check_spec, load_spec, may_run_beside
 from .lock import RunLock
 from .metrics import update_metrics
@@ -54,7 +54,7 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
     check_storage(spec)
     by_name = {n.name: n for n in nodes}
     if dry_run:
-        check_prompts(spec, record=False)
+        check_lr_schedule(spec, check_prompts(spec, record=False))
         report = []
         executor = (executor or executor_for(spec)) if show_launch else None
         beside = may_run_beside(nodes)
@@ -79,7 +79,7 @@ def run_spec(spec: RunSpec, *, dry_run: bool = False, show_launch: bool = False,
                 raise PipelineError(f"{run}: stages of a detached run are still queued or running: {listed}"
                                     f"{' …' if len(in_flight) > 3 else ''}; follow them with `llamarl status {run}`, "
                                     f"or cancel them (scancel) before running it again")
-            check_prompts(spec, record=True)
+            check_lr_schedule(spec, check_prompts(spec, record=True))
             if detach and executor.detach is None:
                 raise PipelineError(f"{spec.source}: --detach needs a cluster executor (slurm or kubernetes); the "
                                     f"{spec.executor.kind} executor runs in the foreground")

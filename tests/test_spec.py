@@ -240,7 +240,11 @@ def test_configs_round_trip_through_json():
     ({"ppo": {"advantage": "gea"}}, "ppo.advantage='gea'"),
     ({"layout": {"ppo": {"tp": 3}}}, "layout.ppo: tp=3 does not divide num_attention_heads=4"),  # read from config.json
     ({"score": {"rewards": [{"name": "regex", "args": {"patern": "x"}}]}}, "score.rewards.0.args: "),
-], ids=["option", "model", "rule-args"])
+    # One prompt, one sample (the default), mini-batches of 8: a step an iteration; at total_steps 1 the second trains nothing.
+    ({"ppo": {"lr_decay": "linear", "total_steps": 1}}, "spec.yaml: ppo.total_steps=1: lr_decay 'linear' brings the "
+     "learning rate to 0 at that optimizer step, but each iteration takes 1 (1 epoch(s) of 1 samples in mini-batches of "
+     "8), so iteration 2 would train nothing; set ppo.total_steps to 2 (the run's steps), or ppo.lr_decay: constant"),
+], ids=["option", "model", "rule-args", "lr-schedule"])
 def test_dry_run_refuses_a_bad_spec_fast_in_one_line(tmp_path, changes, needle):
     # `llamarl run --dry-run` validates without importing torch: a typo costs seconds, not GPU hours.
     (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
