@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -34,14 +35,13 @@ def run(
                                                         "`llamarl status RUN`."),
 ):
     """Run (or resume) every stage of a spec that is not done yet."""
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     from llamarl.pipeline.run import run_spec
     from llamarl.pipeline.dag import load_spec
 
-    console = Console()
+    console = _console()
     loaded = None
     try:
         with stopped_by_signals():
@@ -104,8 +104,30 @@ def stopped_by_signals():
         forget_stop()
 
 
+@functools.cache
+def _console_class():
+    from rich.console import Console
+
+    class UnreadConsole(Console):
+        """rich's console, but a reader that leaves (``llamarl run | head``, a pager quit) stops what
+        it shows, not the run: rich would exit, stopping a driver whose stages run on."""
+
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            with suppress(OSError):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, (sys.stderr if self.stderr else sys.stdout).fileno())
+                os.close(null)
+
+    return UnreadConsole
+
+
+def _console(**kw):
+    return _console_class()(**kw)
+
+
 def _say(console, text, markup: bool = True, wrap: bool = False) -> None:
-    """A line to the terminal, which may be gone (SIGHUP): then it is dropped."""
+    """A line to the terminal, which may be gone (SIGHUP) or no longer read: then it is dropped."""
     with suppress(OSError):
         console.print(text, highlight=False, markup=markup, soft_wrap=not wrap)
 
@@ -113,12 +135,11 @@ def _say(console, text, markup: bool = True, wrap: bool = False) -> None:
 def _error(message: str) -> None:
     """``error: MESSAGE`` in one line on stderr, as a stage's error is, the message as written: never
     read as rich markup (a path may hold ``[/x]``), its control characters escaped (``errors.one_line``)."""
-    from rich.console import Console
     from rich.text import Text
 
     with suppress(OSError):  # what was said before it comes before it, where both streams meet
         sys.stdout.flush()
-    _say(Console(stderr=True), Text.assemble(("error:", "red"), " ", one_line(message)))
+    _say(_console(stderr=True), Text.assemble(("error:", "red"), " ", one_line(message)))
 
 
 def _leave(status: int) -> None:
@@ -162,13 +183,12 @@ def status_cmd(run: str = typer.Argument(..., help="Run directory (STORAGE/NAME)
                every: bool = typer.Option(False, "--all", help="A row for every stage: a long run otherwise "
                                                                "folds its runs of done or pending stages.")):
     """Show the run's stages: done / running / failed / pending, and why."""
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     from llamarl.pipeline.status import folded, status, summary
 
-    console = Console()
+    console = _console()
     try:
         rows = status(run)
     except UserError as e:

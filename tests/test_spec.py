@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -259,6 +260,35 @@ def test_dry_run_refuses_a_bad_spec_fast_in_one_line(tmp_path, changes, needle):
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stdout + r.stderr
     assert seconds < 3.0, f"{seconds:.1f} s"  # the goal is < 2 s; some slack for a loaded CI machine
     assert not (tmp_path / "t").exists()  # nothing written
+
+
+def test_a_reader_that_leaves_stops_what_llamarl_run_shows_not_the_run(tmp_path):
+    # `llamarl run … | head`: a long run's plan, with what each stage launches, is more than the
+    # pipe holds (200 kB); once head has its line, the rest is dropped and the command ends as it
+    # would have.
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(_spec(tmp_path, actor=_hf_model(tmp_path / "actor"), iterations=60)))
+    proc = subprocess.Popen([sys.executable, "-m", "llamarl.pipeline.cli", "run", str(path), "--dry-run", "--show-launch"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"})
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and first and err == "", err
+
+
+def test_a_stage_whose_stdout_nobody_reads_goes_on():
+    from llamarl.lib.runtime.job import _UnreadStdout
+
+    read, write = os.pipe()
+    os.close(read)
+    out = _UnreadStdout(os.fdopen(write, "w"))
+    assert out.write("progress\n") == len("progress\n")
+    out.flush()  # the pipe's reader is gone: dropped, and fd 1's kin with it (now /dev/null)
+    out.write("more\n")
+    out.flush()
+    assert os.readlink(f"/proc/self/fd/{out.fileno()}") == os.devnull
+    out.close()
 
 
 def test_apply_needs_the_kubernetes_executor(tmp_path):

@@ -122,6 +122,8 @@ def call(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None, *
     begun then. The one path of both a stage process (``main``) and a resident worker."""
     from llamarl.lib.runtime.stack_sampler import from_env
 
+    if not isinstance(sys.stdout, _UnreadStdout):
+        sys.stdout = _UnreadStdout(sys.stdout)
     outputs.start_stage(started)
     sampler = from_env()  # LLAMARL_STACKS_DIR: every thread's stacks, sampled (lib/runtime/stack_sampler.py)
     try:
@@ -133,6 +135,37 @@ def call(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None, *
         with suppress(OSError), open(os.environ[EXIT_STATUS_ENV], "a") as f:  # unwritable: the launcher sees 1
             f.write(f"{result.code} {' '.join(result.error.split())}\n")
     return result.code
+
+
+class _UnreadStdout:
+    """A stage's stdout, which it shares with the driver (``llamarl run | head``, a pager quit): once
+    nothing reads it, what the stage says there (progress, its summary) is dropped, rather than
+    failing the stage on a ``BrokenPipeError``; its errors go to stderr, which the driver reads."""
+
+    def __init__(self, out):
+        self._out, self._unread = out, False
+
+    def write(self, text: str) -> int:
+        self._try(self._out.write, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._try(self._out.flush)
+
+    def _try(self, do, *args) -> None:
+        if self._unread:
+            return
+        try:
+            do(*args)
+        except BrokenPipeError:
+            self._unread = True
+            with suppress(OSError):  # what else writes to the descriptor (a library's C code) goes nowhere too
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, self._out.fileno())
+                os.close(null)
+
+    def __getattr__(self, name: str):
+        return getattr(self._out, name)
 
 
 _output: str | None = None
