@@ -76,7 +76,7 @@ def run(
     if detach:
         console.print(f"submitted; follow it with `llamarl status {loaded.run_dir}`", highlight=False, markup=False)
         return
-    _print_metrics(console, loaded.run_dir, loaded.iterations)
+    _print_metrics(console, loaded.run_dir, loaded.iterations, loaded.pass_threshold)
 
 
 @contextmanager
@@ -151,12 +151,12 @@ def _leave(status: int) -> None:
     os._exit(status)
 
 
-def _print_metrics(console, run_dir: str, iterations: int) -> None:
+def _print_metrics(console, run_dir: str, iterations: int, pass_threshold: float | None) -> None:
     from rich.table import Table
 
     from llamarl.pipeline.metrics import iteration_metrics
 
-    rows = iteration_metrics(run_dir, iterations)
+    rows = iteration_metrics(run_dir, iterations, pass_threshold)
     if not rows:
         return
     table = Table(title="per iteration (score: mean of that iteration's rollout)")

@@ -31,7 +31,8 @@ def validation_metrics(scores_url: str, pass_threshold: float) -> dict:
         by_prompt[row[contract.PROMPT_ID]].append(row[contract.SCORE])
     n = min(len(s) for s in by_prompt.values())
     terms = [c.removeprefix(f"{contract.SCORE}_") for c in rows[0] if c.startswith(f"{contract.SCORE}_")]
-    out = {"val_score": mean([row[contract.SCORE] for row in rows]), "val_prompts": len(by_prompt), "val_samples": n}
+    out = {"val_score": mean([row[contract.SCORE] for row in rows]), "val_prompts": len(by_prompt), "val_samples": n,
+           "val_pass_threshold": pass_threshold}
     for term in terms:
         out[f"val_score_{term}"] = mean([row[contract.term_column(term)] for row in rows])
     out[f"val_best@{n}"] = mean([max(s) for s in by_prompt.values()])
@@ -41,8 +42,11 @@ def validation_metrics(scores_url: str, pass_threshold: float) -> dict:
     return out
 
 
-def iteration_metrics(run: str, iterations: int) -> list[dict]:
-    """One row per finished PPO iteration (and its validation, where there is one)."""
+def iteration_metrics(run: str, iterations: int, pass_threshold: float | None = None) -> list[dict]:
+    """One row per finished PPO iteration (and its validation, where there is one). A validation
+    whose pass@k were counted at another ``pass_threshold`` is counted again at this one from its
+    scores; where retention deleted them, its row keeps the threshold it was counted at
+    (``val_pass_threshold``)."""
     from .records import read_record
 
     rows = []
@@ -59,13 +63,18 @@ def iteration_metrics(run: str, iterations: int) -> list[dict]:
             row[key] = mean([s.get(key) for s in steps])  # None (null) where no step defines it
         validation = (read_record(run, f"iter-{i:03d}/val-scores") or {})
         if validation.get("status") == "done" and validation.get("metrics"):
-            row |= validation["metrics"]
+            counted = validation["metrics"]
+            scores = f"{run}/iter-{i:03d}/val-scores"
+            if pass_threshold is not None and counted.get("val_pass_threshold") != pass_threshold \
+                    and publish.read_manifest(scores) is not None and publish.retired(scores) is None:
+                counted = validation_metrics(scores, pass_threshold)
+            row |= counted
         rows.append(row)
     return rows
 
 
-def update_metrics(run: str, iterations: int) -> list[dict]:
-    rows = iteration_metrics(run, iterations)
+def update_metrics(run: str, iterations: int, pass_threshold: float | None = None) -> list[dict]:
+    rows = iteration_metrics(run, iterations, pass_threshold)
     publish.replace(f"{run}/metrics.jsonl", json_lines(rows))
     if rows:
         publish.replace(f"{run}/metrics.png", plot(rows))

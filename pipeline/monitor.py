@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import time
 import uuid
 from contextlib import suppress
 
@@ -138,8 +139,10 @@ class Monitor:
             from tensorboardX import SummaryWriter
 
             # A file of its own (TensorBoard reads every file of the folder): two drivers started
-            # within a second would otherwise write to the same name.
-            self._tb = SummaryWriter(self.metrics.tensorboard, filename_suffix=f".{uuid.uuid4().hex[:8]}",
+            # within a second would otherwise write to the same name. Named after the one before it,
+            # whose points its purge step makes TensorBoard forget: TensorBoard reads the files in
+            # the order of their names, and tensorboardX's name says only the second it was made in.
+            self._tb = SummaryWriter(self.metrics.tensorboard, filename_suffix=f".{time.time_ns()}.{os.getpid()}",
                                      purge_step=purge)
         return self._tb
 

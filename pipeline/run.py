@@ -178,7 +178,7 @@ def _run_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], execu
     schedule.trash = Trash.open(spec.run_dir)
     try:
         if schedule.monitor.active:  # a resumed run: what the sinks missed while no `llamarl run` ran
-            schedule.monitor.update(update_metrics(spec.run_dir, spec.iterations))
+            schedule.monitor.update(update_metrics(spec.run_dir, spec.iterations, spec.pass_threshold))
         while schedule.waiting or schedule.running:
             schedule.start_ready(pool)
             if not schedule.running:

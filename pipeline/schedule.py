@@ -55,7 +55,7 @@ def record_done(spec: RunSpec, n: Node, by_name: dict[str, Node], key: str | Non
 def update_metrics_after(spec: RunSpec, n: Node, monitor: Monitor) -> None:
     """The run's metrics, to its sinks and its plot, when ``n``'s end changed them."""
     if n.stage == "ppo" or (n.role == VALIDATE and n.stage == "score"):
-        monitor.update(update_metrics(spec.run_dir, spec.iterations))
+        monitor.update(update_metrics(spec.run_dir, spec.iterations, spec.pass_threshold))
 
 
 def _made(n: Node) -> list[str]:

@@ -181,6 +181,11 @@ class RunSpec(Strict):
     executor: ExecutorSpec = Field(default_factory=ExecutorSpec, description="Where stages run.")
     _source: str = PrivateAttr("spec")
 
+    @property
+    def pass_threshold(self) -> float | None:
+        """The validation's ``pass_threshold`` (None without a validation)."""
+        return self.validation.pass_threshold if self.validation is not None else None
+
     @field_validator("name")
     @classmethod
     def _plain_name(cls, name: str) -> str:

@@ -101,6 +101,17 @@ def test_validation_rows_at_exactly_the_validated_iterations(long_run):
     assert 0 <= validated["val_pass@1"] <= validated["val_pass@2"] <= 1
 
 
+def test_validation_counted_at_another_pass_threshold_is_counted_again(long_run):
+    from llamarl.pipeline.metrics import iteration_metrics
+
+    _, _, spec, _, _ = long_run
+    rows = [json.loads(line) for line in open(f"{spec.run_dir}/metrics.jsonl")]
+    assert {r["val_pass_threshold"] for r in rows if "val_score" in r} == {1.0}  # the spec's default
+    lenient = [r for r in iteration_metrics(spec.run_dir, ITERATIONS, pass_threshold=0.0) if "val_score" in r]
+    # Every score is at least 0: at 0 every sample passes (the scores are there to count again).
+    assert [(r["val_pass_threshold"], r["val_pass@1"], r["val_pass@2"]) for r in lenient] == [(0.0, 1.0, 1.0)] * 3
+
+
 def test_retention_keeps_one_training_state_and_the_kept_actors(long_run):
     _, _, spec, _, _ = long_run
     run = spec.run_dir
@@ -153,6 +164,11 @@ def test_a_rerun_runs_nothing_and_more_iterations_run_only_the_new_ones(long_run
     assert parts == [], parts  # samples deleted once trained on, validation samples once their metrics are kept
     assert [json.loads(line).get("val_score") is not None for line in open(f"{run}/metrics.jsonl")] == \
         [False, True, False, True, False, True, True]
+    # With the validation's scores deleted, a row keeps what it was counted at, and says so.
+    from llamarl.pipeline.metrics import iteration_metrics
+
+    kept = [r for r in iteration_metrics(run, ITERATIONS + 1, pass_threshold=0.0) if "val_score" in r]
+    assert {r["val_pass_threshold"] for r in kept} == {1.0}
 
 
 def test_a_new_validation_of_a_deleted_actor_makes_only_that_iteration_again(long_run):

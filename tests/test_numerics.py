@@ -196,6 +196,6 @@ def test_the_runs_metrics_average_what_is_defined(tmp_path):
     from llamarl.pipeline.cli import _print_metrics
 
     out = io.StringIO()
-    _print_metrics(Console(file=out, width=120), str(run), 2)
+    _print_metrics(Console(file=out, width=120), str(run), 2, None)
     rows = [line for line in out.getvalue().splitlines() if line.startswith("│")]
     assert [line.split("│")[5].strip() for line in rows] == ["–", "3.0000"], out.getvalue()  # value loss
