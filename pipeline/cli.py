@@ -169,7 +169,7 @@ def _print_metrics(console, run_dir: str, iterations: int, pass_threshold: float
     for r in rows:
         table.add_row(*(_cell(r.get(key)) for key in columns.values()))
     console.print(table)
-    console.print(f"plot: {run_dir}/metrics.png   export: {run_dir}/export", markup=False)
+    console.print(f"plot: {run_dir}/metrics.png   export: {run_dir}/export", markup=False, soft_wrap=True)
 
 
 def _cell(value) -> str:

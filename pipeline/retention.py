@@ -181,8 +181,6 @@ def keep_ids(url: str, before: dict[str, bytes]) -> list[str]:
         if under or now is None or not _same(before[rel], now):
             differ.append(folder)
             continue
-        tmp = f"{path}/{rel}.kept.tmp"
-        fs.pipe_file(tmp, before[rel])
-        fs.mv(tmp, f"{path}/{rel}")
+        publish.replace(f"{url.rstrip('/')}/{rel}", before[rel])
         back.append(rel)
     return back
