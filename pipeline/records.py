@@ -138,10 +138,13 @@ def node_key(node: Node, by_name: dict[str, Node], timed: bool = False) -> str |
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
+REDONE = "an input will be redone"
+
+
 def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -> tuple[bool, str]:
     """(is it done, why), given the stages before it that ``will_run``."""
     if any(i in will_run for i in node.inputs):
-        return False, "an input will be redone"
+        return False, REDONE
     record = read_record(run, node)
     out_id = published_id(node.out)
     key = node_key(node, by_name)
@@ -206,8 +209,22 @@ def plan(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, tup
                 if states[i][0] and i not in needed and retired_parts(input_url(n, i, by_name)):
                     needed[i] = f"deleted by retention, and {n.name} needs it"
         if not needed:
-            return states
+            return _unless_as_it_was(run, nodes, by_name, states, redo)
         redo |= needed
+
+
+def _unless_as_it_was(run: str, nodes: list[Node], by_name: dict[str, Node], states: dict, redo: dict) -> dict:
+    """``states`` with the stages that are done but for inputs that only retention's remakes redo
+    said so: a remake that comes out as it was keeps its id (pipeline/schedule.py), and they are
+    skipped then — which only the remake can tell."""
+    remade = set(redo)
+    for n in nodes:
+        done, why = states[n.name]
+        if not done and why == REDONE and all(i in remade for i in n.inputs if not states[i][0]) \
+                and assess(run, n, by_name, set())[0]:
+            remade.add(n.name)
+            states[n.name] = (False, f"{REDONE}; skipped if what retention deleted is made again as it was")
+    return states
 
 
 def must_redo(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, str]:

@@ -184,6 +184,10 @@ def test_a_new_validation_of_a_deleted_actor_makes_only_that_iteration_again(lon
     spec3 = load_spec(_write(root, every3, "every3.yaml"))
     training = [n for n in build_dag(spec3) if n.role != "validate"]
     ids = {n.name: read_record(spec.run_dir, n)["output_id"] for n in training}
+    planned = dict(run_spec(spec3, dry_run=True, echo=lambda m: None))
+    assert planned["iter-003/ppo"] == "run: deleted by retention, and iter-003/val-rollout needs it"
+    assert planned["iter-004/ppo"].startswith("run: an input will be redone; skipped if what retention deleted is "
+                                              "made again as it was"), planned["iter-004/ppo"]
     said = []
     executor.ran.clear()
     run_spec(spec3, echo=said.append, executor=executor)
