@@ -175,3 +175,23 @@ def test_a_zero1_update_with_the_one_pass_step_matches_torchs_and_resumes(tmp_pa
             assert (a != b).float().mean() < 1e-3, step
     assert fused[0]["weights"][-1].equal(fused[1]["weights"][-1])  # every DP rank holds every parameter
     assert abs(fused[0]["largest"] - plain[0]["largest"]) <= 1e-6 * plain[0]["largest"]
+
+
+def test_the_one_pass_step_is_cudas_default_and_the_interpreters_only_when_asked(monkeypatch):
+    from llamarl.lib.rl import adamw_kernel
+
+    monkeypatch.setattr(adamw_kernel, "_kernel", lambda: object())  # as if Triton imported
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv(adamw_kernel.ENV, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert adamw_kernel.wanted(cuda) and not adamw_kernel.wanted(cpu)
+    monkeypatch.setenv(adamw_kernel.ENV, "1")
+    assert adamw_kernel.wanted(cpu)
+    monkeypatch.setenv(adamw_kernel.ENV, "0")
+    assert not adamw_kernel.wanted(cuda) and not adamw_kernel.wanted(cpu)
+    monkeypatch.setattr(adamw_kernel, "_kernel", lambda: None)  # no Triton: torch's step
+    monkeypatch.delenv(adamw_kernel.ENV)
+    assert not adamw_kernel.wanted(cuda)
+    monkeypatch.setenv(adamw_kernel.ENV, "yes")
+    with pytest.raises(ValueError, match="LLAMARL_FUSED_ADAMW='yes': use 0 or 1"):
+        adamw_kernel.wanted(cuda)
