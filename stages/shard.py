@@ -109,7 +109,10 @@ def _finite(weights: SafetensorsCheckpoint, name: str, t: torch.Tensor) -> torch
     """``t``, a slice of ``name`` as it is stored, if every value is finite: nothing non-finite is
     published (docs/rl.md §6), and a NaN in an actor's weights shows up far from its cause (a
     rollout of padding, then a ppo whose log-probs are NaN)."""
-    if not torch.isfinite(t).all():
+    # aminmax: NaN reaches both ends and ±inf one of them, at 27× isfinite().all()'s speed on a CPU
+    # (15 against 0.55 GB/s for bf16), which would otherwise be most of the stage's work.
+    lo, hi = torch.aminmax(t) if t.numel() else (torch.zeros(()), torch.zeros(()))
+    if not (torch.isfinite(lo) and torch.isfinite(hi)):
         raise UserError(f"{weights.root}/{weights.where[name]}: {name} holds values that are not finite as "
                         f"{dtypes.name(t.dtype)} (NaN, ±inf, or beyond its range); the checkpoint is damaged, or its "
                         "training diverged: shard another one (or another --dtype)")
