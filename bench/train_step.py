@@ -220,7 +220,8 @@ def build_ppo(hf_cfg, case, lengths, micro_batch_tokens, dev):
     from llamarl.stages import contract
     from llamarl.stages.config import PPOConfig
     from llamarl.stages.ppo_data import Sample, advantages, check_groups, mini_batch
-    from llamarl.stages.ppo_trainer import StepBatches, Trainer, train_step
+    from llamarl.stages.ppo_batches import StepBatches
+    from llamarl.stages.ppo_trainer import Trainer, train_step
 
     n = len(lengths)
     cfg = PPOConfig(rollout="memory://bench/rollout", scores="memory://bench/scores", actor="memory://bench/actor",

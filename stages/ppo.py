@@ -44,8 +44,8 @@ from llamarl.stages.ppo_state import (
     save_weights,
     verify_train_state,
 )
-from llamarl.stages.ppo_trainer import (StepBatches, Trainer, frozen_logprobs, gather_dp, reference_source,
-                                        token_outputs, train_step)
+from llamarl.stages.ppo_batches import StepBatches
+from llamarl.stages.ppo_trainer import Trainer, frozen_logprobs, gather_dp, reference_source, token_outputs, train_step
 
 
 @dataclass

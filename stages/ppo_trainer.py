@@ -6,20 +6,18 @@ accumulated over micro-batches and DP ranks sums to the mini-batch's mean.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
 from llamarl.lib.files import checkpoint
 from llamarl.lib.rl import core as rl, optim
 from llamarl.lib.model import schedule, vocab_parallel
-from llamarl.lib.model.batch import TokenBatch
 from llamarl.lib.distributed.parallel import Topology
 from llamarl.stages import contract
 from llamarl.stages.config import PPOConfig
 from llamarl.stages.ppo_checks import StepCheck
-from llamarl.stages.ppo_data import Sample, micro_batches, padded, response_values, tis_reads
+from llamarl.stages.ppo_batches import StepBatches, step_batches
+from llamarl.stages.ppo_data import Sample, response_values, tis_reads
 
 
 STATE_WRITERS = 8
@@ -88,33 +86,11 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (logits.float() / temperature).clamp(min=torch.finfo(torch.float32).min)
 
 
-def _on(dev, x):
-    """``x``, built on the host — a tensor, or a dataclass of them such as a ``TokenBatch`` — on
-    ``dev``. To a GPU from pinned memory, without waiting: a copy from pageable memory would wait
-    for everything queued on the device before it, once per tensor."""
-    if torch.is_tensor(x):
-        return x.pin_memory().to(dev, non_blocking=True) if torch.device(dev).type == "cuda" else x.to(dev)
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return dataclasses.replace(x, **{f.name: _on(dev, getattr(x, f.name)) for f in dataclasses.fields(x) if f.init})
-    return x
-
-
-def micro_batch(model, samples: list[Sample], dev) -> tuple[TokenBatch, dict, int]:
-    """``samples`` as one micro-batch for ``model`` on ``dev``: its ``TokenBatch``; in its token order
-    each token's label and what a loss's share reads (``Aggregation.packed``); and its padded width.
-    Built on the host, where the lengths are known (packing on the device reads its token count
-    back: a wait per micro-batch), then copied."""
-    ids, mask, labels, resp = padded(samples, "cpu")
-    batch = model.make_batch(ids, mask)
-    per_token = {"labels": batch.flat(labels), **Aggregation.packed(batch, resp)}
-    return _on(dev, batch), {k: _on(dev, v) for k, v in per_token.items()}, ids.shape[1]
-
-
 def token_outputs(model, samples: list[Sample], groups: list[list[int]], temperature: float) -> list[list[float]] | None:
     """Per-response-token log-probs (CausalLM) or values (Value) for ``groups`` of samples; None
     off the last pipeline stage. Each micro-batch's head output is reduced as soon as it exists:
     a whole batch of ``[tokens, vocab]`` logits never lives at once."""
-    batches, extras = _step_batches(model, samples, groups, None, [], next(model.parameters()).device)
+    batches, extras = step_batches(model, samples, groups, None, next(model.parameters()).device)
 
     def per_token(out, meta):
         batch, x = meta
@@ -205,12 +181,6 @@ class Aggregation:
         else:
             self.denominator = float(self.tokens if mode == "token-mean" else len(response_lens))
 
-    @staticmethod
-    def packed(batch: TokenBatch, resp: torch.Tensor) -> dict:
-        """What a micro-batch's share reads, in ``batch``'s token order: the response mask ``resp``,
-        each token's sequence, and the number of sequences (the rows, known here on the host)."""
-        return {"resp": batch.flat(resp), "seq": batch.flat(rl.sequence_index(resp)), "sequences": resp.shape[0]}
-
     def __call__(self, loss: torch.Tensor, x: dict) -> torch.Tensor:
         return rl.aggregate(loss, x["resp"], self.mode, self.denominator, seq=x["seq"], sequences=x["sequences"])
 
@@ -228,31 +198,6 @@ def policy_terms(cfg: PPOConfig, logp: torch.Tensor, x: dict) -> tuple[torch.Ten
     if cfg.policy_loss == "sapo":
         return rl.sapo_loss(logp, old, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
     return rl.policy_loss(logp, old, adv, cfg.clip_eps, cfg.dual_clip, cfg.clip_eps_high)
-
-
-class StepBatches:
-    """Each optimizer step's micro-batches, built one step ahead: ``ahead`` builds the next step's
-    on the host (and queues their copies) while the device still runs this one, so the device does
-    not wait for the host between steps."""
-
-    def __init__(self, cfg: PPOConfig, actor, samples: list[Sample], data: dict | None, dev):
-        self.cfg, self.actor, self.samples, self.data, self.dev = cfg, actor, samples, data, dev
-        self.keys = [k for k in ("old_logp", "ref_logp", "adv", "values", "returns") if data and k in data]
-        self.keys += ["tis"] if cfg.uses_tis() else []
-        self._held: tuple[list[int], tuple] | None = None
-
-    def ahead(self, batch_idx: list[int]) -> None:
-        self._held = (batch_idx, self._build(batch_idx))
-
-    def get(self, batch_idx: list[int]) -> tuple[list[list[int]], list[TokenBatch], list[dict]]:
-        """This rank's sample groups of the mini-batch ``batch_idx``, their micro-batches and extras."""
-        held, self._held = self._held, None
-        return held[1] if held is not None and held[0] == batch_idx else self._build(batch_idx)
-
-    def _build(self, batch_idx: list[int]) -> tuple:
-        topo = self.actor.topology
-        groups = micro_batches(batch_idx[topo.dp_rank :: topo.dp], self.samples, self.cfg.micro_batch_tokens)
-        return (groups, *_step_batches(self.actor, self.samples, groups, self.data, self.keys, self.dev))
 
 
 def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sample], data: dict | None,
@@ -334,19 +279,3 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
         metrics["mean_response_length"] = tokens / len(batch_idx)
         metrics["kl"] = data["kl"]
     return metrics
-
-
-def _step_batches(actor, samples: list[Sample], groups: list[list[int]], data: dict | None, keys: list[str],
-                  dev) -> tuple[list[TokenBatch], list[dict]]:
-    """The micro-batches of ``groups`` and what each one's loss (or per-token output) reads:
-    ``micro_batch``'s per-token tensors and, with ``data`` (None off the last pipeline stage, and
-    for a frozen pass), its samples' rows of ``keys`` in its token order."""
-    batches, extras = [], []
-    for g in groups:
-        batch, per_token, width = micro_batch(actor, [samples[i] for i in g], dev)
-        batches.append(batch)
-        if data is not None:
-            rows = _on(dev, torch.tensor(g))
-            per_token.update({k: batch.flat(data[k][rows, :width]) for k in keys})
-        extras.append(per_token)
-    return batches, extras

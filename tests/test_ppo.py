@@ -546,6 +546,7 @@ def test_aggregation_of_micro_batches_is_the_hand_computed_mean(mode):
     # loss is whatever the model computed there), each micro-batch's share summed.
     from llamarl.lib.model.batch import TokenBatch
     from llamarl.stages.ppo_data import Sample, micro_batches, padded
+    from llamarl.stages.ppo_batches import per_token_masks
     from llamarl.stages.ppo_trainer import Aggregation
 
     # (prompt, response) tokens: packed longest first (1, 2, 0, 3) into [0, 1] and [2, 3], 11 and 9 tokens
@@ -573,7 +574,7 @@ def test_aggregation_of_micro_batches_is_the_hand_computed_mean(mode):
             per_position[row, start : start + len(losses[i])] = torch.tensor(losses[i])
         loss = batch.flat(per_position)
         loss[batch.num_real :] = 99.0
-        total += agg(loss, agg.packed(batch, resp))
+        total += agg(loss, per_token_masks(batch, resp))
     assert total.item() == pytest.approx(expected, rel=1e-6)
 
 

@@ -112,7 +112,8 @@ def _two_steps(ahead: bool) -> dict:
     from llamarl.lib.model.llama import ParallelLlamaForCausalLM
     from llamarl.stages.config import PPOConfig
     from llamarl.stages.ppo_data import advantages, mini_batch
-    from llamarl.stages.ppo_trainer import StepBatches, Trainer, train_step
+    from llamarl.stages.ppo_batches import StepBatches
+    from llamarl.stages.ppo_trainer import Trainer, train_step
 
     cfg = PPOConfig(rollout="r", scores="s", actor="a", out="o", advantage="grpo", use_kl_loss=True, kl_coef=0.1,
                     mini_batch_size=4, micro_batch_tokens=30, actor_lr=1e-3, dtype="fp32")
@@ -142,3 +143,68 @@ def test_micro_batches_built_a_step_ahead_update_the_same(pool1):
     ahead, plain = pool1.run(_two_steps, True)[0], pool1.run(_two_steps, False)[0]
     assert torch.equal(ahead["weights"], plain["weights"]) and ahead["metrics"] == plain["metrics"]
     assert ahead["built"] == plain["built"] == ahead["steps"]
+
+
+class _Builder:
+    """What the micro-batch builders read of a model: its layout and its two batch makers."""
+
+    from llamarl.lib.model.llama import ParallelLlama
+
+    make_batch = ParallelLlama.make_batch
+    make_batch_of_rows = ParallelLlama.make_batch_of_rows
+    _token_multiple = ParallelLlama._token_multiple
+
+    def __init__(self, **layout):
+        from llamarl.lib.model.config import ParallelLayout
+
+        self.layout = ParallelLayout(**layout)
+
+
+def _padded_reference(model, samples, groups, data):
+    """The micro-batches as the padded path builds them: ``padded_micro_batch``, then each data
+    tensor's rows cut to the micro-batch's width and flattened in its token order."""
+    from llamarl.stages.ppo_batches import padded_micro_batch
+
+    out = []
+    for g in groups:
+        batch, per_token, width = padded_micro_batch(model, [samples[i] for i in g], "cpu")
+        per_token.update({k: batch.flat(t[torch.tensor(g), :width]) for k, t in data.items()})
+        out.append((batch, per_token))
+    return out
+
+
+@pytest.mark.parametrize("multiple", [1, 2, 3], ids=["tp1", "sp2", "sp3"])
+def test_a_micro_batch_built_from_lengths_is_the_one_built_through_padding(multiple):
+    from llamarl.stages.ppo_batches import step_batches
+
+    g = torch.Generator().manual_seed(multiple)
+    lengths = [int(x) for x in torch.randint(2, 40, (13,), generator=g)] + [40, 40]  # two as wide as their batch
+    samples = [Sample(torch.randint(1, 500, (n,), generator=g).tolist(), int(torch.randint(1, n, (1,), generator=g)),
+                      [], 0.0, str(i)) for i, n in enumerate(lengths)]
+    data = {"adv": torch.randn(len(samples), 41, generator=g), "old_logp": torch.randn(len(samples), 41, generator=g),
+            "values": torch.randn(len(samples), 43, generator=g)}  # another width: its own index
+    groups = micro_batches(list(range(len(samples)))[::-1], samples, budget=64)
+    assert any(max(len(samples[i].ids) for i in grp) == 40 and len(grp) > 1 for grp in groups)  # a full row wraps
+    layout = {"tp": multiple, "sequence_parallel": multiple > 1}
+    packed, extras = step_batches(_Builder(**layout), samples, groups, data, "cpu")
+    reference = _padded_reference(_Builder(**layout), samples, groups, data)
+    for batch, x, (ref, ref_x) in zip(packed, extras, reference, strict=True):
+        for f in ("input_ids", "positions", "mask", "valid_index"):
+            a, b = getattr(batch, f), getattr(ref, f)
+            assert a.dtype == b.dtype and a.equal(b), f
+        assert batch.meta.cu_seqlens.equal(ref.meta.cu_seqlens) and batch.meta.max_seqlen == ref.meta.max_seqlen
+        assert batch.meta.cu_seqlens.dtype == torch.int32 and batch.num_real == ref.num_real
+        assert (batch.num_tokens - batch.num_real < multiple) and batch.num_tokens % multiple == 0
+        assert x.keys() == ref_x.keys()
+        for k, v in ref_x.items():
+            assert v == x[k] if k == "sequences" else (x[k].dtype == v.dtype and x[k].equal(v)), k
+
+
+def test_the_one_copy_views_back_every_dtype_shape_and_empty_tensor():
+    from llamarl.stages.ppo_batches import _one_copy
+
+    tensors = [torch.arange(5, dtype=torch.int64), torch.tensor([[True, False, True]]), torch.zeros(0, dtype=torch.int64),
+               torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([0.5, -1.0], dtype=torch.float32),
+               torch.arange(6, dtype=torch.int64).view(2, 3).t()]  # not contiguous
+    for a, b in zip(_one_copy("cpu", tensors), tensors, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.equal(b)

@@ -7,7 +7,9 @@ rounded up to a multiple of TP under sequence parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from llamarl.lib.model.attention import Packed, Padded
@@ -65,6 +67,31 @@ class TokenBatch:
             ids = torch.cat([ids, ids.new_zeros(pad)])
             pos = torch.cat([pos, pos.new_zeros(pad)])
         return cls(ids, pos, meta, mask, valid_index, n)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[np.ndarray], *, pad_to_multiple: int = 1) -> TokenBatch:
+        """The remove-padding batch ``from_padded`` makes of ``rows`` (int64 token ids) right-padded,
+        positions from 0 in each, as host tensors; built from the rows' lengths with numpy rather
+        than a dozen tensor ops over a padded copy (the ppo update builds one a micro-batch, on a
+        host that also has to keep the GPU fed)."""
+        lens = np.array([len(r) for r in rows], dtype=np.int64)
+        width = int(lens.max()) if len(lens) else 0
+        n = int(lens.sum())
+        starts = np.cumsum(lens) - lens
+        positions = np.arange(n, dtype=np.int64) - np.repeat(starts, lens)
+        valid_index = positions + np.repeat(np.arange(len(rows), dtype=np.int64) * width, lens)
+        pad = -n % pad_to_multiple
+        cu = np.zeros(len(rows) + 1 + (1 if pad else 0), dtype=np.int32)
+        cu[1 : len(rows) + 1] = np.cumsum(lens)
+        if pad:  # as from_padded: SP padding is one extra sequence of its own
+            cu[-1] = n + pad
+        ids = np.zeros(n + pad, dtype=np.int64)
+        if n:
+            ids[:n] = np.concatenate(rows)
+        mask = np.arange(width)[None, :] < lens[:, None]
+        return cls(torch.from_numpy(ids), torch.from_numpy(np.concatenate([positions, np.zeros(pad, np.int64)])),
+                   Packed(torch.from_numpy(cu), max(width, pad)), torch.from_numpy(mask),
+                   torch.from_numpy(valid_index), n)
 
     @property
     def num_tokens(self) -> int:

@@ -201,9 +201,20 @@ class ParallelLlama(nn.Module):
     # ---- running ---------------------------------------------------------------------------
 
     def make_batch(self, input_ids, attention_mask=None, position_ids=None) -> TokenBatch:
-        multiple = self.layout.tp if self.layout.sequence_parallel else 1
         return TokenBatch.from_padded(input_ids, attention_mask, position_ids,
-                                      remove_padding=self.layout.remove_padding, pad_to_multiple=multiple)
+                                      remove_padding=self.layout.remove_padding, pad_to_multiple=self._token_multiple)
+
+    def make_batch_of_rows(self, rows) -> TokenBatch:
+        """``make_batch`` of ``rows`` (int64 id arrays) right-padded, built from the rows themselves
+        (``TokenBatch.from_rows``): for a remove-padding layout only."""
+        if not self.layout.remove_padding:
+            raise ValueError("make_batch_of_rows packs the rows: the layout keeps padding (remove_padding=False)")
+        return TokenBatch.from_rows(rows, pad_to_multiple=self._token_multiple)
+
+    @property
+    def _token_multiple(self) -> int:
+        """What a batch's token count is rounded up to: TP under sequence parallelism (each rank its share)."""
+        return self.layout.tp if self.layout.sequence_parallel else 1
 
     def forward(self, batch: TokenBatch, hidden: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage: hidden states out of an inner stage (this rank's tokens under SP), the
