@@ -15,6 +15,7 @@ from llamarl.lib.errors import UserError
 from llamarl.lib.files import publish
 
 from .dag import Node
+from .remakes import being_remade
 
 
 def _record_url(run: str, name: str) -> str:
@@ -193,7 +194,8 @@ def retired_parts(url: str) -> list[str]:
 def plan(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, tuple[bool, str]]:
     """For every node, in DAG order: (is it done, why). A done stage whose output retention
     deleted is not done when a stage that will run reads it: it runs again first (and so does what
-    it needs, back to what is still on disk)."""
+    it needs, back to what is still on disk). So does one that runs only if an input of it comes
+    out of its remake changed (``REDONE``), when a stage that runs whatever happens reads it."""
     redo: dict[str, str] = {}
     while True:
         states, will_run = {}, set()
@@ -203,10 +205,12 @@ def plan(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, tup
                 will_run.add(n.name)
         needed = {}
         for n in nodes:
-            if states[n.name][0]:
+            done, why = states[n.name]
+            if done:
                 continue
             for i in n.inputs:
-                if states[i][0] and i not in needed and retired_parts(input_url(n, i, by_name)):
+                maybe = states[i] == (False, REDONE) and why != REDONE
+                if (states[i][0] or maybe) and i not in needed and retired_parts(input_url(n, i, by_name)):
                     needed[i] = f"deleted by retention, and {n.name} needs it"
         if not needed:
             return _unless_as_it_was(run, nodes, by_name, states, redo)
@@ -217,7 +221,7 @@ def _unless_as_it_was(run: str, nodes: list[Node], by_name: dict[str, Node], sta
     """``states`` with the stages that are done but for inputs that only retention's remakes redo
     said so: a remake that comes out as it was keeps its id (pipeline/schedule.py), and they are
     skipped then — which only the remake can tell."""
-    remade = set(redo)
+    remade = set(redo) | {n.name for n in nodes if being_remade(run, n.name)}
     for n in nodes:
         done, why = states[n.name]
         if not done and why == REDONE and all(i in remade for i in n.inputs if not states[i][0]) \

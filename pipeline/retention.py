@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import shutil
 import threading
@@ -137,50 +136,3 @@ def retained(n: Node) -> str:
     if gone == [""]:
         return "its files were deleted (retention)"
     return f"deleted by retention: {', '.join(g + '/' for g in gone)}"
-
-
-# ---- made again as it was: what retention deleted, rebuilt, keeps its id ---------------------------
-
-
-def manifests(url: str) -> dict[str, bytes]:
-    """The manifests of the published output ``url`` and of its parts (``actor/``, ``train_state/
-    actor/``, …), by path under ``url``: what retention kept of them when it deleted their files."""
-    fs, path = fsspec.core.url_to_fs(url)
-    path = path.rstrip("/")
-    if not fs.exists(f"{path}/{publish.MANIFEST}"):
-        return {}
-    found = fs.glob(f"{path}/**/{publish.MANIFEST}", maxdepth=4)  # ``**`` matches no folder too: url's own
-    return {p[len(path) + 1:]: fs.cat_file(p) for p in sorted(set(found))}
-
-
-def _same(before: bytes, now: dict) -> bool:
-    """The same output: of the same kind, the same files (each one's bytes and checksum). Its
-    times and summary may differ, and so may its request, only by the ids of its inputs: a stage
-    retention deleted runs again with its config unchanged (else it would not be done), on inputs
-    made again before it, whose ids go back before it starts."""
-    old = json.loads(before)
-    return old.get("kind") == now.get("kind") and old.get("files") == now.get("files")
-
-
-def keep_ids(url: str, before: dict[str, bytes]) -> list[str]:
-    """``url`` was made again after retention deleted its files; where it holds the very files it
-    held (``before``: its ``manifests`` then), its manifests go back, so it keeps its output id and
-    what was made from it stays current (its key names that id). Deepest first: a manifest goes
-    back only where every one under it did (a parent's manifest names its parts' ids). The paths
-    put back."""
-    fs, path = fsspec.core.url_to_fs(url)
-    path = path.rstrip("/")
-    back, differ = [], []
-    for rel in sorted(before, key=lambda r: (-r.count("/"), r)):
-        folder = rel.rpartition("/")[0]
-        under = [d for d in differ if folder == "" or d == folder or d.startswith(folder + "/")]
-        try:
-            now = json.loads(fs.cat_file(f"{path}/{rel}"))
-        except (FileNotFoundError, json.JSONDecodeError):
-            now = None
-        if under or now is None or not _same(before[rel], now):
-            differ.append(folder)
-            continue
-        publish.replace(f"{url.rstrip('/')}/{rel}", before[rel])
-        back.append(rel)
-    return back

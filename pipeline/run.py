@@ -35,8 +35,9 @@ from .lock import RunLock
 from .metrics import update_metrics
 from .monitor import Monitor
 from .records import plan, read_record, write_record
+from .remakes import remade_as_it_was
 from .retention import Trash, retire_done
-from .schedule import PipelineError, Schedule, now, record_end, update_metrics_after
+from .schedule import PipelineError, Schedule, made_by_stage, now, record_end, update_metrics_after
 from .spec import RunSpec
 
 
@@ -124,6 +125,8 @@ class NodeRecorder:
     def ended(self, result) -> None:
         node, nodes, spec = self._node()
         by_name = {n.name: n for n in nodes}
+        if result.ok:  # a remake that came out as it was keeps its id (its later stages were submitted all the same)
+            remade_as_it_was(self.run_dir, node.name, made_by_stage(node))
         if record_end(spec, node, by_name, result):  # then what retention lets go of, and the run's metrics
             retire_done(spec, nodes, by_name)
             monitor = Monitor(spec)
@@ -145,15 +148,22 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
         echo(f"driver: {where}" + ("" if executor.launches else " (apply it: kubectl apply -f)"))
         return [("driver", where)]
     schedule, jobs = Schedule(spec, nodes, by_name, executor, echo), {}
+    schedule.detached = True
+    # Every stage to submit is recorded "submitted" before the first job exists: a job that ends
+    # before the last is submitted runs retention, which must not take a stage still to submit
+    # for done (a remake's readers, whose keys its kept ids make current again).
+    todo: dict[str, tuple[Node, str]] = {}
     for n in nodes:
-        done, why = schedule.skipped(n, set(jobs))
-        if done:
-            continue
+        done, why = schedule.skipped(n, set(todo))
+        if not done:
+            todo[n.name] = (n, why)
+            write_record(run, n, status="submitted", job=None, after=[], submitted=now(), started=None, error=None,
+                         key=None)
+    for n, why in todo.values():
         after = [jobs[i] for i in n.inputs if i in jobs]
         # Recorded before the job exists: a job that starts at once records "running" itself, and
         # the job id written after submitting must not take that back.
-        write_record(run, n, status="submitted", job=None, after=after, submitted=now(), started=None, error=None,
-                     key=None)
+        write_record(run, n, after=after)
         job = executor.submit_after(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name, after=after,
                                     recorder=NodeRecorder(run, n.name))
         jobs[n.name] = job

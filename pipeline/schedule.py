@@ -17,9 +17,10 @@ from .dag import VALIDATE, Node, early_parts
 from .metrics import update_metrics, validation_metrics
 from .monitor import Monitor
 from .progress import Progress
-from .records import (assess, fingerprints, input_url, must_redo, node_key, published_current, published_id,
+from .records import (REDONE, assess, fingerprints, input_url, must_redo, node_key, published_current, published_id,
                       retired_parts, write_record)
-from .retention import Trash, keep_ids, manifests, retire_done
+from .remakes import load_before, manifests, remade_as_it_was, save_before
+from .retention import Trash, retire_done
 from .spec import RunSpec
 
 
@@ -58,7 +59,7 @@ def update_metrics_after(spec: RunSpec, n: Node, monitor: Monitor) -> None:
         monitor.update(update_metrics(spec.run_dir, spec.iterations, spec.pass_threshold))
 
 
-def _made(n: Node) -> list[str]:
+def made_by_stage(n: Node) -> list[str]:
     """What ``n``'s stage publishes: its output, and a rollout's rules' scores (RolloutConfig.scores)."""
     scores = n.make_config().scores if n.stage == "rollout" else None
     return [n.out] + ([scores.out] if scores is not None else [])
@@ -70,7 +71,7 @@ def _remove_stale(n: Node, parts: set[str] = frozenset()) -> None:
     published them): the stage writes them again, and nothing may start from the old ones."""
     # A rollout's rules' scores are made from the rollout that runs again: stale, and the rollout
     # that publishes the new ones would refuse to overwrite them.
-    stale = _made(n)[1:]
+    stale = made_by_stage(n)[1:]
     stale += [n.out] if published_id(n.out) is not None else [f"{n.out}/{part}" for part in parts]
     for url in stale:
         if published_id(url) is not None:
@@ -114,7 +115,8 @@ class Schedule:
         self.metrics = Behind(lambda n: update_metrics_after(spec, n, self.monitor), depth=8, background=True,
                               name="metrics")
         self.trash: Trash | None = None  # while stages run here (``_run_nodes``)
-        self.rebuilt: dict[str, dict] = {}  # a node retention deleted, made again: the manifests it had, by output
+        self.rebuilt: set[str] = set()  # running or waiting nodes made again, what they were kept (remakes.py)
+        self.detached = False  # every stage submitted at once (``run._submit_nodes``)
         self.progress = Progress(spec.iterations, echo)
 
     def skipped(self, n: Node, will_run: set[str]) -> tuple[bool, str]:
@@ -135,8 +137,17 @@ class Schedule:
             self.report.append((n.name, "skipped (done)"))
             self.echo(f"[{n.name}] done, skipped")
         else:
-            if redo:
-                self.rebuilt[n.name] = {url: manifests(url) for url in _made(n)}
+            # What a remake's outputs were is kept before they go (a remake stopped before, and run
+            # again now, compares with what it kept then).
+            kept = load_before(self.spec.run_dir, n.name) is not None
+            # Detached, a stage that runs only if an input comes out of its remake otherwise is
+            # submitted all the same (nothing waits to see): kept too, it keeps its id if it comes
+            # out as it was, and so what follows stays current for later runs.
+            conditional = self.detached and why == REDONE and published_id(n.out) is not None
+            if (redo or conditional) and not kept:
+                save_before(self.spec.run_dir, n.name, {url: manifests(url) for url in made_by_stage(n)})
+            if redo or kept:
+                self.rebuilt.add(n.name)
             _remove_stale(n, self.early.get(n.name, set()))
         return done, why
 
@@ -147,8 +158,9 @@ class Schedule:
 
     def ready(self, n: Node) -> bool:
         # A part of a running input is this run's: the input's stale parts were removed when it started.
-        started = {m.name for m in self.running.values()}
-        return all(i in self.finished or (i in n.reads and i in started and published_id(input_url(n, i, self.by_name)))
+        # Not of a remake's, whose ids may yet go back to what they were when it ends.
+        early = {m.name for m in self.running.values()} - self.rebuilt
+        return all(i in self.finished or (i in n.reads and i in early and published_id(input_url(n, i, self.by_name)))
                    for i in n.inputs)
 
     def start_ready(self, pool: ThreadPoolExecutor) -> None:
@@ -226,10 +238,7 @@ class Schedule:
         done = []
         for future in ended:
             n, result = self.running.pop(future), future.result()
-            rebuilt = self.rebuilt.pop(n.name, {})
-            if result.ok and {url: keep_ids(url, before) for url, before in rebuilt.items()}.get(n.out):
-                self.echo(f"[{n.name}] made again as it was: it keeps its id, and what was made from it stays done")
-            if record_end(self.spec, n, self.by_name, result, self.keys.get(n.name)):
+            if self._record_end(n, result):
                 self.finished.add(n.name)
                 self.report.append((n.name, "ran"))
                 done.append(n)
@@ -239,6 +248,14 @@ class Schedule:
             else:
                 self.failure = self.failure or (n, result)
         return done
+
+    def _record_end(self, n: Node, result) -> bool:
+        """``record_end``, a remake's ids first put back where it came out as it was; whether it is done."""
+        if n.name in self.rebuilt:
+            self.rebuilt.discard(n.name)
+            if result.ok and remade_as_it_was(self.spec.run_dir, n.name, made_by_stage(n)):
+                self.echo(f"[{n.name}] made again as it was: it keeps its id, and what was made from it stays done")
+        return record_end(self.spec, n, self.by_name, result, self.keys.get(n.name))
 
     def outcome(self) -> list[tuple[str, str]]:
         """The report, or the run's one-line error: a failed training stage, else a failed validation."""
@@ -266,7 +283,7 @@ class Schedule:
         for future, n in ours.items():
             result = None if future.exception() is not None else future.result()
             if result is not None and (result.ok or n.name not in stopped):  # it ended just before the stop
-                record_end(self.spec, n, self.by_name, result, self.keys.get(n.name))
+                self._record_end(n, result)
                 stopped.discard(n.name)
             elif n.name in stopped:
                 write_record(self.spec.run_dir, n, status="stopped", finished=None,
