@@ -276,7 +276,7 @@ def ppo_scopes(step):
     """``record_function`` scopes around the ppo trainer's pieces, for a profile: instance and module
     attributes swapped for wrappers of the same callables, put back after."""
     from llamarl.lib.rl import core as rl
-    import llamarl.stages.ppo_trainer as pt
+    import llamarl.stages.ppo_batches as pb
 
     info = getattr(step, "ppo", None)
     if info is None:
@@ -289,9 +289,9 @@ def ppo_scopes(step):
                 return fn(*a, **kw)
         return inner
 
-    t, actor = info["trainer"], info["actor"]
+    t = info["trainer"]
     swaps = [(t.grads, "zero", "ppo.grads"), (t.grads, "clip_factor", "ppo.grads"), (t.grads, "reduce", "ppo.grads"),
-             (t.opt, "step", "ppo.opt_step"), (actor, "make_batch", "ppo.batches"), (pt, "padded", "ppo.batches"),
+             (t.opt, "step", "ppo.opt_step"), (pb, "step_batches", "ppo.batches"),
              (rl, "policy_loss", "ppo.rl_loss"), (rl, "kl_estimate", "ppo.rl_loss"), (rl, "aggregate", "ppo.rl_loss")]
     saved = []
     for obj, attr, name in swaps:
