@@ -151,21 +151,29 @@ def _submit_nodes(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], ex
     schedule.detached = True
     # Every stage to submit is recorded "submitted" before the first job exists: a job that ends
     # before the last is submitted runs retention, which must not take a stage still to submit
-    # for done (a remake's readers, whose keys its kept ids make current again).
-    todo: dict[str, tuple[Node, str]] = {}
+    # for done (a remake's readers, whose keys its kept ids make current again). A submission
+    # that fails gives the stages not submitted their records back, outputs untouched.
+    todo: dict[str, tuple[Node, str, dict | None]] = {}
     for n in nodes:
-        done, why = schedule.skipped(n, set(todo))
+        done, why = schedule.skipped(n, set(todo), clear=False)
         if not done:
-            todo[n.name] = (n, why)
+            todo[n.name] = (n, why, read_record(run, n))
             write_record(run, n, status="submitted", job=None, after=[], submitted=now(), started=None, error=None,
                          key=None)
-    for n, why in todo.values():
+    for name, (n, why, _) in todo.items():
         after = [jobs[i] for i in n.inputs if i in jobs]
-        # Recorded before the job exists: a job that starts at once records "running" itself, and
-        # the job id written after submitting must not take that back.
-        write_record(run, n, after=after)
-        job = executor.submit_after(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name, after=after,
-                                    recorder=NodeRecorder(run, n.name))
+        try:
+            schedule.clear(n, why)
+            # Recorded before the job exists: a job that starts at once records "running" itself,
+            # and the job id written after submitting must not take that back.
+            write_record(run, n, after=after)
+            job = executor.submit_after(n.stage, n.make_config(), n.nprocs, n.layout.nodes, name=n.name,
+                                        after=after, recorder=NodeRecorder(run, n.name))
+        except BaseException:
+            for m, _, record in list(todo.values())[len(jobs):]:
+                if record is not None and m.name != name:
+                    write_record(run, m, **record)
+            raise
         jobs[n.name] = job
         write_record(run, n, job=job)
         schedule.report.append((n.name, f"submitted as job {job}"))

@@ -19,7 +19,7 @@ from .monitor import Monitor
 from .progress import Progress
 from .records import (REDONE, assess, fingerprints, input_url, must_redo, node_key, published_current, published_id,
                       retired_parts, write_record)
-from .remakes import load_before, manifests, remade_as_it_was, save_before
+from .remakes import drop_before, load_before, manifests, remade_as_it_was, save_before
 from .retention import Trash, retire_done
 from .spec import RunSpec
 
@@ -119,37 +119,48 @@ class Schedule:
         self.detached = False  # every stage submitted at once (``run._submit_nodes``)
         self.progress = Progress(spec.iterations, echo)
 
-    def skipped(self, n: Node, will_run: set[str]) -> tuple[bool, str]:
+    def skipped(self, n: Node, will_run: set[str], clear: bool = True) -> tuple[bool, str]:
         """(is ``n`` done, why), given the stages before it that ``will_run``; a done stage is
-        reported skipped, a stale output (or its parts read early) removed before it runs. A stage
-        whose output another stage published for it (a rollout its rules' scores) is recorded done
-        here, no process started: then ``why`` is ``MADE_ELSEWHERE``."""
+        reported skipped, one that runs made ready for it (``clear``, unless ``clear`` is False). A stage whose
+        output another stage published for it (a rollout its rules' scores) is recorded done here,
+        no process started: then ``why`` is ``MADE_ELSEWHERE``."""
+        run = self.spec.run_dir
         redo = n.name in self.redo  # retention deleted its output, and a stage that runs needs it
-        done, why = (False, self.redo[n.name]) if redo else assess(self.spec.run_dir, n, self.by_name, will_run)
+        done, why = (False, self.redo[n.name]) if redo else assess(run, n, self.by_name, will_run)
         fresh = not any(i in will_run for i in n.inputs)  # else what it was made from is about to change
         whole = not redo or not retired_parts(n.out)  # a stage of this run made it again (a rollout its scores)
         if not done and fresh and whole and published_current(n):
+            # Also a remake whose stage published all but did not end well: compared with what it was.
+            remade_as_it_was(run, n.name, made_by_stage(n))
             record_done(self.spec, n, self.by_name)
             self.report.append((n.name, "done: " + _made_by(n, self.by_name)))
             self.echo(f"[{n.name}] done: {_made_by(n, self.by_name)}")
             return True, MADE_ELSEWHERE
         if done:
+            drop_before(run, n.name)  # a done stage is not being made again
             self.report.append((n.name, "skipped (done)"))
             self.echo(f"[{n.name}] done, skipped")
-        else:
-            # What a remake's outputs were is kept before they go (a remake stopped before, and run
-            # again now, compares with what it kept then).
-            kept = load_before(self.spec.run_dir, n.name) is not None
-            # Detached, a stage that runs only if an input comes out of its remake otherwise is
-            # submitted all the same (nothing waits to see): kept too, it keeps its id if it comes
-            # out as it was, and so what follows stays current for later runs.
-            conditional = self.detached and why == REDONE and published_id(n.out) is not None
-            if (redo or conditional) and not kept:
-                save_before(self.spec.run_dir, n.name, {url: manifests(url) for url in made_by_stage(n)})
-            if redo or kept:
-                self.rebuilt.add(n.name)
-            _remove_stale(n, self.early.get(n.name, set()))
+        elif clear:
+            self.clear(n, why)
         return done, why
+
+    def clear(self, n: Node, why: str) -> None:
+        """Before ``n`` runs: what its outputs were kept where it is made again (remakes.py), then
+        its stale output (or its parts read early) removed."""
+        run = self.spec.run_dir
+        # Detached, a stage that runs only if an input comes out of its remake otherwise is
+        # submitted all the same (nothing waits to see): kept too, it keeps its id if it comes out
+        # as it was, and so what follows stays current for later runs.
+        conditional = self.detached and why == REDONE
+        if published_id(n.out) is not None and (n.name in self.redo or conditional):
+            save_before(run, n.name, {url: manifests(url) for url in made_by_stage(n)})
+            self.rebuilt.add(n.name)
+        elif load_before(run, n.name) is not None:
+            if published_id(n.out) is None:  # a remake that did not end: it compares with what it kept
+                self.rebuilt.add(n.name)
+            else:  # its output is published since: what was kept of an older one is stale
+                drop_before(run, n.name)
+        _remove_stale(n, self.early.get(n.name, set()))
 
     def remaking(self) -> frozenset[str]:
         """The stages this run makes again, retention having deleted what a stage that runs needs,

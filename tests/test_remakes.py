@@ -25,13 +25,14 @@ class Publisher(Executor):
     """Each stage publishes what its real one does, in the same order (ppo its ``actor/`` first,
     then, ``pause`` seconds later, the rest and its root naming the parts' ids), and refuses an
     input retention deleted as the real ones do. ``fail``: stages that fail once, writing nothing;
-    ``differ``: ppo parts (by stage) whose bytes change each time the stage runs."""
+    ``differ``: ppo parts (by stage) whose bytes change each time the stage runs; ``fail_after``:
+    stages that publish all, then end failed once (a crash at teardown)."""
 
     launches = True
 
-    def __init__(self, concurrency: int = 1, pause: float = 0.3, fail=(), differ=None):
+    def __init__(self, concurrency: int = 1, pause: float = 0.3, fail=(), differ=None, fail_after=()):
         self.concurrency, self.pause = concurrency, pause
-        self.fail, self.differ = set(fail), differ or {}
+        self.fail, self.differ, self.fail_after = set(fail), differ or {}, set(fail_after)
         self.ran: list[str] = []
         self._lock = threading.Lock()
 
@@ -67,9 +68,15 @@ class Publisher(Executor):
             self._part(f"{out}/{part}", "checkpoint", self._bytes(name, part), at=time.time())
             if part == "actor":
                 time.sleep(self.pause)  # the training state is written after the actor
+        from llamarl.stages.identity import declare
+
         metrics = publish.write_bytes(f"{out}/metrics.jsonl", b"")
         publish.publish(out, {"kind": "ppo", "files": {"metrics.jsonl": metrics}, "at": time.time(),
-                              "summary": summary, "outputs": {p: publish.output_id(f"{out}/{p}") for p in PPO_PARTS}})
+                              "summary": summary, "outputs": {p: publish.output_id(f"{out}/{p}") for p in PPO_PARTS},
+                              "request": declare(config).request()})  # as stages/ppo.py records it
+        if name in self.fail_after:
+            self.fail_after.discard(name)
+            return StageResult(1, "exit 1 at teardown, after publishing")
         return StageResult(0)
 
     def stop_all(self):
@@ -220,3 +227,44 @@ def test_a_detached_run_leaves_what_comes_out_as_it_was_with_its_id(tmp_path):
     after = _ids(spec)
     assert {k: v for k, v in after.items() if before.get(k) is not None} == {k: v for k, v in before.items() if v}
     assert _not_done(spec) == {}
+
+
+def _kept(spec_path: str) -> list[str]:
+    """What remakes kept of their outputs (``pipeline/<stage>.before.json``)."""
+    folder = f"{load_spec(spec_path).run_dir}/pipeline"
+    import os
+
+    return sorted(f for f in os.listdir(folder) if f.endswith(".before.json"))
+
+
+@pytest.mark.slow
+def test_a_remake_that_published_all_then_failed_keeps_its_id_and_what_it_kept_goes(tmp_path):
+    from llamarl.pipeline.schedule import PipelineError
+
+    _run(_spec(tmp_path, "a.yaml", every=2), Publisher())
+    spec = _spec(tmp_path, "b.yaml", every=1)
+    before = _ids(spec)
+    with pytest.raises(PipelineError, match="iter-001/ppo failed"):
+        _run(spec, Publisher(fail_after={"iter-001/ppo"}))
+    assert _kept(spec) == ["iter-001.ppo.before.json"]
+    ex = Publisher()
+    _run(spec, ex)  # its output was published with this config and inputs: done, as it was
+    assert _ids(spec)["iter-001/ppo"] == before["iter-001/ppo"] and sorted(ex.ran) == VALIDATION_1[1:]
+    assert _kept(spec) == [] and _not_done(spec) == {}
+
+
+@pytest.mark.slow
+def test_a_detached_submission_that_fails_leaves_what_it_did_not_submit(tmp_path):
+    from llamarl.pipeline.run import run_spec
+
+    class Refusing(Submitter):
+        def submit_after(self, *args, **kwargs):
+            raise RuntimeError("sbatch: error: Batch job submission failed")
+
+    _run(_spec(tmp_path, "a.yaml", every=2), Publisher())
+    spec = _spec(tmp_path, "b.yaml", every=1)
+    with pytest.raises(RuntimeError, match="submission failed"):
+        run_spec(load_spec(spec), detach=True, executor=Refusing(), echo=lambda m: None)
+    ex = Publisher()
+    _run(spec, ex)
+    assert sorted(ex.ran) == VALIDATION_1 and _not_done(spec) == {}
