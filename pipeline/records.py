@@ -221,7 +221,7 @@ def _unless_as_it_was(run: str, nodes: list[Node], by_name: dict[str, Node], sta
     """``states`` with the stages that are done but for inputs that only retention's remakes redo
     said so: a remake that comes out as it was keeps its id (pipeline/schedule.py), and they are
     skipped then — which only the remake can tell."""
-    remade = set(redo) | {n.name for n in nodes if being_remade(run, n.name)}
+    remade = set(redo) | being_remade(run, [n.name for n in nodes])
     for n in nodes:
         done, why = states[n.name]
         if not done and why == REDONE and all(i in remade for i in n.inputs if not states[i][0]) \

@@ -80,10 +80,12 @@ def load_before(run: str, name: str) -> dict[str, dict[str, bytes]] | None:
     return {url: {rel: s.encode() for rel, s in found.items()} for url, found in text.items()}
 
 
-def being_remade(run: str, name: str) -> bool:
-    """Whether ``name`` was being made again when its run stopped (``save_before`` kept what it was)."""
-    fs, path = fsspec.core.url_to_fs(_before_url(run, name))
-    return fs.exists(path)
+def being_remade(run: str, names: list[str]) -> set[str]:
+    """Those of ``names`` that were being made again when their run stopped (``save_before`` kept
+    what they were): one listing of the run's records folder, not a look per stage."""
+    fs, path = fsspec.core.url_to_fs(f"{run}/pipeline")
+    found = {p.rsplit("/", 1)[-1] for p in fs.glob(f"{path}/*.before.json")}
+    return {n for n in names if _before_url(run, n).rsplit("/", 1)[-1] in found}
 
 
 def drop_before(run: str, name: str) -> None:

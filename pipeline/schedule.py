@@ -19,7 +19,7 @@ from .monitor import Monitor
 from .progress import Progress
 from .records import (REDONE, assess, fingerprints, input_url, must_redo, node_key, published_current, published_id,
                       retired_parts, write_record)
-from .remakes import drop_before, load_before, manifests, remade_as_it_was, save_before
+from .remakes import being_remade, drop_before, manifests, remade_as_it_was, save_before
 from .retention import Trash, retire_done
 from .spec import RunSpec
 
@@ -116,28 +116,32 @@ class Schedule:
                               name="metrics")
         self.trash: Trash | None = None  # while stages run here (``_run_nodes``)
         self.rebuilt: set[str] = set()  # running or waiting nodes made again, what they were kept (remakes.py)
+        self.kept = being_remade(spec.run_dir, [n.name for n in nodes])  # what was kept of them, on disk
         self.detached = False  # every stage submitted at once (``run._submit_nodes``)
         self.progress = Progress(spec.iterations, echo)
 
     def skipped(self, n: Node, will_run: set[str], clear: bool = True) -> tuple[bool, str]:
         """(is ``n`` done, why), given the stages before it that ``will_run``; a done stage is
-        reported skipped, one that runs made ready for it (``clear``, unless ``clear`` is False). A stage whose
-        output another stage published for it (a rollout its rules' scores) is recorded done here,
-        no process started: then ``why`` is ``MADE_ELSEWHERE``."""
+        reported skipped, one that runs made ready for it (``clear``, unless ``clear`` is False). A
+        stage whose output another stage published for it (a rollout its rules' scores) is recorded
+        done here, no process started: then ``why`` is ``MADE_ELSEWHERE``."""
         run = self.spec.run_dir
         redo = n.name in self.redo  # retention deleted its output, and a stage that runs needs it
         done, why = (False, self.redo[n.name]) if redo else assess(run, n, self.by_name, will_run)
         fresh = not any(i in will_run for i in n.inputs)  # else what it was made from is about to change
         whole = not redo or not retired_parts(n.out)  # a stage of this run made it again (a rollout its scores)
         if not done and fresh and whole and published_current(n):
-            # Also a remake whose stage published all but did not end well: compared with what it was.
-            remade_as_it_was(run, n.name, made_by_stage(n))
+            if n.name in self.kept:  # a remake whose stage published all but did not end well
+                self.kept.discard(n.name)
+                remade_as_it_was(run, n.name, made_by_stage(n))
             record_done(self.spec, n, self.by_name)
             self.report.append((n.name, "done: " + _made_by(n, self.by_name)))
             self.echo(f"[{n.name}] done: {_made_by(n, self.by_name)}")
             return True, MADE_ELSEWHERE
         if done:
-            drop_before(run, n.name)  # a done stage is not being made again
+            if n.name in self.kept:  # a done stage is not being made again
+                self.kept.discard(n.name)
+                drop_before(run, n.name)
             self.report.append((n.name, "skipped (done)"))
             self.echo(f"[{n.name}] done, skipped")
         elif clear:
@@ -152,13 +156,16 @@ class Schedule:
         # submitted all the same (nothing waits to see): kept too, it keeps its id if it comes out
         # as it was, and so what follows stays current for later runs.
         conditional = self.detached and why == REDONE
-        if published_id(n.out) is not None and (n.name in self.redo or conditional):
+        published = published_id(n.out) is not None
+        if published and (n.name in self.redo or conditional):
             save_before(run, n.name, {url: manifests(url) for url in made_by_stage(n)})
+            self.kept.add(n.name)
             self.rebuilt.add(n.name)
-        elif load_before(run, n.name) is not None:
-            if published_id(n.out) is None:  # a remake that did not end: it compares with what it kept
+        elif n.name in self.kept:
+            if not published:  # a remake that did not end: it compares with what it kept
                 self.rebuilt.add(n.name)
             else:  # its output is published since: what was kept of an older one is stale
+                self.kept.discard(n.name)
                 drop_before(run, n.name)
         _remove_stale(n, self.early.get(n.name, set()))
 
@@ -264,8 +271,11 @@ class Schedule:
         """``record_end``, a remake's ids first put back where it came out as it was; whether it is done."""
         if n.name in self.rebuilt:
             self.rebuilt.discard(n.name)
-            if result.ok and remade_as_it_was(self.spec.run_dir, n.name, made_by_stage(n)):
-                self.echo(f"[{n.name}] made again as it was: it keeps its id, and what was made from it stays done")
+            if result.ok:  # what was kept goes; a failed remake's stays, for its next run
+                self.kept.discard(n.name)
+                if remade_as_it_was(self.spec.run_dir, n.name, made_by_stage(n)):
+                    self.echo(f"[{n.name}] made again as it was: it keeps its id, and what was made from it "
+                              "stays done")
         return record_end(self.spec, n, self.by_name, result, self.keys.get(n.name))
 
     def outcome(self) -> list[tuple[str, str]]:

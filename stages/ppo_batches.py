@@ -84,7 +84,8 @@ def packed_micro_batch(model, samples: list[Sample], rows: list[int], widths: se
     flat_ids = batch.input_ids.numpy()[:n]
     # A token's label is the next one of its row, as torch.roll over the padded row gives it: after
     # a row's last token comes padding (0), or, in a row as wide as the batch, its first token.
-    ends, starts = np.cumsum(lens) - 1, np.cumsum(lens) - lens
+    ends = np.cumsum(lens) - 1
+    starts = ends + 1 - lens
     labels = np.zeros(n + pad, dtype=np.int64)
     labels[: n - 1] = flat_ids[1:]
     labels[ends] = np.where(lens == width, flat_ids[starts], 0)
