@@ -322,6 +322,7 @@ def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float 
     errors: list[str] = []
     last_exception = [None]
     overlapped = [False]  # a stage started beside another
+    elsewhere: set[str] = set()  # nodes recorded done without a process of their own
 
     def read():
         with open(log_path, "w") as log:
@@ -331,9 +332,11 @@ def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float 
                 log.flush()
                 # "done: scored in the rollout": a node the driver recorded done without a process
                 # (its work is in the stage that made its output), a stage of no time of its own.
-                m = re.match(r"^\[([^\]]+)\] (?:running |done: )", line)
+                m = re.match(r"^\[([^\]]+)\] (running |done: )", line)
                 if m:
                     starts[m.group(1)] = now
+                    if m.group(2) == "done: ":
+                        elsewhere.add(m.group(1))
                     order.append(m.group(1))
                     overlapped[0] = overlapped[0] or "(beside" in line
                     echo(f"  {now - t0:7.1f}s {line.rstrip()}")
@@ -361,7 +364,8 @@ def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float 
     t_end = time.time()
     reader.join(timeout=10)
     return {"rc": proc.returncode, "t0": t0, "t_end": t_end, "starts": starts, "order": order, "killed": killed,
-            "error": errors[-1] if errors else None, "exception": last_exception[0], "overlapped": overlapped[0]}
+            "error": errors[-1] if errors else None, "exception": last_exception[0], "overlapped": overlapped[0],
+            "elsewhere": elsewhere}
 
 
 # ---- measurements ------------------------------------------------------------------------------------
@@ -450,6 +454,11 @@ def measure_run(run_dir: str, res: dict, world: int, gpus: GpuMemory, workload: 
                 st["error"] = res["killed"] or _record_error(run_dir, node) or res["error"]
                 st["exception"] = res["exception"]
             timing = (m or {}).get("timing")
+            if node in res.get("elsewhere", ()):
+                # Its output was made by another stage (rules scored in the rollout): the manifest's
+                # timing is that stage's, and this node had no process to start.
+                st.update(wall_s=0.0, made_elsewhere=True)
+                timing = None
             if timing and all(timing.get(k) for k in ("process_start", "work_start", "work_end")):
                 st.update(launch_s=round(timing["process_start"] - t_start, 2),
                           startup_s=round(timing["work_start"] - timing["process_start"], 2),

@@ -103,8 +103,8 @@ def outside_work(r):
             return (f"{share:.0%} (iteration {last['iteration']}: {last['window_s']:.1f} s, of which no stage worked "
                     f"{last['idle_s']:.1f} s)", _verdict((share <= 0.10, "")))
     for inv, run in _runs(r):
-        last = _last_iteration(run) if _hidden(inv) == 2048 else None
-        if last and all(s.get("work_s") is not None for s in last[1]):
+        last = _last_iteration(run) if _hidden(inv) == 2048 and run.get("status", "ok") == "ok" else None
+        if last and all(s.get("work_s") is not None for s in last[1]) and sum(s["wall_s"] for s in last[1]) > 0:
             wall, work = sum(s["wall_s"] for s in last[1]), sum(s["work_s"] for s in last[1])
             share = 1 - work / wall
             return (f"{share:.0%} ({last[0]}: stages {wall:.1f} s, their work {work:.1f} s)",
@@ -120,10 +120,16 @@ def state_write(r):
             return f"{phase / wall:.0%} ({last[0]}: {phase:.1f} s of {wall:.1f} s)", _verdict((phase / wall <= 0.10, ""))
 
 
+def _made_elsewhere(s: dict) -> bool:
+    """A node with no process of its own (rules scored in the rollout): files before
+    ``made_elsewhere`` give it the rollout's timing, and a wall of about 0 s or less."""
+    return bool(s.get("made_elsewhere")) or (s.get("wall_s") is not None and s["wall_s"] <= 0.05)
+
+
 def first_work(r):
     for inv, run in _runs(r):
         share = {n: s["to_first_work_s"] / s["wall_s"] for n, s in run["stages"].items()
-                 if s.get("to_first_work_s") is not None and s.get("wall_s")}
+                 if s.get("to_first_work_s") is not None and not _made_elsewhere(s) and s.get("wall_s")}
         if share:
             worst = max(share, key=share.get)
             return (f"{sum(v <= 0.10 for v in share.values())} of {len(share)} stages; the worst {share[worst]:.0%} "

@@ -32,7 +32,10 @@ def e2e(path: str) -> list[str]:
             out.append("| stage | wall s | process start → work s | work s | throughput (wall) | peak GPU GB |")
             out.append("|---|---|---|---|---|---|")
             for name, s in run["stages"].items():  # in the run's order (bench/e2e.py's run_nodes)
-                if s.get("status") != "not run":
+                if s.get("status") == "ok" and name.split("/")[-1] == "scores" and (
+                        s.get("made_elsewhere") or (s.get("wall_s") is not None and s["wall_s"] <= 0.05)):
+                    out.append(f"| {name} | – | – | – | scored in the rollout | – |")
+                elif s.get("status") != "not run":
                     out.append(f"| {name} | {_fmt(s.get('wall_s'), '.1f')} | {_fmt(s.get('to_first_work_s'), '.1f')} | "
                                f"{_fmt(s.get('work_s'), '.1f')} | {_throughput(s)} | {_fmt(s.get('peak_gpu_gb'), '.1f')} |")
             if it:

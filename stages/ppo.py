@@ -249,24 +249,40 @@ def _train(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[str, Traine
     store_dtype = dtypes.torch_dtype(inputs.actor["dtype"])
     dev, update_tokens = parallel.device(), 0
     batches = StepBatches(cfg, trainers[contract.ACTOR].model, inputs.samples, data, dev)
+    launched: list = []  # steps whose reads are still on their way: the last one at most
+    t0 = time.perf_counter()
+
+    def read_launched():
+        nonlocal t0
+        for m in launched:
+            metrics.append(m.result())
+            clock.steps.append(time.perf_counter() - t0)  # from the step before's read to this one's
+            t0 = time.perf_counter()
+        launched.clear()
+
     for k in range(done, inputs.steps):
         epoch, batch_idx = mini_batch(cfg, len(inputs.samples), k)
         next_idx = mini_batch(cfg, len(inputs.samples), k + 1)[1] if k + 1 < inputs.steps else None
         step = inputs.start_step + k
         _test_hook(f"step {step + 1}", trainers)
-        t0 = time.perf_counter()
-        m = train_step(cfg, trainers, inputs.samples, data, batch_idx, step, dev, inputs.agg_norm, check, batches,
-                       next_idx)
-        m.update(step=step + 1, epoch=epoch)
-        clock.steps.append(time.perf_counter() - t0)
+        reads = train_step(cfg, trainers, inputs.samples, data, batch_idx, step, dev, inputs.agg_norm, check, batches,
+                           next_idx)
+        reads.known.update(step=step + 1, epoch=epoch)
+        update_tokens += reads.known["tokens"]
+        # The step before is read once this one is launched: the device has it done by now, and
+        # goes on with this one while the host reads it.
+        read_launched()
+        launched.append(reads)
         if k == done:
+            read_launched()
             job.freeze_heap()  # the first step compiled the update's graphs
-        update_tokens += m["tokens"]
-        metrics.append(m)
         if cfg.save_every and (k + 1) % cfg.save_every == 0 and k + 1 < inputs.steps:
+            read_launched()  # a state is saved only after its steps are checked
             clock.lap("update")
             save_state(out, k + 1, trainers, store_dtype, metrics_on_rank0(metrics, topo))
             clock.lap("save")
+            t0 = time.perf_counter()
+    read_launched()
     clock.lap("update")
     return metrics, update_tokens
 

@@ -52,29 +52,40 @@ class StepCheck:
     def verify(self, when: str) -> None:
         """Collective over every rank: a ``UserError`` (the same on every rank) if any rank flagged a
         term since the last call. One all-reduce of one small tensor, one read."""
+        flags, updates = self.take()
+        self.judge(when, flags.tolist(), updates)
+
+    def take(self) -> tuple[torch.Tensor, dict]:
+        """Collective: the flags raised since the last ``take``, agreed over every rank, on the device
+        and unread (one per term of ``TERMS``), with what ``judge`` needs to name their cause; the
+        check starts again. Read later, they let the host run ahead of the device."""
         no = torch.zeros((), dtype=torch.bool, device=self.device)
         flags = torch.stack([self._bad.get(t, no) for t in TERMS]).float()
         self._bad = {}
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        failed = [t for t, bad in zip(TERMS, flags.tolist()) if bad]
+        return flags, dict(self._updates)
+
+    def judge(self, when: str, flags: list[float], updates: dict) -> None:
+        """A ``UserError`` naming the first term ``take``'s ``flags`` (read) raised, if any."""
+        failed = [t for t, bad in zip(TERMS, flags) if bad]
         if failed:
             also = f" (also: {', '.join(failed[1:])})" if len(failed) > 1 else ""
-            raise UserError(f"ppo {when}: {failed[0]} not finite{self._range(failed[0])}{also}; likely cause: "
-                            f"{self._cause(failed[0])}; nothing was published")
+            raise UserError(f"ppo {when}: {failed[0]} not finite{self._range(failed[0], updates)}{also}; likely "
+                            f"cause: {self._cause(failed[0], updates)}; nothing was published")
 
-    def _range(self, term: str) -> str:
+    def _range(self, term: str, updates: dict) -> str:
         role = TERMS[term]
-        if term != f"{role} masters" or self._updates[role][1] == torch.float32:
+        if term != f"{role} masters" or updates[role][1] == torch.float32:
             return ""
-        return f" or beyond {dtypes.name(self._updates[role][1])}"
+        return f" or beyond {dtypes.name(updates[role][1])}"
 
-    def _cause(self, term: str) -> str:
+    def _cause(self, term: str, updates: dict) -> str:
         cfg, role = self.cfg, TERMS[term]
         kl = f", kl_coef={cfg.kl_coef:g}" if cfg.kl_coef and not cfg.use_kl_loss else ""
         rewards = f"the rewards' scale (scores from {self.scores[0]:g} to {self.scores[1]:g}{kl})"
         base_lr = cfg.actor_lr if role == "actor" else cfg.critic_lr
-        used = self._updates.get(role, (base_lr,))[0]  # the schedule's, at this step
+        used = updates.get(role, (base_lr,))[0]  # the schedule's, at this step
         lr = f"{role}_lr={base_lr:g}" + (f", now {used:g}" if used != base_lr else "")
         if term == "log-probs":
             return ("a log-prob of -inf or nan: the rollout's recorded response_logprobs, a response token the "

@@ -202,14 +202,15 @@ def policy_terms(cfg: PPOConfig, logp: torch.Tensor, x: dict) -> tuple[torch.Ten
 
 def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sample], data: dict | None,
                batch_idx: list[int], step: int, dev, agg_norm: int | None = None, check: StepCheck | None = None,
-               batches: StepBatches | None = None, next_idx: list[int] | None = None) -> dict:
-    """One optimizer step of every role on the mini-batch ``batch_idx``; its metrics (the losses on
-    the last pipeline stage only, where ``data`` — ``ppo_data.advantages`` — lives). ``agg_norm``:
-    the constant of ``loss_agg`` seq-mean-token-sum-norm. Collective: the step's losses, gradient
-    norms and masters are checked (``check``, by default one that knows no stored dtype) and a
-    non-finite one stops every rank with a ``UserError``. The host waits for the device once, in
-    that check; nothing per micro-batch. ``batches``: the run's ``StepBatches``, which build the
-    next step's (``next_idx``) before that wait."""
+               batches: StepBatches | None = None, next_idx: list[int] | None = None) -> StepReads:
+    """One optimizer step of every role on the mini-batch ``batch_idx``, launched; its metrics come
+    from the ``StepReads`` returned (the losses on the last pipeline stage only, where ``data`` —
+    ``ppo_data.advantages`` — lives). ``agg_norm``: the constant of ``loss_agg``
+    seq-mean-token-sum-norm. Collective: the step's losses, gradient norms and masters are checked
+    (``check``, by default one that knows no stored dtype), and reading a non-finite one stops every
+    rank with a ``UserError``. The host waits for nothing here, per micro-batch or per step.
+    ``batches``: the run's ``StepBatches``, which build the next step's (``next_idx``) while the
+    device works on this one."""
     check = check if check is not None else StepCheck(cfg, [s.score for s in samples], dev)
     actor = trainers[contract.ACTOR].model
     topo = actor.topology
@@ -268,14 +269,44 @@ def train_step(cfg: PPOConfig, trainers: dict[str, Trainer], samples: list[Sampl
             reads.update(tis_reads(data, batch_idx))
     if next_idx is not None:
         batches.ahead(next_idx)
-    check.verify(f"optimizer step {step + 1}")  # the step's one wait for the device
-    metrics.update(zip(reads, torch.stack([x.double() for x in reads.values()]).tolist()))
-
-    metrics["tokens"] = sum(len(samples[i].ids) for i in batch_idx)
+    known = {"tokens": sum(len(samples[i].ids) for i in batch_idx)}
     if topo.is_last_stage:
         if contract.CRITIC not in trainers:
-            metrics["value_loss"] = None  # no critic, no value loss: undefined, not 0
-        metrics["mean_score"] = sum(samples[i].score for i in batch_idx) / len(batch_idx)
-        metrics["mean_response_length"] = tokens / len(batch_idx)
-        metrics["kl"] = data["kl"]
-    return metrics
+            known["value_loss"] = None  # no critic, no value loss: undefined, not 0
+        known["mean_score"] = sum(samples[i].score for i in batch_idx) / len(batch_idx)
+        known["mean_response_length"] = tokens / len(batch_idx)
+        known["kl"] = data["kl"]
+    return StepReads(check, f"optimizer step {step + 1}", metrics, reads, known)
+
+
+class StepReads:
+    """An optimizer step's metrics and step check, launched: what the device holds of them is copied
+    to the host behind the step's work, in one copy. ``result`` waits for that step alone, so the
+    host launches the next step before it reads this one, and the device does not wait for the host
+    between steps; a step that is not finite still stops the stage before anything after it is
+    saved or published (stages/ppo.py reads every step before it does either)."""
+
+    def __init__(self, check: StepCheck, when: str, first: dict, reads: dict[str, torch.Tensor], known: dict):
+        """``first``, ``reads`` (on the device) and ``known`` (the host's, which a caller may add to)
+        make the metrics, in that order."""
+        flags, self._updates = check.take()
+        values = torch.cat([flags.double(), torch.stack([x.double() for x in reads.values()])])
+        self._check, self._when, self._first, self._names, self.known = check, when, first, list(reads), known
+        self._flags = len(flags)
+        self._done = None
+        if values.is_cuda:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = values
+
+    def result(self) -> dict:
+        """The step's metrics, once the device has done the step; a ``UserError`` (the same on every
+        rank) if its check flagged a term."""
+        if self._done is not None:
+            self._done.synchronize()
+        values = self._host.tolist()
+        self._check.judge(self._when, values[: self._flags], self._updates)
+        return self._first | dict(zip(self._names, values[self._flags :])) | self.known

@@ -302,3 +302,20 @@ def test_a_non_finite_step_stops_ppo_and_publishes_nothing(good, tmp_path, lr, a
     assert f"(actor_lr=1e-06, now {float(lr):g})" in r.stderr and "nothing was published" in r.stderr, r.stderr
     assert sorted(os.listdir(out)) == sorted([publish.INCOMPLETE, ".state"])  # no weights, training state or metrics
     assert sorted(os.listdir(out / ".state")) == ["step-000001", "step-000002"]
+
+
+@pytest.mark.parametrize("at", [3, 4])
+def test_a_step_read_after_the_next_is_launched_still_stops_ppo_before_it_publishes(good, tmp_path, at):
+    # Without saved states between steps, ppo reads step N's check once step N+1 is launched (4
+    # steps here); the last step is read before anything is written. Either way the error names
+    # step N and nothing is published.
+    out = tmp_path / "ppo"
+    cfg = {"rollout": good["rollout"], "scores": good["scores"], "actor": good["actor"], "out": str(out),
+           "mini_batch_size": 2, "micro_batch_tokens": 64}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {
+        "LLAMARL_TEST_PPO_AT": f"step {at}:lr=nan"}
+    r = subprocess.run([sys.executable, "-m", "llamarl.stages.ppo", "--config-json", json.dumps(cfg)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    _refused(r, str(out), f"lr=nan at step {at}")
+    assert r.stderr.startswith(f"error: ppo optimizer step {at}: actor masters not finite"), r.stderr
+    assert sorted(os.listdir(out)) == [publish.INCOMPLETE]

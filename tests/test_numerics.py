@@ -57,6 +57,19 @@ def test_each_term_is_named_with_its_likely_cause():
                                     "0.5); lower it; nothing was published")
 
 
+def test_a_step_judged_after_the_next_is_launched_names_its_own_learning_rate():
+    # ppo reads a step once the next is launched (ppo_trainer.StepReads): what the next step
+    # watches neither changes the verdict nor the cause named for the step before.
+    check = StepCheck(_cfg(), [0.0, 1.0], "cpu")
+    check.watch_update("actor", _opt(NAN, lr=0.5))
+    flags, updates = check.take()
+    check.watch_update("actor", _opt(1.0, lr=0.25))
+    with pytest.raises(UserError) as e:
+        check.judge("optimizer step 3", flags.tolist(), updates)
+    assert str(e.value).startswith("ppo optimizer step 3: actor masters not finite") and "now 0.5)" in str(e.value)
+    check.verify("optimizer step 4")
+
+
 def test_masters_must_fit_the_dtypes_they_are_copied_and_stored_in():
     check = StepCheck(_cfg(), [0.0, 1.0], "cpu", stored=torch.float16)
     check.watch_update("critic", _opt(65504.0, dtype=torch.float32))  # float16's largest: fits

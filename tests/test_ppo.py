@@ -441,7 +441,7 @@ def _first_step_gradient(actor: str, cfg_json: dict) -> dict:
     no_kl = {i: [0.0] * s.response_len for i, s in enumerate(samples)}
     data = advantages(cfg, samples, no_kl, None, "cpu", actor_logp)
     trainer = Trainer(model, cfg.actor_lr, cfg, None, f"{actor}/model", 0)
-    metrics = train_step(cfg, {"actor": trainer}, samples, data, every, 0, "cpu", cfg.loss_agg_norm)
+    metrics = train_step(cfg, {"actor": trainer}, samples, data, every, 0, "cpu", cfg.loss_agg_norm).result()
     grads = tiny.gather_hf_grads(model)
     parallel.destroy_model_parallel()
     return {"grads": grads, "metrics": metrics, "old_logp": response_values(samples, data["old_logp"])}

@@ -64,7 +64,7 @@ def _one_step(cfg_json: dict, lengths: list[int], budget: int) -> dict:
     ref = {i: [x - 0.05 * (1 + j % 3) for j, x in enumerate(s.rollout_logp)] for i, s in enumerate(samples)}
     data = advantages(cfg, samples, ref, None, "cpu")
     trainer = Trainer(model, cfg.actor_lr, cfg, None, None, 0)
-    metrics = train_step(cfg, {"actor": trainer}, samples, data, list(range(len(samples))), 0, "cpu", 16)
+    metrics = train_step(cfg, {"actor": trainer}, samples, data, list(range(len(samples))), 0, "cpu", 16).result()
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     out = {"grad": trainer.grads.buffer.clone(), "weights": weights, "metrics": metrics,
            "micro_batches": len(micro_batches(list(range(len(samples))), samples, budget))}
@@ -131,7 +131,8 @@ def _two_steps(ahead: bool) -> dict:
     build = batches._build
     batches._build = lambda idx: built.append(idx) or build(idx)
     metrics = [train_step(cfg, {"actor": trainer}, samples, data, mini_batch(cfg, 8, k)[1], k, "cpu", None, None,
-                          batches, mini_batch(cfg, 8, k + 1)[1] if ahead and k == 0 else None) for k in range(2)]
+                          batches, mini_batch(cfg, 8, k + 1)[1] if ahead and k == 0 else None).result()
+               for k in range(2)]
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     parallel.destroy_model_parallel()
     return {"weights": weights, "metrics": metrics, "built": built, "steps": [mini_batch(cfg, 8, k)[1] for k in (0, 1)]}

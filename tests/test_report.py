@@ -151,3 +151,20 @@ def test_an_iterations_idle_time_counts_stages_side_by_side_once():
         {"iterations": {"per_iteration": [{"iteration": 2, "window_s": 20.0, "idle_s": 4.0}]}}]}
     text, verdict = report.outside_work({"bench": "e2e", "invocations": [inv]})
     assert text.startswith("20% (iteration 2: 20.0 s, of which no stage worked 4.0 s)") and "not" in verdict
+
+
+def test_scores_made_in_the_rollout_are_no_stage_of_their_own(tmp_path):
+    # Rules scored in the rollout leave the score node no process: its manifest's timing is the
+    # rollout's (a negative start), so it neither renders as a stage nor counts in the start goal.
+    rollout = {"status": "ok", "wall_s": 10.0, "to_first_work_s": 0.5, "work_s": 9.0}
+    scored = {"status": "ok", "wall_s": -0.01, "to_first_work_s": -1.4, "work_s": 0.07, "seq_s_wall": -102400.0}
+    for scores in (scored, {**scored, "wall_s": 0.0, "made_elsewhere": True}):
+        inv = {"id": "x", "date": "2026-12-02", "device": {"name": "GPU", "count": 1}, "trl": {},
+               "runs": [{"workload": "grpo", "layout": "tp1",
+                         "stages": {"iter-001/rollout": rollout, "iter-001/scores": scores}}]}
+        text, verdict = report.first_work({"bench": "e2e", "invocations": [inv]})
+        assert text == "1 of 1 stages; the worst 5% (iter-001/rollout)" and "not" not in verdict
+        path = tmp_path / "e2e.json"
+        path.write_text(json.dumps({"bench": "e2e", "invocations": [inv]}))
+        lines = "\n".join(tables.e2e(str(path)))
+        assert "| iter-001/scores | – | – | – | scored in the rollout | – |" in lines and "102,400" not in lines
