@@ -39,8 +39,8 @@ def _why(spec: RunSpec) -> str:
 class Trash:
     """Where retention moves what it deletes while ``llamarl run`` runs (local storage only), emptied
     by a thread of its own: deleting a training state's GBs takes seconds that the next stage need
-    not wait for — its free-space check counts the trash as free (``publish.TRASH_ENV``, set for
-    the stages while the trash is open). ``close`` empties it; a killed run's is emptied by the next."""
+    not wait for unless it needs the room — its free-space check then waits for the trash
+    (``publish.TRASH_ENV``, set for the stages while the trash is open). ``close`` empties it; a killed run's is emptied by the next."""
 
     def __init__(self, run_dir: str):
         self.path = f"{run_dir}/pipeline/trash"

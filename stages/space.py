@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,9 @@ def check(cfg: StageConfig) -> None:
     except (UserError, OSError, KeyError, ValueError):
         return  # an input it cannot read: the stage's own checks say so, in their words
     where = next(str(p) for p in (Path(path), *Path(path).parents) if os.path.exists(p))  # where its bytes go
-    free = shutil.disk_usage(where).free + _being_deleted(where)
+    free = shutil.disk_usage(where).free
+    if need.bytes > free + need.cleared and _being_deleted(where):
+        free = _free_once_deleted(out, where, need.bytes - need.cleared)
     if need.bytes > free + need.cleared:
         cleared = f" (and {size(need.cleared)} it clears first)" if need.cleared else ""
         raise UserError(f"{out}: {_stage(cfg)} needs {size(need.bytes)} there ({need.what}), but its file system "
@@ -156,9 +159,35 @@ def _stage(cfg: StageConfig) -> str:
     return next(name for name, cls in STAGES.items() if cls is type(cfg))
 
 
+def _free_once_deleted(out: str, where: str, wanted: int) -> int:
+    """The bytes free at ``where`` once the run's trash has freed ``wanted`` of them, or once it
+    frees no more: it is waited for, not counted as free, since a stage writes as fast as the trash
+    is deleted (seconds for a 1B training state) and a file system may return freed blocks later
+    still. Gives up when neither the free space nor the trash changed for ``STALLED_S`` (the trash
+    is emptied already, ``SETTLE_S``)."""
+    told, most_free, least_pending, since = False, -1, None, time.monotonic()
+    while (free := shutil.disk_usage(where).free) < wanted:
+        pending, now = _being_deleted(where), time.monotonic()
+        if free > most_free or least_pending is None or pending < least_pending:  # it moves on
+            most_free, least_pending, since = max(free, most_free), pending, now
+        elif now - since > (STALLED_S if pending else SETTLE_S):
+            break
+        if not told:
+            print(f"{out}: waiting for the run's retention to delete {size(pending)} before writing "
+                  f"({size(wanted)} needed, {size(free)} free)", flush=True)
+            told = True
+        time.sleep(POLL_S)
+    return free
+
+
+STALLED_S = 60.0  # how long the trash may free nothing before the stage is refused
+SETTLE_S = 5.0  # after the trash is empty: how long freed blocks may take to be free
+POLL_S = 0.2
+
+
 def _being_deleted(where: str) -> int:
-    """Bytes that ``llamarl run`` deletes as this stage starts (retention's trash, ``TRASH_ENV``),
-    on the file system of ``where``: free by the time the stage writes its outputs."""
+    """Bytes that ``llamarl run`` is deleting as this stage starts (retention's trash, ``TRASH_ENV``),
+    on the file system of ``where``."""
     trash = os.environ.get(publish.TRASH_ENV)
     try:
         return _du(trash) if trash and os.stat(trash).st_dev == os.stat(where).st_dev else 0

@@ -206,9 +206,10 @@ def test_a_stage_that_cannot_fit_is_refused_before_it_writes(finished, tmpfs, ca
     assert not os.path.exists(out)  # nothing written
 
 
-def test_what_the_run_is_deleting_counts_as_free(finished, tmpfs, monkeypatch):
+def test_a_stage_waits_for_the_room_the_run_is_deleting(finished, tmpfs, monkeypatch, capsys):
     # `llamarl run` moves what retention deletes into its trash and empties it beside the next
-    # stage (pipeline/retention.py Trash): that stage's check counts the trash as free.
+    # stage (pipeline/retention.py Trash). A stage that needs that room waits for it rather than
+    # count it as free: it would write as fast as the trash is deleted (a 1B run's disk filled so).
     from llamarl.lib.files import publish
     from llamarl.lib.errors import UserError
 
@@ -222,11 +223,25 @@ def test_what_the_run_is_deleting_counts_as_free(finished, tmpfs, monkeypatch):
     monkeypatch.delenv(publish.TRASH_ENV, raising=False)
     with pytest.raises(UserError, match="ppo needs"):
         space.check(cfg)
-    monkeypatch.setenv(publish.TRASH_ENV, str(trash))
-    space.check(cfg)  # free + the trash: room
     monkeypatch.setenv(publish.TRASH_ENV, str(run))  # a trash on another file system frees nothing here
+    t0 = time.monotonic()
     with pytest.raises(UserError, match="ppo needs"):
         space.check(cfg)
+    assert time.monotonic() - t0 < 1  # nothing to wait for
+    monkeypatch.setenv(publish.TRASH_ENV, str(trash))
+    monkeypatch.setattr(space, "STALLED_S", 0.5)
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="ppo needs"):  # a trash that frees nothing: refused
+        space.check(cfg)
+    assert time.monotonic() - t0 >= 0.5
+    monkeypatch.setattr(space, "STALLED_S", 30.0)
+    deleter = threading.Timer(1.0, lambda: shutil.rmtree(trash))
+    deleter.start()
+    t0 = time.monotonic()
+    space.check(cfg)  # room, once the trash is deleted
+    assert time.monotonic() - t0 >= 0.9 and not trash.exists()
+    deleter.join()
+    assert f"{cfg.out}: waiting for the run's retention to delete " in capsys.readouterr().out
 
 
 def _refusal(check, cfg, tmpfs) -> str:
