@@ -53,7 +53,7 @@ def check(cfg: StageConfig) -> None:
         return  # an input it cannot read: the stage's own checks say so, in their words
     where = next(str(p) for p in (Path(path), *Path(path).parents) if os.path.exists(p))  # where its bytes go
     free = shutil.disk_usage(where).free
-    if need.bytes > free + need.cleared and _being_deleted(where):
+    if need.bytes > free + need.cleared and free + need.cleared + _being_deleted(where) >= need.bytes:
         free = _free_once_deleted(out, where, need.bytes - need.cleared)
     if need.bytes > free + need.cleared:
         cleared = f" (and {size(need.cleared)} it clears first)" if need.cleared else ""
@@ -163,8 +163,10 @@ def _free_once_deleted(out: str, where: str, wanted: int) -> int:
     """The bytes free at ``where`` once the run's trash has freed ``wanted`` of them, or once it
     frees no more: it is waited for, not counted as free, since a stage writes as fast as the trash
     is deleted (seconds for a 1B training state) and a file system may return freed blocks later
-    still. Gives up when neither the free space nor the trash changed for ``STALLED_S`` (the trash
-    is emptied already, ``SETTLE_S``)."""
+    still. Called only where the trash holds enough. Gives up when the free space has not grown nor
+    the trash shrunk for ``STALLED_S`` (the trash is emptied already, ``SETTLE_S``). Each rank of
+    a stage waits on the same disk, so they end together, but for a disk other writers change
+    meanwhile."""
     told, most_free, least_pending, since = False, -1, None, time.monotonic()
     while (free := shutil.disk_usage(where).free) < wanted:
         pending, now = _being_deleted(where), time.monotonic()
@@ -172,7 +174,7 @@ def _free_once_deleted(out: str, where: str, wanted: int) -> int:
             most_free, least_pending, since = max(free, most_free), pending, now
         elif now - since > (STALLED_S if pending else SETTLE_S):
             break
-        if not told:
+        if not told and os.environ.get("RANK", "0") == "0":  # every rank waits; one says so
             print(f"{out}: waiting for the run's retention to delete {size(pending)} before writing "
                   f"({size(wanted)} needed, {size(free)} free)", flush=True)
             told = True
@@ -181,7 +183,7 @@ def _free_once_deleted(out: str, where: str, wanted: int) -> int:
 
 
 STALLED_S = 60.0  # how long the trash may free nothing before the stage is refused
-SETTLE_S = 5.0  # after the trash is empty: how long freed blocks may take to be free
+SETTLE_S = 30.0  # after the trash is empty: how long freed blocks may take to be free (btrfs commits: 30 s)
 POLL_S = 0.2
 
 
@@ -199,8 +201,15 @@ def _du(path: str, keep: tuple[str, ...] = ()) -> int:
     """Bytes on disk under ``path``, but for its entries named in ``keep``."""
     if not os.path.isdir(path):
         return 0
-    return sum(_du(e.path) if e.is_dir(follow_symlinks=False) else e.stat(follow_symlinks=False).st_blocks * 512
-               for e in os.scandir(path) if e.name not in keep)
+    total = 0
+    for e in os.scandir(path):
+        if e.name in keep:
+            continue
+        try:  # an entry may go while it is counted (the trash being emptied): it holds nothing then
+            total += _du(e.path) if e.is_dir(follow_symlinks=False) else e.stat(follow_symlinks=False).st_blocks * 512
+        except FileNotFoundError:
+            pass
+    return total
 
 
 def _unfinished(path: str) -> int:

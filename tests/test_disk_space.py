@@ -229,6 +229,15 @@ def test_a_stage_waits_for_the_room_the_run_is_deleting(finished, tmpfs, monkeyp
         space.check(cfg)
     assert time.monotonic() - t0 < 1  # nothing to wait for
     monkeypatch.setenv(publish.TRASH_ENV, str(trash))
+    small = disk / "small-trash"
+    small.mkdir()
+    (small / "actor").write_bytes(b"\0" * 4096)
+    monkeypatch.setenv(publish.TRASH_ENV, str(small))
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="ppo needs"):  # even emptied, it would leave too little
+        space.check(cfg)
+    assert time.monotonic() - t0 < 1
+    monkeypatch.setenv(publish.TRASH_ENV, str(trash))
     monkeypatch.setattr(space, "STALLED_S", 0.5)
     t0 = time.monotonic()
     with pytest.raises(UserError, match="ppo needs"):  # a trash that frees nothing: refused
@@ -350,3 +359,20 @@ def test_a_damaged_record_is_one_line_naming_it_and_the_fix(finished):
                                 f"run` (that stage then runs again)", (command, r.stderr)
     finally:
         open(record, "wb").write(before)
+
+
+def test_a_trash_counted_while_it_is_emptied_holds_what_is_left(tmp_path, monkeypatch):
+    # The trash thread deletes files while a stage counts them: one gone between the listing and
+    # its stat holds nothing, and the rest still count (not the whole trash as 0).
+    for name in ("a", "b", "c"):
+        (tmp_path / name).write_bytes(b"\0" * 65536)
+    listing = os.scandir
+
+    def racing(path):
+        for i, e in enumerate(listing(path)):
+            if i == 1:
+                os.remove(e.path)
+            yield e
+
+    monkeypatch.setattr(space.os, "scandir", racing)
+    assert space._du(str(tmp_path)) == 2 * os.stat(tmp_path / sorted(os.listdir(tmp_path))[0]).st_blocks * 512

@@ -29,7 +29,7 @@ INCOMPLETE = ".llamarl-incomplete"
 RETIRED = ".llamarl-retired"
 TRASH_ENV = "LLAMARL_TRASH"
 """A folder whose files are being deleted (``retire``'s ``trash``): a stage's free-space check
-counts their bytes as free."""
+waits for them when it needs their room."""
 FORMAT_VERSION = 1
 THREADS = 8  # files hashed or checked at once
 
