@@ -209,7 +209,7 @@ def test_a_stage_that_cannot_fit_is_refused_before_it_writes(finished, tmpfs, ca
 def test_a_stage_waits_for_the_room_the_run_is_deleting(finished, tmpfs, monkeypatch, capsys):
     # `llamarl run` moves what retention deletes into its trash and empties it beside the next
     # stage (pipeline/retention.py Trash). A stage that needs that room waits for it rather than
-    # count it as free: it would write as fast as the trash is deleted (a 1B run's disk filled so).
+    # count it as free: it would write as fast as the trash is deleted.
     from llamarl.lib.files import publish
     from llamarl.lib.errors import UserError
 

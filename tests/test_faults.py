@@ -282,6 +282,17 @@ def test_ppo_refuses_scores_beyond_what_it_can_train_on(good, tmp_path):
     assert f"{scores}: the score of ('p0000', 0) is 1e+30, beyond ±1e+06" in r.stderr, r.stderr
 
 
+def _ppo_with_lr_at(good, out, at: int, lr: str, **cfg) -> subprocess.CompletedProcess:
+    """ppo (4 steps of 2 samples) in a process of its own, its learning rate set to ``lr`` before
+    step ``at`` by the stage's test hook."""
+    cfg = {"rollout": good["rollout"], "scores": good["scores"], "actor": good["actor"], "out": str(out),
+           "mini_batch_size": 2, "micro_batch_tokens": 64, **cfg}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {
+        "LLAMARL_TEST_PPO_AT": f"step {at}:lr={lr}"}
+    return subprocess.run([sys.executable, "-m", "llamarl.stages.ppo", "--config-json", json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
 @pytest.mark.parametrize("lr,at,needle", [
     ("inf", 3, "actor masters not finite"), ("nan", 3, "actor masters not finite"),
     # finite masters of 1e30 pass step 2's check; step 3's forward overflows
@@ -291,12 +302,7 @@ def test_a_non_finite_step_stops_ppo_and_publishes_nothing(good, tmp_path, lr, a
     # non-finite; its check stops every process there, before anything is published. The training
     # state saved after each step before stays, unpublished.
     out = tmp_path / "ppo"
-    cfg = {"rollout": good["rollout"], "scores": good["scores"], "actor": good["actor"], "out": str(out),
-           "mini_batch_size": 2, "micro_batch_tokens": 64, "save_every": 1}
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {
-        "LLAMARL_TEST_PPO_AT": f"step {at}:lr={lr}"}
-    r = subprocess.run([sys.executable, "-m", "llamarl.stages.ppo", "--config-json", json.dumps(cfg)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = _ppo_with_lr_at(good, out, at, lr, save_every=1)
     _refused(r, str(out), f"lr={lr} at step {at}")
     assert r.stderr.startswith(f"error: ppo optimizer step 3: {needle}"), r.stderr
     assert f"(actor_lr=1e-06, now {float(lr):g})" in r.stderr and "nothing was published" in r.stderr, r.stderr
@@ -310,12 +316,7 @@ def test_a_step_read_after_the_next_is_launched_still_stops_ppo_before_it_publis
     # steps here); the last step is read before anything is written. Either way the error names
     # step N and nothing is published.
     out = tmp_path / "ppo"
-    cfg = {"rollout": good["rollout"], "scores": good["scores"], "actor": good["actor"], "out": str(out),
-           "mini_batch_size": 2, "micro_batch_tokens": 64}
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {
-        "LLAMARL_TEST_PPO_AT": f"step {at}:lr=nan"}
-    r = subprocess.run([sys.executable, "-m", "llamarl.stages.ppo", "--config-json", json.dumps(cfg)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = _ppo_with_lr_at(good, out, at, "nan")
     _refused(r, str(out), f"lr=nan at step {at}")
     assert r.stderr.startswith(f"error: ppo optimizer step {at}: actor masters not finite"), r.stderr
     assert sorted(os.listdir(out)) == [publish.INCOMPLETE]
