@@ -79,8 +79,8 @@ def test_a_checkpoint_written_again_is_the_same_bytes(tmp_path):
 
 
 def test_items_leave_their_crc_32_at_0_on_every_writer_thread(tmp_path):
-    # torch's set_crc32_options is the calling thread's own: each writer thread turns it off for
-    # itself (computing CRC-32 is the slowest part of a write), and the caller's is left as it was.
+    # torch 2.13 keeps set_crc32_options per thread: each writer thread turns it off for itself
+    # (computing CRC-32 is the slowest part of a write), and the caller's is left as it was.
     import zipfile
 
     state = {f"t{i}": torch.randn(64, 32 + i) for i in range(6)}
@@ -99,6 +99,41 @@ def test_items_leave_their_crc_32_at_0_on_every_writer_thread(tmp_path):
     out = {n: torch.zeros_like(t) for n, t in state.items()}
     checkpoint.load(out, str(tmp_path / "a"))
     assert all(torch.equal(out[n], state[n]) for n in state)
+
+
+def item_crcs(url: str) -> dict[str, list[int]]:
+    import zipfile
+
+    md = dcp_metadata(url)
+    out = {}
+    for key, info in md.storage_data.items():
+        with open(f"{url}/{info.relative_path}", "rb") as f:
+            f.seek(info.offset)
+            with zipfile.ZipFile(io.BytesIO(f.read(info.length))) as z:
+                out[key.fqn] = [r.CRC for r in z.infolist()]
+    return out
+
+
+def test_crc_32_stays_off_until_the_last_writer_thread_ends_where_torch_keeps_it_per_process(tmp_path, monkeypatch):
+    # torch 2.11 keeps set_crc32_options per process: a writer thread that ends must not turn it
+    # back on while another still writes (that one's items would get a CRC: other bytes on a rerun).
+    import time
+
+    option = {"crc": True}
+    monkeypatch.setattr(torch.serialization, "get_crc32_options", lambda: option["crc"])
+    monkeypatch.setattr(torch.serialization, "set_crc32_options", lambda v: option.update(crc=v))
+    big, small = torch.randn(64, 40), torch.randn(4, 4)
+
+    def slow(t: torch.Tensor, s: float):
+        return lambda: (time.sleep(s), t)[1]
+
+    # File 0 (the big piece) starts first and ends first; file 1's piece comes after it ended.
+    pieces = [dcp_format.Piece("big", (64, 40), (0, 0), (64, 40), torch.float32, slow(big, 0.05)),
+              dcp_format.Piece("small", (4, 4), (0, 0), (4, 4), torch.float32, slow(small, 0.3))]
+    dcp_format.save(pieces, str(tmp_path / "a"), threads=2)
+    assert option["crc"] is True  # as it was before
+    crcs = item_crcs(str(tmp_path / "a"))
+    assert set(crcs) == {"big", "small"} and all(c == 0 for cs in crcs.values() for c in cs), crcs
 
 
 def save_failing_on_rank_1(url: str, failure: str) -> str:

@@ -6,8 +6,8 @@ Ours rather than ``torch.distributed.checkpoint.save`` for what DCP does not do:
 several ranks (no DTensor says "rows 128:192 of k_proj, also on rank 3") is written once
 (``assign``); every file is hashed as written (``publish.open_write``); a chunk's bytes are fetched
 when it is written (``Piece.get``, on a writer thread: shard never holds its whole share); the save
-id is the items' digest, so a rerun writes the same bytes. Items' CRC-32 is left 0 by torch's
-``set_crc32_options``, which torch keeps per thread: each writer thread sets it.
+id is the items' digest, so a rerun writes the same bytes. Items' CRC-32 is left 0
+(``_Crc32Off``): computing it is the slowest part of a write, and the files are hashed anyway.
 """
 
 from __future__ import annotations
@@ -113,25 +113,44 @@ def _write_item(f, t: torch.Tensor) -> None:
         raise
 
 
+class _Crc32Off:
+    """``torch.save``'s CRC-32 off while any writer thread writes. Some torch releases keep
+    ``set_crc32_options`` per thread (2.13), others per process (2.11): each writer thread turns it
+    off, and the value found before the first one is put back when the last one ends, never while
+    another still writes (its items would get a CRC, and a rerun other bytes)."""
+
+    _lock = threading.Lock()
+    _writers = 0
+    _before = True
+
+    def __enter__(self) -> None:
+        with _Crc32Off._lock:
+            if _Crc32Off._writers == 0:
+                _Crc32Off._before = torch.serialization.get_crc32_options()
+            _Crc32Off._writers += 1
+            torch.serialization.set_crc32_options(False)
+
+    def __exit__(self, *exc) -> None:
+        with _Crc32Off._lock:
+            _Crc32Off._writers -= 1
+            if _Crc32Off._writers == 0:
+                torch.serialization.set_crc32_options(_Crc32Off._before)
+
+
 def _write_file(url: str, pieces: list[Piece]) -> list[tuple]:
     """One ``.distcp`` file: each piece an item, back to back, hashed as written. Returns
     ``(fqn, offsets, shape, file, begin, length)`` per piece."""
     name = url.rsplit("/", 1)[1]
     out = []
-    crc = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)  # this thread's: see the module's docstring
-    try:
-        with publish.open_write(url) as f:
-            for p in pieces:
-                begin = f.tell()
-                t = p.get()
-                if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
-                    raise ValueError(f"{p.fqn} at {list(p.offsets)}: got {t.dtype} {list(t.shape)}, planned "
-                                     f"{p.dtype} {list(p.shape)}")
-                _write_item(f, t)
-                out.append((p.fqn, p.offsets, p.shape, name, begin, f.tell() - begin))
-    finally:
-        torch.serialization.set_crc32_options(crc)
+    with _Crc32Off(), publish.open_write(url) as f:
+        for p in pieces:
+            begin = f.tell()
+            t = p.get()
+            if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+                raise ValueError(f"{p.fqn} at {list(p.offsets)}: got {t.dtype} {list(t.shape)}, planned "
+                                 f"{p.dtype} {list(p.shape)}")
+            _write_item(f, t)
+            out.append((p.fqn, p.offsets, p.shape, name, begin, f.tell() - begin))
     return out
 
 
