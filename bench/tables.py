@@ -240,6 +240,22 @@ def handoff(path: str) -> list[str]:
     return out
 
 
+def state_write(path: str) -> list[str]:
+    r = _load(path)
+    out = [f"\n**training-state write** — {r['device']}, {r['date']} (`{os.path.basename(path)}`), "
+           f"{r['bytes'] / 1e9:.1f} GB of fp32 in {r['tensors']} tensors on the device"
+           + (f"; {r['note']}" if r.get("note") else "") + "\n",
+           "| what | s | GB/s |", "|---|---|---|"]
+    out += [f"| {name} | {v['s']:.2f} | {v['GB_per_s']:.2f} |" for name, v in r["rows"].items()]
+    if r.get("rounds_s"):
+        out += ["", f"Written again {len(r['rounds_s'])} times, {r['gap_s']:.0f} s apart, the one before deleted "
+                    f"after each (ppo's iterations): {', '.join(f'{s:.2f}' for s in r['rounds_s'])} s."]
+    vm = r.get("vm", {})
+    out += ["", f"Page cache: dirty_background_ratio {vm.get('dirty_background_ratio')}, dirty_ratio "
+                f"{vm.get('dirty_ratio')}; {r['disk_free_bytes'] / 1e9:.0f} GB free on the disk."]
+    return out
+
+
 def startup(path: str) -> list[str]:
     r = _load(path)
     out = [f"\n**start-up** — {r.get('device') or str(r.get('cpus')) + ' CPUs'}, {r['date']} (`{os.path.basename(path)}`), "
@@ -309,6 +325,6 @@ def ci(path: str) -> list[str]:
 
 RENDER = {"e2e": e2e, "train_step": train_step, "rollout": rollout, "rollout_stage": rollout_stage,
           "shard_export": shard_export, "startup": startup, "handoff": handoff, "peak_rss": peak_rss,
-          "gpu-checks": gpu_checks, "ci": ci}
+          "gpu-checks": gpu_checks, "ci": ci, "state_write": state_write}
 NAME = re.compile(r"(?P<bench>" + "|".join(sorted(map(re.escape, RENDER), key=len, reverse=True))
                   + r")-(?:[\w.]+-)?(?P<machine>[a-z0-9]+)-(?P<date>\d{4}-\d\d-\d\d)(?:-[\w.-]+)?\.jsonl?")
