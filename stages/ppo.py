@@ -69,7 +69,7 @@ class _Inputs:
 
 def run(cfg: PPOConfig) -> None:
     dcp_format.start_metadata_import()  # loading and saving read and write .metadata: DCP's import beside
-    space.check(cfg)
+    room = space.check(cfg, defer=True)  # a wait for the run's trash comes before the first write
     clock = _Clock()
     inputs = _read_inputs(cfg)
     topo = parallel.init(cfg.tp, cfg.pp, dp=cfg.dp, timeout_s=cfg.collective_timeout_s, stage="ppo")
@@ -92,9 +92,10 @@ def run(cfg: PPOConfig) -> None:
     data, check = _batch_terms(cfg, inputs, actor, critic, dtype, topo)
     clock.lap("reference")
     trainers = _trainers(cfg, inputs, actor, critic, kept)
-    metrics, update_tokens = _train(cfg, out, inputs, trainers, data, check, clock, topo)
+    metrics, update_tokens = _train(cfg, out, inputs, trainers, data, check, clock, topo, room)
     tis_mine = [data["tis_stats"]] if data and cfg.uses_tis() else None
     del data  # what no output needs, freed for a stage that may now share the device
+    room.wait()
     _publish_outputs(cfg, out, inputs, trainers, clock)
     lines = metrics_on_rank0(metrics, topo)
     tis = metrics_on_rank0(tis_mine, topo) if cfg.uses_tis() else None
@@ -241,9 +242,10 @@ def _trainers(cfg: PPOConfig, inputs: _Inputs, actor, critic, kept: dict | None)
 
 
 def _train(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[str, Trainer], data, check, clock: _Clock,
-           topo) -> tuple[list[dict], int]:
+           topo, room: space.Room) -> tuple[list[dict], int]:
     """Collective: the epochs' optimizer steps, resumed after the latest saved state, saving one
-    every ``save_every`` steps; the steps' metrics and the tokens through the actor's update."""
+    every ``save_every`` steps (once there is ``room``); the steps' metrics and the tokens through
+    the actor's update."""
     done, metrics = resume(out, trainers, inputs.start_step)
     clock.lap("load")
     store_dtype = dtypes.torch_dtype(inputs.actor["dtype"])
@@ -279,6 +281,7 @@ def _train(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[str, Traine
         if cfg.save_every and (k + 1) % cfg.save_every == 0 and k + 1 < inputs.steps:
             read_launched()  # a state is saved only after its steps are checked
             clock.lap("update")
+            room.wait()
             save_state(out, k + 1, trainers, store_dtype, metrics_on_rank0(metrics, topo))
             clock.lap("save")
             t0 = time.perf_counter()

@@ -40,26 +40,77 @@ class Need:
     cleared: int = 0  # bytes of its unfinished output that the stage removes before writing
 
 
-def check(cfg: StageConfig) -> None:
-    """Refuse, in one line, a stage whose output does not fit on its local file system."""
+def check(cfg: StageConfig, defer: bool = False) -> Room:
+    """Refuse, in one line, a stage whose output does not fit on its local file system. Where it
+    fits only once the run's trash is deleted, wait for that now, or with ``defer`` return the
+    wait for the stage to make before its first write (``Room.wait``): ppo writes only after its
+    update, while the trash is deleted."""
     out = identity.declare(cfg).out.rstrip("/")
     job.writes_to(out)
     fs, path = fsspec.core.url_to_fs(out)
     if "file" not in fs.protocol or publish.read_manifest(out) is not None:
-        return
+        return Room()
     try:
         need = _ESTIMATES[type(cfg)](cfg, path)
     except (UserError, OSError, KeyError, ValueError):
-        return  # an input it cannot read: the stage's own checks say so, in their words
+        return Room()  # an input it cannot read: the stage's own checks say so, in their words
     where = next(str(p) for p in (Path(path), *Path(path).parents) if os.path.exists(p))  # where its bytes go
+    if defer and _short(need, where) != "no":
+        return Room(cfg, out, where)  # every rank that got this far: the wait is a collective
+    if (error := _room(cfg, out, where, need)) is not None:
+        raise UserError(error)
+    return Room()
+
+
+def _short(need: Need, where: str) -> str | None:
+    """Whether ``need`` fits at ``where``: None, "wait" (once the run's trash is deleted) or "no"."""
     free = shutil.disk_usage(where).free
-    if need.bytes > free + need.cleared and free + need.cleared + _being_deleted(where) >= need.bytes:
-        free = _free_once_deleted(out, where, need.bytes - need.cleared)
-    if need.bytes > free + need.cleared:
-        cleared = f" (and {size(need.cleared)} it clears first)" if need.cleared else ""
-        raise UserError(f"{out}: {_stage(cfg)} needs {size(need.bytes)} there ({need.what}), but its file system "
-                        f"has {size(free)} free{cleared}; free space, or set `retention: {{keep_last: N}}` in the run "
-                        f"spec so older iterations are deleted")
+    if need.bytes <= free + need.cleared:
+        return None
+    return "wait" if free + need.cleared + _being_deleted(where) >= need.bytes else "no"
+
+
+def _room(cfg: StageConfig, out: str, where: str, need: Need) -> str | None:
+    """None once ``need`` fits at ``where`` (waiting for the trash where it frees enough), else the refusal."""
+    if _short(need, where) == "wait":
+        _free_once_deleted(out, where, need.bytes - need.cleared)
+    if _short(need, where) is None:
+        return None
+    return _refusal(cfg, out, need, shutil.disk_usage(where).free)
+
+
+@dataclass
+class Room:
+    """A stage's wait for the room the run's trash frees (``check(defer=True)``), or none (an
+    object store, an input the estimate cannot read: the same on every rank)."""
+
+    cfg: StageConfig | None = None
+    out: str = ""
+    where: str = ""
+
+    def wait(self) -> None:
+        """Collective, where there is a wait: once the stage's output fits — at once, or once the
+        trash has freed what it still needs (estimated again: what it cleared is free now) — or
+        refused on every rank in one line. The first call waits; the others return."""
+        if self.cfg is None:
+            return
+        from llamarl.lib.distributed import collectives
+
+        cfg, self.cfg = self.cfg, None  # once
+        error = None
+        try:
+            need = _ESTIMATES[type(cfg)](cfg, fsspec.core.url_to_fs(self.out)[1])
+            error = _room(cfg, self.out, self.where, need)
+        except (UserError, OSError, KeyError, ValueError):
+            pass  # as in ``check``: the write says what is wrong, in its words
+        collectives.check(error)
+
+
+def _refusal(cfg: StageConfig, out: str, need: Need, free: int) -> str:
+    cleared = f" (and {size(need.cleared)} it clears first)" if need.cleared else ""
+    return (f"{out}: {_stage(cfg)} needs {size(need.bytes)} there ({need.what}), but its file system has "
+            f"{size(free)} free{cleared}; free space, or set `retention: {{keep_last: N}}` in the run spec so older "
+            "iterations are deleted")
 
 
 def size(n: int) -> str:

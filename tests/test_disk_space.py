@@ -109,13 +109,13 @@ def _files(folder) -> dict[str, bytes]:
     return out
 
 
-def _fill_once_started(out: str, disk) -> threading.Thread:
-    """Another writer: once the stage has begun its output (its marker; the free-space check
-    passed), fill ``disk`` to the last byte."""
+def _fill_once_started(out: str, disk, begun: str = ".llamarl-incomplete") -> threading.Thread:
+    """Another writer: once the stage has begun its output (``begun`` exists in it: its marker, the
+    free-space check passed), fill ``disk`` to the last byte."""
 
     def fill():
         deadline = time.monotonic() + 600
-        while not os.path.exists(os.path.join(out, ".llamarl-incomplete")) and time.monotonic() < deadline:
+        while not os.path.exists(os.path.join(out, begun)) and time.monotonic() < deadline:
             time.sleep(0.002)
         with open(os.path.join(disk, "filler"), "wb", buffering=0) as f:
             for size in (1 << 20, 64 << 10, 4 << 10, 1):
@@ -155,7 +155,8 @@ def test_a_write_to_a_full_disk_is_one_line_and_a_rerun_resumes_with_the_same_by
     out = str(disk / stage)
     # The rollout alone (not the run's scores it would also publish, which score this rollout's out).
     cfg = node.make_config().model_copy(update={"out": out} | ({"scores": None} if stage == "rollout" else {}))
-    filler = _fill_once_started(out, disk)
+    # ppo checks the room again before its first write (space.Room.wait): the disk fills as it writes.
+    filler = _fill_once_started(out, disk, "actor" if stage == "ppo" else ".llamarl-incomplete")
     result = LocalExecutor().run(stage, cfg, 1)
     filler.join(60)
     assert result.code == EXIT_USER_ERROR
@@ -251,6 +252,55 @@ def test_a_stage_waits_for_the_room_the_run_is_deleting(finished, tmpfs, monkeyp
     assert time.monotonic() - t0 >= 0.9 and not trash.exists()
     deleter.join()
     assert f"{cfg.out}: waiting for the run's retention to delete " in capsys.readouterr().out
+
+
+def test_ppo_waits_for_the_trash_before_its_first_write_not_before_its_work(finished, tmpfs, monkeypatch):
+    # ppo writes only after its update: the room the run's trash frees is waited for then
+    # (space.check(defer=True), Room.wait), while the trash is deleted beside its reference pass
+    # and update, not before its work begins.
+    from llamarl.lib.files import publish
+
+    _, run, nodes = finished
+    disk = tmpfs("deferred", size="64m")
+    out = str(disk / "ppo")
+    cfg = nodes["iter-001/ppo"].make_config().model_copy(update={"out": out})
+    need = float(re.search(r"needs ([\d.]+) MB", _refusal(space.check, cfg, tmpfs)).group(1)) * 1e6
+    trash = disk / "trash"
+    trash.mkdir()
+    (trash / "training-state").write_bytes(b"\0" * int(shutil.disk_usage(disk).free - need / 2))
+    monkeypatch.setenv(publish.TRASH_ENV, str(trash))
+
+    t0 = time.monotonic()
+    room = space.check(cfg, defer=True)
+    assert time.monotonic() - t0 < 0.5 and trash.exists()  # no wait yet
+    threading.Timer(1.0, lambda: shutil.rmtree(trash)).start()
+    t0 = time.monotonic()
+    room.wait()
+    assert time.monotonic() - t0 >= 0.9 and not trash.exists()
+    t0 = time.monotonic()
+    room.wait()  # once
+    assert time.monotonic() - t0 < 0.1
+
+    # The stage: its work begins (its output's marker) with the trash still there, and it writes
+    # once the trash is deleted — which happens only after the work began.
+    trash.mkdir()
+    (trash / "training-state").write_bytes(b"\0" * int(shutil.disk_usage(disk).free - need / 2))
+    late = []
+
+    def delete_once_working():
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(out, publish.INCOMPLETE)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        late.append(time.monotonic() >= deadline)
+        time.sleep(1.0)
+        shutil.rmtree(trash)
+
+    deleter = threading.Thread(target=delete_once_working, daemon=True)
+    deleter.start()
+    result = LocalExecutor().run("ppo", cfg, 1)
+    deleter.join()
+    assert result.code == 0 and late == [False], (result.error, late)
+    assert publish.read_manifest(out) is not None
 
 
 def _refusal(check, cfg, tmpfs) -> str:
