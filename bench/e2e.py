@@ -1060,7 +1060,7 @@ def main():
     jobs += [("llamarl", w, lay, s, r) for w in ("grpo", "ppo") if w in workloads for lay in layouts
              for s in stalenesses for r in residents]
     reserve = {"llamarl": (60 if args.tiny else 150) + (args.iterations - 1) * (30 if args.tiny else 90),
-               "trl": 60 if args.tiny else 90}
+               "trl": 60 if args.tiny else 150}  # 1B: its cold first iteration alone takes 50-60 s
     gpus = GpuMemory()
     try:
         for j, (kind, workload, lay, *rest) in enumerate(jobs):
