@@ -42,24 +42,24 @@ class Need:
 
 def check(cfg: StageConfig, defer: bool = False) -> Room:
     """Refuse, in one line, a stage whose output does not fit on its local file system. Where it
-    fits only once the run's trash is deleted, wait for that now, or with ``defer`` return the
-    wait for the stage to make before its first write (``Room.wait``): ppo writes only after its
-    update, while the trash is deleted."""
+    fits only once the run's trash is deleted, wait for that now; with ``defer``, leave the check
+    again and any wait to ``Room.wait``, which the stage calls before its first write (ppo, which
+    writes only after its update or at its first ``save_every`` state, while the trash is deleted)."""
     out = identity.declare(cfg).out.rstrip("/")
     job.writes_to(out)
     fs, path = fsspec.core.url_to_fs(out)
     if "file" not in fs.protocol or publish.read_manifest(out) is not None:
-        return Room()
+        return Room(defer)
     try:
         need = _ESTIMATES[type(cfg)](cfg, path)
     except (UserError, OSError, KeyError, ValueError):
-        return Room()  # an input it cannot read: the stage's own checks say so, in their words
+        return Room(defer)  # an input it cannot read: the stage's own checks say so, in their words
     where = next(str(p) for p in (Path(path), *Path(path).parents) if os.path.exists(p))  # where its bytes go
     if defer and _short(need, where) != "no":
-        return Room(cfg, out, where)  # every rank that got this far: the wait is a collective
+        return Room(True, cfg, out, where)
     if (error := _room(cfg, out, where, need)) is not None:
         raise UserError(error)
-    return Room()
+    return Room(defer)
 
 
 def _short(need: Need, where: str) -> str | None:
@@ -81,28 +81,35 @@ def _room(cfg: StageConfig, out: str, where: str, need: Need) -> str | None:
 
 @dataclass
 class Room:
-    """A stage's wait for the room the run's trash frees (``check(defer=True)``), or none (an
-    object store, an input the estimate cannot read: the same on every rank)."""
+    """What ``check(defer=True)`` leaves to the stage's first write: the check again, on its rank 0,
+    and the wait for the trash where it frees what is missing (``cfg``: None where nothing is to
+    check: an object store, an input the estimate cannot read)."""
 
+    deferred: bool = False
     cfg: StageConfig | None = None
     out: str = ""
     where: str = ""
 
     def wait(self) -> None:
-        """Collective, where there is a wait: once the stage's output fits — at once, or once the
-        trash has freed what it still needs (estimated again: what it cleared is free now) — or
-        refused on every rank in one line. The first call waits; the others return."""
-        if self.cfg is None:
+        """Collective on every rank that deferred: once the output fits — at once, or once the
+        trash has freed what is missing (estimated again: what the stage cleared is free now) —
+        or refused on every rank in one line. Its rank 0 alone looks (one file system), so every
+        rank goes on alike; the others wait in the collective (``collective_timeout_s``). A stage
+        admitted at its start may so be refused after its update, when another writer took the
+        room meanwhile: nothing is published, and a rerun resumes. The first call does it; the
+        others return."""
+        if not self.deferred:
             return
         from llamarl.lib.distributed import collectives
 
-        cfg, self.cfg = self.cfg, None  # once
+        self.deferred = False
         error = None
-        try:
-            need = _ESTIMATES[type(cfg)](cfg, fsspec.core.url_to_fs(self.out)[1])
-            error = _room(cfg, self.out, self.where, need)
-        except (UserError, OSError, KeyError, ValueError):
-            pass  # as in ``check``: the write says what is wrong, in its words
+        if self.cfg is not None and collectives.rank_world()[0] == 0:
+            try:
+                need = _ESTIMATES[type(self.cfg)](self.cfg, fsspec.core.url_to_fs(self.out)[1])
+                error = _room(self.cfg, self.out, self.where, need)
+            except (UserError, OSError, KeyError, ValueError):
+                pass  # as in ``check``: the write says what is wrong, in its words
         collectives.check(error)
 
 

@@ -21,6 +21,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -124,12 +125,20 @@ def test_crc_32_stays_off_until_the_last_writer_thread_ends_where_torch_keeps_it
     monkeypatch.setattr(torch.serialization, "set_crc32_options", lambda v: option.update(crc=v))
     big, small = torch.randn(64, 40), torch.randn(4, 4)
 
-    def slow(t: torch.Tensor, s: float):
-        return lambda: (time.sleep(s), t)[1]
+    small_started = threading.Event()
 
-    # File 0 (the big piece) starts first and ends first; file 1's piece comes after it ended.
-    pieces = [dcp_format.Piece("big", (64, 40), (0, 0), (64, 40), torch.float32, slow(big, 0.05)),
-              dcp_format.Piece("small", (4, 4), (0, 0), (4, 4), torch.float32, slow(small, 0.3))]
+    def get_big():
+        assert small_started.wait(10)
+        return big
+
+    def get_small():
+        small_started.set()
+        time.sleep(0.3)
+        return small
+
+    # File 0 (the big piece) ends once file 1's thread writes; file 1's piece comes after it ended.
+    pieces = [dcp_format.Piece("big", (64, 40), (0, 0), (64, 40), torch.float32, get_big),
+              dcp_format.Piece("small", (4, 4), (0, 0), (4, 4), torch.float32, get_small)]
     dcp_format.save(pieces, str(tmp_path / "a"), threads=2)
     assert option["crc"] is True  # as it was before
     crcs = item_crcs(str(tmp_path / "a"))

@@ -281,26 +281,26 @@ def test_ppo_waits_for_the_trash_before_its_first_write_not_before_its_work(fini
     room.wait()  # once
     assert time.monotonic() - t0 < 0.1
 
-    # The stage: its work begins (its output's marker) with the trash still there, and it writes
-    # once the trash is deleted — which happens only after the work began.
+    # The stage, the trash leaving it less room than it writes: it begins its work (its output's
+    # marker) with the trash still there, and says it waits only then; the trash is deleted once it
+    # says so, and it completes. A ppo that wrote without waiting would fail for want of room, one
+    # that waited before its work would never begin it.
+    from llamarl.cluster.executor import free_port, stage_command
+
     trash.mkdir()
-    (trash / "training-state").write_bytes(b"\0" * int(shutil.disk_usage(disk).free - need / 2))
-    late = []
-
-    def delete_once_working():
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(out, publish.INCOMPLETE)) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        late.append(time.monotonic() >= deadline)
-        time.sleep(1.0)
-        shutil.rmtree(trash)
-
-    deleter = threading.Thread(target=delete_once_working, daemon=True)
-    deleter.start()
-    result = LocalExecutor().run("ppo", cfg, 1)
-    deleter.join()
-    assert result.code == 0 and late == [False], (result.error, late)
-    assert publish.read_manifest(out) is not None
+    (trash / "training-state").write_bytes(b"\0" * int(shutil.disk_usage(disk).free - (256 << 10)))
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(stage_command("ppo", cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "waiting for the run's retention to delete" in line:
+            assert os.path.exists(os.path.join(out, publish.INCOMPLETE)), lines  # its work has begun
+            shutil.rmtree(trash)
+    assert proc.wait(timeout=300) == 0, "".join(lines)
+    assert not trash.exists() and publish.read_manifest(out) is not None
 
 
 def _refusal(check, cfg, tmpfs) -> str:
