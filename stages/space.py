@@ -55,8 +55,10 @@ def check(cfg: StageConfig, defer: bool = False) -> Room:
     except (UserError, OSError, KeyError, ValueError):
         return Room(defer)  # an input it cannot read: the stage's own checks say so, in their words
     where = next(str(p) for p in (Path(path), *Path(path).parents) if os.path.exists(p))  # where its bytes go
-    if defer and _short(need, where) != "no":
-        return Room(True, cfg, out, where)
+    if defer and (short := _short(need, where)) != "no":
+        # Looked at again only where it waits for the trash: an estimate is an upper bound, and a
+        # stage that fits now is not refused later for what a stage beside it wrote meanwhile.
+        return Room(True, cfg if short == "wait" else None, out, where)
     if (error := _room(cfg, out, where, need)) is not None:
         raise UserError(error)
     return Room(defer)
@@ -81,9 +83,9 @@ def _room(cfg: StageConfig, out: str, where: str, need: Need) -> str | None:
 
 @dataclass
 class Room:
-    """What ``check(defer=True)`` leaves to the stage's first write: the check again, on its rank 0,
-    and the wait for the trash where it frees what is missing (``cfg``: None where nothing is to
-    check: an object store, an input the estimate cannot read)."""
+    """What ``check(defer=True)`` leaves to the stage's first write: where the output fits only
+    once the run's trash is deleted, the check again on its rank 0 and the wait (``cfg``; None
+    where nothing is to wait for: it fits, an object store, an input the estimate cannot read)."""
 
     deferred: bool = False
     cfg: StageConfig | None = None
@@ -95,7 +97,7 @@ class Room:
         trash has freed what is missing (estimated again: what the stage cleared is free now) —
         or refused on every rank in one line. Its rank 0 alone looks (one file system), so every
         rank goes on alike; the others wait in the collective (``collective_timeout_s``). A stage
-        admitted at its start may so be refused after its update, when another writer took the
+        that needed the trash may so be refused after its update, when another writer took the
         room meanwhile: nothing is published, and a rerun resumes. The first call does it; the
         others return."""
         if not self.deferred:
