@@ -27,7 +27,8 @@ scored and trained tokens per second. Per iteration (rollout + score + ppo): gen
 tokens/s/GPU and the ratio to TRL's generated tokens/s/GPU. A rollout stage also has its engine's own
 time (``engine_s``), ``wall_over_engine`` (issue 15: ≤ 1.15), ``not_engine_s`` and rank 0's steps
 from its manifest (``spans_s``: imports, …, tokenizer_wait, compile_wait, first_tokens, engine;
-``background_s``). ``--compile-cache fresh`` (default) gives each run an empty
+``background_s``). Per run, its disk (``disk``, ``DiskActivity``): GB written and discarded on
+the device holding the run, and the page cache's dirty bytes, sampled every second. ``--compile-cache fresh`` (default) gives each run an empty
 TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, so with ``--iterations 2`` iteration 1's rollout
 compiles cold and iteration 2's finds the cache. Results: bench/results/e2e-<gpu>-<date>.json
 (appended to, one entry per invocation, rewritten after every workload); --tiny writes to WORK.
@@ -300,6 +301,55 @@ class GpuMemory:
             self.proc.kill()
 
 
+class DiskActivity:
+    """What a run asks of its disk, sampled every second while it runs: the page cache's dirty and
+    writeback bytes (/proc/meminfo) and what the block device holding the run wrote and discarded
+    since the run began (/proc/diskstats, 512-byte sectors; other writers to that disk count too). An iteration bound by its disk shows as GB written at the
+    disk's own rate, with the dirty bytes near their limit."""
+
+    def __init__(self, folder: str, period_s: float = 1.0):
+        while not os.path.isdir(folder):  # the run's folder, or the nearest that exists
+            folder = os.path.dirname(folder)
+        dev = os.stat(folder).st_dev
+        self.device = f"{os.major(dev)}:{os.minor(dev)}"
+        self.samples: list[list[float]] = []
+        self.t0, self.period_s, self.stopped = time.time(), period_s, threading.Event()
+        self.start = self._read()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> list[float] | None:
+        """[seconds since start, dirty GB, writeback GB, written GB, discarded GB] (None: not Linux)."""
+        try:
+            meminfo = {line.split(":")[0]: int(line.split()[1]) for line in open("/proc/meminfo")}
+            sectors = next(([int(f[9]), int(f[16]) if len(f) > 16 else 0] for f in map(str.split, open("/proc/diskstats"))
+                            if f"{f[0]}:{f[1]}" == self.device), [0, 0])
+        except (OSError, ValueError, IndexError, KeyError):
+            return None
+        return [round(time.time() - self.t0, 2), meminfo["Dirty"] / 1e6, meminfo["Writeback"] / 1e6,
+                sectors[0] * 512 / 1e9, sectors[1] * 512 / 1e9]
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.period_s):
+            if (sample := self._read()) is not None:
+                self.samples.append(sample)
+
+    def result(self) -> dict | None:
+        self.stopped.set()
+        self.thread.join()
+        if self.start is None or not self.samples:
+            return None
+        last, wall = self.samples[-1], self.samples[-1][0] - self.start[0]
+        dirty = [x[1] for x in self.samples]
+        return {"device": self.device, "written_gb": round(last[3] - self.start[3], 2),
+                "discarded_gb": round(last[4] - self.start[4], 2),
+                "written_gb_per_s": round((last[3] - self.start[3]) / wall, 3) if wall > 0 else None,
+                "dirty_gb_max": round(max(dirty), 2), "dirty_gb_mean": round(sum(dirty) / len(dirty), 2),
+                "samples": [[round(t, 2), round(d, 3), round(w, 3), round(gb - self.start[3], 3), round(dis - self.start[4], 3)]
+                            for t, d, w, gb, dis in self.samples],
+                "columns": ["s", "dirty_gb", "writeback_gb", "written_gb since the start", "discarded_gb since the start"]}
+
+
 def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float | None, log_path: str, echo,
                  compile_cache: str | None = None) -> dict:
     """`llamarl run SPEC` in its own process group; the start time of every stage (from its
@@ -313,6 +363,7 @@ def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float 
         env["TORCHINDUCTOR_CACHE_DIR"] = compile_cache
         env["TRITON_CACHE_DIR"] = os.path.join(compile_cache, "triton")  # the sampler's kernel: cold too
     cmd = [sys.executable, "-m", "llamarl.pipeline.cli", "run", spec]
+    disk = DiskActivity(run_dir)
     t0 = time.time()
     # cwd: not the repo root, whose llamarl/ folder would hide an installed (non-editable) llamarl.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -363,7 +414,7 @@ def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float 
         time.sleep(0.2)
     t_end = time.time()
     reader.join(timeout=10)
-    return {"rc": proc.returncode, "t0": t0, "t_end": t_end, "starts": starts, "order": order, "killed": killed,
+    return {"rc": proc.returncode, "t0": t0, "t_end": t_end, "disk": disk.result(), "starts": starts, "order": order, "killed": killed,
             "error": errors[-1] if errors else None, "exception": last_exception[0], "overlapped": overlapped[0],
             "elsewhere": elsewhere}
 
@@ -1100,7 +1151,7 @@ def main():
                    "resident": resident,
                    "spec": spec, "log": log, "status": "ok" if ok else ("timeout" if res["killed"] else "failed"),
                    "error": None if ok else (res["killed"] or res["error"] or res["exception"] or f"exit status {res['rc']}"),
-                   "stages": stages,
+                   "stages": stages, "disk": res["disk"],
                    "iteration": iteration_numbers(stages, res, devices) if args.iterations == 1 else {}}
             if several:
                 run.update(name=name, max_staleness=staleness, gpus=devices, executor=executor_spec(lay, split_gpus, resident),
