@@ -17,7 +17,9 @@ about 17 GB: fp32 masters and two Adam moments). Each row writes (or only moves)
 
 ``--rounds N`` then writes the state N times more as ppo's iterations do: a gap of ``--gap`` s
 between writes (the update), and the state before deleted once the next is written (keep-last-1),
-each write timed: how far a run's earlier writes, still on their way to the disk, slow the next.
+each write timed: how far a run's earlier writes, still on their way to the disk, slow the next;
+``--free-pinned`` gives torch's cached pinned host blocks back after each, which otherwise stay
+(about the state's size) and leave the page cache that much less.
 
 with the page-cache settings (``/proc/sys/vm/dirty_*``) and the disk's free space. Writes JSON to
 bench/results/state_write-<device>-<date>.json.
@@ -98,17 +100,31 @@ def xxh3(bufs: list[torch.Tensor], threads: int) -> None:
         list(pool.map(one, range(threads)))
 
 
-def steady(checkpoint, state: list[torch.Tensor], work: str, rounds: int, gap: float) -> list[float]:
-    """Each round's write, as ppo's iterations write it: ``gap`` s apart, the one before deleted after."""
-    times = []
+def steady(checkpoint, state: list[torch.Tensor], work: str, rounds: int, gap: float, free_pinned: bool) -> dict:
+    """Each round's write, as ppo's iterations write it: ``gap`` s apart, the one before deleted
+    after; with ``free_pinned``, torch's cached pinned host blocks given back after each (what a
+    resident worker holds between stages otherwise, and what the page cache then lacks)."""
+    times, pinned = [], []
     for r in range(rounds):
         t = timed(lambda: checkpoint.save({f"t{i}": x for i, x in enumerate(state)}, f"{work}/round-{r}", threads=8))
         times.append(round(t, 3))
-        print(f"round {r}: {t:.2f} s", flush=True)
+        pinned.append(_pinned_gb())
+        print(f"round {r}: {t:.2f} s, {pinned[-1]} GB pinned by torch's host cache", flush=True)
+        if free_pinned and torch.cuda.is_available():
+            empty = getattr(torch._C, "_host_emptyCache", None) or getattr(torch._C, "_accelerator_emptyHostCache", None)
+            if empty is not None:
+                empty()
         if r:
             shutil.rmtree(f"{work}/round-{r - 1}")
         time.sleep(gap)
-    return times
+    return {"s": times, "pinned_gb": pinned, "free_pinned": free_pinned}
+
+
+def _pinned_gb() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    stats = torch.cuda.host_memory_stats()
+    return round(stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0)) / 1e9, 2)
 
 
 def vm_settings() -> dict:
@@ -130,6 +146,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--gap", type=float, default=10.0)
+    ap.add_argument("--free-pinned", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from llamarl.lib.files import checkpoint
@@ -165,13 +182,14 @@ def main() -> None:
                 for f in os.listdir(work):
                     os.remove(f"{work}/{f}")
         free = shutil.disk_usage(work).free
-        rounds = steady(checkpoint, state, work, args.rounds, args.gap)
+        rounds = steady(checkpoint, state, work, args.rounds, args.gap, args.free_pinned)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gb = total / 1e9
     result = {"bench": "state_write", "device": device_name(dev), "date": time.strftime("%Y-%m-%d"),
               "bytes": total, "tensors": args.tensors, "vm": vm_settings(), "disk_free_bytes": free,
-              "rounds_s": rounds, "gap_s": args.gap,
+              "rounds_s": rounds["s"], "rounds_pinned_gb": rounds["pinned_gb"], "free_pinned": args.free_pinned,
+              "gap_s": args.gap,
               "rows": {k: {"s": round(s, 3), "GB_per_s": round(gb / s, 2)} for k, s in rows.items()}}
     for k, v in result["rows"].items():
         print(f"{k:32s} {v['s']:7.2f} s {v['GB_per_s']:7.2f} GB/s", flush=True)

@@ -253,8 +253,11 @@ def state_write(path: str) -> list[str]:
            "| what | s | GB/s |", "|---|---|---|"]
     out += [f"| {name} | {v['s']:.2f} | {v['GB_per_s']:.2f} |" for name, v in r["rows"].items()]
     if r.get("rounds_s"):
-        out += ["", f"Written again {len(r['rounds_s'])} times, {r['gap_s']:.0f} s apart, the one before deleted "
-                    f"after each (ppo's iterations): {', '.join(f'{s:.2f}' for s in r['rounds_s'])} s."]
+        pinned = [p for p in r.get("rounds_pinned_gb") or [] if p is not None]
+        out += ["", f"Written again {len(r['rounds_s'])} times, {r['gap_s']:g} s apart, the one before deleted "
+                    f"after each (ppo's iterations): {', '.join(f'{s:.2f}' for s in r['rounds_s'])} s"
+                    + (f"; torch's host cache held {', '.join(f'{p:g}' for p in pinned)} GB pinned after each"
+                       + (", given back each time" if r.get("free_pinned") else "") if pinned else "") + "."]
     vm = r.get("vm", {})
     out += ["", f"Page cache: dirty_background_ratio {vm.get('dirty_background_ratio')}, dirty_ratio "
                 f"{vm.get('dirty_ratio')}; {r['disk_free_bytes'] / 1e9:.0f} GB free on the disk."]
