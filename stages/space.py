@@ -76,9 +76,8 @@ def _room(cfg: StageConfig, out: str, where: str, need: Need) -> str | None:
     """None once ``need`` fits at ``where`` (waiting for the trash where it frees enough), else the refusal."""
     if _short(need, where) == "wait":
         _free_once_deleted(out, where, need.bytes - need.cleared)
-    if _short(need, where) is None:
-        return None
-    return _refusal(cfg, out, need, shutil.disk_usage(where).free)
+    free = shutil.disk_usage(where).free  # the trash is not counted again: what it freed is free
+    return None if need.bytes <= free + need.cleared else _refusal(cfg, out, need, free)
 
 
 @dataclass

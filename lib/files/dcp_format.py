@@ -125,9 +125,9 @@ class _Crc32Off:
 
     def __enter__(self) -> None:
         with _Crc32Off._lock:
-            before = torch.serialization.get_crc32_options() if _Crc32Off._writers == 0 else _Crc32Off._before
-            torch.serialization.set_crc32_options(False)
-            _Crc32Off._before = before
+            if _Crc32Off._writers == 0:
+                _Crc32Off._before = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)  # where torch keeps it per thread: this one's
             _Crc32Off._writers += 1  # counted once it is off: a failed call above leaves nothing to undo
 
     def __exit__(self, *exc) -> None:
