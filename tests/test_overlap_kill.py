@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 
 import pytest
 import yaml
@@ -36,6 +37,16 @@ SMALL = dict(iterations=3, reward_model=None, layout=demo.OVERLAP_LAYOUT, execut
 
 def _running(run_dir: str) -> list[str]:
     return sorted(name.removesuffix(".json") for name, r in _records(run_dir).items() if r.get("status") == "running")
+
+
+def _longest_overlap_s(run_dir: str, a: str, b: str) -> float:
+    """The longest time a stage ``a`` (ppo) and a stage ``b`` (rollout) ran at once in a finished
+    run, from its records' start and finish times."""
+    def span(r):
+        return tuple(datetime.fromisoformat(r[k].replace("Z", "+00:00")).timestamp() for k in ("started", "finished"))
+    spans = [(name.split(".")[-2], span(r)) for name, r in _records(run_dir).items() if r.get("started")]
+    return max((min(x[1], y[1]) - max(x[0], y[0]) for sx, x in spans if sx == a for sy, y in spans if sy == b),
+               default=0.0)
 
 
 def _run_killed(spec: str, run_dir: str, after: int, delay: float, beside: str | None) -> tuple[list[str], list[str]]:
@@ -105,21 +116,27 @@ def test_overlapped_run_killed_at_random_moments_then_rerun_gives_the_same_bytes
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(beside" in proc.stdout
     whole = time.monotonic() - t0
+    # The one ppo beside a rollout (ppo 2, rollout 3) lasts about a second: kill 2's moment is a
+    # seeded share of that, not of a fixed span that can outlast it (then the kill would land
+    # wherever two stages next run at once, or nowhere: the run may end first).
+    beside_s = _longest_overlap_s(ref_dir, "ppo", "rollout")
+    assert beside_s > 0, "no ppo ran beside a rollout in the uninterrupted run"
 
     rng = random.Random(SEED)
     # (after the run's n-th stage start, seconds after it, on a stage started beside another like
     # this): while the first two rollouts run; while a ppo trains beside the next rollout; anywhere.
-    plan = [(1, rng.uniform(0.0, 1.5), ""), (1, rng.uniform(0.0, 2.0), r"ppo.*beside.*rollout|rollout.*beside.*ppo"),
+    plan = [(1, rng.uniform(0.0, 1.5), ""), (1, rng.uniform(0.0, 0.5) * beside_s, r"ppo.*beside.*rollout|rollout.*beside.*ppo"),
             (rng.randint(1, 3), rng.uniform(0.5, 3.0), None)]
     hits, stages = [], len(_records(ref_dir))
-    for n, delay, beside in plan:
+    for kill, (n, delay, beside) in enumerate(plan, 1):
         # A kill that landed late (the moment two stages run may come only at the export) leaves
         # few stages to start: the n-th start is then one that is not the run's last.
         done = _records(killed_dir) if os.path.isdir(os.path.join(killed_dir, "pipeline")) else {}
         left = stages - sum(r.get("status") == "done" for r in done.values())
         started, running = _run_killed(str(killed), killed_dir, min(n, max(1, left - 1)), delay, beside)
-        assert started, f"the run ended before kill {len(hits) + 1}: {hits}"
+        assert started, f"the run ended before kill {kill}: {hits}"
         assert beside is None or len(running) >= 2, running
+        assert kill != 2 or {r.split(".")[-1] for r in running} >= {"ppo", "rollout"}, running
         hits.append((started[-1], running))
     print(f"uninterrupted run {whole:.0f} s; killed (last stage started, stages running): {hits}")
     rerun_redoing_nothing_finished(str(killed), killed_dir)
