@@ -303,9 +303,12 @@ class GpuMemory:
 
 class DiskActivity:
     """What a run asks of its disk, sampled every second while it runs: the page cache's dirty and
-    writeback bytes (/proc/meminfo) and what the block device holding the run wrote and discarded
-    since the run began (/proc/diskstats, 512-byte sectors; other writers to that disk count too). An iteration bound by its disk shows as GB written at the
-    disk's own rate, with the dirty bytes near their limit."""
+    writeback bytes (/proc/meminfo), the kernel's dirty limits now (/proc/vmstat: a writer is
+    throttled to the disk's rate above the limit; writeback starts above the background one, both
+    a share of the memory not pinned or in use) and what the block device holding the run wrote
+    and discarded since the run began (/proc/diskstats, 512-byte sectors; other writers to that
+    disk count too). An iteration bound by its disk shows as GB written at the disk's own rate,
+    with the dirty bytes at their limit."""
 
     def __init__(self, folder: str, period_s: float = 1.0):
         while not os.path.isdir(folder):  # the run's folder, or the nearest that exists
@@ -319,15 +322,18 @@ class DiskActivity:
         self.thread.start()
 
     def _read(self) -> list[float] | None:
-        """[seconds since start, dirty GB, writeback GB, written GB, discarded GB] (None: not Linux)."""
+        """[seconds since start, dirty GB, writeback GB, written GB, discarded GB, dirty limit GB,
+        background limit GB] (None: not Linux)."""
         try:
             meminfo = {line.split(":")[0]: int(line.split()[1]) for line in open("/proc/meminfo")}
+            vmstat = {k: int(v) * os.sysconf("SC_PAGE_SIZE") / 1e9 for k, v in map(str.split, open("/proc/vmstat"))}
             sectors = next(([int(f[9]), int(f[16]) if len(f) > 16 else 0] for f in map(str.split, open("/proc/diskstats"))
                             if f"{f[0]}:{f[1]}" == self.device), [0, 0])
         except (OSError, ValueError, IndexError, KeyError):
             return None
         return [round(time.time() - self.t0, 2), meminfo["Dirty"] / 1e6, meminfo["Writeback"] / 1e6,
-                sectors[0] * 512 / 1e9, sectors[1] * 512 / 1e9]
+                sectors[0] * 512 / 1e9, sectors[1] * 512 / 1e9, vmstat["nr_dirty_threshold"],
+                vmstat["nr_dirty_background_threshold"]]
 
     def _run(self) -> None:
         while not self.stopped.wait(self.period_s):
@@ -345,9 +351,11 @@ class DiskActivity:
                 "discarded_gb": round(last[4] - self.start[4], 2),
                 "written_gb_per_s": round((last[3] - self.start[3]) / wall, 3) if wall > 0 else None,
                 "dirty_gb_max": round(max(dirty), 2), "dirty_gb_mean": round(sum(dirty) / len(dirty), 2),
-                "samples": [[round(t, 2), round(d, 3), round(w, 3), round(gb - self.start[3], 3), round(dis - self.start[4], 3)]
-                            for t, d, w, gb, dis in self.samples],
-                "columns": ["s", "dirty_gb", "writeback_gb", "written_gb since the start", "discarded_gb since the start"]}
+                "dirty_limit_gb_min": round(min(x[5] for x in self.samples), 2),
+                "samples": [[round(t, 2), round(d, 3), round(w, 3), round(gb - self.start[3], 3), round(dis - self.start[4], 3),
+                             round(lim, 2), round(bg, 2)] for t, d, w, gb, dis, lim, bg in self.samples],
+                "columns": ["s", "dirty_gb", "writeback_gb", "written_gb since the start", "discarded_gb since the start",
+                            "dirty_limit_gb", "background_limit_gb"]}
 
 
 def run_pipeline(spec: str, run_dir: str, deadline: float, stage_timeout: float | None, log_path: str, echo,

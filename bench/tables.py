@@ -50,7 +50,9 @@ def e2e(path: str) -> list[str]:
                 out.append(f"| disk (device {disk['device']}, the whole `llamarl run`) | | | | "
                            f"{disk['written_gb']:.1f} GB written ({_fmt(disk['written_gb_per_s'], '.2f')} GB/s), "
                            f"{disk['discarded_gb']:.1f} GB discarded; page cache dirty at most "
-                           f"{disk['dirty_gb_max']:.1f} GB, {disk['dirty_gb_mean']:.1f} on average | |")
+                           f"{disk['dirty_gb_max']:.1f} GB, {disk['dirty_gb_mean']:.1f} on average"
+                           + (f" (the kernel's limit at least {disk['dirty_limit_gb_min']:.1f} GB)"
+                              if "dirty_limit_gb_min" in disk else "") + " | |")
             ratio = _vs_trl(inv, run)
             if timed and ratio is not None:
                 out.append(f"| TRL {inv['versions'].get('trl')} GRPOTrainer, same run, iteration {timed['iteration']} "
