@@ -76,6 +76,7 @@ def run(cfg: PPOConfig) -> None:
     out = cfg.out.rstrip("/")
     if identity.skip_if_current(out, inputs.request, "this PPO iteration is already done"):
         return
+    ppo_kept.reference_from = None  # no reference model read, unless ``frozen_logprobs`` reads one
     if dist.get_rank() == 0:
         clear_published(out)  # what an interrupted run published inside ``out``: written again, whole
     dtype = compute_dtype(cfg.dtype, parallel.device())
@@ -100,7 +101,7 @@ def run(cfg: PPOConfig) -> None:
     lines = metrics_on_rank0(metrics, topo)
     tis = metrics_on_rank0(tis_mine, topo) if cfg.uses_tis() else None
     summary = {**_summary(cfg, inputs, dtype, update_tokens, clock, tis),
-               "models_from": "memory" if kept is not None else "files"}
+               "models_from": "memory" if kept is not None else "files", "reference_from": ppo_kept.reference_from}
     if dist.get_rank() == 0:
         _publish_manifest(cfg, out, inputs, trainers, lines, summary)
     dist.barrier()
@@ -215,7 +216,8 @@ def _batch_terms(cfg: PPOConfig, inputs: _Inputs, actor, critic, dtype, topo):
     groups = micro_batches([i for i in range(len(samples)) if i % topo.dp == topo.dp_rank], samples,
                            cfg.micro_batch_tokens)
     # π_old recomputed before any update (a resumed run recomputes it from the same input actor).
-    ref_logp, actor_logp = frozen_logprobs(cfg, inputs.ref_source, samples, groups, actor, cfg.reference or cfg.actor)
+    ref_logp, actor_logp = frozen_logprobs(cfg, inputs.ref_source, samples, groups, actor, cfg.reference or cfg.actor,
+                                           ppo_kept.model_place(inputs.layout, inputs.model_cfg, dtype, topo))
     old_values = gather_dp(groups, token_outputs(critic, samples, groups, 1.0), topo) if critic is not None else None
     data = advantages(cfg, samples, ref_logp, old_values, dev, actor_logp) if topo.is_last_stage else None
     check = StepCheck(cfg, [s.score for s in samples], dev, dtypes.torch_dtype(inputs.actor["dtype"]))

@@ -1,6 +1,7 @@
 """What a ppo leaves in its process for the next ppo of the run, in a resident worker
 (docs/cluster.md): each role's model and optimizer as it published them, which the next ppo starts
-from instead of reading back its inputs. Files stay the contract: it is taken only when the next
+from instead of reading back its inputs, and the reference model it read, which the next ppo runs
+instead of reading it again. Files stay the contract: it is taken only when the next
 ppo's inputs are exactly what was published from it (each role's weights and training state, by
 output id), at the same step, layout, rank, dtypes and optimizer settings, by every rank, and only
 where reading the files back gives the same numbers (fp32 parameters are their own masters: then
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from llamarl.lib.distributed import collectives
+from llamarl.lib.runtime import job
 from llamarl.lib.distributed.parallel import Topology
 from llamarl.lib.files import publish
 from llamarl.stages import contract
@@ -35,16 +37,20 @@ class Kept:
 
 
 _kept: tuple[tuple, dict[str, Kept]] | None = None  # (where it was made, each role's)
+_reference: tuple[tuple, tuple[str, str | None], torch.nn.Module] | None = None  # (where, its checkpoint, the model)
+reference_from: str | None = None  # where the last ``take_reference``'s stage got its reference model: for its summary
 
 
 def keep(out: str, trainers: dict, where: tuple, store_dtype: torch.dtype) -> None:
     """After the ppo's outputs are published (as ``store_dtype``): keep each role's model and
     optimizer for the next ppo, made ``where`` (``place``'s). Nothing is kept that would crowd the
     device."""
-    global _kept
+    global _kept, _reference
     _kept = None
     if not all(t.opt.separate_masters for t in trainers.values()) and store_dtype != torch.float32:
         return  # fp32 parameters from lower-precision weights: a reread rounds them, memory would not
+    if _reference is not None and not _fits([t.opt for t in trainers.values()], _reference[2]):
+        _drop_reference()  # the cheaper to read again
     if not _fits([t.opt for t in trainers.values()]):
         return
     _kept = where, {name: Kept(t.model, t.opt, _published(f"{out}/{name}"),
@@ -69,24 +75,57 @@ def take(wanted: dict[str, tuple[str, str | None]], where: tuple, topo: Topology
     return kept[1]
 
 
-def place(cfg, layout, model_cfg, dtype, topo: Topology, step: int) -> tuple:
-    """Everything the kept state depends on besides its inputs: rank, layout, model, dtypes,
-    device, the optimizer's settings and the step it reached."""
+def keep_reference(url: str, model: torch.nn.Module, where: tuple) -> None:
+    """After its forward pass: the reference model read from ``url``, made ``where``
+    (``model_place``'s), kept for the next ppo — in a resident worker only (a stage process's
+    memory ends with it; holding the model through the update would only crowd it)."""
+    global _reference
+    _reference = (where, _published(url), model) if job.resident() else None
+
+
+def take_reference(url: str, where: tuple, topo: Topology) -> torch.nn.Module | None:
+    """Collective: the kept reference model when every rank holds it for ``url`` as published now,
+    made ``where``, bound to this stage's groups ``topo``; None otherwise (all ranks read it)."""
+    global _reference, reference_from
+    kept, _reference, reference_from = _reference, None, "files"
+    mine = kept is not None and kept[0] == where and kept[1] == _published(url)
+    if not all(collectives.all_gather_object(mine)):
+        return None
+    _bind_model(kept[2], topo)
+    reference_from = "memory"
+    return kept[2]
+
+
+def _drop_reference() -> None:
+    global _reference
+    _reference = None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # its memory, free for the update or the rollout beside
+
+
+def model_place(layout, model_cfg, dtype, topo: Topology) -> tuple:
+    """Everything a kept model depends on besides its checkpoint: rank, layout, model, dtype, device."""
     return (topo.tp, topo.pp, topo.dp, topo.tp_rank, topo.pp_rank, topo.dp_rank, layout, model_cfg, str(dtype),
-            str(torch.cuda.current_device() if torch.cuda.is_available() else "cpu"), tuple(cfg.betas),
-            cfg.weight_decay, step)
+            str(torch.cuda.current_device() if torch.cuda.is_available() else "cpu"))
+
+
+def place(cfg, layout, model_cfg, dtype, topo: Topology, step: int) -> tuple:
+    """Everything the kept state depends on besides its inputs: ``model_place``'s, the
+    optimizer's settings and the step it reached."""
+    return (*model_place(layout, model_cfg, dtype, topo), tuple(cfg.betas), cfg.weight_decay, step)
 
 
 def _published(url: str) -> tuple[str, str | None]:
     return url.rstrip("/"), publish.output_id(url)
 
 
-def _fits(opts: list) -> bool:
-    """On a GPU, whether the models and optimizer states take at most ``MAX_SHARE_OF_DEVICE`` of it."""
+def _fits(opts: list, reference: torch.nn.Module | None = None) -> bool:
+    """On a GPU, whether the models and optimizer states (and ``reference``) take at most
+    ``MAX_SHARE_OF_DEVICE`` of it."""
     device = opts[0].device
     if device.type != "cuda":
         return True
-    held = 0
+    held = sum(p.numel() * p.element_size() for p in reference.parameters()) if reference is not None else 0
     for opt in opts:
         held += sum(p.numel() * p.element_size() for p in opt.params.values())
         held += sum(t.numel() * t.element_size() for st in opt.inner.state.values() for t in st.values()
@@ -98,10 +137,14 @@ def _fits(opts: list) -> bool:
 
 def _bind(k: Kept, topo: Topology) -> None:
     """The model and optimizer on this stage's process groups: the last stage's are gone."""
-    for module in k.model.modules():
+    _bind_model(k.model, topo)
+    k.opt.topo = topo
+    k.opt.dp_group = topo.groups.dp if topo.dp > 1 else None
+
+
+def _bind_model(model: torch.nn.Module, topo: Topology) -> None:
+    for module in model.modules():
         if hasattr(module, "tp_group"):
             module.tp_group = topo.groups.tp
         if hasattr(module, "topology"):
             module.topology = topo
-    k.opt.topo = topo
-    k.opt.dp_group = topo.groups.dp if topo.dp > 1 else None

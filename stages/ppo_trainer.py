@@ -13,7 +13,7 @@ from llamarl.lib.files import checkpoint
 from llamarl.lib.rl import core as rl, optim
 from llamarl.lib.model import schedule, vocab_parallel
 from llamarl.lib.distributed.parallel import Topology
-from llamarl.stages import contract
+from llamarl.stages import contract, ppo_kept
 from llamarl.stages.config import PPOConfig
 from llamarl.stages.ppo_checks import StepCheck
 from llamarl.stages.ppo_batches import StepBatches, step_batches
@@ -123,22 +123,29 @@ def reference_source(cfg: PPOConfig, reference_id: str, actor_id: str, sampled_b
     return "forward"
 
 
+def reference_model(actor, reference: str):
+    """The reference checkpoint ``reference`` built like the actor and read, for its forward pass."""
+    with torch.device(next(actor.parameters()).device):
+        ref = type(actor)(actor.cfg, actor.layout, dtype=actor.dtype)
+    checkpoint.load_model(ref, f"{reference}/{contract.MODEL}")
+    return ref.eval()
+
+
 def frozen_logprobs(cfg: PPOConfig, source: str, samples: list[Sample], groups: list[list[int]], actor,
-                    reference: str) -> tuple[dict[int, list[float]] | None, dict[int, list[float]] | None]:
+                    reference: str, where: tuple) -> tuple[dict[int, list[float]] | None, dict[int, list[float]] | None]:
     """Collective: π_ref's log-probs (from ``source``, ``reference_source``'s; None for ``none``) and,
     with ``old_logp`` actor, π_old's (the actor's before any update), per sample index over all DP
     ranks, on the last pipeline stage (None elsewhere); this rank runs ``groups``. A forward pass
-    runs only for what nothing else gives: the reference checkpoint ``reference`` is built like the
-    actor, read, run and freed only for ``forward``."""
+    runs only for what nothing else gives: the reference checkpoint ``reference`` runs only for
+    ``forward``, built like the actor (``where``: ``ppo_kept.model_place``'s) and read once a run
+    in a resident worker (stages/ppo_kept.py), once a stage otherwise."""
     topo = actor.topology
     ref_logp = None
     if source == "forward":
-        with torch.device(next(actor.parameters()).device):
-            ref = type(actor)(actor.cfg, actor.layout, dtype=actor.dtype)
-        checkpoint.load_model(ref, f"{reference}/{contract.MODEL}")
-        ref.eval()
+        ref = ppo_kept.take_reference(reference, where, topo) or reference_model(actor, reference)
         ref_logp = gather_dp(groups, token_outputs(ref, samples, groups, cfg.temperature), topo)
-        del ref  # used once per iteration: free its memory for training rather than park it on the host
+        ppo_kept.keep_reference(reference, ref, where)
+        del ref  # in a stage process, its memory is free for training now
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     actor_logp = None

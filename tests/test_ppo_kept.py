@@ -12,6 +12,7 @@ import torch
 
 from llamarl.lib.distributed import parallel
 from llamarl.lib.files import publish
+from llamarl.lib.runtime import job
 from llamarl.stages import contract, ppo_kept
 
 
@@ -84,3 +85,36 @@ def test_a_ppo_that_takes_the_kept_state_verifies_only_the_checkpoints_it_reads(
     verified.clear()
     ppo._verify_inputs(cfg, SimpleNamespace(**{**vars(inputs), "ref_source": "rollout"}), kept=True)
     assert verified == []
+
+
+def test_a_resident_worker_keeps_the_reference_model_for_the_next_ppo_of_the_same_checkpoint(tmp_path, monkeypatch):
+    url, topo, model = str(tmp_path / "shard" / "actor"), parallel.topology(), torch.nn.Linear(2, 2)
+    _publish(url)
+    monkeypatch.setattr(job, "_resident", True)
+    ppo_kept.keep_reference(url, model, ("here",))
+    assert ppo_kept.take_reference(url, ("another layout",), topo) is None  # and what was kept is let go
+    ppo_kept.keep_reference(url, model, ("here",))
+    assert ppo_kept.take_reference(url, ("here",), topo) is model
+    assert ppo_kept.take_reference(url, ("here",), topo) is None  # taken once: the ppo keeps it again
+    ppo_kept.keep_reference(url, model, ("here",))
+    _publish(url)  # published again since: another output id
+    assert ppo_kept.take_reference(url, ("here",), topo) is None
+
+
+def test_a_stage_process_keeps_no_reference_model(tmp_path, monkeypatch):
+    url = str(tmp_path / "shard" / "actor")
+    _publish(url)
+    monkeypatch.setattr(job, "_resident", False)
+    ppo_kept.keep_reference(url, torch.nn.Linear(2, 2), ("here",))
+    assert ppo_kept.take_reference(url, ("here",), parallel.topology()) is None
+
+
+def test_the_reference_gives_way_when_it_and_the_state_would_crowd_the_device(tmp_path, monkeypatch):
+    url = str(tmp_path / "shard" / "actor")
+    _publish(url)
+    monkeypatch.setattr(job, "_resident", True)
+    ppo_kept.keep_reference(url, torch.nn.Linear(2, 2), ("here",))
+    monkeypatch.setattr(ppo_kept, "_fits", lambda opts, reference=None: reference is None)
+    wanted = _kept_ppo(tmp_path, _trainer())
+    assert ppo_kept.take_reference(url, ("here",), parallel.topology()) is None
+    assert ppo_kept.take(wanted, ("here",), parallel.topology()) is not None  # the state stays

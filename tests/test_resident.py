@@ -3,7 +3,7 @@ long-lived workers publishes what a run of a process per stage publishes; a work
 mid-stage fails its stage, and `llamarl run` again finishes with the same bytes; a user error is
 the stage's one line and status 2; a stopped run leaves no worker behind.
 
-Every run here is the same 2-iteration spec on a tiny toy model, at the same path (a rollout's
+Every run here is the same 3-iteration spec on a tiny toy model, at the same path (a rollout's
 parts name the actor they sampled from), with shard, rollout and ppo on 2 ranks, score on 2 and
 export on 1: a stage on fewer ranks than there are workers runs on the first.
 """
@@ -47,7 +47,7 @@ def toy_run(tmp_path_factory):
 
     def make(resident: bool, **options) -> tuple[str, str]:
         data = {"name": "toy", "storage": str(root / "runs"), "actor": str(root / "actor"),
-                "prompts": str(root / "train.jsonl"), "prompts_per_iteration": 8, "seed": 7, "iterations": 2,
+                "prompts": str(root / "train.jsonl"), "prompts_per_iteration": 8, "seed": 7, "iterations": 3,
                 "rollout": {"id_column": "id", "chunk_size": 4,
                             "sampling": {"samples_per_prompt": 2, "max_new_tokens": 4}},
                 "score": {"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio"}]},
@@ -122,9 +122,11 @@ def test_a_resident_run_publishes_the_bytes_of_a_process_per_stage(toy_run, refe
     assert survivors([(pid, None) for pid in next(iter(ranks))]) == {}
     # ppo 2 started from what ppo 1 left in the same workers (stages/ppo_kept.py), at TP 2, and
     # published the bytes of a ppo that read its files.
-    assert [publish.read_manifest(f"{run}/iter-00{i}/ppo")["summary"]["models_from"] for i in (1, 2)] == [
-        "files", "memory"]
-    print(f"2-iteration toy run: resident {wall:.1f}s, a process per stage {process_wall:.1f}s")
+    summaries = [publish.read_manifest(f"{run}/iter-00{i}/ppo")["summary"] for i in (1, 2, 3)]
+    assert [s["models_from"] for s in summaries] == ["files", "memory", "memory"]
+    # The reference: none in ppo 1 (the rollout's log-probs are its own), read by ppo 2, kept for 3.
+    assert [s["reference_from"] for s in summaries] == [None, "files", "memory"]
+    print(f"3-iteration toy run: resident {wall:.1f}s, a process per stage {process_wall:.1f}s")
 
 
 def _cli(*args, env=ENV, timeout=600) -> subprocess.CompletedProcess:

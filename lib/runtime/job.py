@@ -114,6 +114,15 @@ def execute(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None
     return StageResult(0)
 
 
+_resident = False  # ``call``'s stage runs in a resident worker
+
+
+def resident() -> bool:
+    """Whether this stage runs as a call in a resident worker, where what it leaves in memory can
+    serve the next stage; a stage process's memory ends with it."""
+    return _resident
+
+
 def call(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None, *, started: float | None = None) -> int:
     """One stage in this process: ``execute``, with the stack sampler where asked for and the
     failure written to the launcher's exit-status file (``EXIT_STATUS_ENV``); the exit status a
@@ -122,8 +131,10 @@ def call(cls: type[C], run: Callable[[C], Any], argv: list[str] | None = None, *
     begun then. The one path of both a stage process (``main``) and a resident worker."""
     from llamarl.lib.runtime.stack_sampler import from_env
 
+    global _resident
     if not isinstance(sys.stdout, _UnreadStdout):
         sys.stdout = _UnreadStdout(sys.stdout)
+    _resident = started is not None
     outputs.start_stage(started)
     sampler = from_env()  # LLAMARL_STACKS_DIR: every thread's stacks, sampled (lib/runtime/stack_sampler.py)
     try:
