@@ -301,6 +301,18 @@ class GpuMemory:
             self.proc.kill()
 
 
+def _mount_options(folder: str) -> str | None:
+    """The options ``folder``'s file system is mounted with (/proc/mounts; ``discard`` among them
+    makes each delete's TRIMs stall the disk's writes), None off Linux."""
+    try:
+        mounts = [line.split() for line in open("/proc/mounts")]
+    except OSError:
+        return None
+    folder = os.path.realpath(folder)
+    inside = [m for m in mounts if folder == m[1] or folder.startswith(m[1].rstrip("/") + "/")]
+    return max(inside, key=lambda m: len(m[1]))[3] if inside else None
+
+
 class DiskActivity:
     """What a run asks of its disk, sampled every second while it runs: the page cache's dirty and
     writeback bytes (/proc/meminfo), the kernel's dirty limits now (/proc/vmstat: a writer is
@@ -315,6 +327,7 @@ class DiskActivity:
             folder = os.path.dirname(folder)
         dev = os.stat(folder).st_dev
         self.device = f"{os.major(dev)}:{os.minor(dev)}"
+        self.mount_options = _mount_options(folder)
         self.samples: list[list[float]] = []
         self.t0, self.period_s, self.stopped = time.time(), period_s, threading.Event()
         self.start = self._read()
@@ -347,7 +360,7 @@ class DiskActivity:
             return None
         last, wall = self.samples[-1], self.samples[-1][0] - self.start[0]
         dirty = [x[1] for x in self.samples]
-        return {"device": self.device, "written_gb": round(last[3] - self.start[3], 2),
+        return {"device": self.device, "mount_options": self.mount_options, "written_gb": round(last[3] - self.start[3], 2),
                 "discarded_gb": round(last[4] - self.start[4], 2),
                 "written_gb_per_s": round((last[3] - self.start[3]) / wall, 3) if wall > 0 else None,
                 "dirty_gb_max": round(max(dirty), 2), "dirty_gb_mean": round(sum(dirty) / len(dirty), 2),
@@ -583,7 +596,8 @@ def _stage_throughput(node: str, out: str, m: dict | None, st: dict, world: int)
                   mean_score=summary.get("mean_score"), kl=sum(kl) / len(kl) if kl else None,
                   mean_response_length=summary.get("mean_response_length"), dtype=summary.get("dtype"),
                   phases_s=summary.get("seconds") if isinstance(summary.get("seconds"), dict) else None,
-                  update_tok_s_reported=summary.get("update_tokens_per_s"))
+                  update_tok_s_reported=summary.get("update_tokens_per_s"),
+                  models_from=summary.get("models_from"), reference_from=summary.get("reference_from"))
         st["score_and_kl_finite"] = all(isinstance(v, (int, float)) and math.isfinite(v)
                                         for v in (st["mean_score"], st["kl"]))
 

@@ -47,7 +47,10 @@ def e2e(path: str) -> list[str]:
                            f"| | | **{_fmt(its['generated_tok_s_per_gpu'])} gen, {_fmt(its['trained_tok_s_per_gpu'])} "
                            f"trained tok/s/GPU**; two stages at once {its['two_stages_at_once_s']:.1f} s | |")
             if disk := run.get("disk"):
-                out.append(f"| disk (device {disk['device']}, the whole `llamarl run`) | | | | "
+                mounted = disk.get("mount_options")
+                mounted = "" if mounted is None else (", mounted with `discard`" if "discard" in mounted.split(",")
+                                                      else ", mounted without `discard`")
+                out.append(f"| disk (device {disk['device']}{mounted}, the whole `llamarl run`) | | | | "
                            f"{disk['written_gb']:.1f} GB written ({_fmt(disk['written_gb_per_s'], '.2f')} GB/s), "
                            f"{disk['discarded_gb']:.1f} GB discarded; page cache dirty at most "
                            f"{disk['dirty_gb_max']:.1f} GB, {disk['dirty_gb_mean']:.1f} on average"
