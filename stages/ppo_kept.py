@@ -1,7 +1,8 @@
 """What a ppo leaves in its process for the next ppo of the run, in a resident worker
 (docs/cluster.md): each role's model and optimizer as it published them, which the next ppo starts
-from instead of reading back its inputs, and the reference model it read, which the next ppo runs
-instead of reading it again. Files stay the contract: it is taken only when the next
+from instead of reading back its inputs, and the reference model it read, parked in host memory
+(its update's GPU memory is what it would be without), which the next ppo runs instead of reading
+it again. Files stay the contract: it is taken only when the next
 ppo's inputs are exactly what was published from it (each role's weights and training state, by
 output id), at the same step, layout, rank, dtypes and optimizer settings, by every rank, and only
 where reading the files back gives the same numbers (fp32 parameters are their own masters: then
@@ -10,6 +11,7 @@ only when the weights are stored in fp32 too).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,11 +20,16 @@ from llamarl.lib.distributed import collectives
 from llamarl.lib.runtime import job
 from llamarl.lib.distributed.parallel import Topology
 from llamarl.lib.files import publish
+from llamarl.lib.model.offload import ParamOffload
 from llamarl.stages import contract
 
 MAX_SHARE_OF_DEVICE = 1 / 3
 """The most of its GPU's memory that what is kept may hold between stages (the rollout beside
 needs the rest); beyond it, the next ppo reads its files."""
+MAX_SHARE_OF_HOST = 1 / 4
+"""The most of the host's available memory that the reference models parked there by a node's
+workers may take (the page cache of the run's writes needs the rest); beyond it, each ppo reads
+its reference."""
 
 
 @dataclass
@@ -37,7 +44,7 @@ class Kept:
 
 
 _kept: tuple[tuple, dict[str, Kept]] | None = None  # (where it was made, each role's)
-_reference: tuple[tuple, tuple[str, str | None], torch.nn.Module] | None = None  # (where, its checkpoint, the model)
+_reference: tuple[tuple, tuple[str, str | None], ParamOffload] | None = None  # (where, its checkpoint, the model)
 reference_from: str | None = None  # where the last ``take_reference``'s stage got its reference model: for its summary
 
 
@@ -45,12 +52,10 @@ def keep(out: str, trainers: dict, where: tuple, store_dtype: torch.dtype) -> No
     """After the ppo's outputs are published (as ``store_dtype``): keep each role's model and
     optimizer for the next ppo, made ``where`` (``place``'s). Nothing is kept that would crowd the
     device."""
-    global _kept, _reference
+    global _kept
     _kept = None
     if not all(t.opt.separate_masters for t in trainers.values()) and store_dtype != torch.float32:
         return  # fp32 parameters from lower-precision weights: a reread rounds them, memory would not
-    if _reference is not None and not _fits([t.opt for t in trainers.values()], _reference[2]):
-        _drop_reference()  # the cheaper to read again
     if not _fits([t.opt for t in trainers.values()]):
         return
     _kept = where, {name: Kept(t.model, t.opt, _published(f"{out}/{name}"),
@@ -77,30 +82,41 @@ def take(wanted: dict[str, tuple[str, str | None]], where: tuple, topo: Topology
 
 def keep_reference(url: str, model: torch.nn.Module, where: tuple) -> None:
     """After its forward pass: the reference model read from ``url``, made ``where``
-    (``model_place``'s), kept for the next ppo — in a resident worker only (a stage process's
-    memory ends with it; holding the model through the update would only crowd it)."""
+    (``model_place``'s), parked in host memory for the next ppo — in a resident worker only (a
+    stage process's memory ends with it), and only while the worker's ranks' copies take at most
+    ``MAX_SHARE_OF_HOST`` of the host's available memory."""
     global _reference
-    _reference = (where, _published(url), model) if job.resident() else None
+    _reference = None
+    if job.resident() and _fits_host(model):
+        parked = ParamOffload(model, next(model.parameters()).device)
+        parked.to_host()
+        _reference = (where, _published(url), parked)
 
 
 def take_reference(url: str, where: tuple, topo: Topology) -> torch.nn.Module | None:
-    """Collective: the kept reference model when every rank holds it for ``url`` as published now,
-    made ``where``, bound to this stage's groups ``topo``; None otherwise (all ranks read it)."""
+    """Collective: the kept reference model, back on its device, when every rank holds it for
+    ``url`` as published now, made ``where``, bound to this stage's groups ``topo``; None
+    otherwise (all ranks read it)."""
     global _reference, reference_from
     kept, _reference, reference_from = _reference, None, "files"
     mine = kept is not None and kept[0] == where and kept[1] == _published(url)
     if not all(collectives.all_gather_object(mine)):
         return None
-    _bind_model(kept[2], topo)
+    kept[2].to_device()
+    _bind_model(kept[2].model, topo)
     reference_from = "memory"
-    return kept[2]
+    return kept[2].model
 
 
-def _drop_reference() -> None:
-    global _reference
-    _reference = None
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # its memory, free for the update or the rollout beside
+def _fits_host(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters, once for each rank on this host, take at most
+    ``MAX_SHARE_OF_HOST`` of its available memory (Linux; elsewhere: yes)."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return True
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return ranks * sum(p.numel() * p.element_size() for p in model.parameters()) <= MAX_SHARE_OF_HOST * available
 
 
 def model_place(layout, model_cfg, dtype, topo: Topology) -> tuple:
@@ -119,13 +135,12 @@ def _published(url: str) -> tuple[str, str | None]:
     return url.rstrip("/"), publish.output_id(url)
 
 
-def _fits(opts: list, reference: torch.nn.Module | None = None) -> bool:
-    """On a GPU, whether the models and optimizer states (and ``reference``) take at most
-    ``MAX_SHARE_OF_DEVICE`` of it."""
+def _fits(opts: list) -> bool:
+    """On a GPU, whether the models and optimizer states take at most ``MAX_SHARE_OF_DEVICE`` of it."""
     device = opts[0].device
     if device.type != "cuda":
         return True
-    held = sum(p.numel() * p.element_size() for p in reference.parameters()) if reference is not None else 0
+    held = 0
     for opt in opts:
         held += sum(p.numel() * p.element_size() for p in opt.params.values())
         held += sum(t.numel() * t.element_size() for st in opt.inner.state.values() for t in st.values()

@@ -109,12 +109,10 @@ def test_a_stage_process_keeps_no_reference_model(tmp_path, monkeypatch):
     assert ppo_kept.take_reference(url, ("here",), parallel.topology()) is None
 
 
-def test_the_reference_gives_way_when_it_and_the_state_would_crowd_the_device(tmp_path, monkeypatch):
+def test_no_reference_is_parked_where_the_ranks_copies_would_crowd_the_host(tmp_path, monkeypatch):
     url = str(tmp_path / "shard" / "actor")
     _publish(url)
     monkeypatch.setattr(job, "_resident", True)
+    monkeypatch.setattr(ppo_kept, "MAX_SHARE_OF_HOST", 0.0)
     ppo_kept.keep_reference(url, torch.nn.Linear(2, 2), ("here",))
-    monkeypatch.setattr(ppo_kept, "_fits", lambda opts, reference=None: reference is None)
-    wanted = _kept_ppo(tmp_path, _trainer())
     assert ppo_kept.take_reference(url, ("here",), parallel.topology()) is None
-    assert ppo_kept.take(wanted, ("here",), parallel.topology()) is not None  # the state stays
