@@ -1,9 +1,9 @@
 """What a ppo leaves in its process for the next ppo of the run, in a resident worker
 (docs/cluster.md): each role's model and optimizer as it published them, which the next ppo starts
-from instead of reading back its inputs, and the reference model it read, parked in host memory
-(its update's GPU memory is what it would be without), which the next ppo runs instead of reading
-it again. Files stay the contract: it is taken only when the next
-ppo's inputs are exactly what was published from it (each role's weights and training state, by
+from instead of reading back its inputs; and the reference model it read, parked in host memory
+(the update's GPU memory is what it would be without it), which the next ppo runs instead of
+reading it again. Files stay the contract: it is taken only when the next ppo's inputs are exactly
+what was published from it (each role's weights and training state, the reference checkpoint, by
 output id), at the same step, layout, rank, dtypes and optimizer settings, by every rank, and only
 where reading the files back gives the same numbers (fp32 parameters are their own masters: then
 only when the weights are stored in fp32 too).
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from llamarl.lib.distributed import collectives
-from llamarl.lib.runtime import job
 from llamarl.lib.distributed.parallel import Topology
 from llamarl.lib.files import publish
 from llamarl.lib.model.offload import ParamOffload
+from llamarl.lib.runtime import job
 from llamarl.stages import contract
 
 MAX_SHARE_OF_DEVICE = 1 / 3
@@ -110,10 +110,12 @@ def take_reference(url: str, where: tuple, topo: Topology) -> torch.nn.Module | 
 
 def _fits_host(model: torch.nn.Module) -> bool:
     """Whether ``model``'s parameters, once for each rank on this host, take at most
-    ``MAX_SHARE_OF_HOST`` of its available memory (Linux; elsewhere: yes)."""
+    ``MAX_SHARE_OF_HOST`` of its available memory (``MemAvailable``: free, or page cache the kernel
+    can drop; where /proc/meminfo does not say: yes)."""
     try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
         return True
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return ranks * sum(p.numel() * p.element_size() for p in model.parameters()) <= MAX_SHARE_OF_HOST * available

@@ -145,7 +145,7 @@ def frozen_logprobs(cfg: PPOConfig, source: str, samples: list[Sample], groups: 
         ref = ppo_kept.take_reference(reference, where, topo) or reference_model(actor, reference)
         ref_logp = gather_dp(groups, token_outputs(ref, samples, groups, cfg.temperature), topo)
         ppo_kept.keep_reference(reference, ref, where)
-        del ref  # in a stage process, its memory is free for training now
+        del ref  # its GPU memory, free for the update (a resident worker parked it on the host)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     actor_logp = None
