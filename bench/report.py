@@ -89,8 +89,8 @@ def vs_trl(hidden: int, staleness: int, level: float) -> Measure:
             how = f"{run['workload']} at {run['layout']}" + (", resident workers" if run.get("resident") else "")
             if (iterations := (run.get("iterations") or {}).get("iterations")) is not None:
                 how += f", {iterations} iterations"
-            if (mounted := (run.get("disk") or {}).get("mount_options")) is not None:
-                how += ", disk with `discard`" if "discard" in mounted.split(",") else ", disk without `discard`"
+            if (mounted := tables.discard(run.get("disk"))) is not None:
+                how += f", disk {mounted}"
             return f"{_times(ratio, level)} ({how})", _verdict((ratio >= level, ""))
     return measure
 

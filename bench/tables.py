@@ -19,6 +19,15 @@ def _load(path: str):
     return [json.loads(line) for line in open(path)] if path.endswith(".jsonl") else json.load(open(path))
 
 
+def discard(disk: dict | None) -> str | None:
+    """"with `discard`" or "without `discard`": how a run's disk was mounted (``DiskActivity``'s
+    ``mount_options``), None where the run did not record it."""
+    options = (disk or {}).get("mount_options")
+    if options is None:
+        return None
+    return "with `discard`" if "discard" in options.split(",") else "without `discard`"
+
+
 def e2e(path: str) -> list[str]:
     out = []
     for inv in _load(path)["invocations"]:
@@ -47,9 +56,7 @@ def e2e(path: str) -> list[str]:
                            f"| | | **{_fmt(its['generated_tok_s_per_gpu'])} gen, {_fmt(its['trained_tok_s_per_gpu'])} "
                            f"trained tok/s/GPU**; two stages at once {its['two_stages_at_once_s']:.1f} s | |")
             if disk := run.get("disk"):
-                mounted = disk.get("mount_options")
-                mounted = "" if mounted is None else (", mounted with `discard`" if "discard" in mounted.split(",")
-                                                      else ", mounted without `discard`")
+                mounted = "" if (how := discard(disk)) is None else f", mounted {how}"
                 out.append(f"| disk (device {disk['device']}{mounted}, the whole `llamarl run`) | | | | "
                            f"{disk['written_gb']:.1f} GB written ({_fmt(disk['written_gb_per_s'], '.2f')} GB/s), "
                            f"{disk['discarded_gb']:.1f} GB discarded; page cache dirty at most "
