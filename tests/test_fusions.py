@@ -22,7 +22,7 @@ import torch
 
 import tiny
 from distpool import interpreter_pool, triton_available
-from llamarl.lib.model import attention, layers, vocab_parallel
+from llamarl.lib.model import attention, layers, swiglu_kernel, vocab_parallel
 from llamarl.lib.rl import optim
 from llamarl.lib.distributed import parallel
 from llamarl.lib.model.config import ParallelLayout, pad_vocab
@@ -70,10 +70,19 @@ def fused_vs_eager(tp=1, sp=False, rmpad=True, device="cpu", dtype=torch.float32
     }
 
 
+def count_swiglu_backwards(monkeypatch) -> list:
+    """The calls of the regions' SwiGLU backward op (on CPU, its reference formula)."""
+    calls, reference = [], swiglu_kernel.backward_reference
+    monkeypatch.setattr(swiglu_kernel, "backward_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
+    return calls
+
+
 def test_fused_regions_match_eager_on_cpu(monkeypatch):
     # Inductor's CPU code computes the regions in fp32 like the eager ops: agreement to rounding.
     monkeypatch.setenv(layers.FUSED_LAYERS_ENV, "0")  # the four small regions (TP > 1's)
+    swiglu_backwards = count_swiglu_backwards(monkeypatch)
     errs = fused_vs_eager(rmpad=True)
+    assert swiglu_backwards, "the SwiGLU region's backward is lib.model.swiglu_kernel's op"
     assert max(errs.values()) < 1e-5, errs
     errs = fused_vs_eager(rmpad=False)  # the padded (SDPA) path; the regions are already compiled
     assert max(errs.values()) < 1e-5, errs
@@ -82,7 +91,9 @@ def test_fused_regions_match_eager_on_cpu(monkeypatch):
 def test_fused_layers_match_eager_on_cpu(monkeypatch):
     # LLAMARL_FUSED_LAYERS=1 (the default at TP 1): a layer as two regions with its matmuls inside.
     monkeypatch.setenv(layers.FUSED_LAYERS_ENV, "1")
+    swiglu_backwards = count_swiglu_backwards(monkeypatch)
     errs = fused_vs_eager(rmpad=True)
+    assert swiglu_backwards, "the SwiGLU in the layer's second region has lib.model.swiglu_kernel's backward"
     assert max(errs.values()) < 1e-5, errs
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from llamarl.lib.model import mappings
+from llamarl.lib.model import mappings, swiglu_kernel
 from llamarl.lib.distributed.parallel import group_rank, group_size
 
 
@@ -283,8 +283,11 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def swiglu(gate_up: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` of the gate_up projection ``[tokens, 2 * ffn]``; ``fused``: one compiled
-    kernel, keeping only ``gate_up`` for backward (SiLU recomputed there)."""
-    return compiled_region(region_swiglu, 0)(gate_up) if fused else region_swiglu(gate_up)
+    kernel, keeping only ``gate_up`` for backward (SiLU recomputed there: ``region_swiglu``)."""
+    if fused:
+        return compiled_region(region_swiglu, 0)(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 # ---- fused elementwise regions ---------------------------------------------------------------
@@ -328,8 +331,8 @@ def region_add_rms_norm(x, residual, weight, eps: float):
 
 
 def region_swiglu(gate_up):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """Inductor fuses the forward; the backward is one pass of its own (lib.model.swiglu_kernel)."""
+    return swiglu_kernel.SwiGLU.apply(gate_up)
 
 
 @functools.cache
