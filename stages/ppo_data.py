@@ -6,6 +6,7 @@ log-prob, value, advantage), so a response occupies positions ``prompt_len - 1 �
 
 from __future__ import annotations
 
+import heapq
 import zlib
 from dataclasses import dataclass
 
@@ -106,24 +107,64 @@ def mini_batch(cfg: PPOConfig, n: int, k: int) -> tuple[int, list[int]]:
     return epoch, perm[j * cfg.mini_batch_size : (j + 1) * cfg.mini_batch_size]
 
 
+# samples × micro-batches up to which a balanced split is tried: ~30 ms of host time at most,
+# spent while the device runs the step before (stages/ppo_batches.py).
+BALANCE_WORK = 100_000
+
+
 def micro_batches(indices: list[int], samples: list[Sample], budget: int) -> list[list[int]]:
     """``indices`` packed into micro-batches of at most ``budget`` tokens each (a longer sequence
-    alone), first-fit decreasing, each listing its samples in ``indices``' order. The model packs a
-    micro-batch's sequences back to back, so its cost is its tokens, not rows × longest. The packing
-    depends only on the lengths; the update depends on it only by rounding."""
+    alone), each listing its samples in ``indices``' order. The model packs a micro-batch's
+    sequences back to back, so its cost is its tokens, not rows × longest, and each micro-batch costs
+    the host its launches whatever its size: as few as fit. First-fit decreasing; where that leaves
+    more than the tokens need, a balanced split into fewer (``_balanced``) when every part fits.
+    The packing depends only on the lengths; the update depends on it only by rounding."""
+    size = {i: len(samples[i].ids) for i in indices}
+    order = sorted(indices, key=lambda i: -size[i])  # stable: ties keep their order
+    groups = _first_fit(order, size, budget)
+    fewest = -(-sum(size.values()) // budget)
+    if max(size.values(), default=0) <= budget and len(order) * len(groups) <= BALANCE_WORK:
+        for k in range(len(groups) - 1, fewest - 1, -1):  # one fewer at a time, while they fit
+            parts = _balanced(order, size, k)
+            if max(sum(size[i] for i in p) for p in parts) > budget:
+                break
+            groups = parts
+    place = {i: k for k, i in enumerate(indices)}
+    return [sorted(g, key=place.__getitem__) for g in groups]
+
+
+def _first_fit(order: list[int], size: dict[int, int], budget: int) -> list[list[int]]:
+    """Each of ``order`` into the first micro-batch with room, a new one where none has."""
     bins: list[list[int]] = []
     room: list[int] = []
-    for i in sorted(indices, key=lambda i: -len(samples[i].ids)):  # stable: ties keep their order
-        n = len(samples[i].ids)
-        b = next((b for b, r in enumerate(room) if n <= r), None)
+    for i in order:
+        b = next((b for b, r in enumerate(room) if size[i] <= r), None)
         if b is None:
             bins.append([])
             room.append(budget)
             b = len(bins) - 1
         bins[b].append(i)
-        room[b] -= n
-    place = {i: k for k, i in enumerate(indices)}
-    return [sorted(b, key=place.__getitem__) for b in bins]
+        room[b] -= size[i]
+    return bins
+
+
+def _balanced(order: list[int], size: dict[int, int], k: int) -> list[list[int]]:
+    """``order`` (longest first) split into ``k`` parts of near-equal tokens by the largest
+    differencing method (Karmarkar–Karp): the two partial splits that differ most are merged, the
+    heaviest part of one with the lightest of the other, until one split is left. Parts longest
+    first; ties broken by arrival, so the split depends only on the lengths."""
+    heap = []
+    for n, i in enumerate(order):
+        parts = [(size[i], [i])] + [(0, []) for _ in range(k - 1)]
+        heapq.heappush(heap, (-size[i], n, parts))
+    n = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = sorted(((sa + sb, pa + pb) for (sa, pa), (sb, pb) in zip(a, reversed(b))), key=lambda t: -t[0])
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], n, merged))
+        n += 1
+    return [p for _, p in heap[0][2] if p]
 
 
 def packing_stats(groups: list[list[int]], samples: list[Sample], budget: int) -> dict:

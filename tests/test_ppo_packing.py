@@ -1,11 +1,14 @@
-"""ppo's micro-batches: packed to a token budget (first-fit decreasing), and an update that does not
-depend on the packing."""
+"""ppo's micro-batches: packed to a token budget (first-fit decreasing, or a balanced split into
+fewer), and an update that does not depend on the packing."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
+from llamarl.stages import ppo_data
 from llamarl.stages.ppo_data import Sample, micro_batches, packing_stats
 
 
@@ -33,9 +36,37 @@ def test_micro_batches_fill_the_budget_longest_first():
 def test_ragged_batches_pack_into_fewer_fuller_micro_batches():
     samples = _samples(_ragged())  # 16384 tokens
     stats = packing_stats(micro_batches(list(range(16)), samples, 4096), samples, 4096)
-    assert stats["tokens"] == 16384 and stats["micro_batches"] == 5  # 4 would need an exact fit
+    # First-fit decreasing leaves 5; the balanced split finds the exact fit into 4.
+    assert stats["tokens"] == 16384 and stats["micro_batches"] == 4 and stats["budget_unused"] == 0
     # Equal lengths pack as before: two of 2048 a micro-batch.
     assert micro_batches(list(range(8)), _samples([2048] * 8), 4096) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_balanced_split_is_taken_only_where_it_saves_micro_batches_within_the_budget():
+    rng = random.Random(0)
+    saved = 0
+    for _ in range(400):
+        lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 40))]
+        budget = rng.randint(60, 130)
+        samples = _samples(lengths)
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        first_fit = ppo_data._first_fit(order, dict(enumerate(lengths)), budget)
+        groups = micro_batches(list(range(len(lengths))), samples, budget)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in g) <= budget for g in groups)
+        assert all(g == sorted(g) for g in groups)  # each in the given order
+        assert -(-sum(lengths) // budget) <= len(groups) <= len(first_fit)
+        if len(groups) == len(first_fit):
+            assert groups == [sorted(g) for g in first_fit]  # nothing saved: first-fit's, unchanged
+        saved += len(groups) < len(first_fit)
+    assert saved, "no case where the balanced split saved a micro-batch: the test tests nothing"
+
+
+def test_no_balanced_split_is_tried_beyond_its_host_budget(monkeypatch):
+    # 16 ragged samples need 4 micro-batches where first-fit takes 5: past BALANCE_WORK, 5 stay.
+    monkeypatch.setattr(ppo_data, "BALANCE_WORK", 16 * 5 - 1)
+    samples = _samples(_ragged())
+    assert len(micro_batches(list(range(16)), samples, 4096)) == 5
 
 
 def _one_step(cfg_json: dict, lengths: list[int], budget: int) -> dict:
