@@ -19,7 +19,7 @@ PACKAGES = {"lib": "llamarl.lib", "stages": "llamarl.stages", "pipeline": "llama
 FLOORS = [  # highest first; a module's floor is its longest matching prefix
     ("llamarl.pipeline",), ("llamarl.cluster",), ("llamarl.stages",), ("llamarl.lib.runtime",), ("llamarl.lib.rl",),
     ("llamarl.lib.files", "llamarl.lib.engine"), ("llamarl.lib.model",), ("llamarl.lib.distributed",),
-    ("llamarl.lib.errors", "llamarl.lib.dtypes", "llamarl.lib.options"),
+    ("llamarl.lib.errors", "llamarl.lib.dtypes", "llamarl.lib.options", "llamarl.lib.kernel_switch"),
 ]
 
 

@@ -15,10 +15,11 @@ in Triton's interpreter on CPU, with ``TRITON_INTERPRET=1``: for the tests).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
+
+from llamarl.lib.kernel_switch import kernel_wanted
 
 ENV = "LLAMARL_FUSED_SWIGLU"
 BLOCK = 2048  # columns a program; 512-4096 measure within 3 % of each other (H200, ffn 8192)
@@ -47,13 +48,7 @@ def backward_reference(gate_up: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 
 
 def _wanted(device: torch.device) -> bool:
-    value = os.environ.get(ENV, "auto")
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV}={value!r}: use auto, 0 or 1")
-    if value == "0":
-        return False
-    on_device = device.type == "cuda" or (value == "1" and os.environ.get("TRITON_INTERPRET") == "1")
-    return on_device and _kernel() is not None
+    return kernel_wanted(ENV, device, _kernel, ("auto", "0", "1"))
 
 
 def _backward(gate_up: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:

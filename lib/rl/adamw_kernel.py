@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
+
+from llamarl.lib.kernel_switch import kernel_wanted
 
 ENV = "LLAMARL_FUSED_ADAMW"
 BLOCK = 2048
@@ -27,13 +28,7 @@ def wanted(device: torch.device) -> bool:
     """On CUDA where Triton imports, unless ``LLAMARL_FUSED_ADAMW=0`` (torch's fused AdamW then);
     in Triton's interpreter on CPU (``TRITON_INTERPRET=1``) only when asked for with ``=1``, since
     the tests that run other kernels there compare against the reference arithmetic."""
-    value = os.environ.get(ENV)
-    if value not in (None, "0", "1"):
-        raise ValueError(f"{ENV}={value!r}: use 0 or 1")
-    if value == "0":
-        return False
-    on_device = device.type == "cuda" or (value == "1" and os.environ.get("TRITON_INTERPRET") == "1")
-    return on_device and _kernel() is not None
+    return kernel_wanted(ENV, device, _kernel, ("0", "1"))
 
 
 @functools.cache
