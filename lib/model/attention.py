@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from llamarl.lib.model import decode_kernel
+
 
 @dataclass(frozen=True)
 class Padded:
@@ -111,14 +113,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
 def _decode_attention(q, k, v, meta: Decode, layer: int) -> torch.Tensor:
     """Store the new keys/values, then attend each query over its own slot's cache where it lies
     (a strided view: no gather, no copy). The query heads of one kv head are the rows of one
-    problem (GQA without repeating keys); one SDPA call with the step's length mask, static shapes,
-    captured in the decode graph."""
+    problem (GQA without repeating keys); static shapes, captured in the decode graph. On CUDA the
+    split-KV kernels of ``decode_kernel`` (each slot read to its own length), elsewhere one SDPA
+    call with the step's length mask."""
     b, heads, d = q.shape
     kc, vc = meta.cache.k[layer][:b], meta.cache.v[layer][:b]
+    keys, values = kc[:, :, : meta.span], vc[:, :, : meta.span]  # [B, kv, span, d] views
+    if decode_kernel.wanted(keys):
+        return decode_kernel.decode_attention(q, k, v, keys, values, meta.lengths)
     slots = torch.arange(b, device=q.device)
     kc[slots, :, meta.lengths] = k
     vc[slots, :, meta.lengths] = v
-    keys, values = kc[:, :, : meta.span], vc[:, :, : meta.span]  # [B, kv, span, d] views
     kv = keys.shape[1]
     out = F.scaled_dot_product_attention(q.view(b, kv, heads // kv, d), keys, values, attn_mask=meta.bias)
     return out.reshape(b, heads, d)
