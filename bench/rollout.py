@@ -386,16 +386,22 @@ def _profile(engine, bs, dev) -> dict:
     """The decode step at batch ``bs``: graph replay time, eager time, and the eager step's kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    from llamarl.lib.model import decode_kernel
+
     span = engine.max_len
-    engine.step(bs, span)  # capture (if new)
-    graph = engine._graphs.get((bs, span))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(50):
-        graph.replay()
-    end.record()
-    sync(dev)
-    out = {"batch": bs, "span": span, "graph_step_ms": start.elapsed_time(end) / 50}
+    out = {"batch": bs, "span": span}
+    # The step's graph with decode attention in SDPA (the kernel switched off), then as the engine runs it.
+    for key, switch in (("graph_step_ms_sdpa", "0"), ("graph_step_ms", os.environ.get(decode_kernel.ENV))):
+        os.environ.pop(decode_kernel.ENV, None) if switch is None else os.environ.update({decode_kernel.ENV: switch})
+        engine._graphs.pop((bs, span), None)
+        engine.step(bs, span)  # capture
+        start.record()
+        for _ in range(50):
+            engine._graphs[(bs, span)].replay()
+        end.record()
+        sync(dev)
+        out[key] = start.elapsed_time(end) / 50
     start.record()
     for _ in range(10):
         engine._decode(bs, span)
