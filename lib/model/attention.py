@@ -78,9 +78,10 @@ class Prefill(Packed):
 @dataclass(frozen=True)
 class Decode:
     """One new token for each of the first ``len(lengths)`` slots of ``cache``, in slot order. Slot
-    i already holds ``lengths[i]`` tokens, none more than ``span - 1``. ``span`` is fixed on the
-    host (a CUDA graph is captured per span): every slot attends over ``span`` positions, those
-    past its own length masked out by ``bias``, which is built once per step, not per layer."""
+    i already holds ``lengths[i]`` tokens, no live one more than ``span - 1`` (a free slot keeps
+    its last length; its output is not used). ``span`` is fixed on the host (a CUDA graph is
+    captured per span): every slot attends over ``span`` positions, those past its own length
+    masked out by ``bias``, which is built once per step, not per layer."""
 
     cache: KVCache
     lengths: torch.Tensor  # [slots]

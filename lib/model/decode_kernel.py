@@ -43,7 +43,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
                      lengths: torch.Tensor) -> torch.Tensor:
     """``q [b, heads, d]`` (slot i's new query) over ``keys, values [b, kv, len, d]``, slot i's
     positions ``0 .. lengths[i]``, where its new key and value ``k, v [b, kv, d]`` go (stored
-    there by the kernel); ``[b, heads, d]`` in ``q``'s dtype, softmax scale ``1 / sqrt(d)``."""
+    there by the kernel); ``[b, heads, d]`` in ``q``'s dtype, softmax scale ``1 / sqrt(d)``. A
+    length past the span (a free slot's) attends over the span and stores nothing."""
     b, heads, d = q.shape
     kv = keys.shape[1]
     group = heads // kv
@@ -56,7 +57,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     first, fold = _kernels()
     scale = math.log2(math.e) / math.sqrt(d)  # exp2 of log2-scaled scores
     first[(b, kv, chunks)](
-        q, k, v, keys, values, lengths, partial, scale, chunks,
+        q, k, v, keys, values, lengths, partial, scale, keys.shape[2], chunks,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *keys.stride()[:3], *values.stride()[:3],
         GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N,
         DOT_FP32=q.device.type == "cpu", num_warps=WARPS, num_stages=STAGES)  # DOT_FP32: Triton's
@@ -76,13 +77,15 @@ def _kernels():
         return None
 
     @triton.jit
-    def decode_chunk_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, len_ptr, part_ptr, scale, chunks,
+    def decode_chunk_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, len_ptr, part_ptr, scale, span, chunks,
                             sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                             CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
         slot, kvh, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         length = tl.load(len_ptr + slot)
-        end = tl.minimum(length + 1, (c + 1) * CHUNK)  # past the slot's length: no work
+        # Past the slot's length: no work. A free slot keeps its last length, which may lie past
+        # the span: it attends over the span (its output is not used) and stores nothing.
+        end = tl.minimum(tl.minimum(length + 1, (c + 1) * CHUNK), span)
         g, dims = tl.arange(0, GROUP_PAD), tl.arange(0, D)
         heads = kvh * GROUP + g
         q = tl.load(q_ptr + slot * sq_b + heads[:, None] * sq_h + dims[None, :], mask=(g < GROUP)[:, None], other=0.0)
@@ -91,7 +94,7 @@ def _kernels():
         k_new = tl.load(kn_ptr + slot * skn_b + kvh * skn_h + dims)
         v_new = tl.load(vn_ptr + slot * svn_b + kvh * svn_h + dims)
         k_row, v_row = k_ptr + slot * sk_b + kvh * sk_h, v_ptr + slot * sv_b + kvh * sv_h
-        if length // CHUNK == c:
+        if (length // CHUNK == c) & (length < span):
             tl.store(k_row + length * sk_n + dims, k_new)
             tl.store(v_row + length * sv_n + dims, v_new)
         if DOT_FP32:
@@ -127,7 +130,7 @@ def _kernels():
         m, s = float("-inf"), 0.0
         acc = tl.zeros((D,), tl.float32)
         row = part_ptr + (slot * heads + h) * chunks * (D + 2)
-        for c in range(0, tl.load(len_ptr + slot) // CHUNK + 1):  # the slot's own chunks, in order
+        for c in range(0, tl.minimum(tl.load(len_ptr + slot) // CHUNK + 1, chunks)):  # the slot's chunks, in order
             m_c, s_c = tl.load(row + c * (D + 2) + D), tl.load(row + c * (D + 2) + D + 1)
             m_new = tl.maximum(m, m_c)
             a, a_c = tl.exp2(m - m_new), tl.exp2(m_c - m_new)
