@@ -208,13 +208,21 @@ def _load_models(cfg: PPOConfig, inputs: _Inputs, dtype):
     return actor, critic
 
 
+# The passes without autograd (π_ref, π_old, the critic's old values) keep nothing for backward:
+# their micro-batches take twice the training budget and still peak below a training micro-batch,
+# which keeps every layer's activations; each micro-batch costs the host its launches. 1B, H200,
+# 293 k tokens: 2.68 s at 4096 tokens a micro-batch, 1.72 s at 8192 (peak 4.1 → 5.2 GB, weights
+# included), 1.68 s at 16384 (bench/results/frozen_pass-h200-2026-12-03.txt).
+FROZEN_BUDGET = 2
+
+
 def _batch_terms(cfg: PPOConfig, inputs: _Inputs, actor, critic, dtype, topo):
     """Collective: the reference's log-probs, the critic's old values and (``old_logp: actor``)
     the actor's own log-probs before any update, the samples split over DP; then the rewards and
     advantages on the last pipeline stage (None elsewhere), and the step check watching them."""
     samples, dev = inputs.samples, parallel.device()
     groups = micro_batches([i for i in range(len(samples)) if i % topo.dp == topo.dp_rank], samples,
-                           cfg.micro_batch_tokens)
+                           FROZEN_BUDGET * cfg.micro_batch_tokens)
     # π_old recomputed before any update (a resumed run recomputes it from the same input actor).
     ref_logp, actor_logp = frozen_logprobs(cfg, inputs.ref_source, samples, groups, actor, cfg.reference or cfg.actor,
                                            ppo_kept.model_place(inputs.layout, inputs.model_cfg, dtype, topo))

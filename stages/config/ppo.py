@@ -86,7 +86,9 @@ class PPOConfig(StageConfig):
     ppo_epochs: Count = Field(1, description="Passes over the rollout.")
     mini_batch_size: Count = Field(8, description="Sequences per optimizer step (over all DP ranks).")
     micro_batch_tokens: Count = Field(4096, description="Token budget of one forward/backward (per rank): whole "
-                                                        "sequences packed to it, longest first; a longer one alone.")
+                                                        "sequences packed to it, longest first; a longer one alone. "
+                                                        "The forwards without gradients (reference, old log-probs, "
+                                                        "old values) take twice it.")
     # AdamW moves every weight by about lr a step, whatever the gradient's scale: at lr > 1 no model survives.
     actor_lr: float = Field(1e-6, ge=0, le=1, description="Actor learning rate (AdamW), at most 1.")
     critic_lr: float = Field(1e-5, ge=0, le=1, description="Critic learning rate (AdamW), at most 1.")
