@@ -393,7 +393,10 @@ def _profile(engine, bs, dev) -> dict:
     out = {"batch": bs, "span": span}
     # The step's graph with decode attention in SDPA (the kernel switched off), then as the engine runs it.
     for key, switch in (("graph_step_ms_sdpa", "0"), ("graph_step_ms", os.environ.get(decode_kernel.ENV))):
-        os.environ.pop(decode_kernel.ENV, None) if switch is None else os.environ.update({decode_kernel.ENV: switch})
+        if switch is None:
+            os.environ.pop(decode_kernel.ENV, None)
+        else:
+            os.environ[decode_kernel.ENV] = switch
         engine._graphs.pop((bs, span), None)
         engine.step(bs, span)  # capture
         start.record()

@@ -1,9 +1,10 @@
 """Whether one of lib/'s hand-written Triton kernels runs, as its environment switch says.
 
-Each kernel has a switch (``LLAMARL_FUSED_ADAMW``, ``LLAMARL_FUSED_SWIGLU``): unset (or ``auto``
-where a switch takes it), the kernel on CUDA wherever Triton imports; ``0``, the torch reference
-everywhere; ``1``, also in Triton's interpreter on CPU (``TRITON_INTERPRET=1``), which the tests
-ask for by name, since other tests that run kernels there compare against the reference.
+Each kernel has a switch (``LLAMARL_FUSED_ADAMW``, ``LLAMARL_FUSED_SWIGLU``,
+``LLAMARL_FUSED_DECODE``): unset (or ``auto`` where a switch takes it), the kernel on CUDA
+wherever Triton imports; ``0``, the torch reference everywhere; ``1``, also in Triton's
+interpreter on CPU (``TRITON_INTERPRET=1``), which the tests ask for by name, since other tests
+that run kernels there compare against the reference.
 """
 
 from __future__ import annotations
