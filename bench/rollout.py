@@ -386,17 +386,26 @@ def _profile(engine, bs, dev) -> dict:
     """The decode step at batch ``bs``: graph replay time, eager time, and the eager step's kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    from llamarl.lib.model import decode_kernel
+    from llamarl.lib.model import decode_kernel, layers
 
     span = engine.max_len
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     out = {"batch": bs, "span": span}
-    # The step's graph with decode attention in SDPA (the kernel switched off), then as the engine runs it.
-    for key, switch in (("graph_step_ms_sdpa", "0"), ("graph_step_ms", os.environ.get(decode_kernel.ENV))):
-        if switch is None:
-            os.environ.pop(decode_kernel.ENV, None)
-        else:
-            os.environ[decode_kernel.ENV] = switch
+    # The step's graph with decode attention in SDPA (the kernel switched off), with the layers'
+    # elementwise work eager (no compiled regions), in the four small regions a layer, then as the
+    # engine runs it.
+    backbone = engine.model.model
+    defaults = {decode_kernel.ENV: os.environ.get(decode_kernel.ENV), layers.FUSED_LAYERS_ENV: os.environ.get(layers.FUSED_LAYERS_ENV)}
+    variants = (("graph_step_ms_sdpa", {decode_kernel.ENV: "0"}, None), ("graph_step_ms_eager_layers", {}, False),
+                ("graph_step_ms_small_regions", {layers.FUSED_LAYERS_ENV: "0"}, None), ("graph_step_ms", {}, None))
+    for key, switches, fused in variants:
+        for env, default in defaults.items():
+            value = switches.get(env, default)
+            if value is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = value
+        backbone.fused = fused
         engine._graphs.pop((bs, span), None)
         engine.step(bs, span)  # capture
         start.record()

@@ -123,14 +123,14 @@ def prepare(cfg: PPOConfig) -> None:
     """Get a resident worker ready for this ppo while other stages run (cluster/worker.py
     ``prepare``): the kernels its training compiles, compiled now. Reads only the actor's manifest,
     when it is published; writes nothing, joins no process group."""
-    from llamarl.lib.model.llama import warm_training_regions
+    from llamarl.lib.model.llama import warm_regions
 
     manifest = publish.read_manifest(cfg.actor)
     if manifest is None or "model_config" not in manifest:
         return
     device = parallel.device()
-    warm_training_regions(LlamaConfig.from_dict(manifest["model_config"]), _layout(cfg),
-                          compute_dtype(cfg.dtype, device), device)
+    warm_regions(LlamaConfig.from_dict(manifest["model_config"]), _layout(cfg), compute_dtype(cfg.dtype, device),
+                 device, backward=True)
 
 
 def _layout(cfg: PPOConfig) -> ParallelLayout:

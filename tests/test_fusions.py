@@ -97,30 +97,72 @@ def test_fused_layers_match_eager_on_cpu(monkeypatch):
     assert max(errs.values()) < 1e-5, errs
 
 
-def test_warming_compiles_every_region_that_training_then_runs(monkeypatch):
-    """``warm_training_regions`` (a resident ppo worker's head start) compiles, on a one-layer model,
-    the very graphs a whole model's training pass runs: on other lengths, nothing compiles again."""
+@pytest.mark.slow
+def test_generation_through_the_fused_regions_draws_what_eager_draws(monkeypatch):
+    # Without gradients the regions run too (prefill, decode steps, frozen forwards): the two
+    # layer regions in every pass, and the engine's draws and log-probs equal eager's.
+    from llamarl.lib.engine.generate import Engine, SamplingParams
+    from llamarl.lib.model import llama
+
+    monkeypatch.setenv(layers.FUSED_LAYERS_ENV, "1")
+    ran = []
+
+    def spy(fn, *token_args):
+        compiled = layers.compiled_region(fn, *token_args)
+        return lambda *args: ran.append((fn.__name__, torch.is_grad_enabled())) or compiled(*args)
+
+    monkeypatch.setattr(llama, "compiled_region", spy)
+    parallel.init(1, 1)
+    hf = tiny.hf_model()
+    model = ParallelLlamaForCausalLM(tiny.our_config(hf), ParallelLayout(), fused=False)
+    model.load_hf_state_dict(hf.state_dict())
+    prompts = [[5, 17, 33, 9], [101, 7], [44, 45, 46, 47, 48], [200]]
+    out = {}
+    for fused in (False, True):
+        model.model.fused = fused
+        out[fused] = Engine(model, SamplingParams(temperature=1.0, max_new_tokens=8), max_batch=4).generate(prompts, seed=3)
+    assert {name for name, _ in ran} == {"_attention_in", "_attention_out_and_mlp"}
+    assert not any(grad for _, grad in ran)
+    for eager, fused in zip(out[False], out[True]):
+        assert eager.tokens == fused.tokens
+        assert max(abs(a - b) for a, b in zip(eager.logprobs, fused.logprobs)) < 1e-5
+
+
+def test_warming_compiles_every_region_that_a_model_then_runs(monkeypatch):
+    """``warm_regions`` (the rollout's warm-up thread, a resident ppo worker's head start) compiles,
+    on a one-layer model, the very graphs a whole model's forwards without gradients run and, with
+    ``backward``, its training pass: on other lengths, nothing compiles again."""
     from torch._dynamo.utils import counters
 
-    from llamarl.lib.model.llama import warm_training_regions
+    from llamarl.lib.model.llama import warm_regions
 
     monkeypatch.setenv(layers.FUSED_ENV, "1")  # the regions on CPU too
     torch._dynamo.reset()
     hf = tiny.hf_model()
     cfg = tiny.our_config(hf)
     assert cfg.num_layers > 1
-    assert warm_training_regions(cfg, ParallelLayout(), torch.float32, "cpu")
-    warmed = counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]
-    assert warmed[0] > 0
     model = ParallelLlamaForCausalLM(cfg, ParallelLayout(), dtype=torch.float32)
     model.load_hf_state_dict(hf.state_dict())
+
+    def compiled():
+        return counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]
+
+    assert warm_regions(cfg, ParallelLayout(), torch.float32, "cpu", backward=False)
+    warmed = compiled()
+    assert warmed[0] > 0
+    for lengths in ((7, 12, 3), (5, 9, 16, 2)):
+        with torch.no_grad():  # generation's and the frozen passes' graphs
+            model(model.make_batch(*tiny.batch("left", lengths=lengths)))
+    assert compiled() == warmed
+    assert warm_regions(cfg, ParallelLayout(), torch.float32, "cpu", backward=True)
+    warmed = compiled()
     for lengths in ((7, 12, 3), (5, 9, 16, 2)):
         _loss(model, *tiny.batch("right", lengths=lengths))
-    assert (counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]) == warmed
+    assert compiled() == warmed
     # Nothing to warm where no region runs: TP > 1 here, or the regions switched off.
-    assert not warm_training_regions(cfg, ParallelLayout(tp=2), torch.float32, "cpu")
+    assert not warm_regions(cfg, ParallelLayout(tp=2), torch.float32, "cpu", backward=True)
     monkeypatch.setenv(layers.FUSED_ENV, "0")
-    assert not warm_training_regions(cfg, ParallelLayout(), torch.float32, "cpu")
+    assert not warm_regions(cfg, ParallelLayout(), torch.float32, "cpu", backward=True)
 
 
 @pytest.mark.slow

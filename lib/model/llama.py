@@ -163,9 +163,9 @@ class ParallelLlamaModel(nn.Module):
             hidden = self.embed_tokens(batch.input_ids)
         # Attention sees all N tokens (SP gathers them inside qkv_proj), so RoPE covers all N.
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, hidden.dtype)
-        # Fused regions only while autograd records (they exist to save less for backward), where
-        # ``fused`` (None: ``LLAMARL_FUSED``) says.
-        fused = torch.is_grad_enabled() and (fusions_on(hidden.device) if self.fused is None else self.fused)
+        # ``fused`` (None: ``LLAMARL_FUSED``): the compiled regions, with or without gradients (a
+        # training pass saves less for backward; every pass runs fewer kernels).
+        fused = fusions_on(hidden.device) if self.fused is None else self.fused
         for layer in self.layers.values():
             hidden = layer(hidden, cos, sin, batch.meta, fused)
         return self.norm(hidden, fused=fused) if self.norm is not None else hidden
@@ -296,10 +296,11 @@ class ParallelLlamaForCausalLM(ParallelLlama):
         return logits
 
 
-def warm_training_regions(cfg: LlamaConfig, layout: ParallelLayout, dtype: torch.dtype, device) -> bool:
-    """Compile, in this process, the regions a training pass of ``cfg`` at ``layout`` runs, with
-    one forward and backward of a one-layer model of its shapes: every layer shares the regions and
-    their token dimension is symbolic, so training compiles nothing more. False where there is
+def warm_regions(cfg: LlamaConfig, layout: ParallelLayout, dtype: torch.dtype, device, *, backward: bool) -> bool:
+    """Compile, in this process, the regions a model of ``cfg`` at ``layout`` runs, with a forward
+    without gradients (generation, ppo's frozen passes) and, with ``backward``, a forward and
+    backward (training) of a one-layer model of its shapes: every layer shares the regions and
+    their token dimension is symbolic, so the model compiles nothing more. False where there is
     nothing to do (fusions off) or the layout splits layers over TP."""
     device = torch.device(device)
     if layout.tp != 1 or not fusions_on(device) or parallel.topology().tp != 1:
@@ -312,7 +313,11 @@ def warm_training_regions(cfg: LlamaConfig, layout: ParallelLayout, dtype: torch
             p.normal_(std=0.02)
     lengths = torch.tensor([5, 11], device=device)  # more than one token each: the kernels of any batch
     mask = torch.arange(11, device=device) < lengths[:, None]
-    model(model.make_batch(torch.zeros_like(mask, dtype=torch.long), mask)).float().sum().backward()
+    batch = model.make_batch(torch.zeros_like(mask, dtype=torch.long), mask)
+    with torch.no_grad():
+        model(batch)
+    if backward:
+        model(batch).float().sum().backward()
     return True
 
 
