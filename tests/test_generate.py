@@ -317,9 +317,13 @@ def test_vocab_parallel_sampler_draws_what_the_whole_vocabulary_draws(pool2, par
         assert torch.allclose(lp, lp1, atol=1e-5)
 
 
-def fused_sampler_vs_eager(seed):
+def fused_sampler_vs_eager(seed, split_cols):
     """Per params: (the kernel's draw at TP2, the eager code's at TP2, the kernel's on the whole
-    vocabulary, the kernel's for the first 3 rows alone), in bf16 logits with a greedy tie."""
+    vocabulary, the kernel's for the first 3 rows alone), in bf16 logits with a greedy tie;
+    ``split_cols``: the columns of one program of the kernel."""
+    from llamarl.lib.engine import sampling
+
+    sampling.SPLIT_COLS = split_cols
     parallel.init(2, 1)
     group, rank = parallel.tp_group(), parallel.topology().tp_rank
     g = torch.Generator().manual_seed(seed)
@@ -338,11 +342,13 @@ def fused_sampler_vs_eager(seed):
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed (the kernel's CPU check runs in its interpreter)")
-def test_the_samplers_kernel_draws_what_the_torch_code_draws():
+@pytest.mark.parametrize("split_cols", [16384, 1024], ids=["one-split-a-shard", "splits-of-1024"])
+def test_the_samplers_kernel_draws_what_the_torch_code_draws(split_cols):
     # The Triton kernel (what a GPU runs) in Triton's interpreter: the same tokens as the eager code
-    # (the hash bit for bit), on every layout and batch, log-probs to float rounding.
+    # (the hash bit for bit), on every layout and batch, log-probs to float rounding. Split in
+    # 1024 columns, the greedy tie (columns 10 and 5000) lies across splits and shards.
     with interpreter_pool(2) as pool:
-        per_rank = pool.run(fused_sampler_vs_eager, 5)
+        per_rank = pool.run(fused_sampler_vs_eager, 5, split_cols)
     assert per_rank[0][3][0][0][0] == 10  # the greedy tie
     for draws in per_rank:
         for (tok, lp), (tok_eager, lp_eager), (tok_whole, lp_whole), (tok3, lp3) in draws:

@@ -1,6 +1,9 @@
 """The sampler's per-shard pass (``sampling._row_stats``) as one Triton kernel (why a kernel:
-docs/generation.md "Sampling"). A program per row reads that row alone, in a fixed order, so a
-batch's size or company never changes a row's numbers. The hash runs on uint32: a wrapping
+docs/generation.md "Sampling"). A program per (row, split of the columns) reads that part of the
+row alone, in a fixed order, and writes its own stats, combined later as the TP shards' are: the
+splits depend on the vocabulary only, so a batch's size or company never changes a row's numbers
+(and a row's columns are read by several programs at once, not one: 64 rows of Llama 3's
+vocabulary were 64 programs streaming 0.5 MB each). The hash runs on uint32: a wrapping
 multiply keeps the low 32 bits, what ``sampling._mix``'s ``& 2^32-1`` keeps, so the uniforms are
 ``sampling.uniforms``' bits. Imported only where Triton is (``sampling._kernel``).
 """
@@ -18,9 +21,12 @@ def mix(x):
     return x ^ (x >> 15)
 
 @triton.jit
-def row_stats_kernel(x_ptr, stride, n_cols, keys_ptr, steps_ptr, lo_ptr, out_ptr, vocab_start, temperature,
-                     GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+def row_stats_kernel(x_ptr, stride, n_cols, split_cols, keys_ptr, steps_ptr, lo_ptr, out_ptr, vocab_start,
+                     temperature, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    first = split * split_cols
+    end = tl.minimum(first + split_cols, n_cols)
     base = x_ptr + row * stride
     lo = tl.load(lo_ptr + row)
     if not GREEDY:
@@ -33,9 +39,9 @@ def row_stats_kernel(x_ptr, stride, n_cols, keys_ptr, steps_ptr, lo_ptr, out_ptr
     xa = 0.0
     m = float("-inf")
     total = 0.0
-    for start in range(0, n_cols, BLOCK):
+    for start in range(first, end, BLOCK):
         c = start + cols
-        mask = c < n_cols
+        mask = c < end
         raw = tl.load(base + c, mask=mask, other=float("-inf")).to(tl.float32)
         if GREEDY:
             x = raw
@@ -50,14 +56,14 @@ def row_stats_kernel(x_ptr, stride, n_cols, keys_ptr, steps_ptr, lo_ptr, out_ptr
         b_arg = tl.argmax(y, 0, tie_break_left=True)
         b_xa = tl.sum(tl.where(cols == b_arg, x, 0.0), 0)
         # Strictly greater: a tie keeps the earlier block's token, as torch's max does.
-        take = (b_best > best) | (start == 0)
+        take = (b_best > best) | (start == first)
         best = tl.where(take, b_best, best)
         arg = tl.where(take, start + b_arg, arg)
         xa = tl.where(take, b_xa, xa)
         m_new = tl.maximum(m, tl.max(x, 0))
         total = total * tl.exp(m - m_new) + tl.sum(tl.where(mask, tl.exp(x - m_new), 0.0), 0)
         m = m_new
-    out = out_ptr + row * 5
+    out = out_ptr + (split * tl.num_programs(0) + row) * 5
     tl.store(out, best.to(tl.float64))
     tl.store(out + 1, (arg + vocab_start).to(tl.float64))
     tl.store(out + 2, m.to(tl.float64))

@@ -125,16 +125,23 @@ def fused_available() -> bool:
     return _kernel() is not None
 
 
+SPLIT_COLS = 16384  # columns of a row one program of the kernel reads: 8 programs a row of Llama 3's vocabulary
+_BLOCK = 2048  # columns a program reads at a time (SPLIT_COLS is a multiple)
+
+
 def _fused_row_stats(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, lo: torch.Tensor,
                      vocab_start: int, temperature: float) -> torch.Tensor:
-    """``_row_stats`` as one Triton kernel launch (capturable in a CUDA graph once compiled)."""
+    """``_row_stats`` of each split of ``SPLIT_COLS`` columns, ``[splits, rows, 5]`` in column
+    order (combined as shards are), as one Triton kernel launch (capturable in a CUDA graph once
+    compiled)."""
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     rows, n = x.shape
-    out = torch.empty(rows, 5, dtype=torch.float64, device=x.device)
+    splits = max(1, -(-n // SPLIT_COLS))
+    out = torch.empty(splits, rows, 5, dtype=torch.float64, device=x.device)
     if rows:
-        _kernel()[(rows,)](x, x.stride(0), n, keys.contiguous(), steps.contiguous(), lo.float().contiguous(), out,
-                           vocab_start, float(temperature) or 1.0, GREEDY=temperature == 0, BLOCK=2048,
-                           num_warps=8)
+        _kernel()[(rows, splits)](x, x.stride(0), n, SPLIT_COLS, keys.contiguous(), steps.contiguous(),
+                                  lo.float().contiguous(), out, vocab_start, float(temperature) or 1.0,
+                                  GREEDY=temperature == 0, BLOCK=_BLOCK, num_warps=8)
     return out
 
 
@@ -228,9 +235,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, ste
         lo = _threshold(logits.float(), params, group)
     if lo is None:
         lo = torch.full((rows,), float("-inf"), device=logits.device)
-    stats = (_fused_row_stats if fused else _row_stats)(logits, keys, steps, lo, vocab_start, params.temperature)
-    parts = _all_gather(stats, group)  # [tp, rows, 5]
-    win = parts[..., 0].argmax(0)  # the first shard holding the largest: the global argmax's
+    if fused:
+        stats = _fused_row_stats(logits, keys, steps, lo, vocab_start, params.temperature)
+    else:
+        stats = _row_stats(logits, keys, steps, lo, vocab_start, params.temperature)[None]
+    parts = _all_gather(stats, group).view(-1, rows, 5)  # [tp × splits, rows, 5], in column order
+    win = parts[..., 0].argmax(0)  # the first part holding the largest: the global argmax's
     best = parts.gather(0, win[None, :, None].expand(1, rows, 5))[0]
     top = parts[..., 2].max(0).values
     lse = top + torch.log((parts[..., 3] * torch.exp(parts[..., 2] - top)).sum(0))
