@@ -2,8 +2,8 @@
 docs/generation.md "Sampling"). A program per (row, split of the columns) reads that part of the
 row alone, in a fixed order, and writes its own stats, combined later as the TP shards' are: the
 splits depend on the vocabulary only, so a batch's size or company never changes a row's numbers
-(and a row's columns are read by several programs at once, not one: 64 rows of Llama 3's
-vocabulary were 64 programs streaming 0.5 MB each). The hash runs on uint32: a wrapping
+(and a row's columns are read by several programs at once: one program a row leaves most of the
+GPU idle at 64 rows, each streaming 0.5 MB of Llama 3's vocabulary alone). The hash runs on uint32: a wrapping
 multiply keeps the low 32 bits, what ``sampling._mix``'s ``& 2^32-1`` keeps, so the uniforms are
 ``sampling.uniforms``' bits. Imported only where Triton is (``sampling._kernel``).
 """
