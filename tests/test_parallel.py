@@ -205,3 +205,29 @@ def test_a_rank_whose_rank_0_never_listens_stops_after_the_timeout_naming_the_re
     waited, lost, error = out.strip().split("|")
     assert 1.0 <= float(waited) < 2.5 and lost == "True", out
     assert "did not all join the rendezvous" in error and f"127.0.0.1:{port}" in error, error
+
+
+_EXIT = """
+import os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK=sys.argv[1], WORLD_SIZE="2")
+from llamarl.lib.distributed import liveness, parallel
+liveness.INTERVAL_S = 0.0  # the heartbeat is always inside a store call when the interpreter exits
+parallel.init(1, 1, backend="gloo", timeout_s=60)
+"""
+
+
+def test_a_process_that_leaves_with_its_heartbeat_running_exits_cleanly():
+    # A script (a benchmark under torchrun) that ends without shutting down: the heartbeat's daemon
+    # thread, caught in a store call by the interpreter's finalization, aborted the process.
+    import socket
+    import subprocess
+    import sys
+
+    for _ in range(3):  # without the join at exit, every try aborts
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        procs = [subprocess.Popen([sys.executable, "-c", _EXIT, str(r), port], stderr=subprocess.PIPE, text=True)
+                 for r in range(2)]
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], errs

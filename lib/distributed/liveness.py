@@ -10,6 +10,7 @@ nothing can be read, and the message says so.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -55,10 +56,17 @@ def start() -> None:
 
 
 def stop() -> None:
+    """End this rank's heartbeat and wait for it. Waiting matters at exit: a daemon thread inside a
+    store call (the GIL released) when the interpreter finalizes aborts the whole process
+    ("terminate called without an active exception", pytorch#38228), so ``stop`` runs at exit too."""
     global _beat
-    if _beat is not None:
-        _beat.stopped.set()
-        _beat = None
+    beat, _beat = _beat, None
+    if beat is not None:
+        beat.stopped.set()
+        beat.join(timeout=2 * INTERVAL_S + 1.0)
+
+
+atexit.register(stop)
 
 
 def lost_ranks() -> str | None:
