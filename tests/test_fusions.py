@@ -258,7 +258,6 @@ def grad_buffer_fused_vs_hook(device="cpu", dtype=torch.bfloat16, fused=False, f
         finally:
             layers.accumulate_wgrad = real
             os.environ.pop(layers.WGRAD_ENV)
-            os.environ.pop(layers.FUSED_LAYERS_ENV)  # else every later test of this process runs with it
             os.environ.pop(layers.FUSED_LAYERS_ENV)
         assert all(p.grad is None for p in grads.params)
         # fused: 4 linears a layer and the head, per micro-batch, through accumulate_wgrad
