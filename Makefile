@@ -20,7 +20,7 @@ venv: $(VENV)/.installed
 # Two workers: the suite waits on child processes, daemons and timeouts about half its time (109 %
 # of 2 cores, measured); tests/conftest.py keeps each file on one worker and the Slurm files together.
 test: venv
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests; rc=$$?; \
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 demo: venv

@@ -16,19 +16,36 @@ LONGEST_FIRST = ("slurm", "test_faults.py", "test_ppo.py", "test_resident.py", "
                  "test_driver_stop.py", "test_shard_export.py", "test_fusions.py", "test_rollout.py")
 
 
-def pytest_collection_modifyitems(items):
-    """Under pytest-xdist's ``--dist loadgroup`` (``make test``): a file's tests run on one worker,
-    so its module fixtures are made once, and the ``SERIAL_FILES`` of one name on the same one;
-    the ``LONGEST_FIRST`` groups come first (a stable sort: a file's tests keep their order)."""
-    for item in items:
-        name = os.path.basename(str(item.fspath))
-        item.add_marker(pytest.mark.xdist_group(SERIAL_FILES.get(name, name)))
+def _group(path: str) -> str:
+    name = os.path.basename(path.split("::", 1)[0])
+    return SERIAL_FILES.get(name, name)
 
+
+def pytest_collection_modifyitems(items):
+    """The ``LONGEST_FIRST`` groups first (a stable sort: a file's tests keep their order)."""
     def rank(item):
-        group = item.get_closest_marker("xdist_group").args[0]
+        group = _group(item.nodeid)
         return LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist's ``--dist loadfile --no-loadscope-reorder`` (``make test``): a file's
+    tests run on one worker, in order, so its module fixtures are made once (tests of a file may
+    build on each other's outputs), and the ``SERIAL_FILES`` of one group on the same one, the
+    groups handed out in collection order. A scheduler of our own rather than ``--dist
+    loadgroup``: xdist 3.8 names a test's group by rewriting ``item._nodeid``, which pytest 9 no
+    longer reads, so its groups are silently every test alone."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByGroup(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ByGroup(config, log)
 
 
 @pytest.fixture(scope="session")
