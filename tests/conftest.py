@@ -36,7 +36,7 @@ def pytest_xdist_make_scheduler(config, log):
     build on each other's outputs), and the ``SERIAL_FILES`` of one group on the same one, the
     groups handed out in collection order. A scheduler of our own rather than ``--dist
     loadgroup``: xdist 3.8 names a test's group by rewriting ``item._nodeid``, which pytest 9 no
-    longer reads, so its groups are silently every test alone."""
+    longer reads, so its groups are silently every test alone (pytest-xdist#1386)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
