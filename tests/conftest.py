@@ -30,6 +30,7 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: pytest without it runs the suite in one process
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist's ``--dist loadfile --no-loadscope-reorder`` (``make test``): a file's
     tests run on one worker, in order, so its module fixtures are made once (tests of a file may
