@@ -379,3 +379,17 @@ def test_tokenizer_loads_as_autotokenizer_would_without_its_imports(tmp_path):
     ref = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert (name, fingerprint, ids) == (type(ref).__name__, toklib.fingerprint(ref), toklib.encode_prompt(ref, "the cat sat"))
     assert not auto
+
+
+def test_a_tokenizer_process_whose_stage_left_before_its_reply_exits_without_a_word():
+    # A rollout that refuses a damaged actor ends while its tokenizer process still answers: the
+    # stage's one-line error must stay the only line (no BrokenPipeError traceback after it).
+    import pickle
+
+    proc = subprocess.Popen([sys.executable, "-m", "llamarl.lib.engine.tokenizer_process"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the stage is gone before the reply
+    pickle.dump(("decode", [[5]]), proc.stdin)
+    proc.stdin.close()
+    assert proc.wait(timeout=120) == 0
+    assert proc.stderr.read().decode() == ""

@@ -9,6 +9,7 @@ stage process dies.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -100,7 +101,7 @@ def _serve(requests, replies, early: str | None) -> None:
     while True:
         try:
             op, *args = pickle.load(requests)
-        except EOFError:
+        except (EOFError, pickle.UnpicklingError):  # the stage closed its end, or died mid-request
             return
         try:
             if op == "load":
@@ -120,8 +121,13 @@ def _serve(requests, replies, early: str | None) -> None:
             reply = ("user_error", str(e))
         except Exception as e:  # noqa: BLE001 - sent to the stage, which raises it
             reply = ("error", f"{type(e).__name__}: {e}")
-        pickle.dump(reply, replies)
-        replies.flush()
+        try:
+            pickle.dump(reply, replies)
+            replies.flush()
+        except BrokenPipeError:
+            # The stage that asked is gone (it ended on an error of its own, which it reported in
+            # one line): nothing is left to answer, and a traceback here would be a second error.
+            os._exit(0)
 
 
 if __name__ == "__main__":
