@@ -80,6 +80,12 @@ def check_lr_schedule(spec: RunSpec, rows: int) -> None:
 def check_storage(spec: RunSpec) -> None:
     """The run directory can live where the spec puts it, and so can its TensorBoard folder."""
     check_folder(spec.run_dir, spec.source, "storage", " (the run lives in STORAGE/NAME)")
+    # A run makes pipeline/ before anything else (its lock): a folder with files and without it is
+    # someone else's, whose files a run would write over.
+    fs, path = publish.filesystem(spec.run_dir)
+    if fs.isdir(path) and fs.ls(path, detail=False) and not fs.isdir(f"{path.rstrip('/')}/pipeline"):
+        raise UserError(f"{spec.source}: {spec.run_dir} (STORAGE/NAME) holds files and is no llamarl run (no pipeline/ "
+                        "in it), which the run would write over; change storage or name, or empty that folder")
     if spec.metrics.tensorboard is not None:
         check_folder(spec.metrics.tensorboard, spec.source, "metrics.tensorboard")
 
@@ -88,7 +94,7 @@ def check_folder(url: str, source: str, field: str, note: str = "") -> None:
     """A folder that can be made at ``url`` (the spec's ``field``): no file on its way and, on a
     local file system, one this user may write to (or may create). A one-line error naming it
     otherwise. (An object store is not probed: that would mean writing to it.)"""
-    fs, folder = fsspec.core.url_to_fs(url)
+    fs, folder = publish.filesystem(url)
     parts = folder.rstrip("/").split("/")
     existing = next((p for p in ("/".join(parts[:i]) or "/" for i in range(len(parts), 0, -1)) if fs.exists(p)), None)
     if existing is not None and not fs.isdir(existing):

@@ -217,9 +217,15 @@ def _field(model, name: str, *decls: str, **kw):
 
 
 def _run_local(stage: str, config: StageConfig, made: str) -> None:
-    """Run the stage on this machine; then print ``made``, where its output is."""
+    """Run the stage on this machine; then print ``made``, where its output is (a folder this user
+    can make, checked before any rank starts)."""
     from llamarl.cluster.local import LocalExecutor
+    from llamarl.pipeline.checks import check_folder
 
+    try:
+        check_folder(made, f"llamarl stage {stage}", "DST" if stage in ("shard", "export") else "OUT")
+    except UserError as e:
+        _fail(str(e))
     try:
         with stopped_by_signals():
             result = LocalExecutor().run(stage, config, processes(config))

@@ -16,7 +16,7 @@ from typing import Callable
 import fsspec
 
 from llamarl.cluster.kinds import validate_options
-from llamarl.lib.files import yamlfile
+from llamarl.lib.files import publish, yamlfile
 from llamarl.lib.errors import UserError, unreadable
 from llamarl.lib.options import Source, validate
 from llamarl.stages.identity import Declared, declare
@@ -287,6 +287,9 @@ def parse_spec(data_, source: str) -> RunSpec:
 
 
 def load_spec(path: str) -> RunSpec:
+    if not path:
+        raise UserError("the run spec's path is empty; give the spec's YAML file")
+    publish.filesystem(path)
     try:
         with fsspec.open(path, "r") as f:
             loaded = yamlfile.load(f, path)

@@ -3,9 +3,8 @@ for a rollout that takes rows of the prompts, which ones (epoch and position); w
 
 from __future__ import annotations
 
-import fsspec
-
 from llamarl.lib.errors import UserError
+from llamarl.lib.files import publish
 
 from . import data
 from .dag import VALIDATE, build_dag, load_spec
@@ -14,13 +13,12 @@ from .records import assess, must_redo, one_look, read_record
 from .retention import retained
 from .run import executor_for
 
-
 @one_look()
 def status(run: str) -> list[tuple[str, str, str]]:
     """(node, state, why) for the run directory ``run``: also, for a rollout taking rows of the
     prompts, which (epoch and position), and what retention deleted."""
-    fs, path = fsspec.core.url_to_fs(f"{run.rstrip('/')}/pipeline/spec.yaml")
-    if not fs.exists(path):
+    fs, path = publish.filesystem(run.rstrip("/"))
+    if not fs.exists(f"{path}/pipeline/spec.yaml"):
         raise UserError(f"{run} is not a run directory (no pipeline/spec.yaml); start it with `llamarl run SPEC`")
     spec = load_spec(f"{run.rstrip('/')}/pipeline/spec.yaml")
     nodes = build_dag(spec)
@@ -59,11 +57,9 @@ def status(run: str) -> list[tuple[str, str, str]]:
         rows.append((n.name, state, why))
     return rows
 
-
 FULL_ROWS = 40
 """A run of at most this many stages is shown whole; a longer one folds its runs of done or pending
 stages (a 200-iteration run has 1,400 stages: the ones that say something are the few between)."""
-
 
 def folded(rows: list[tuple[str, str, str]], keep: int = 3) -> list[tuple[str, str, str]]:
     """``status``'s rows with every run of more than ``keep`` consecutive done, or pending, stages
@@ -85,7 +81,6 @@ def folded(rows: list[tuple[str, str, str]], keep: int = 3) -> list[tuple[str, s
         i = j
     return out
 
-
 def summary(rows: list[tuple[str, str, str]]) -> str:
     """One line: how many iterations are trained, and the stages that run or failed."""
     ppo = [state for name, state, _ in rows if name.startswith("iter-") and name.endswith("/ppo")]
@@ -95,7 +90,6 @@ def summary(rows: list[tuple[str, str, str]]) -> str:
         if named:
             line += f"; {state}: {', '.join(named[:3])}" + (f" and {len(named) - 3} more" if len(named) > 3 else "")
     return line
-
 
 def _ran_beside(name: str, records: dict[str, dict]) -> list[str]:
     """The stages whose last run overlapped ``name``'s in time, from their records."""

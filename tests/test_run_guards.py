@@ -423,3 +423,43 @@ def test_storage_that_cannot_hold_the_run_is_one_line_also_in_a_dry_run(shared_d
 def test_an_options_file_that_cannot_be_read_is_one_line(tmp_path):
     r = _llamarl("stage", "rollout", "ACTOR", "PROMPTS", "OUT", "--config", str(tmp_path))
     assert _refused(r) == f"error: {tmp_path}: cannot be read as an options file (it is a folder); check the --config path"
+
+
+def test_a_run_folder_that_holds_someone_elses_files_is_refused_and_left_as_it_was(tmp_path):
+    storage = tmp_path / "storage"
+    (storage / "r" / "export").mkdir(parents=True)
+    (storage / "r" / "metrics.jsonl").write_text("mine\n")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"name": "r", "storage": str(storage), "actor": "/nowhere/actor",
+                                    "prompts": "/nowhere/p.jsonl",
+                                    "score": {"rewards": [{"name": "llamarl.pipeline.demo:vowel_ratio"}]}}))
+    for dry in ([], ["--dry-run"]):
+        r = _llamarl("run", str(spec), *dry)
+        assert _refused(r) == (f"error: {spec}: {storage}/r (STORAGE/NAME) holds files and is no llamarl run (no "
+                               "pipeline/ in it), which the run would write over; change storage or name, or empty "
+                               "that folder")
+    assert sorted(os.listdir(storage / "r")) == ["export", "metrics.jsonl"]
+    assert (storage / "r" / "metrics.jsonl").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("url", ["foo://bar", "s3://no-bucket/run"])
+def test_a_url_of_a_file_system_fsspec_cannot_open_is_one_line(tmp_path, url):
+    import importlib.util
+
+    if url.startswith("s3") and importlib.util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed here")
+    why = "Protocol not known: foo" if url.startswith("foo") else "Install s3fs to access S3"
+    tail = f"cannot be opened ({why}); give a local path or a URL of an installed fsspec file system"
+    assert _refused(_llamarl("status", url)) == f"error: {url}: {tail}"
+    assert _refused(_llamarl("run", f"{url}/spec.yaml")) == f"error: {url}/spec.yaml: {tail}"
+    assert _refused(_llamarl("run", "")) == "error: the run spec's path is empty; give the spec's YAML file"
+
+
+def test_a_stage_whose_output_folder_cannot_be_made_is_one_line_before_any_rank_starts(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    r = _llamarl("stage", "export", str(tmp_path / "nowhere"), str(tmp_path / "a-file" / "out"))
+    assert _refused(r) == (f"error: llamarl stage export: DST: {tmp_path}/a-file is a file, not a folder; point DST "
+                           "at a folder")
+    r = _llamarl("stage", "ppo", "ROLLOUT", "SCORES", "ACTOR", str(tmp_path / "a-file" / "out"))
+    assert _refused(r) == (f"error: llamarl stage ppo: OUT: {tmp_path}/a-file is a file, not a folder; point OUT "
+                           "at a folder")

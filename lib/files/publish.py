@@ -43,6 +43,16 @@ def _fs(url: str):
     return fs, path.rstrip("/")
 
 
+def filesystem(url: str):
+    """``fsspec.core.url_to_fs(url)`` for a URL the user gave: a protocol fsspec does not know, or
+    one whose package is not installed (``s3://`` without s3fs), is a one-line error naming it."""
+    try:
+        return fsspec.core.url_to_fs(url)
+    except (ValueError, ImportError) as e:
+        raise UserError(f"{url}: cannot be opened ({e}); give a local path or a URL of an installed fsspec "
+                        "file system") from None
+
+
 # ---- hashing while writing -----------------------------------------------------------------------
 # Every file a writer of this process writes through ``open_write`` (the DCP and safetensors
 # writers among them) is hashed as its bytes go out, and its entry is kept here; ``file_entry``
