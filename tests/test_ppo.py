@@ -1164,3 +1164,21 @@ def test_a_resident_worker_gets_back_what_ppo_built(pool1, iteration, tmp_path):
     assert no_freeze == [], no_freeze  # the check can see a leak only if the stage leaves none itself
     [frozen] = pool1.run(_ppo_leaves_behind, _cfg(iteration, tmp_path / "b").to_json(), True)
     assert frozen == [], f"alive after the stage and a full collection: {frozen}"
+
+
+def test_ppo_refuses_a_reference_that_is_no_checkpoint_of_the_actors_model_in_one_line(iteration, tmp_path):
+    import shutil
+
+    shaped = tmp_path / "other-shape"
+    shutil.copytree(iteration / "actor", shaped)
+    manifest = json.loads((shaped / publish.MANIFEST).read_text())
+    manifest["model_config"]["num_layers"] += 1
+    (shaped / publish.MANIFEST).write_text(json.dumps(manifest))
+    for reference, why in ((tmp_path / "nowhere", f"{tmp_path / 'nowhere'}"),
+                           (shaped, f"{shaped}: the reference is not of the actor's shape ({iteration / 'actor'})")):
+        out = tmp_path / "ppo"
+        r = _stage("ppo", {"rollout": str(iteration / "rollout"), "scores": str(iteration / "scores"),
+                           "actor": str(iteration / "actor"), "out": str(out), "reference": str(reference)})
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert why in r.stderr, r.stderr
+        assert not out.exists()
