@@ -149,6 +149,11 @@ def _check_actor(cfg: RolloutConfig, actor: str):
     if room < 1:
         raise UserError(f"sampling.max_new_tokens={new} leaves no room for a prompt within {actor}'s "
                         f"max_position_embeddings={model_cfg.max_position_embeddings}; lower max_new_tokens")
+    vocab = model_cfg.vocab_size
+    beyond = next(((i, t) for i, t in enumerate(cfg.sampling.stop_token_ids) if t >= vocab), None)
+    if beyond is not None:  # a token the actor cannot sample would never stop a response
+        raise UserError(f"sampling.stop_token_ids.{beyond[0]}={beyond[1]} is no token of {actor}, whose vocabulary "
+                        f"has {vocab}; give ids below {vocab}")
     return manifest, model_cfg, layout, room
 
 

@@ -217,6 +217,10 @@ def test_bad_inputs_are_clear_errors(actor, prompts, tmp_path):
     (tmp_path / "bad.csv").write_text("a,b\n")
     with pytest.raises(UserError, match="no .parquet, .jsonl or .json files"):
         rollout.run(_cfg(actor, str(tmp_path / "bad.csv"), tmp_path / "x"))
+    vocab = publish.read_manifest(actor)["model_config"]["vocab_size"]
+    with pytest.raises(UserError, match=rf"^sampling.stop_token_ids.1={vocab} is no token of {actor}, whose vocabulary "
+                                        rf"has {vocab}; give ids below {vocab}$"):
+        rollout.run(_cfg(actor, prompts, tmp_path / "x", sampling={"stop_token_ids": [2, vocab]}))
     # A bad value is refused when the config is built, before the stage runs.
     with pytest.raises(UserError, match=r"^opts.yaml: sampling.top_p=1.5: Input should be less than or equal to 1$"):
         RolloutConfig.parse({"actor": actor, "prompts": prompts, "out": str(tmp_path / "x"), "sampling": {"top_p": 1.5}},
