@@ -242,8 +242,8 @@ def _run_local(stage: str, config: StageConfig, made: str) -> None:
 def shard(
     src: str = typer.Argument(..., help="HF checkpoint directory (any fsspec URL)."),
     dst: str = typer.Argument(..., help="Output directory for the sharded checkpoint."),
-    tp: int = _field(ShardConfig, "tp", min=1),
-    pp: int = _field(ShardConfig, "pp", min=1),
+    tp: int = _field(ShardConfig, "tp"),
+    pp: int = _field(ShardConfig, "pp"),
     dtype: str = _field(ShardConfig, "dtype"),
 ):
     """HF checkpoint → sharded checkpoint (loadable at any TP×PP)."""
@@ -257,7 +257,7 @@ def export(
     dst: str = typer.Argument(..., help="Output HF directory."),
     dtype: str = _field(ExportConfig, "dtype"),
     max_shard_gb: float = _field(ExportConfig, "max_shard_gb"),
-    procs: int = _field(ExportConfig, "procs", min=1),
+    procs: int = _field(ExportConfig, "procs"),
     verify: bool = _field(ExportConfig, "verify", "--verify/--no-verify"),
 ):
     """Sharded checkpoint → HF safetensors directory (transformers loads it)."""
@@ -324,8 +324,8 @@ def rollout(
     actor: str = typer.Argument(..., help="Published actor checkpoint."),
     prompts: str = typer.Argument(..., help="Parquet or JSONL prompts (file or folder, any fsspec URL)."),
     out: str = typer.Argument(..., help="Output folder for the Parquet parts."),
-    tp: int = _field(RolloutConfig, "tp", min=1),
-    dp: int = _field(RolloutConfig, "dp", min=1),
+    tp: int = _field(RolloutConfig, "tp"),
+    dp: int = _field(RolloutConfig, "dp"),
     config: str = typer.Option(None, help="YAML with further options (sampling, columns, chunk_size…)."),
 ):
     """Actor + prompts → responses with log-probs (Parquet parts, resumable)."""
@@ -340,9 +340,9 @@ def score(
     rollout: str = typer.Argument(..., help="Published rollout folder."),
     out: str = typer.Argument(..., help="Output folder for the scores."),
     rm: str = typer.Option(None, "--rm", help="Published reward-model checkpoint (for the 'rm' term)."),
-    tp: int = _field(ScoreConfig, "tp", min=1),
-    pp: int = _field(ScoreConfig, "pp", min=1),
-    dp: int = _field(ScoreConfig, "dp", min=1),
+    tp: int = _field(ScoreConfig, "tp"),
+    pp: int = _field(ScoreConfig, "pp"),
+    dp: int = _field(ScoreConfig, "dp"),
     config: str = typer.Option(None, help="YAML with further options (rewards, references, max_length…)."),
 ):
     """Rollout → scores from a reward model and/or rule-based rewards (Parquet, resumable)."""
@@ -358,9 +358,9 @@ def ppo(
     out: str = typer.Argument(..., help="Output folder: actor/, critic/, metrics.jsonl."),
     critic: str = typer.Option(None, help="Critic checkpoint (default: the actor's backbone, zero value head)."),
     reference: str = typer.Option(None, help="Frozen reference (default: the actor)."),
-    tp: int = _field(PPOConfig, "tp", min=1),
-    pp: int = _field(PPOConfig, "pp", min=1),
-    dp: int = _field(PPOConfig, "dp", min=1),
+    tp: int = _field(PPOConfig, "tp"),
+    pp: int = _field(PPOConfig, "pp"),
+    dp: int = _field(PPOConfig, "dp"),
     config: str = typer.Option(None, help="YAML with PPO options (lr, clip, kl, epochs, batch sizes…)."),
 ):
     """Rollout + scores → updated actor and critic (one PPO iteration, resumable)."""

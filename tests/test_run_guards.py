@@ -463,3 +463,10 @@ def test_a_stage_whose_output_folder_cannot_be_made_is_one_line_before_any_rank_
     r = _llamarl("stage", "ppo", "ROLLOUT", "SCORES", "ACTOR", str(tmp_path / "a-file" / "out"))
     assert _refused(r) == (f"error: llamarl stage ppo: OUT: {tmp_path}/a-file is a file, not a folder; point OUT "
                            "at a folder")
+
+
+@pytest.mark.parametrize("stage,flag", [("shard", "--tp"), ("export", "--procs"), ("ppo", "--dp")])
+def test_a_process_count_below_one_is_one_line_naming_the_flag(stage, flag):
+    args = {"shard": ["SRC", "DST"], "export": ["SRC", "DST"], "ppo": ["ROLLOUT", "SCORES", "ACTOR", "OUT"]}[stage]
+    r = _llamarl("stage", stage, *args, flag, "0")
+    assert _refused(r) == f"error: {flag}=0: Input should be greater than or equal to 1"
