@@ -209,12 +209,15 @@ HEADS = {"lm": "a causal LM (an HF LlamaForCausalLM, sharded)",
          "score": "a score head (an HF LlamaForSequenceClassification with num_labels=1, sharded)"}
 
 
-def require_checkpoint(url: str, head: str, role: str) -> dict:
+def require_checkpoint(url: str, head: str, role: str, like: tuple[str, dict] | None = None) -> dict:
     """The manifest of the published checkpoint ``url``; refused in one line unless its head is
-    ``head``, what ``role`` (the actor, a reward model, …) needs."""
+    ``head``, what ``role`` (the actor, a reward model, …) needs, and, given ``like`` (another
+    checkpoint's url and manifest), unless it is of that one's model."""
     manifest = publish.require_published(url, CHECKPOINT)
     if manifest["head"] != head:
         raise UserError(f"{url} has a {manifest['head']!r} head; {role} needs {HEADS[head]}")
+    if like is not None and manifest["model_config"] != like[1]["model_config"]:
+        raise UserError(f"{url}: {role} is not of the model of {like[0]}; point it at a checkpoint of that model")
     return manifest
 
 

@@ -142,8 +142,8 @@ def _read_inputs(cfg: PPOConfig) -> _Inputs:
     rollout's manifest (its actor, its temperature), dynamic sampling's prompts dropped; the
     checkpoints' manifests and training states; the schedule checked."""
     actor = contract.require_checkpoint(cfg.actor, "lm", "the actor")
-    if cfg.reference:
-        _check_reference(cfg, actor)
+    if cfg.reference:  # read token by token beside the actor: the same model
+        contract.require_checkpoint(cfg.reference, "lm", "the reference", like=(cfg.actor, actor))
     model_cfg = LlamaConfig.from_dict(actor["model_config"])
     layout = _layout(cfg)
     layout.check(model_cfg)
@@ -168,15 +168,6 @@ def _read_inputs(cfg: PPOConfig) -> _Inputs:
     ref_source = reference_source(cfg, reference_id, publish.output_id(cfg.actor), facts.actor_id, facts.temperature)
     return _Inputs(actor, critic, states, model_cfg, layout, samples, sampling_stats, joined, start_step, steps,
                    _agg_norm(cfg, facts), identity.declare(cfg).request(), ref_source)
-
-
-def _check_reference(cfg: PPOConfig, actor: dict) -> None:
-    """The reference is a published language model of the actor's shape (its log-probs are read
-    token by token beside the actor's)."""
-    reference = contract.require_checkpoint(cfg.reference, "lm", "the reference")
-    if reference["model_config"] != actor["model_config"]:
-        raise UserError(f"{cfg.reference}: the reference is not of the actor's shape ({cfg.actor}); point the "
-                        "reference at a checkpoint of the actor's model, such as the run's shard/actor")
 
 
 def _verify_inputs(cfg: PPOConfig, inputs: _Inputs, kept: bool) -> None:

@@ -1175,7 +1175,7 @@ def test_ppo_refuses_a_reference_that_is_no_checkpoint_of_the_actors_model_in_on
     manifest["model_config"]["num_layers"] += 1
     (shaped / publish.MANIFEST).write_text(json.dumps(manifest))
     for reference, why in ((tmp_path / "nowhere", f"{tmp_path / 'nowhere'}"),
-                           (shaped, f"{shaped}: the reference is not of the actor's shape ({iteration / 'actor'})")):
+                           (shaped, f"{shaped}: the reference is not of the model of {iteration / 'actor'}")):
         out = tmp_path / "ppo"
         r = _stage("ppo", {"rollout": str(iteration / "rollout"), "scores": str(iteration / "scores"),
                            "actor": str(iteration / "actor"), "out": str(out), "reference": str(reference)})
