@@ -13,6 +13,7 @@ from .records import assess, must_redo, one_look, read_record
 from .retention import retained
 from .run import executor_for
 
+
 @one_look()
 def status(run: str) -> list[tuple[str, str, str]]:
     """(node, state, why) for the run directory ``run``: also, for a rollout taking rows of the
@@ -57,9 +58,11 @@ def status(run: str) -> list[tuple[str, str, str]]:
         rows.append((n.name, state, why))
     return rows
 
+
 FULL_ROWS = 40
 """A run of at most this many stages is shown whole; a longer one folds its runs of done or pending
 stages (a 200-iteration run has 1,400 stages: the ones that say something are the few between)."""
+
 
 def folded(rows: list[tuple[str, str, str]], keep: int = 3) -> list[tuple[str, str, str]]:
     """``status``'s rows with every run of more than ``keep`` consecutive done, or pending, stages
@@ -81,6 +84,7 @@ def folded(rows: list[tuple[str, str, str]], keep: int = 3) -> list[tuple[str, s
         i = j
     return out
 
+
 def summary(rows: list[tuple[str, str, str]]) -> str:
     """One line: how many iterations are trained, and the stages that run or failed."""
     ppo = [state for name, state, _ in rows if name.startswith("iter-") and name.endswith("/ppo")]
@@ -90,6 +94,7 @@ def summary(rows: list[tuple[str, str, str]]) -> str:
         if named:
             line += f"; {state}: {', '.join(named[:3])}" + (f" and {len(named) - 3} more" if len(named) > 3 else "")
     return line
+
 
 def _ran_beside(name: str, records: dict[str, dict]) -> list[str]:
     """The stages whose last run overlapped ``name``'s in time, from their records."""
