@@ -90,6 +90,19 @@ def check_storage(spec: RunSpec) -> None:
         check_folder(spec.metrics.tensorboard, spec.source, "metrics.tensorboard")
 
 
+def check_outside_outputs(url: str, source: str, field: str) -> None:
+    """``url`` lies inside no published output (a folder of a rollout, a checkpoint, …): files a
+    stage wrote there would sit among another stage's, which its manifest does not list."""
+    fs, path = publish.filesystem(url)
+    parts = path.rstrip("/").split("/")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = "/".join(parts[:i]) or "/"
+        if fs.exists(f"{parent.rstrip('/')}/{publish.MANIFEST}"):
+            where = parent if "file" in fs.protocol else fs.unstrip_protocol(parent)
+            raise UserError(f"{source}: {field}: {url} lies inside the published output {where}; point {field} at a "
+                            "folder outside it")
+
+
 def check_folder(url: str, source: str, field: str, note: str = "") -> None:
     """A folder that can be made at ``url`` (the spec's ``field``): no file on its way and, on a
     local file system, one this user may write to (or may create). A one-line error naming it

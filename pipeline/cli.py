@@ -220,10 +220,12 @@ def _run_local(stage: str, config: StageConfig, made: str) -> None:
     """Run the stage on this machine; then print ``made``, where its output is (a folder this user
     can make, checked before any rank starts)."""
     from llamarl.cluster.local import LocalExecutor
-    from llamarl.pipeline.checks import check_folder
+    from llamarl.pipeline.checks import check_folder, check_outside_outputs
 
+    field = "DST" if stage in ("shard", "export") else "OUT"
     try:
-        check_folder(made, f"llamarl stage {stage}", "DST" if stage in ("shard", "export") else "OUT")
+        check_folder(made, f"llamarl stage {stage}", field)
+        check_outside_outputs(made, f"llamarl stage {stage}", field)
     except UserError as e:
         _fail(str(e))
     try:

@@ -470,3 +470,16 @@ def test_a_process_count_below_one_is_one_line_naming_the_flag(stage, flag):
     args = {"shard": ["SRC", "DST"], "export": ["SRC", "DST"], "ppo": ["ROLLOUT", "SCORES", "ACTOR", "OUT"]}[stage]
     r = _llamarl("stage", stage, *args, flag, "0")
     assert _refused(r) == f"error: {flag}=0: Input should be greater than or equal to 1"
+
+
+def test_a_stage_output_inside_a_published_output_is_refused_in_one_line(tmp_path):
+    from llamarl.lib.files import publish
+
+    published = tmp_path / "rollout"
+    published.mkdir()
+    publish.publish(str(published), {"kind": "rollout", "files": {}})
+    before = sorted(os.listdir(published))
+    r = _llamarl("stage", "ppo", "ROLLOUT", "SCORES", "ACTOR", str(published / "sub" / "ppo"))
+    assert _refused(r) == (f"error: llamarl stage ppo: OUT: {published}/sub/ppo lies inside the published output "
+                           f"{published}; point OUT at a folder outside it")
+    assert sorted(os.listdir(published)) == before
