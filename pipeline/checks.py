@@ -90,13 +90,17 @@ def check_storage(spec: RunSpec) -> None:
         check_folder(spec.metrics.tensorboard, spec.source, "metrics.tensorboard")
 
 
+def _up(folder: str) -> list[str]:
+    """``folder`` and each folder above it, nearest first."""
+    parts = folder.rstrip("/").split("/")
+    return ["/".join(parts[:i]) or "/" for i in range(len(parts), 0, -1)]
+
+
 def check_outside_outputs(url: str, source: str, field: str) -> None:
     """``url`` lies inside no published output (a folder of a rollout, a checkpoint, …): files a
     stage wrote there would sit among another stage's, which its manifest does not list."""
     fs, path = publish.filesystem(url)
-    parts = path.rstrip("/").split("/")
-    for i in range(len(parts) - 1, 0, -1):
-        parent = "/".join(parts[:i]) or "/"
+    for parent in _up(path)[1:]:
         if fs.exists(f"{parent.rstrip('/')}/{publish.MANIFEST}"):
             where = parent if "file" in fs.protocol else fs.unstrip_protocol(parent)
             raise UserError(f"{source}: {field}: {url} lies inside the published output {where}; point {field} at a "
@@ -108,8 +112,7 @@ def check_folder(url: str, source: str, field: str, note: str = "") -> None:
     local file system, one this user may write to (or may create). A one-line error naming it
     otherwise. (An object store is not probed: that would mean writing to it.)"""
     fs, folder = publish.filesystem(url)
-    parts = folder.rstrip("/").split("/")
-    existing = next((p for p in ("/".join(parts[:i]) or "/" for i in range(len(parts), 0, -1)) if fs.exists(p)), None)
+    existing = next((p for p in _up(folder) if fs.exists(p)), None)
     if existing is not None and not fs.isdir(existing):
         raise UserError(f"{source}: {field}: {existing} is a file, not a folder; point {field} at a folder{note}")
     if "file" not in fs.protocol or existing is None:

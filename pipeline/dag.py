@@ -13,8 +13,6 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-import fsspec
-
 from llamarl.cluster.kinds import validate_options
 from llamarl.lib.files import publish, yamlfile
 from llamarl.lib.errors import UserError, unreadable
@@ -218,7 +216,7 @@ def check_models(spec: RunSpec) -> None:
         if not url:
             continue
         config_url = f"{url.rstrip('/')}/config.json"
-        fs, path = fsspec.core.url_to_fs(config_url)
+        fs, path = publish.filesystem(config_url)
         if not fs.exists(path):
             continue  # not there yet (or not an HF folder): shard checks it when it starts
         from llamarl.lib.model.config import ConfigError, LlamaConfig, ParallelLayout
@@ -289,9 +287,9 @@ def parse_spec(data_, source: str) -> RunSpec:
 def load_spec(path: str) -> RunSpec:
     if not path:
         raise UserError("the run spec's path is empty; give the spec's YAML file")
-    publish.filesystem(path)
+    fs, local = publish.filesystem(path)
     try:
-        with fsspec.open(path, "r") as f:
+        with fs.open(local, "r") as f:
             loaded = yamlfile.load(f, path)
     except FileNotFoundError:
         raise UserError(f"{path}: no such run spec") from None
