@@ -26,7 +26,9 @@ import torch
 from llamarl.lib.kernel_switch import kernel_wanted
 
 ENV = "LLAMARL_FUSED_DECODE"
-CHUNK = 128  # positions a first-pass program reads; a slot of length n runs ceil((n + 1) / CHUNK) of them
+# Positions a first-pass program reads; a slot of length n runs ceil((n + 1) / CHUNK) of them. 256
+# decodes 2-3 % faster than 128 on an H200, and 512 no faster (``bench/results/rollout-h200-2026-12-04.json``).
+CHUNK = 256
 BLOCK_N = 64  # positions a program loads at once
 WARPS, STAGES = 4, 3  # the first pass's launch (bench/decode_kernel.py compares others)
 
