@@ -18,12 +18,11 @@ interpreter on CPU, with ``TRITON_INTERPRET=1``: for the tests, ``tests/test_dec
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from llamarl.lib.kernel_switch import kernel_wanted
+from llamarl.lib.kernel_switch import kernel_wanted, triton_kernels
 
 ENV = "LLAMARL_FUSED_DECODE"
 # Positions a first-pass program reads; a slot of length n runs ceil((n + 1) / CHUNK) of them. 256
@@ -68,15 +67,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     return out
 
 
-@functools.cache
-def _kernels():
-    """The two kernels, compiled on first use; None without Triton (lib/ never imports it at import)."""
-    global tl
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@triton_kernels
+def _kernels(triton):
+    """The two passes' kernels."""
 
     @triton.jit
     def decode_chunk_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, len_ptr, part_ptr, scale, span, chunks,

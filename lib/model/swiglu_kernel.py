@@ -14,12 +14,11 @@ in Triton's interpreter on CPU, with ``TRITON_INTERPRET=1``: for the tests).
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
 
-from llamarl.lib.kernel_switch import kernel_wanted
+from llamarl.lib.kernel_switch import kernel_wanted, triton_kernels
 
 ENV = "LLAMARL_FUSED_SWIGLU"
 BLOCK = 2048  # columns a program; 512-4096 measure within 3 % of each other (H200, ffn 8192)
@@ -63,15 +62,9 @@ def _backward(gate_up: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return out.view(gate_up.shape)
 
 
-@functools.cache
-def _kernel():
-    """The kernel, compiled on first use; None without Triton (lib/ never imports it at import)."""
-    global tl
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@triton_kernels
+def _kernel(triton):
+    """The backward kernel."""
 
     @triton.jit
     def swiglu_backward_kernel(gate_up_ptr, dy_ptr, out_ptr, width, BLOCK: tl.constexpr):

@@ -10,13 +10,13 @@ reference, torch ops (``_Eager``): docs/training.md.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from llamarl.lib.distributed import parallel
+from llamarl.lib.kernel_switch import triton_kernels
 from llamarl.lib.model import mappings
 from llamarl.lib.model.layers import fusions_on
 from llamarl.lib.distributed.parallel import group_rank, group_size
@@ -86,16 +86,9 @@ def _split_grads(grads, with_logp: bool, with_entropy: bool):
 # ---- the Triton kernels (CUDA) ---------------------------------------------------------------
 
 
-@functools.cache
-def _kernels():
-    """(forward stats kernel, backward gradient kernel), compiled on first use; None without Triton.
-    Defined here, not at import, so that importing lib/ never imports Triton."""
-    global tl
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@triton_kernels
+def _kernels(triton):
+    """(forward stats kernel, backward gradient kernel)."""
 
     @triton.jit
     def stats_kernel(x_ptr, stride, n_cols, m_ptr, s_ptr, t_ptr, WITH_T: tl.constexpr, BLOCK: tl.constexpr):

@@ -13,12 +13,11 @@ interpreter on CPU, and ``pytest -m gpu`` on CUDA. It is the default on CUDA (do
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from llamarl.lib.kernel_switch import kernel_wanted
+from llamarl.lib.kernel_switch import kernel_wanted, triton_kernels
 
 ENV = "LLAMARL_FUSED_ADAMW"
 BLOCK = 2048
@@ -31,15 +30,9 @@ def wanted(device: torch.device) -> bool:
     return kernel_wanted(ENV, device, _kernel, ("0", "1"))
 
 
-@functools.cache
-def _kernel():
-    """The kernel, compiled on first use; None without Triton (lib/ never imports it at import)."""
-    global tl
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@triton_kernels
+def _kernel(triton):
+    """The update kernel."""
 
     @triton.jit
     def adamw_kernel(master_ptr, grad_ptr, avg_ptr, sq_ptr, param_ptr, scale_ptr, largest_ptr, n,
