@@ -65,8 +65,7 @@ def agree(error: str | None) -> str | None:
 
 def check(error: str | None) -> None:
     """Raise the first error of any rank on every rank (a collective)."""
-    first = agree(error)
-    if first is not None:
+    if (first := agree(error)) is not None:
         raise UserError(first)
 
 

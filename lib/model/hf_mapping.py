@@ -39,9 +39,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 def param_slices(cfg: LlamaConfig, tp: int, tp_rank: int, name: str) -> list[Slice]:
     """The HF slices whose concatenation is TP rank ``tp_rank``'s parameter ``name``."""
     vocab_rows = pad_vocab(cfg.vocab_size, tp) // tp
-    if name == "model.embed_tokens.weight":
-        return [Slice(name, 0, tp_rank * vocab_rows, (tp_rank + 1) * vocab_rows)]
-    if name == "lm_head.weight":
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
         src = "model.embed_tokens.weight" if cfg.tie_word_embeddings else name
         return [Slice(src, 0, tp_rank * vocab_rows, (tp_rank + 1) * vocab_rows)]
     if name in ("model.norm.weight", "score.weight"):
@@ -115,13 +113,10 @@ def stage_param_names(cfg: LlamaConfig, head: str, pp: int, pp_rank: int) -> lis
     embeddings the head is the embedding (pp 1) or the last stage's copy of it."""
     names = ["model.embed_tokens.weight"] if pp_rank == 0 else []
     for n in split_layers(cfg.num_layers, pp)[pp_rank]:
-        p = f"model.layers.{n}."
-        names += [p + "input_layernorm.weight", p + "self_attn.qkv_proj.weight"]
-        names += [p + "self_attn.qkv_proj.bias"] if cfg.attention_bias else []
-        names += [p + "self_attn.o_proj.weight"] + ([p + "self_attn.o_proj.bias"] if cfg.attention_bias else [])
-        names += [p + "post_attention_layernorm.weight", p + "mlp.gate_up_proj.weight"]
-        names += [p + "mlp.gate_up_proj.bias"] if cfg.mlp_bias else []
-        names += [p + "mlp.down_proj.weight"] + ([p + "mlp.down_proj.bias"] if cfg.mlp_bias else [])
+        for part, bias in (("input_layernorm", False), ("self_attn.qkv_proj", cfg.attention_bias),
+                           ("self_attn.o_proj", cfg.attention_bias), ("post_attention_layernorm", False),
+                           ("mlp.gate_up_proj", cfg.mlp_bias), ("mlp.down_proj", cfg.mlp_bias)):
+            names += [f"model.layers.{n}.{part}.{kind}" for kind in ("weight", "bias")[: 1 + bias]]
     if pp_rank == pp - 1:
         names.append("model.norm.weight")
         if head == "score":

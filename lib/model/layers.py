@@ -216,10 +216,8 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         local = local.masked_fill(outside, 0)
-        if wgrad_target(self.weight) is not None:
-            out = _EmbeddingGradIntoMain.apply(local, self.weight)
-        else:
-            out = F.embedding(local, self.weight)
+        embed = _EmbeddingGradIntoMain.apply if wgrad_target(self.weight) is not None else F.embedding
+        out = embed(local, self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return output_reduce(out, self.tp_group, self.sequence_parallel)
 

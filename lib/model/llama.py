@@ -192,12 +192,6 @@ class ParallelLlama(nn.Module):
         if topo.is_last_stage:
             self._build_head()
 
-    def _build_head(self) -> None:
-        raise NotImplementedError
-
-    def _head(self, hidden: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-        raise NotImplementedError
-
     # ---- running ---------------------------------------------------------------------------
 
     def make_batch(self, input_ids, attention_mask=None, position_ids=None) -> TokenBatch:

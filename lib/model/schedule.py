@@ -26,21 +26,14 @@ LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 def _p2p(topo: Topology, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
     """One batch of point-to-point ops with this rank's neighbouring stages; ``recv_*`` are
     (shape, dtype, device). Returns the received tensors (from the previous stage, from the next)."""
-    ops, got_prev, got_next = [], None, None
-    if send_next is not None:
-        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), topo.next_stage_rank))
-    if send_prev is not None:
-        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), topo.prev_stage_rank))
-    if recv_prev is not None:
-        got_prev = torch.empty(recv_prev[0], dtype=recv_prev[1], device=recv_prev[2])
-        ops.append(dist.P2POp(dist.irecv, got_prev, topo.prev_stage_rank))
-    if recv_next is not None:
-        got_next = torch.empty(recv_next[0], dtype=recv_next[1], device=recv_next[2])
-        ops.append(dist.P2POp(dist.irecv, got_next, topo.next_stage_rank))
+    got = [None if r is None else torch.empty(r[0], dtype=r[1], device=r[2]) for r in (recv_prev, recv_next)]
+    ops = [dist.P2POp(op, t.contiguous(), peer) for op, t, peer in
+           ((dist.isend, send_next, topo.next_stage_rank), (dist.isend, send_prev, topo.prev_stage_rank),
+            (dist.irecv, got[0], topo.prev_stage_rank), (dist.irecv, got[1], topo.next_stage_rank)) if t is not None]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    return got_prev, got_next
+    return got[0], got[1]
 
 
 def forward_backward(

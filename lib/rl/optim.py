@@ -241,12 +241,7 @@ class ShardedAdamW:
     def state(self) -> dict:
         """This rank's moments (and masters, when they are copies) as DCP chunks under
         ``<hf name>.exp_avg`` / ``.exp_avg_sq`` / ``.master``."""
-        tensors: dict[str, dict] = {k: {} for k in MOMENTS}
-        for m, st in self.inner.state.items():
-            name = self.names.get(m)
-            if name is not None:
-                for k in MOMENTS:
-                    tensors[k][name] = st[k]
+        tensors = {k: {self.names[m]: st[k] for m, st in self.inner.state.items() if m in self.names} for k in MOMENTS}
         if self.separate_masters:
             tensors["master"] = self.master
         return self._state_of(tensors)

@@ -37,13 +37,10 @@ class StackSampler:
         self._thread.start()
 
     def _run(self) -> None:
-        me = threading.get_ident()
         while not self._stop.wait(self.interval_s):
             now = time.time()
             names = {t.ident: t.name for t in threading.enumerate()}
             for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
                 if (os.path.basename(frame.f_code.co_filename), frame.f_code.co_name) in _IDLE:
                     continue
                 stack = []
