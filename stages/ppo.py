@@ -24,26 +24,10 @@ from llamarl.lib.errors import UserError
 from llamarl.stages import contract, identity, ppo_kept, space
 from llamarl.stages.config import PPOConfig
 from llamarl.stages.ppo_checks import StepCheck, check_schedule
-from llamarl.stages.ppo_data import (
-    advantages,
-    check_groups,
-    dynamic_sampling,
-    load_samples,
-    micro_batches,
-    mini_batch,
-)
+from llamarl.stages.ppo_data import advantages, check_groups, dynamic_sampling, load_samples, micro_batches, mini_batch
 from llamarl.stages.ppo_metrics import finite_or_null, json_lines
-from llamarl.stages.ppo_state import (
-    clear_published,
-    clear_state,
-    metrics_on_rank0,
-    optim_url,
-    resume,
-    save_state,
-    save_train_state,
-    save_weights,
-    verify_train_state,
-)
+from llamarl.stages.ppo_state import (clear_published, clear_state, metrics_on_rank0, optim_url, resume, save_state,
+                                      save_train_state, save_weights, verify_train_state)
 from llamarl.stages.ppo_batches import StepBatches
 from llamarl.stages.ppo_trainer import Trainer, frozen_logprobs, gather_dp, reference_source, token_outputs, train_step
 

@@ -170,14 +170,8 @@ def _metadata(url: str, tensors: dict[str, tuple], written: list[tuple]) -> byte
     """``.metadata``: DCP's ``Metadata`` of the written items, pickled as DCP pickles it. Its save
     id is the items' digest (DCP draws a random one): a rerun writes the same bytes."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
 
     chunks: dict[str, list] = collections.defaultdict(list)
     for fqn, off, shape, *_ in written:

@@ -10,12 +10,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Thread
 
-from llamarl.lib.distributed.collectives import (
-    all_gather_object,
-    broadcast_object,
-    check,
-    rank_world,
-)
+from llamarl.lib.distributed.collectives import all_gather_object, broadcast_object, check, rank_world
 from llamarl.lib.errors import UserError
 
 _work_start: float | None = None  # when this process's stage began its work (``prepare_output``)

@@ -19,23 +19,10 @@ from llamarl.lib.distributed import parallel
 from llamarl.lib.model.attention import AttentionMetadata, attention
 from llamarl.lib.model.batch import TokenBatch
 from llamarl.lib.model.config import LlamaConfig, ParallelLayout, pad_vocab, split_layers
-from llamarl.lib.model.layers import (
-    ColumnParallelLinear,
-    RMSNorm,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    column_input,
-    compiled_region,
-    fused_layers_on,
-    fusions_on,
-    linear,
-    region_add_rms_norm,
-    region_linear,
-    region_rms_norm,
-    region_swiglu,
-    swiglu,
-    wgrad_target,
-)
+from llamarl.lib.model.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
+                                      column_input, compiled_region, fused_layers_on, fusions_on, linear,
+                                      region_add_rms_norm, region_linear, region_rms_norm, region_swiglu, swiglu,
+                                      wgrad_target)
 from llamarl.lib.model.rotary import region_rotary_qk, rope_cos_sin, rope_inv_freq, rotary_qk
 from llamarl.lib.distributed.parallel import Topology, group_rank, group_size
 

@@ -22,19 +22,8 @@ from contextlib import suppress
 from typing import Any, Callable, TypeVar
 
 from llamarl.lib.distributed import collectives
-from llamarl.lib.errors import (
-    EXIT_PEER_LOST,
-    EXIT_STATUS_ENV,
-    EXIT_USER_ERROR,
-    PARENT_ENV,
-    StageResult,
-    UserError,
-    chain,
-    disk_full,
-    disk_full_error,
-    one_line,
-    unreadable,
-)
+from llamarl.lib.errors import (EXIT_PEER_LOST, EXIT_STATUS_ENV, EXIT_USER_ERROR, PARENT_ENV, StageResult, UserError,
+                                chain, disk_full, disk_full_error, one_line, unreadable)
 from llamarl.lib.files import outputs
 
 C = TypeVar("C")
