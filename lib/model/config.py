@@ -87,10 +87,8 @@ class LlamaConfig:
         model_type = d.get("model_type")
         archs = d.get("architectures") or []
         if model_type != "llama" and not any(a.startswith("Llama") for a in archs):
-            raise fail(
-                f"model_type={model_type!r} is not a Llama; llamarl runs Llama models only "
-                "(model_type 'llama', e.g. LlamaForCausalLM)"
-            )
+            raise fail(f"model_type={model_type!r} is not a Llama; llamarl runs Llama models only "
+                       "(model_type 'llama', e.g. LlamaForCausalLM)")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise fail(f"hidden_act={act!r} is not supported; Llama uses 'silu'")
@@ -109,25 +107,14 @@ class LlamaConfig:
             raise fail(f"pretraining_tp={d['pretraining_tp']} is not supported; set it to 1 (it only "
                        "changes how HF splits matmuls, not the weights)")
 
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-            pad_token_id=d.get("pad_token_id"),
-        )
+        return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                   num_layers=d["num_hidden_layers"], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                   rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
+                   max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                   attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
+                   bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+                   pad_token_id=d.get("pad_token_id"))
 
     @classmethod
     def from_json(cls, path: str) -> LlamaConfig:
@@ -195,22 +182,16 @@ class ParallelLayout:
         if tp < 1 or pp < 1:
             raise ConfigError(f"tp={tp}, pp={pp}: both must be at least 1")
         if cfg.num_heads % tp:
-            raise ConfigError(
-                f"tp={tp} does not divide num_attention_heads={cfg.num_heads}; use a tp in {valid_tps(cfg)}"
-            )
+            raise ConfigError(f"tp={tp} does not divide num_attention_heads={cfg.num_heads}; "
+                              f"use a tp in {valid_tps(cfg)}")
         if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
-            raise ConfigError(
-                f"tp={tp} and num_key_value_heads={cfg.num_kv_heads}: one must divide the other "
-                f"(kv heads are split over TP or replicated); use a tp in {valid_tps(cfg)}"
-            )
+            raise ConfigError(f"tp={tp} and num_key_value_heads={cfg.num_kv_heads}: one must divide the other "
+                              f"(kv heads are split over TP or replicated); use a tp in {valid_tps(cfg)}")
         if cfg.intermediate_size % tp:
-            raise ConfigError(
-                f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}; use a tp in {valid_tps(cfg)}"
-            )
+            raise ConfigError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}; "
+                              f"use a tp in {valid_tps(cfg)}")
         if pp > cfg.num_layers:
-            raise ConfigError(
-                f"pp={pp} is larger than num_hidden_layers={cfg.num_layers}; use pp <= {cfg.num_layers}"
-            )
+            raise ConfigError(f"pp={pp} is larger than num_hidden_layers={cfg.num_layers}; use pp <= {cfg.num_layers}")
         if self.sequence_parallel and tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1; turn it off or raise tp")
 
@@ -236,8 +217,6 @@ def split_layers(num_layers: int, pp: int, sizes: list[int] | None = None) -> li
         base, rem = divmod(num_layers, pp)
         sizes = [base + (i < rem) for i in range(pp)]
     if len(sizes) != pp or sum(sizes) != num_layers or min(sizes) < 1:
-        raise ConfigError(
-            f"pipeline layer split {sizes} must be {pp} positive numbers adding up to {num_layers}"
-        )
+        raise ConfigError(f"pipeline layer split {sizes} must be {pp} positive numbers adding up to {num_layers}")
     starts = [sum(sizes[:i]) for i in range(pp)]
     return [range(s, s + n) for s, n in zip(starts, sizes)]
