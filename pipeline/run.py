@@ -1,22 +1,8 @@
 """Running a spec: its stages in order, resumed, in the foreground or detached.
 
-Run directory (``STORAGE/NAME``)::
-
-    pipeline/spec.yaml          the spec of the latest ``llamarl run``
-    pipeline/<node>.json        one record per stage: key, status, error, times, output id
-    shard/actor  shard/rm       sharded initial actor and reward model
-    pipeline/prompts.json       the prompts dataset the run takes rows of (prompts_per_iteration)
-    pipeline/prompts-index/     its row index (stages/prompts.py)
-    pipeline/monitor.json       what TensorBoard and W&B were sent
-    pipeline/trash/             what retention deletes, while it is deleted
-    iter-001/rollout  iter-001/scores  iter-001/ppo (actor/, critic/, train_state/, metrics.jsonl)
-    iter-001/val-rollout  iter-001/val-scores       at the iterations the run validates
-    …
-    export/                     the final actor as an HF directory
-    metrics.jsonl  metrics.png  per iteration: score, KL, losses, validation
-
-Which stages are done, and why the others run, is docs/pipeline.md's "Rules" (pipeline/records.py
-decides it); the stages wait, run and end in pipeline/schedule.py.
+The run directory's layout is docs/pipeline.md's first section; which stages are done, and why the
+others run, its "Rules" (pipeline/records.py decides it); the stages wait, run and end in
+pipeline/schedule.py.
 """
 
 from __future__ import annotations
