@@ -117,13 +117,10 @@ class KubernetesExecutor(Executor):
                    f'{torchrun}; rc=$?; '
                    f'if [ "$rc" -ne 0 ] && [ -s "${EXIT_STATUS_ENV}" ]; then '
                    f'rc=$(sort -n "${EXIT_STATUS_ENV}" | head -n 1 | cut -d " " -f 1); fi; exit "$rc"')
-        resources: dict = {}
         gpus = o.gpus_per_node if o.gpus_per_node is not None else (per_node(nprocs, nodes) if stage in GPU_STAGES else 0)
-        if gpus:
-            resources["limits"] = {"nvidia.com/gpu": gpus}
         requests = {k: v for k, v in (("cpu", o.cpu), ("memory", o.memory)) if v}
-        if requests:
-            resources["requests"] = requests
+        resources = {**({"limits": {"nvidia.com/gpu": gpus}} if gpus else {}),
+                     **({"requests": requests} if requests else {})}
         labels = {"app.kubernetes.io/part-of": "llamarl", "llamarl/stage": stage, "llamarl/node": _dns_name(name or stage)}
         if self.run_label:
             labels["llamarl/run"] = self.run_label
@@ -233,10 +230,8 @@ class KubernetesExecutor(Executor):
             return None
         batch, _ = self._apis()
         selector = f"llamarl/run={self.run_label},llamarl/node={_dns_name(node)}"
-        for job in batch.list_namespaced_job(namespace=self.options.namespace, label_selector=selector).items:
-            if _end_condition(job) is None:
-                return job.metadata.name
-        return None
+        jobs = batch.list_namespaced_job(namespace=self.options.namespace, label_selector=selector).items
+        return next((job.metadata.name for job in jobs if _end_condition(job) is None), None)
 
     # ---- detached runs ---------------------------------------------------------------------
 

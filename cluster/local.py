@@ -225,9 +225,7 @@ class LocalExecutor(Executor):
             self._end(handle)
             raise
         self._end(handle)
-        if code == 0:
-            return StageResult(0)
-        return StageResult(code, handle.error() or f"exit status {code}")
+        return StageResult(0) if code == 0 else StageResult(code, handle.error() or f"exit status {code}")
 
     def _end(self, run: LocalRun) -> None:
         """The stage has ended: what its processes started and left behind (a tokenizer process

@@ -171,9 +171,7 @@ def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -
         ran = record.get("external") or {}
         now = [fingerprints(node)] + ([fingerprints(node, timed=True)] if node.stage == "rollout" else [])
         changed = [url for url in node.declared.external if all(ran.get(url) != f[url] for f in now)]
-        if changed:
-            return False, f"{changed[0]} changed since it ran"
-        return False, "its config or inputs changed"
+        return False, f"{changed[0]} changed since it ran" if changed else "its config or inputs changed"
     if record.get("output_id") != out_id:
         return False, "its output was replaced"
     return True, f"done {record.get('finished')}"

@@ -79,8 +79,7 @@ def make_llama(path: str, *, vocab_size: int = 301, kind: str = "lm", seed: int 
     return model
 
 
-def make_prompts(path: str, n: int = 16, *, chat: bool = False, with_answers: bool = True, first: int = 0,
-                 id_prefix: str = "p") -> str:
+def make_prompts(path: str, n: int = 16, *, chat: bool = False, first: int = 0, id_prefix: str = "p") -> str:
     """A JSONL prompts file: ``prompt`` (text, or chat messages), ``id``, and ``answer``; rows
     ``first`` … ``first + n - 1`` of an endless toy set (another ``first``: other prompts)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -88,8 +87,7 @@ def make_prompts(path: str, n: int = 16, *, chat: bool = False, with_answers: bo
     with open(path, "w") as f:
         for i in range(first, first + n):
             text = " ".join(words[(i * 3) % len(words): (i * 3) % len(words) + 2 + i % 5])
-            row = {"id": f"{id_prefix}{i:04d}", "prompt": [{"role": "user", "content": text}] if chat else text}
-            if with_answers:
-                row["answer"] = words[i % len(words)]
+            row = {"id": f"{id_prefix}{i:04d}", "prompt": [{"role": "user", "content": text}] if chat else text,
+                   "answer": words[i % len(words)]}
             f.write(json.dumps(row) + "\n")
     return path

@@ -89,10 +89,8 @@ class Dataset:
 
 
 def _stamp(info: dict) -> str:
-    for key in ("mtime", "LastModified", "last_modified", "updated", "created", "ETag", "etag"):
-        if info.get(key) is not None:
-            return str(info[key])
-    return ""
+    keys = ("mtime", "LastModified", "last_modified", "updated", "created", "ETag", "etag")
+    return next((str(info[key]) for key in keys if info.get(key) is not None), "")
 
 
 def open_dataset(url: str) -> Dataset:

@@ -76,15 +76,6 @@ def _check_weights(src: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, root
     return found.pop()
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
 def _pieces(weights: SafetensorsCheckpoint, cfg: LlamaConfig, head: str, topo: Topology,
             dtype: torch.dtype) -> list[dcp_format.Piece]:
     """The chunks this rank's place in the layout owns (the slices of the HF tensors its
@@ -168,12 +159,13 @@ def run(cfg: ShardConfig) -> None:
                                 "already sharded from this source", recorded):
         return
 
-    rss_before = _rss_bytes()
+    with open("/proc/self/statm") as f:
+        rss_before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     pieces = _pieces(weights, model_cfg, head, topo, dtypes.torch_dtype(out_dtype))
     dcp_format.save(pieces, f"{dst}/{contract.MODEL}")
     nbytes = sum(p.nbytes for p in pieces)
     ranks = collectives.all_gather_object({"rank": rank, "owned_bytes": nbytes, "rss_before_bytes": rss_before,
-                                   "peak_rss_bytes": _peak_rss_bytes()})
+                                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})  # KiB
 
     sources = sources or source()
     fs_dst, dst_path = fsspec.core.url_to_fs(dst)

@@ -7,7 +7,6 @@ from pydantic import Field
 from .base import OUTPUT, StageConfig, StoredDtype, Url, layout, path, placement
 
 
-
 class ShardConfig(StageConfig):
     src: Url = path("HF checkpoint directory (any fsspec URL): config.json, *.safetensors, tokenizer files.")
     dst: Url = path("Output directory (any fsspec URL); created, or resumed if an earlier run was interrupted.",

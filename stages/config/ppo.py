@@ -13,7 +13,6 @@ from .base import OUTPUT, Count, StageConfig, TrainDtype, Url, layout, path, pla
 from .rollout import _temperature
 
 
-
 # Estimators whose baseline is a prompt's other samples: they need samples_per_prompt >= 2.
 GROUP_ADVANTAGES = ("grpo", "rloo", "reinforce++-baseline")
 
@@ -181,9 +180,7 @@ class PPOConfig(StageConfig):
 
     def old_logp_source(self) -> Literal["rollout", "actor"]:
         """Where π_old comes from, ``auto`` resolved."""
-        if self.old_logp == "auto":
-            return "actor" if self.off_policy else "rollout"
-        return self.old_logp
+        return ("actor" if self.off_policy else "rollout") if self.old_logp == "auto" else self.old_logp
 
     def uses_tis(self) -> bool:
         """Whether the policy loss is weighed by truncated importance weights, ``auto`` resolved."""

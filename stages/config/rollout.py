@@ -14,7 +14,6 @@ from .base import (INPUT, INT32_MAX, OUTPUT, Column, ComputeDtype, Count, StageC
 from .score import ScoreConfig
 
 
-
 MIN_TEMPERATURE = 1e-6
 """The smallest temperature but 0: logits are divided by it in float32, and below this a logit of
 a few hundred already overflows to inf (then softmax is NaN); sampling there is greedy anyway."""

@@ -134,14 +134,10 @@ class ScoreConfig(StageConfig):
         return rewards
 
     @model_validator(mode="after")
-    def _rm_given(self):
+    def _terms_usable(self):
         if self.uses_rm() and not self.reward_model:
             raise FieldsError("{rewards} has an 'rm' term but no {reward_model} is given; set {reward_model} or drop "
                               "the 'rm' term")
-        return self
-
-    @model_validator(mode="after")
-    def _some_weight(self):
         # Every score would be 0: no sample could be told from another, so nothing could be learnt.
         if all(t.weight == 0 for t in self.rewards):
             raise FieldsError("every term of {rewards} has weight 0, so every score would be 0 and no sample better "
