@@ -11,9 +11,8 @@ chunks in order, up to its own length. Chunks sit at fixed positions and a slot'
 only its own chunks, so its bits do not depend on the span, the batch or the slots beside it:
 the batch invariance of docs/generation.md holds as it does with SDPA.
 
-``LLAMARL_FUSED_DECODE`` = ``auto`` (the kernel on CUDA where Triton imports, for bf16 and fp16
-caches with a power-of-two head size), ``0`` (SDPA everywhere) or ``1`` (also in Triton's
-interpreter on CPU, with ``TRITON_INTERPRET=1``: for the tests, ``tests/test_decode_kernel.py``).
+``LLAMARL_FUSED_DECODE`` (``auto``: bf16 and fp16 caches with a power-of-two head size, ``0``:
+SDPA everywhere, ``1``) switches it, as lib/kernel_switch.py says.
 """
 
 from __future__ import annotations

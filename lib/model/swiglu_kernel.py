@@ -7,9 +7,8 @@ H200, 5 ms of a 239 ms training step (docs/training.md).
 
 The arithmetic is autograd's for ``silu(gate) * up`` in fp32 from the bf16 inputs, rounded once;
 ``tests/test_swiglu_kernel.py`` compares the kernel with autograd in Triton's interpreter on CPU
-and ``pytest -m gpu`` on CUDA. ``LLAMARL_FUSED_SWIGLU`` = ``auto`` (the kernel on CUDA where
-Triton imports), ``0`` (the eager formula everywhere: a reference for debugging) or ``1`` (also
-in Triton's interpreter on CPU, with ``TRITON_INTERPRET=1``: for the tests).
+and ``pytest -m gpu`` on CUDA. Its switch, ``LLAMARL_FUSED_SWIGLU`` (``auto``, ``0``: the eager
+formula, ``1``): lib/kernel_switch.py.
 """
 
 from __future__ import annotations

@@ -24,9 +24,8 @@ BLOCK = 2048
 
 
 def wanted(device: torch.device) -> bool:
-    """On CUDA where Triton imports, unless ``LLAMARL_FUSED_ADAMW=0`` (torch's fused AdamW then);
-    in Triton's interpreter on CPU (``TRITON_INTERPRET=1``) only when asked for with ``=1``, since
-    the tests that run other kernels there compare against the reference arithmetic."""
+    """Whether the kernel runs, as ``LLAMARL_FUSED_ADAMW`` says (lib/kernel_switch.py); else
+    torch's fused AdamW."""
     return kernel_wanted(ENV, device, _kernel, ("0", "1"))
 
 
