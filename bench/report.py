@@ -217,7 +217,7 @@ def whole_command(cmd: str) -> Measure:
     def measure(r):
         ratio = r["save_pretrained_s"] / r[f"{cmd}_wall_s"]
         return (f"{_times(ratio, 1)} ({r[f'{cmd}_wall_s']:.2f} s against {r['save_pretrained_s']:.2f} s, "
-                f"{r['procs']} processes, torch {r.get('torch')})", _verdict((ratio >= 1, "")))
+                f"{r['procs']} process{'es' if r['procs'] != 1 else ''}, torch {r.get('torch')})", _verdict((ratio >= 1, "")))
     return measure
 
 
