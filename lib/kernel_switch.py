@@ -34,6 +34,7 @@ def triton_kernels(build: Callable) -> Callable[[], object | None]:
     Triton's JIT reads as it parses them: it is set there here."""
 
     @functools.cache
+    @functools.wraps(build)
     def kernels():
         try:
             import triton

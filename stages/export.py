@@ -4,7 +4,8 @@ Run with any number of processes (``llamarl stage export SRC DST``). Output file
 up front (safetensors split by size, HF's names and index); each rank loads only the tensors of
 the files it writes, up to ``FILES_AT_ONCE`` files at a time (one file's tensors are written by
 ``THREADS`` threads: a 3 GB model in four files exports in 0.8 s on one process of an H200 where
-one file at a time took 1.7 s), so no rank gathers the whole model. Actors export as
+one file at a time took 1.7 s), so no rank gathers the whole model: a rank holds at most about
+``FILES_AT_ONCE`` files' bytes (``max_shard_gb`` each, or one tensor larger). Actors export as
 ``LlamaForCausalLM``, critics and reward models as ``LlamaForSequenceClassification`` (one label).
 
 Before publishing, what was written is checked against the checkpoint: every tensor name, shape
@@ -165,10 +166,13 @@ def run(cfg: ExportConfig) -> None:
     try:
         index = _index(src, shapes, src_dtype)
         mine = range(rank, len(groups), world)  # rank k writes files k, k + world, …
-        with ThreadPoolExecutor(max(1, min(FILES_AT_ONCE, len(mine)))) as pool:
+        pool = ThreadPoolExecutor(max(1, min(FILES_AT_ONCE, len(mine))))
+        try:
             jobs = {names[i]: pool.submit(_write, f"{dst}/{names[i]}", f"{src}/{contract.MODEL}", index, groups[i],
                                           shapes, dtypes.torch_dtype(out_dtype)) for i in mine}
             written = {name: pending.result() for name, pending in jobs.items()}
+        finally:  # after a failure, files not begun are not written; those begun end before the discard
+            pool.shutdown(wait=True, cancel_futures=True)
     except (_Unreadable, OSError) as e:
         failure = (("user", None, f"rank {rank}: {src}: {e}; the checkpoint is damaged: reshard it")
                    if isinstance(e, _Unreadable) else collectives.describe(e, rank))

@@ -13,7 +13,6 @@ formula, ``1``): lib/kernel_switch.py.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

@@ -10,7 +10,6 @@ reference, torch ops (``_Eager``): docs/training.md.
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
