@@ -16,7 +16,8 @@ def _fmt(x, spec=",.0f"):
 
 
 def _load(path: str):
-    return [json.loads(line) for line in open(path)] if path.endswith(".jsonl") else json.load(open(path))
+    with open(path) as f:
+        return [json.loads(line) for line in f] if path.endswith(".jsonl") else json.load(f)
 
 
 def discard(disk: dict | None) -> str | None:

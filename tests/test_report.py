@@ -61,7 +61,8 @@ def test_rollout_stage_renders_wall_over_engine_and_a_failed_run(tmp_path):
 
 
 def test_docs_benchmarks_md_is_what_report_py_makes_of_the_committed_results():
-    doc = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        doc = f.read()
     begin, end = doc.index(report.BEGIN), doc.index(report.END) + len(report.END) + 1
     assert doc[begin:end] == report.generate(), (
         "docs/benchmarks.md differs from bench/results: run `python bench/report.py --write` and commit it")
