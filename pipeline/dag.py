@@ -19,7 +19,7 @@ from llamarl.lib.errors import UserError, unreadable
 from llamarl.lib.options import Source, validate
 from llamarl.stages.identity import Declared, declare
 from llamarl.stages.config import (ExportConfig, PPOConfig, RolloutConfig, ScoreConfig, ShardConfig, StageConfig,
-                                   processes)
+                                   beyond_vocab, processes)
 
 from . import data
 from .monitor import check_installed
@@ -241,10 +241,10 @@ def _check_sampling(spec: RunSpec, model, config_url: str) -> None:  # model: th
     if spec.validation:  # its fields left None take the rollout's
         samplings.append(("validation.sampling", spec.validation.sampling))
     for where, sampling in samplings:
-        for i, token in enumerate(sampling.stop_token_ids or ()):
-            if token >= model.vocab_size:
-                raise UserError(f"{spec.source}: {where}.stop_token_ids.{i}={token} is no token of the actor, whose "
-                                f"vocabulary has {model.vocab_size} ({config_url}); give ids below {model.vocab_size}")
+        if (beyond := beyond_vocab(sampling.stop_token_ids, model.vocab_size)) is not None:
+            i, token = beyond
+            raise UserError(f"{spec.source}: {where}.stop_token_ids.{i}={token} is no token of the actor, whose "
+                            f"vocabulary has {model.vocab_size} ({config_url}); give ids below {model.vocab_size}")
     for where, sampling in samplings:
         if (new := sampling.max_new_tokens) is not None and new >= model.max_position_embeddings:
             raise UserError(f"{spec.source}: {where}.max_new_tokens={new} leaves no room for a prompt within the "

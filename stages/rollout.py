@@ -51,7 +51,7 @@ from llamarl.lib.model.config import LlamaConfig, ParallelLayout, compute_dtype,
 from llamarl.lib.errors import UserError
 from llamarl.lib.engine.generate import Batch, Engine, SamplingParams
 from llamarl.stages import contract, identity, prompts, space
-from llamarl.stages.config import RolloutConfig
+from llamarl.stages.config import RolloutConfig, beyond_vocab
 from llamarl.stages.scoring import Scoring
 
 _IMPORTED = time.time()
@@ -150,8 +150,7 @@ def _check_actor(cfg: RolloutConfig, actor: str):
         raise UserError(f"sampling.max_new_tokens={new} leaves no room for a prompt within {actor}'s "
                         f"max_position_embeddings={model_cfg.max_position_embeddings}; lower max_new_tokens")
     vocab = model_cfg.vocab_size
-    beyond = next(((i, t) for i, t in enumerate(cfg.sampling.stop_token_ids) if t >= vocab), None)
-    if beyond is not None:  # a token the actor cannot sample would never stop a response
+    if (beyond := beyond_vocab(cfg.sampling.stop_token_ids, vocab)) is not None:
         raise UserError(f"sampling.stop_token_ids.{beyond[0]}={beyond[1]} is no token of {actor}, whose vocabulary "
                         f"has {vocab}; give ids below {vocab}")
     return manifest, model_cfg, layout, room

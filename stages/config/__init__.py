@@ -17,7 +17,7 @@ from llamarl.lib.options import Strict
 from .base import INPUT, LAYOUT, WIRED, Count, StageConfig, Url, kind_of, processes
 from .checkpoint import ExportConfig, ShardConfig
 from .ppo import GROUP_ADVANTAGES, PPOConfig
-from .rollout import PromptSelection, RolloutConfig, Sampling
+from .rollout import PromptSelection, RolloutConfig, Sampling, beyond_vocab
 from .score import RewardTerm, ScoreConfig, describe_rules
 
 STAGES: dict[str, type[StageConfig]] = {"shard": ShardConfig, "rollout": RolloutConfig, "score": ScoreConfig,

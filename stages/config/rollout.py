@@ -48,6 +48,12 @@ class Sampling(Strict):
                                      "(seed, r, k): responses depend on nothing else (not layout, batch or chunks).")
 
 
+def beyond_vocab(token_ids, vocab: int) -> tuple[int, int] | None:
+    """The first (position, id) of ``token_ids`` that is no token of a vocabulary of ``vocab`` ids:
+    an actor cannot sample it, so as a stop token it would never stop a response."""
+    return next(((i, t) for i, t in enumerate(token_ids or ()) if t >= vocab), None)
+
+
 class PromptSelection(Strict):
     """Which rows of the prompts one rollout takes: positions [``start``, ``start + count``) of an
     endless stream of epochs, each a permutation of every row drawn from (``seed``, epoch);
