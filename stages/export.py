@@ -3,8 +3,8 @@
 Run with any number of processes (``llamarl stage export SRC DST``). Output files are planned
 up front (safetensors split by size, HF's names and index); each rank loads only the tensors of
 the files it writes, up to ``FILES_AT_ONCE`` files at a time (one file's tensors are written by
-``THREADS`` threads: a 3 GB model in four files exports in 0.8 s on one process of an H200 where
-one file at a time took 1.7 s), so no rank gathers the whole model: a rank holds at most about
+``THREADS`` threads: a 3 GB model in four files exports in 0.8 s on one process of an H200,
+against 1.7 s one file at a time), so no rank gathers the whole model: a rank holds at most about
 ``FILES_AT_ONCE`` files' bytes (``max_shard_gb`` each, or one tensor larger). Actors export as
 ``LlamaForCausalLM``, critics and reward models as ``LlamaForSequenceClassification`` (one label).
 
