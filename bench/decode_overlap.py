@@ -31,8 +31,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the machine may run with PYTHONSAFEPATH
-from rollout import _workload, copy_bandwidth, sync  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/rollout.py, even under PYTHONSAFEPATH
+from rollout import _workload, copy_bandwidth, step_bytes, sync  # noqa: E402
 
 
 def draw(engine, lo: int, hi: int, span: int, out_tok: torch.Tensor, out_logp: torch.Tensor) -> None:
@@ -121,9 +121,8 @@ def main() -> None:
     prompts = torch.randint(3, shape["vocab_size"], (slots, w["plen"]), device=dev).tolist()
     engine = Engine(model, SamplingParams(temperature=1.0, max_new_tokens=w["new"]), max_batch=slots)
     engine.generate(prompts, seed=1)  # the cache filled, the regions and the sampler compiled
-    span, cfg, size = engine.max_len, model.cfg, torch.finfo(dtype).bits // 8
-    weight_bytes = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * size
-    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
+    span = engine.max_len
+    weight_bytes, kv_token_bytes = step_bytes(model)
     bw = copy_bandwidth(dev)
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__, "slots": slots, "span": span, "copy_bandwidth_Bps": bw, "lengths": {}}
@@ -138,7 +137,8 @@ def main() -> None:
             for name, fn in forms(engine, slots, span, out_tok, out_logp).items():
                 ms = timed_ms(fn, dev)
                 got = (out_tok.clone(), out_logp.clone())
-                ref = ref or got
+                if ref is None:  # ``whole``, the first form
+                    ref = got
                 row[name] = {"step_ms": ms, "same_tokens": bool(torch.equal(got[0], ref[0])),
                              "max_logp_diff": float((got[1] - ref[1]).abs().max())}
                 if bw:

@@ -123,10 +123,7 @@ def main():
     with torch.device(dev):
         ours = ParallelLlamaForCausalLM(LlamaConfig.from_hf(hf_cfg.to_dict()), ParallelLayout(), dtype=dtype)
     ours.init_random(seed=0)
-    cfg = ours.cfg
-    size = torch.finfo(dtype).bits // 8
-    weight_bytes = sum(p.numel() for n, p in ours.named_parameters() if "embed_tokens" not in n) * size
-    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
+    weight_bytes, kv_token_bytes = step_bytes(ours)
     bw = res["copy_bandwidth_Bps"]
     res["weight_bytes_per_step"], res["kv_bytes_per_token"] = weight_bytes, kv_token_bytes
 
@@ -242,6 +239,14 @@ def _drain(model, prompts, slots_list, new, stop_tokens, fused, dev, small) -> d
         print(json.dumps({"drain": row}), flush=True)
         out[str(slots)] = row
     return out
+
+
+def step_bytes(model) -> tuple[int, int]:
+    """What a decode step reads, in bytes: the weights (all but the embedding table, of which it
+    reads a row a sequence), and one cached token's keys and values over all layers."""
+    cfg, size = model.cfg, model.dtype.itemsize
+    weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * size
+    return weights, 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
 
 
 def _workload(small: bool):
