@@ -266,11 +266,13 @@ def train_state_manifest(role: str, step: int, checkpoint_id: str, files: dict) 
             "timing": outputs.timing()}
 
 
-def require_train_state(url: str, manifest: dict) -> tuple[str, dict] | None:
+def require_train_state(url: str, manifest: dict, unwritten_ok: bool = False) -> tuple[str, dict] | None:
     """(its URL, its manifest) of the published training state of the checkpoint ``url``, or None
     when the state is inside the checkpoint (older ppo) or there is none (shard: step 0). Refused in
-    one line when it is missing, unfinished or not of these weights. Sizes and checksums are the
-    reader's to verify (``outputs.verify_input``, over its ranks)."""
+    one line when it is missing, unfinished or not of these weights; or published as not written
+    (``publish.unwritten``: its ppo left it in memory), unless ``unwritten_ok`` — the reader's,
+    then, to take it from memory or refuse. Sizes and checksums are the reader's to verify
+    (``outputs.verify_input``, over its ranks)."""
     pointer = manifest.get("train_state") or {}
     if has_optimizer_state(manifest) or not pointer.get("url"):
         return None
@@ -282,11 +284,16 @@ def require_train_state(url: str, manifest: dict) -> tuple[str, dict] | None:
     if not fs.exists(path):
         raise UserError(f"{state} does not exist yet: the ppo stage writing {url} stopped after its weights; "
                         f"{redo_train_state(url)}")
-    try:
-        found = publish.require_published(state, TRAIN_STATE)
-    except UserError as e:
-        raise UserError(f"{str(e).split('; ')[0]}: the training state of {url} is not whole; "
-                        f"{redo_train_state(url)}") from None
+    if publish.unwritten(state):
+        if not unwritten_ok:
+            raise UserError(unwritten_train_state(state))
+        found = publish.read_manifest(state)
+    else:
+        try:
+            found = publish.require_published(state, TRAIN_STATE)
+        except UserError as e:
+            raise UserError(f"{str(e).split('; ')[0]}: the training state of {url} is not whole; "
+                            f"{redo_train_state(url)}") from None
     if found.get("step") != pointer["step"] or found.get("checkpoint_id") != publish.output_id(url):
         raise UserError(f"{state} is the training state of other weights than {url} (step {found.get('step')}, "
                         f"checkpoint {found.get('checkpoint_id')}); {redo_train_state(url)}")
@@ -296,6 +303,13 @@ def require_train_state(url: str, manifest: dict) -> tuple[str, dict] | None:
 def _unfinished(root: str) -> bool:
     fs, path = fsspec.core.url_to_fs(root)
     return fs.exists(f"{path}/{publish.INCOMPLETE}") and not fs.exists(f"{path}/{publish.MANIFEST}")
+
+
+def unwritten_train_state(state: str) -> str:
+    """The one line of a reader that needs the training state ``state``, which its ppo did not write."""
+    return (f"{state} was not written: its ppo left it in its run's resident workers, for the next ppo "
+            "(retention.train_state_every); rerun `llamarl run`, which makes it again from the newest training "
+            "state written")
 
 
 def redo_train_state(url: str) -> str:

@@ -27,7 +27,7 @@ from llamarl.stages.ppo_checks import StepCheck, check_schedule
 from llamarl.stages.ppo_data import advantages, check_groups, dynamic_sampling, load_samples, micro_batches, mini_batch
 from llamarl.stages.ppo_metrics import finite_or_null, json_lines
 from llamarl.stages.ppo_state import (clear_published, clear_state, metrics_on_rank0, optim_url, resume, save_state,
-                                      save_train_state, save_weights, verify_train_state)
+                                      save_train_state, save_unwritten_state, save_weights, verify_train_state)
 from llamarl.stages.ppo_batches import StepBatches
 from llamarl.stages.ppo_trainer import Trainer, frozen_logprobs, gather_dp, reference_source, token_outputs, train_step
 
@@ -66,6 +66,7 @@ def run(cfg: PPOConfig) -> None:
     dtype = compute_dtype(cfg.dtype, parallel.device())
     where = ppo_kept.place(cfg, inputs.layout, inputs.model_cfg, dtype, topo, inputs.start_step)
     kept = ppo_kept.take(_wanted(cfg, inputs), where, topo)
+    ppo_kept.refuse_unwritten([url for url, _ in filter(None, inputs.states.values())], kept)
     clock.lap("inputs")
     _verify_inputs(cfg, inputs, kept is not None)
     clock.lap("verify")
@@ -81,16 +82,20 @@ def run(cfg: PPOConfig) -> None:
     tis_mine = [data["tis_stats"]] if data and cfg.uses_tis() else None
     del data  # what no output needs, freed for a stage that may now share the device
     room.wait()
-    _publish_outputs(cfg, out, inputs, trainers, clock)
+    keeps = ppo_kept.will_keep(trainers, dtypes.torch_dtype(inputs.actor["dtype"]))
+    written = cfg.write_train_state or not keeps  # what no process keeps is written
+    _publish_outputs(cfg, out, inputs, trainers, clock, write_state=written)
     lines = metrics_on_rank0(metrics, topo)
     tis = metrics_on_rank0(tis_mine, topo) if cfg.uses_tis() else None
     summary = {**_summary(cfg, inputs, dtype, update_tokens, clock, tis),
-               "models_from": "memory" if kept is not None else "files", "reference_from": ppo_kept.reference_from}
+               "models_from": "memory" if kept is not None else "files", "reference_from": ppo_kept.reference_from,
+               "train_state": "written" if written else "kept in memory"}
     if dist.get_rank() == 0:
         _publish_manifest(cfg, out, inputs, trainers, lines, summary)
     dist.barrier()
     final = ppo_kept.place(cfg, inputs.layout, inputs.model_cfg, dtype, topo, inputs.start_step + inputs.steps)
-    ppo_kept.keep(out, trainers, final, dtypes.torch_dtype(inputs.actor["dtype"]))
+    if keeps:
+        ppo_kept.keep(out, trainers, final)
 
 
 def _wanted(cfg: PPOConfig, inputs: _Inputs) -> dict[str, tuple[str, str | None]]:
@@ -146,7 +151,7 @@ def _read_inputs(cfg: PPOConfig) -> _Inputs:
     steps = cfg.ppo_epochs * -(-len(samples) // cfg.mini_batch_size)
     check_schedule(cfg, start_step, steps)
     critic = contract.require_checkpoint(cfg.critic, "score", "a critic") if cfg.critic and cfg.advantage == "gae" else None
-    states = {role: contract.require_train_state(url, m) for role, url, m in
+    states = {role: contract.require_train_state(url, m, unwritten_ok=True) for role, url, m in
               ((contract.ACTOR, cfg.actor, actor), (contract.CRITIC, cfg.critic, critic)) if m is not None}
     reference_id = publish.output_id(cfg.reference or cfg.actor)
     ref_source = reference_source(cfg, reference_id, publish.output_id(cfg.actor), facts.actor_id, facts.temperature)
@@ -286,10 +291,12 @@ def _train(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[str, Traine
     return metrics, update_tokens
 
 
-def _publish_outputs(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[str, Trainer], clock: _Clock) -> None:
+def _publish_outputs(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[str, Trainer], clock: _Clock,
+                     write_state: bool) -> None:
     """Collective: each role's weights first — the next rollout and export can start from them
     while the training state (6x their bytes) is written — then, with the gradients freed, each
-    role's training state."""
+    role's training state; or, without ``write_state`` (the next ppo takes it from memory),
+    each one published as not written."""
     final = inputs.start_step + inputs.steps
     store_dtype = dtypes.torch_dtype(inputs.actor["dtype"])  # checkpoints keep the actor's stored dtype
     for name, trainer in trainers.items():
@@ -301,7 +308,10 @@ def _publish_outputs(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[s
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     for name, trainer in trainers.items():
-        save_train_state(out, name, trainer, final)
+        if write_state:
+            save_train_state(out, name, trainer, final)
+        else:
+            save_unwritten_state(out, name, final)
         _test_hook(f"published {contract.TRAIN_STATE}/{name}")
     clock.lap(contract.TRAIN_STATE)
 
@@ -334,7 +344,8 @@ def _publish_manifest(cfg: PPOConfig, out: str, inputs: _Inputs, trainers: dict[
         print(f"{out}: dynamic sampling kept {stats['kept']} of {stats['groups']} prompts (scores all equal in "
               f"{stats['dropped']}), trains on {stats['trained']}"
               + (f", {stats['short']} short of train_groups" if stats["short"] else ""), flush=True)
-    print(f"{out}: {inputs.steps} PPO steps from the models in {summary['models_from']}, mean score "
+    kept = ", training state kept in memory (not written)" if summary["train_state"] != "written" else ""
+    print(f"{out}: {inputs.steps} PPO steps from the models in {summary['models_from']}{kept}, mean score "
           f"{summary['mean_score']:.4f}, update "
           f"{summary['update_tokens_per_s']:.0f} tokens/s ({', '.join(f'{k} {v:.1f}s' for k, v in summary['seconds'].items())})",
           flush=True)

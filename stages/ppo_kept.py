@@ -3,14 +3,16 @@
 from instead of reading back its inputs; and the reference model it read, parked in host memory
 (the update's GPU memory is what it would be without it), which the next ppo runs instead of
 reading it again. Files stay the contract: it is taken only when the next ppo's inputs are exactly
-what was published from it (each role's weights and training state, the reference checkpoint, by
-output id), at the same step, layout, rank, dtypes and optimizer settings, by every rank, and only
+what was published from it (each role's weights and training state, the reference checkpoint: the
+same files, ``_published``), at the same step, layout, rank, dtypes and optimizer settings, by every rank, and only
 where reading the files back gives the same numbers (fp32 parameters are their own masters: then
 only when the weights are stored in fp32 too).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ import torch
 
 from llamarl.lib.distributed import collectives
 from llamarl.lib.distributed.parallel import Topology
+from llamarl.lib.errors import UserError
 from llamarl.lib.files import publish
 from llamarl.lib.model.offload import ParamOffload
 from llamarl.lib.runtime import job
@@ -35,7 +38,7 @@ its reference."""
 @dataclass
 class Kept:
     """A role's model and optimizer (``optim.ShardedAdamW``) as published under ``weights`` and
-    ``train_state`` (each ``(url, output id)``)."""
+    ``train_state`` (each ``(url, what it holds)``: ``_published``)."""
 
     model: torch.nn.Module
     opt: object
@@ -48,16 +51,33 @@ _reference: tuple[tuple, tuple[str, str | None], ParamOffload] | None = None  # 
 reference_from: str | None = None  # where the last ``take_reference``'s stage got its reference model: for its summary
 
 
-def keep(out: str, trainers: dict, where: tuple, store_dtype: torch.dtype) -> None:
-    """After the ppo's outputs are published (as ``store_dtype``): keep each role's model and
-    optimizer for the next ppo, made ``where`` (``place``'s). Nothing is kept that would crowd the
+def can_keep(trainers: dict, store_dtype: torch.dtype) -> bool:
+    """Whether ``keep`` may keep ``trainers``, published as ``store_dtype``: not fp32 parameters from
+    lower-precision weights (a reread rounds them, memory would not), nor what would crowd the
     device."""
-    global _kept
-    _kept = None
     if not all(t.opt.separate_masters for t in trainers.values()) and store_dtype != torch.float32:
-        return  # fp32 parameters from lower-precision weights: a reread rounds them, memory would not
-    if not _fits([t.opt for t in trainers.values()]):
-        return
+        return False
+    return _fits([t.opt for t in trainers.values()])
+
+
+def will_keep(trainers: dict, store_dtype: torch.dtype) -> bool:
+    """Collective: whether every rank, a resident worker, ``can_keep`` ``trainers`` — else the next
+    ppo reads their training state, which must then be written."""
+    return all(collectives.all_gather_object(job.resident() and can_keep(trainers, store_dtype)))
+
+
+def refuse_unwritten(states: list[str], kept: dict | None) -> None:
+    """A one-line refusal when one of the training states a ppo starts from was published as not
+    written (``publish.unwritten``) and nothing was ``kept``: it was in a worker that is gone."""
+    unwritten = next((url for url in states if publish.unwritten(url)), None)
+    if kept is None and unwritten is not None:
+        raise UserError(contract.unwritten_train_state(unwritten))
+
+
+def keep(out: str, trainers: dict, where: tuple) -> None:
+    """After the ppo's outputs are published: keep each role's model and optimizer for the next
+    ppo, made ``where`` (``place``'s) — only where ``can_keep``, which the caller asks first."""
+    global _kept
     _kept = where, {name: Kept(t.model, t.opt, _published(f"{out}/{name}"),
                                _published(f"{out}/{contract.TRAIN_STATE}/{name}"))
                     for name, t in trainers.items()}
@@ -134,7 +154,14 @@ def place(cfg, layout, model_cfg, dtype, topo: Topology, step: int) -> tuple:
 
 
 def _published(url: str) -> tuple[str, str | None]:
-    return url.rstrip("/"), publish.output_id(url)
+    """``url`` and what it holds: its files (each one's bytes and checksum), kind and step; not its
+    output id, which a remake that comes out as it was takes back (pipeline/remakes.py) while it
+    holds the same files, which the state kept made."""
+    manifest = publish.read_manifest(url)
+    if manifest is None:
+        return url.rstrip("/"), None
+    held = {k: manifest.get(k) for k in ("kind", "role", "step", "files", "train_state")}
+    return url.rstrip("/"), hashlib.sha256(json.dumps(held, sort_keys=True).encode()).hexdigest()
 
 
 def _fits(opts: list) -> bool:

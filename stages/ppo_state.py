@@ -73,6 +73,18 @@ def save_train_state(out: str, role: str, trainer: Trainer, step: int) -> None:
     dist.barrier()
 
 
+def save_unwritten_state(out: str, role: str, step: int) -> None:
+    """Collective: ``role``'s training state as of ``step`` published under ``OUT/train_state/<role>``
+    as not written (``publish.unwritten``): the next ppo takes it from this worker's memory
+    (stages/ppo_kept.py), and what else needs it makes it again (retention.train_state_every)."""
+    root = f"{out}/{contract.TRAIN_STATE}/{role}"
+    if dist.get_rank() == 0:
+        _start(root)
+        manifest = contract.train_state_manifest(role, step, publish.output_id(f"{out}/{role}"), {})
+        publish.publish_unwritten(root, manifest, "the next ppo takes it from memory (retention.train_state_every)")
+    dist.barrier()
+
+
 def clear_published(out: str) -> None:
     """Rank 0, when a rerun resumes ``out``: drop what the interrupted run had published inside it
     (weights, training state, metrics), keeping the saved state under ``.state``. The rerun writes

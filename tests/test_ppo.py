@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -1182,3 +1183,42 @@ def test_ppo_refuses_a_reference_that_is_no_checkpoint_of_the_actors_model_in_on
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert why in r.stderr, r.stderr
         assert not out.exists()
+
+
+# ---- retention.train_state_every: a state left in memory --------------------------------------------------
+
+
+def _ppo_one_line(cfg: PPOConfig) -> str | None:
+    """``ppo.run`` on this rank: its one-line error (None if it finished)."""
+    from llamarl.lib.errors import UserError
+
+    try:
+        ppo.run(cfg)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def test_a_ppo_outside_a_resident_worker_writes_the_state_it_cannot_keep(pool1, iteration, reference_run, tmp_path):
+    # A stage process's memory ends with it: write_train_state false writes the state all the same,
+    # the bytes of a ppo told to write it.
+    # A path as long as reference_run's, which .metadata records.
+    out = reference_run.parent.parent / "w".ljust(len(reference_run.parent.name), "x") / reference_run.name
+    pool1.run(ppo.run, _cfg(iteration, out, write_train_state=False))
+    assert _output_bytes(out, reference_run) == _output_bytes(reference_run, reference_run)
+    assert publish.require_published(str(out), "ppo")["summary"]["train_state"] == "written"
+    # A state published as not written, that no process holds: the next ppo refuses it in one line.
+    left = tmp_path / "left"
+    shutil.copytree(out, left)
+    for role in ("actor", "critic"):
+        state = left / "train_state" / role
+        manifest = publish.read_manifest(str(state))
+        shutil.rmtree(state)
+        state.mkdir()
+        publish.publish_unwritten(str(state), manifest, "kept in memory")
+    errors = pool1.run(_ppo_one_line, _cfg(iteration, tmp_path / "it2", actor=str(left / "actor"),
+                                           critic=str(left / "critic"), reference=str(iteration / "actor"),
+                                           ppo_epochs=1, off_policy=True))
+    assert errors[0].startswith(f"{left}/train_state/actor was not written: its ppo left it in its run's resident "
+                                "workers"), errors
+    assert "\n" not in errors[0] and not (tmp_path / "it2" / "actor").exists()

@@ -16,10 +16,10 @@ from llamarl.lib.runtime import job
 from llamarl.stages import contract, ppo_kept
 
 
-def _publish(url: str) -> None:
+def _publish(url: str, files: dict | None = None) -> None:
     shutil.rmtree(url, ignore_errors=True)
     publish.prepare(url, lambda m: False)
-    publish.publish(url, {"kind": "checkpoint", "files": {}, "at": time.time()})
+    publish.publish(url, {"kind": "checkpoint", "files": files or {}, "at": time.time()})
 
 
 def _trainer(separate_masters: bool = True):
@@ -33,7 +33,8 @@ def _kept_ppo(tmp_path, trainer, where=("here",), store=torch.bfloat16) -> dict:
     out = str(tmp_path / "iter-001" / "ppo")
     _publish(f"{out}/{contract.ACTOR}")
     _publish(f"{out}/{contract.TRAIN_STATE}/{contract.ACTOR}")
-    ppo_kept.keep(out, {contract.ACTOR: trainer}, where, store)
+    if ppo_kept.can_keep({contract.ACTOR: trainer}, store):
+        ppo_kept.keep(out, {contract.ACTOR: trainer}, where)
     return {contract.ACTOR: (f"{out}/{contract.ACTOR}", f"{out}/{contract.TRAIN_STATE}/{contract.ACTOR}")}
 
 
@@ -51,12 +52,23 @@ def test_nothing_is_taken_for_other_inputs_or_elsewhere(tmp_path):
     wanted = _kept_ppo(tmp_path, _trainer())
     assert ppo_kept.take(wanted, ("another layout",), topo) is None
     wanted = _kept_ppo(tmp_path, _trainer())
-    _publish(wanted[contract.ACTOR][0])  # the weights published again since: another output id
+    _publish(wanted[contract.ACTOR][0], {"x": {"bytes": 1}})  # other weights published there since
     assert ppo_kept.take(wanted, ("here",), topo) is None
     wanted = _kept_ppo(tmp_path, _trainer())
     assert ppo_kept.take({**wanted, contract.CRITIC: (wanted[contract.ACTOR][0], None)}, ("here",), topo) is None
     wanted = _kept_ppo(tmp_path, _trainer())
     assert ppo_kept.take({contract.ACTOR: (wanted[contract.ACTOR][0], None)}, ("here",), topo) is None
+
+
+def test_what_is_kept_is_taken_for_the_same_files_under_another_output_id(tmp_path):
+    # A remake that comes out as it was puts its old manifests back (pipeline/remakes.py): another
+    # id, the same files — which the kept state made.
+    trainer, topo = _trainer(), parallel.topology()
+    wanted = _kept_ppo(tmp_path, trainer)
+    before = publish.output_id(wanted[contract.ACTOR][0])
+    _publish(wanted[contract.ACTOR][0])
+    assert publish.output_id(wanted[contract.ACTOR][0]) != before
+    assert ppo_kept.take(wanted, ("here",), topo)[contract.ACTOR].model is trainer.model
 
 
 def test_fp32_parameters_from_lower_precision_weights_are_not_kept(tmp_path):
@@ -97,7 +109,7 @@ def test_a_resident_worker_keeps_the_reference_model_for_the_next_ppo_of_the_sam
     assert ppo_kept.take_reference(url, ("here",), topo) is model
     assert ppo_kept.take_reference(url, ("here",), topo) is None  # taken once: the ppo keeps it again
     ppo_kept.keep_reference(url, model, ("here",))
-    _publish(url)  # published again since: another output id
+    _publish(url, {"x": {"bytes": 1}})  # another checkpoint published there since
     assert ppo_kept.take_reference(url, ("here",), topo) is None
 
 

@@ -212,6 +212,9 @@ def require_published(root: str, kind: str | None = None) -> dict:
     one whose files were deleted: ``retire``)."""
     manifest = read_manifest(root)
     if manifest is not None and (gone := retired(root)) is not None:
+        if gone.get("unwritten"):
+            raise PublishError(f"{root} was not written ({gone.get('why')}); rerun `llamarl run`, which makes it "
+                               "again from the newest one written")
         raise PublishError(f"{root} was deleted by its run's retention ({gone.get('why')}); rerun `llamarl run`, which "
                            "makes again what a stage that runs needs, or keep more (retention in the run spec)")
     if manifest is None:
@@ -289,6 +292,20 @@ def retire(root: str, why: str, keep: tuple[str, ...] = (), trash: str | None = 
                 fs.makedirs(trash, exist_ok=True)
                 fs.mv(entry, f"{trash.rstrip('/')}/{uuid.uuid4().hex}", recursive=True)
     return fresh
+
+
+def publish_unwritten(root: str, manifest: dict, why: str) -> None:
+    """Publish ``manifest`` (with no files) as an output whose files were never written — retired
+    at birth (``retire``): marked first, so that no reader ever takes it for whole. What needs it
+    is made again as a retired output's readers are (pipeline/records.py ``plan``)."""
+    fs, path = _fs(root)
+    fs.pipe_file(f"{path}/{RETIRED}", json.dumps({"why": why, "unwritten": True}).encode())
+    publish(root, {**manifest, "files": {}})
+
+
+def unwritten(root: str) -> bool:
+    """Whether ``root`` was published with its files never written (``publish_unwritten``)."""
+    return bool((retired(root) or {}).get("unwritten"))
 
 
 def retired(root: str) -> dict | None:

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from llamarl.lib.options import FieldsError
 
-from .base import OUTPUT, Count, StageConfig, TrainDtype, Url, layout, path, placement
+from .base import OUTPUT, Count, StageConfig, TrainDtype, Url, layout, marked, path, placement
 from .rollout import _temperature
 
 
@@ -31,6 +31,12 @@ class PPOConfig(StageConfig):
     tp: int = layout("Tensor-parallel size; processes = tp × pp × dp.")
     pp: int = layout("Pipeline-parallel size (1F1B schedule).")
     dp: int = layout("Data-parallel groups; the optimizer state is sharded over them (ZeRO-1).")
+    # Not an option: what the stage publishes, not what it computes (so no part of its identity);
+    # the pipeline sets it from the run spec's retention.train_state_every.
+    write_train_state: bool = Field(True, description="Write the training state under OUT/train_state/; false: "
+                                                      "where the next ppo can take it from this resident worker's "
+                                                      "memory, publish it as not written, else write it all the "
+                                                      "same (the pipeline sets it).", **marked(OUTPUT))
     sequence_parallel: bool = placement(False, "Split activations along tokens between TP ranks outside attention "
                                                "and MLP (needs tp > 1): less activation memory, the same update up to rounding.")
     advantage: Literal["gae", "grpo", "rloo", "reinforce++", "reinforce++-baseline"] = Field(
