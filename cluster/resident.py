@@ -99,6 +99,7 @@ class ResidentExecutor(LocalExecutor):
         self._spares = 0  # workers kept started (``_start_spares``)
         self._ran: dict[int, set[str]] = {}  # by slot: the stages its worker ran or got ready for
         self._readying: dict[int, str] = {}  # by slot: the stage its worker got ready for, until a stage runs there
+        self._last: dict[str, list[int]] = {}  # by stage: the slots of its last run, rank by rank
 
     def render(self, stage: str, config: Any, nprocs: int, nodes: int = 1, *, name: str | None = None) -> str:
         return (f"# {name or stage}: run as a call in {nprocs} resident worker(s) (python -m llamarl.cluster.worker), "
@@ -134,13 +135,18 @@ class ResidentExecutor(LocalExecutor):
         return set(self._workers)
 
     def _slot_order(self, free: list[int], stage: str) -> list[int]:
-        """The workers that ran ``stage``, or got ready for it, first: what it left there stays warm
-        (compiled kernels, CUDA graphs, the imports of its first call); then the other live
-        workers, those getting ready for another stage last; then slots with no worker, which a
-        start costs (seconds)."""
+        """The workers of ``stage``'s last run first, rank by rank: what it left in memory for the
+        next run of it is there (ppo's models and training state, stages/ppo_kept.py); then the
+        others that ran it, or got ready for it: what it left there stays warm (compiled kernels,
+        CUDA graphs, the imports of its first call); then the other live workers, those getting
+        ready for another stage last; then slots with no worker, which a start costs (seconds)."""
+        last = self._last.get(stage, [])
+
         def rank(slot: int) -> tuple[int, int]:
             if not self._live(slot):
                 return 3, slot
+            if slot in last:
+                return -1, last.index(slot)
             if stage in self._ran[slot]:
                 return 0, slot
             return (2 if slot in self._readying else 1), slot
@@ -181,6 +187,7 @@ class ResidentExecutor(LocalExecutor):
                 self._runs.append(run)
                 run.workers = [self._worker(slot) for slot in run.slots]
                 run.procs, run.starts = [w.proc for w in run.workers], [w.start for w in run.workers]
+                self._last[stage] = list(run.slots)
                 for rank, worker in enumerate(run.workers):
                     worker.rank, worker.run = rank, run
                     self._ran[worker.slot].add(stage)

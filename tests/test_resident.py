@@ -266,6 +266,26 @@ def test_a_stage_runs_on_the_workers_that_got_ready_for_it_and_each_kind_keeps_i
     assert executor.pids["export-1"] == executor.pids["export-2"] == [ready[1]]
 
 
+def test_a_stage_goes_back_to_the_workers_of_its_last_run_rank_by_rank(tmp_path):
+    """What a stage leaves in memory for its next run is a rank's (ppo's training state, which a
+    ppo with retention.train_state_every never writes): rank r runs where rank r ran last, not on
+    the lowest free worker that ran the stage."""
+    export = _Ready(src=str(tmp_path / "no-such-checkpoint"), dst=str(tmp_path / "hf"))
+    executor = _Watched(LocalOptions(max_concurrent_stages=2))
+    try:
+        assert executor.run("shard", _shard(tmp_path), 3, name="three").code == EXIT_USER_ERROR
+        pids = {w.slot: w.proc.pid for w in executor._workers.values()}
+        executor._busy.add(1)
+        assert executor.run("export", export, 2, name="export-1").code == EXIT_USER_ERROR  # on slots 0 and 2
+        executor._busy.discard(1)
+        assert executor._last["export"] == [0, 2]
+        executor._last["export"] = [2, 0]  # as a run that took slot 2 first
+        assert executor.run("export", export, 2, name="export-2").code == EXIT_USER_ERROR
+    finally:
+        executor.close()
+    assert executor.pids["export-2"] == [pids[2], pids[0]]
+
+
 def test_a_stage_comes_next_while_every_spare_is_busy_gets_ready_on_a_worker_more(tmp_path):
     """Two stages side by side on every spare (``max_staleness: 1`` starts two rollouts at once):
     the stage that comes next gets ready on a worker of its own, and runs there."""
