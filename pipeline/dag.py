@@ -95,7 +95,8 @@ def build_dag(spec: RunSpec) -> list[Node]:
         nodes.append(Node(po, "ppo", f"{run}/{po}", [ro, sc, actor, "shard/actor"] + ([critic] if critic else []), L.ppo,
                           cfg(PPOConfig, spec.ppo, "ppo", rollout=f"{run}/{ro}", scores=f"{run}/{sc}",
                               actor=actor_dir(run, actor), reference=f"{run}/shard/actor", critic=critic_dir,
-                              out=f"{run}/{po}", tp=L.ppo.tp, pp=L.ppo.pp, dp=L.ppo.dp, **stale), iteration=i))
+                              out=f"{run}/{po}", tp=L.ppo.tp, pp=L.ppo.pp, dp=L.ppo.dp,
+                              write_train_state=writes_train_state(spec, i), **stale), iteration=i))
         if spec.validation and (i % spec.validation.every == 0 or i == spec.iterations):
             nodes += _validation_nodes(spec, i, po)
         # GRPO trains no critic: the next iteration starts its own only if it needs one.
@@ -105,6 +106,12 @@ def build_dag(spec: RunSpec) -> list[Node]:
                       cfg(ExportConfig, spec.export, "export", src=actor_dir(run, actor), dst=f"{run}/export",
                           procs=L.export.procs), reads=_actor_only(actor)))
     return nodes
+
+
+def writes_train_state(spec: RunSpec, iteration: int) -> bool:
+    """Whether iteration ``iteration``'s ppo writes its training state (retention.train_state_every):
+    every N-th does, and the last (a longer run later starts from it)."""
+    return iteration % spec.retention.train_state_every == 0 or iteration == spec.iterations
 
 
 def _rollout_options(spec: RunSpec, iteration: int) -> dict:

@@ -140,6 +140,8 @@ def node_key(node: Node, by_name: dict[str, Node], timed: bool = False) -> str |
 
 
 REDONE = "an input will be redone"
+RETIRED = "deleted by retention"  # why a done stage runs again (``plan``) …
+NOT_WRITTEN = "its training state was not written (retention.train_state_every)"  # … or so
 
 
 def assess(run: str, node: Node, by_name: dict[str, Node], will_run: set[str]) -> tuple[bool, str]:
@@ -208,8 +210,10 @@ def plan(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, tup
                 continue
             for i in n.inputs:
                 maybe = states[i] == (False, REDONE) and why != REDONE
-                if (states[i][0] or maybe) and i not in needed and retired_parts(input_url(n, i, by_name)):
-                    needed[i] = f"deleted by retention, and {n.name} needs it"
+                gone = retired_parts(input_url(n, i, by_name)) if (states[i][0] or maybe) and i not in needed else []
+                if gone:
+                    unwritten = all(publish.unwritten(f"{input_url(n, i, by_name)}/{p}") for p in gone)
+                    needed[i] = f"{NOT_WRITTEN if unwritten else RETIRED}, and {n.name} needs it"
         if not needed:
             return _unless_as_it_was(run, nodes, by_name, states, redo)
         redo |= needed
@@ -230,6 +234,7 @@ def _unless_as_it_was(run: str, nodes: list[Node], by_name: dict[str, Node], sta
 
 
 def must_redo(run: str, nodes: list[Node], by_name: dict[str, Node]) -> dict[str, str]:
-    """The done stages that must run again, and why: retention deleted what a stage that runs needs."""
+    """The done stages that must run again, and why: retention deleted what a stage that runs
+    needs, or its ppo did not write it (retention.train_state_every)."""
     return {name: why for name, (done, why) in plan(run, nodes, by_name).items()
-            if not done and why.startswith("deleted by retention")}
+            if not done and why.startswith((RETIRED, NOT_WRITTEN))}

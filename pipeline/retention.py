@@ -106,9 +106,12 @@ def retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo
     if r.keep_last is not None:
         finished = [n.iteration for n in ppos if done(n.name)]
         newest = max(finished, default=0)
+        start = _restart_from(spec, ppos, done)
         for n in ppos:
             if n.iteration > newest - r.keep_last or not all_read(n):
                 continue
+            if start - spec.max_staleness <= n.iteration <= start:
+                continue  # what a rerun makes the iterations after it again from
             kept_actor = r.keep_every and n.iteration % r.keep_every == 0
             parts = (publish.read_manifest(n.out) or {}).get("outputs", {})  # actor, critic, train_state/actor, …
             goes += [f"{n.out}/{part}" for part in sorted(parts) if not (kept_actor and part == "actor")]
@@ -128,6 +131,20 @@ def retire_done(spec: RunSpec, nodes: list[Node], by_name: dict[str, Node], echo
     return deleted
 
 
+def _restart_from(spec: RunSpec, ppos: list[Node], done) -> int:
+    """The iteration whose ppo output a rerun after a crash makes the later ones again from, under
+    retention.train_state_every: the newest done one whose training state is written (0: the
+    shard); its actor, and the ``max_staleness`` before it that the next rollouts sample from, stay
+    whole. None is needed where every state is written (-1)."""
+    from llamarl.stages import contract
+
+    if spec.retention.train_state_every == 1:
+        return -1
+    written = [n.iteration for n in ppos if done(n.name)
+               and not publish.unwritten(f"{n.out}/{contract.TRAIN_STATE}/{contract.ACTOR}")]
+    return max(written, default=0)
+
+
 def retained(n: Node) -> str:
     """What retention deleted of ``n``'s output, in words for ``llamarl status`` ("" when nothing)."""
     gone = retired_parts(n.out)
@@ -135,4 +152,8 @@ def retained(n: Node) -> str:
         return ""
     if gone == [""]:
         return "its files were deleted (retention)"
-    return f"deleted by retention: {', '.join(g + '/' for g in gone)}"
+    unwritten = [g for g in gone if publish.unwritten(f"{n.out}/{g}")]
+    deleted = [g for g in gone if g not in unwritten]
+    words = [f"deleted by retention: {', '.join(g + '/' for g in deleted)}"] if deleted else []
+    words += [f"not written: {', '.join(g + '/' for g in unwritten)} (retention.train_state_every)"] if unwritten else []
+    return "; ".join(words)

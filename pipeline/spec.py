@@ -129,6 +129,13 @@ class RetentionSpec(Strict):
     keep_samples: bool = Field(True, description="Keep every rollout and its scores; false: delete them once the ppo "
                                                  "that trains on them has published (validation samples once their "
                                                  "metrics are recorded).")
+    train_state_every: Count = Field(1, description="Write the training state (Adam's moments and fp32 masters: 12 "
+                                                    "bytes a parameter) of every N-th iteration's ppo and of the "
+                                                    "last; between, the next ppo takes it from the resident workers' "
+                                                    "memory. A ppo that cannot keep it there writes it anyway; a "
+                                                    "rerun after a crash makes again the iterations since the newest "
+                                                    "one written. Needs resident workers (the local executor's "
+                                                    "default).")
 
 
 class WandbSpec(Strict):
@@ -214,6 +221,12 @@ class RunSpec(Strict):
         if self.retention.keep_every and self.retention.keep_last is None:
             raise ValueError("retention.keep_every keeps actors that retention.keep_last would delete, but keep_last is "
                              "not set (everything is kept); set retention.keep_last or remove keep_every")
+        resident = self.executor.kind == "local" and self.executor.options.get("resident", True) is not False
+        if self.retention.train_state_every > 1 and not resident:
+            raise ValueError(f"retention.train_state_every={self.retention.train_state_every} leaves training states "
+                             "in the resident workers' memory, and this executor runs each stage as processes of its "
+                             "own, whose memory ends with them; remove it, or use the local executor's resident "
+                             "workers")
         sampling = self.rollout.sampling
         greedy = ("rollout.sampling.temperature=0" if sampling.temperature == 0 else
                   "rollout.sampling.top_k=1" if sampling.top_k == 1 else None)
