@@ -230,7 +230,7 @@ def executor_spec(layout_name: str, gpus: int, resident: bool = False) -> dict:
 
 def write_spec(work: str, paths: dict, workload: str, layout_name: str, p: dict, export_procs: int, *,
                iterations: int = 1, staleness: int | None = None, gpus: int = 0,
-               resident: bool = False) -> tuple[str, str]:
+               resident: bool = False, train_state_every: int = 1) -> tuple[str, str]:
     """The run spec of one run; ``staleness`` None is today's single sequential run (no
     ``max_staleness`` in the spec); ``gpus``: what the split placement shares out."""
     lay = parse_layout(layout_name)
@@ -244,7 +244,7 @@ def write_spec(work: str, paths: dict, workload: str, layout_name: str, p: dict,
         "seed": 0,
         # A 1B ppo output is ~20 GB (weights + training state): the GPU machine's 64 GB disk holds the
         # last one whole and the actors of the others.
-        "retention": {"keep_last": 1},
+        "retention": {"keep_last": 1, **({"train_state_every": train_state_every} if train_state_every > 1 else {})},
         **({} if staleness is None else {"max_staleness": staleness}),
         "layout": {"shard": {"tp": lay["tp"]}, "rollout": stage, "score": stage, "ppo": stage,
                    # split: each stage's processes get GPUs of their own, export's too (2 at most)
@@ -1014,6 +1014,9 @@ def main():
     ap.add_argument("--iterations", type=int, default=1, help="PPO iterations per run (default 1)")
     ap.add_argument("--max-staleness", default="0", help="comma-separated max_staleness values, each a fresh run of "
                                                          "every workload and layout (default 0: sequential), e.g. 0,1")
+    ap.add_argument("--train-state-every", type=int, default=1,
+                    help="retention.train_state_every of the llamarl runs (default 1: every state written; needs "
+                         "--resident on)")
     ap.add_argument("--skip-trl", action="store_true", help="do not run TRL (grpo)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, few prompts and tokens, gloo")
     ap.add_argument("--budget-s", type=float, default=540, help="the whole script ends within this (default 540)")
@@ -1055,6 +1058,9 @@ def main():
         raise SystemExit(f"--max-staleness {args.max_staleness!r}: use distinct values >= 0, e.g. 0,1")
     if args.iterations < 1:
         raise SystemExit(f"--iterations {args.iterations}: at least 1")
+    if args.train_state_every < 1 or (args.train_state_every > 1 and args.resident != "on"):
+        raise SystemExit(f"--train-state-every {args.train_state_every}: at least 1, and above 1 only with "
+                         "--resident on (it leaves the states in the resident workers)")
     # Several iterations or staleness values: runs are named and reported per staleness ("iterations");
     # otherwise one iteration a run, named by workload and layout alone and reported as "iteration".
     several = args.iterations > 1 or stalenesses != [0]
@@ -1104,6 +1110,8 @@ def main():
                "compile cache": "--compile-cache: fresh = an empty TORCHINDUCTOR_CACHE_DIR per run (iteration 1 cold, "
                                 "later iterations warm); machine = torch's default"},
            "inputs": None, "runs": [], "trl": None}
+    if args.train_state_every > 1:
+        inv["train_state_every"] = args.train_state_every
     if several:
         inv.update(iterations=args.iterations, max_staleness=stalenesses)
         inv["measured"].update({
@@ -1162,7 +1170,8 @@ def main():
             world = parse_layout(lay)["tp"] * parse_layout(lay)["dp"]  # each stage's processes
             devices = run_devices(lay)  # the run's
             spec, run_dir = write_spec(work, paths, workload, lay, p, export_procs, iterations=args.iterations,
-                                       staleness=staleness, gpus=split_gpus, resident=resident)
+                                       staleness=staleness, gpus=split_gpus, resident=resident,
+                                       train_state_every=args.train_state_every)
             echo(f"[llamarl {label}] {spec}, deadline in {job_deadline - now:.0f} s")
             log = f"{work}/logs/{name}.log"
             cache = f"{work}/compile-cache/{name}" if args.compile_cache == "fresh" else None

@@ -91,8 +91,16 @@ def vs_trl(hidden: int, staleness: int, level: float) -> Measure:
                 how += f", {iterations} iterations"
             if (mounted := tables.discard(run.get("disk"))) is not None:
                 how += f", disk {mounted}"
+            if (every := _state_every(r, run)) > 1:
+                how += f", training state written every {every} iterations"
             return f"{_times(ratio, level)} ({how})", _verdict((ratio >= level, ""))
     return measure
+
+
+def _state_every(r: dict, run: dict) -> int:
+    """The run's retention.train_state_every (bench/e2e.py ``--train-state-every``; 1: every state written)."""
+    inv = next(inv for inv, other in _runs(r) if other is run)
+    return inv.get("train_state_every") or 1
 
 
 def outside_work(r):
@@ -115,7 +123,8 @@ def outside_work(r):
 
 def state_write(r):
     for inv, run in _runs(r):
-        last = _last_iteration(run) if _hidden(inv) == 2048 else None
+        # Of runs that write every iteration's state: the cost of one write.
+        last = _last_iteration(run) if _hidden(inv) == 2048 and _state_every(r, run) == 1 else None
         phase = (run["stages"].get(f"{last[0]}/ppo", {}).get("phases_s") or {}).get("train_state") if last else None
         if phase is not None:
             wall = sum(s["wall_s"] for s in last[1])

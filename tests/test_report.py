@@ -169,3 +169,17 @@ def test_scores_made_in_the_rollout_are_no_stage_of_their_own(tmp_path):
         path.write_text(json.dumps({"bench": "e2e", "invocations": [inv]}))
         lines = "\n".join(tables.e2e(str(path)))
         assert "| iter-001/scores | – | – | – | scored in the rollout | – |" in lines and "102,400" not in lines
+
+
+def test_a_run_that_writes_fewer_training_states_says_so_and_measures_no_write():
+    stages = {"iter-008/rollout": {"wall_s": 4.0}, "iter-008/ppo": {"wall_s": 8.0, "phases_s": {"train_state": 0.1}}}
+    run = {"workload": "grpo", "layout": "tp1", "resident": True, "max_staleness": 1, "stages": stages,
+           "iterations": {"complete": True, "generated_tok_s_per_gpu": 15000.0, "iterations": 8}}
+    r = {"invocations": [{"shapes": {"actor": {"hidden_size": 2048}}, "train_state_every": 4, "runs": [run],
+                          "trl": {"status": "ok", "generated_tok_s_per_gpu": 10000.0}}]}
+    shown, _ = report.vs_trl(2048, 1, 1.5)(r)
+    assert shown.endswith("8 iterations, training state written every 4 iterations)"), shown
+    assert report.state_write(r) is None
+    del r["invocations"][0]["train_state_every"]
+    assert "training state" not in report.vs_trl(2048, 1, 1.5)(r)[0]
+    assert report.state_write(r)[0].startswith("1% (iter-008: 0.1 s of 12.0 s)")
