@@ -140,8 +140,8 @@ def _restart_from(spec: RunSpec, ppos: list[Node], done) -> int:
 
     if spec.retention.train_state_every == 1:
         return -1
-    written = [n.iteration for n in ppos if done(n.name)
-               and not publish.unwritten(f"{n.out}/{contract.TRAIN_STATE}/{contract.ACTOR}")]
+    written = [n.iteration for n in ppos if done(n.name)  # and its state whole: neither unwritten nor deleted
+               and publish.retired(f"{n.out}/{contract.TRAIN_STATE}/{contract.ACTOR}") is None]
     return max(written, default=0)
 
 

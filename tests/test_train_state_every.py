@@ -125,3 +125,31 @@ def test_train_state_every_needs_resident_workers(toy_spec):
                                         r"workers' memory") as e:
         load_spec(spec)
     assert "\n" not in str(e.value)
+
+
+def test_a_rerun_starts_from_the_newest_state_whole(tmp_path):
+    """Retention keeps what a rerun starts from: the newest done ppo whose training state is on
+    disk — not one published as not written, nor one whose files retention deleted."""
+    from types import SimpleNamespace
+
+    from llamarl.pipeline.retention import _restart_from
+
+    ppos = []
+    for i, state in enumerate(["whole", "deleted", "unwritten", None], start=1):  # None: ppo 4 not done
+        out = tmp_path / f"iter-00{i}" / "ppo"
+        root = str(out / contract.TRAIN_STATE / contract.ACTOR)
+        os.makedirs(root)
+        manifest = {"kind": contract.TRAIN_STATE, "files": {}}
+        if state == "unwritten":
+            publish.publish_unwritten(root, manifest, "kept")
+        elif state is not None:
+            publish.publish(root, manifest)
+        if state == "deleted":
+            publish.retire(root, "retention keep_last: 1")
+        ppos.append(SimpleNamespace(name=f"iter-00{i}/ppo", out=str(out), iteration=i, state=state))
+    spec = SimpleNamespace(retention=SimpleNamespace(train_state_every=2))
+    done = lambda name: not name.startswith("iter-004")  # noqa: E731
+    assert _restart_from(spec, ppos, done) == 1
+    assert _restart_from(spec, ppos[1:], done) == 0  # none whole: the shard
+    spec.retention.train_state_every = 1  # every state written: nothing to keep for it
+    assert _restart_from(spec, ppos, done) == -1
