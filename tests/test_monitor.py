@@ -127,6 +127,19 @@ def _history(run_dir: str) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows]
 
 
+def _wandb_files(run_dir: str, logged: list) -> str:
+    """What a failed comparison shows (it failed once in CI, never alone): every offline folder of
+    the run, each with its records' types in order, and the rows read."""
+    lines = [f"rows read: {logged}"]
+    for folder in sorted(glob.glob(f"{run_dir}/pipeline/wandb/*run-*")):
+        try:
+            kinds = [r.WhichOneof("record_type") for r in _wandb_records(folder)]
+        except (ValueError, OSError) as e:  # no run file, or several
+            kinds = [f"unreadable: {e}"]
+        lines.append(f"{os.path.basename(folder)}: {kinds}")
+    return "\n".join(lines)
+
+
 def test_wandb_offline_gets_the_rows_by_iteration_in_one_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -144,7 +157,7 @@ def test_wandb_offline_gets_the_rows_by_iteration_in_one_run(tmp_path, monkeypat
     logged = [h for run in runs for h in _history(run)]
     assert logged == [{"iteration": 1, "train/mean_score": 0.25, "train/steps": 4.0},
                       {"iteration": 2, "train/mean_score": 0.5, "train/kl": 0.01, "train/steps": 4.0},
-                      {"iteration": 3, "train/mean_score": 0.625}], logged
+                      {"iteration": 3, "train/mean_score": 0.625}], _wandb_files(spec.run_dir, logged)
 
 
 def test_a_sink_whose_package_is_missing_is_refused_up_front(tmp_path, monkeypatch):
